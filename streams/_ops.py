@@ -1,0 +1,187 @@
+"""Database work as generators, and the two drivers that run them (sync and asyncio).
+
+Theory of operation
+-------------------
+Every piece of logic that talks to PostgreSQL (registering a writer, appending, heartbeats,
+reading positions) is written **once**, as a generator that *yields operations* and receives
+their results, like psycopg's own ``generators.py``::
+
+    def append(...) -> Gen[Ack]:
+        rows = yield Query(sql, params)   # the driver executes it and sends back the rows
+        yield Commit()
+        return Ack(...)
+
+The generator never touches a connection, so it cannot know whether it runs in a thread or on
+an event loop. `run` drives it on a ``psycopg.Connection``, `arun` on a
+``psycopg.AsyncConnection``; they are the only two places that do I/O, and they are small enough
+to check by eye that they do the same thing.
+
+Failure contract (both drivers): if an operation raises, the driver first rolls the open
+transaction back (shielded from cancellation), then throws the exception into the generator
+so its ``try``/``finally`` can complete reserved IDs as gaps. If the generator itself raises
+while a transaction is open, the driver rolls back before propagating. Driver errors from
+psycopg are wrapped into `StoreError` on the way out (never with a password in the message).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeAlias, TypeVar
+
+import psycopg
+from psycopg import sql
+from psycopg.pq import TransactionStatus
+
+from .errors import StoreError, StreamsError
+
+__all__ = ["Commit", "CopyIn", "Gen", "Op", "Query", "arun", "run"]
+
+T = TypeVar("T")
+Row: TypeAlias = tuple[Any, ...]
+Params: TypeAlias = dict[str, Any] | Sequence[Any] | None
+SqlText: TypeAlias = sql.Composable | str
+
+
+@dataclass(frozen=True, slots=True)
+class Query:
+    """Execute one statement; the generator receives ``list[Row]`` (empty if no result)."""
+
+    statement: SqlText
+    params: Params = None
+
+
+@dataclass(frozen=True, slots=True)
+class CopyIn:
+    """``COPY ... FROM STDIN`` these rows; the generator receives an empty list."""
+
+    statement: SqlText
+    rows: Sequence[Row]
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    """Commit the current transaction; the generator receives an empty list."""
+
+
+Op: TypeAlias = Query | CopyIn | Commit
+Gen: TypeAlias = Generator[Op, list[Row], T]
+
+
+def _wrap(error: psycopg.Error) -> StoreError:
+    # psycopg's messages come from the server and never contain the connection password;
+    # the class name tells operators what kind of failure it was.
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return StoreError(f"{type(error).__name__}: {text}")
+
+
+def _in_transaction(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:
+    return conn.info.transaction_status in (TransactionStatus.INTRANS, TransactionStatus.INERROR)
+
+
+def _execute(conn: psycopg.Connection[Any], op: Op) -> list[Row]:
+    if isinstance(op, Commit):
+        conn.commit()
+        return []
+    with conn.cursor() as cur:
+        if isinstance(op, CopyIn):
+            with cur.copy(op.statement) as copy:
+                for row in op.rows:
+                    copy.write_row(row)
+            return []
+        cur.execute(op.statement, op.params)
+        return cur.fetchall() if cur.description is not None else []
+
+
+async def _aexecute(conn: psycopg.AsyncConnection[Any], op: Op) -> list[Row]:
+    if isinstance(op, Commit):
+        await conn.commit()
+        return []
+    async with conn.cursor() as cur:
+        if isinstance(op, CopyIn):
+            async with cur.copy(op.statement) as copy:
+                for row in op.rows:
+                    await copy.write_row(row)
+            return []
+        await cur.execute(op.statement, op.params)
+        return await cur.fetchall() if cur.description is not None else []
+
+
+def _rollback(conn: psycopg.Connection[Any]) -> None:
+    if conn.closed or not _in_transaction(conn):
+        return
+    try:
+        conn.rollback()
+    except psycopg.Error:
+        # The connection is broken: closing it makes the server abort the transaction.
+        conn.close()
+
+
+async def _arollback(conn: psycopg.AsyncConnection[Any]) -> None:
+    if conn.closed or not _in_transaction(conn):
+        return
+    try:
+        await conn.rollback()
+    except psycopg.Error:
+        await conn.close()
+
+
+def _advance(gen: Gen[T], result: list[Row] | None, error: BaseException | None) -> Op:
+    if error is not None:
+        return gen.throw(error)
+    if result is None:
+        return next(gen)
+    return gen.send(result)
+
+
+def run(conn: psycopg.Connection[Any], gen: Gen[T]) -> T:
+    """Drive `gen` on a synchronous connection."""
+    result: list[Row] | None = None
+    error: BaseException | None = None
+    while True:
+        try:
+            op = _advance(gen, result, error)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        except psycopg.Error as exc:
+            _rollback(conn)
+            raise _wrap(exc) from None
+        except BaseException:
+            _rollback(conn)
+            raise
+        error = None
+        try:
+            result = _execute(conn, op)
+        except BaseException as exc:  # includes KeyboardInterrupt: IDs must not leak
+            _rollback(conn)
+            error = _wrap(exc) if isinstance(exc, psycopg.Error) else exc
+            if isinstance(error, StreamsError):
+                error.__cause__ = None
+
+
+async def arun(conn: psycopg.AsyncConnection[Any], gen: Gen[T]) -> T:
+    """Drive `gen` on an asyncio connection; a cancellation completes reserved IDs as gaps."""
+    result: list[Row] | None = None
+    error: BaseException | None = None
+    while True:
+        try:
+            op = _advance(gen, result, error)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        except psycopg.Error as exc:
+            await asyncio.shield(_arollback(conn))
+            raise _wrap(exc) from None
+        except BaseException:
+            await asyncio.shield(_arollback(conn))
+            raise
+        error = None
+        try:
+            result = await _aexecute(conn, op)
+        except BaseException as exc:
+            try:
+                # Shielded: a second cancellation must not leave the transaction open.
+                await asyncio.shield(_arollback(conn))
+            except asyncio.CancelledError:
+                pass
+            error = _wrap(exc) if isinstance(exc, psycopg.Error) else exc

@@ -1,0 +1,188 @@
+"""`connect()` / `aconnect()`: the entry points of the Python API.
+
+A `Client` holds the settings and one connection for administrative work (creating streams,
+reading positions); every writer opens its own connections (see `streams.writer`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from typing import Any
+
+import psycopg
+
+from ._ops import arun, run
+from .config import Settings, redact_url
+from .core import WriterCore
+from .errors import StoreError
+from .store import (
+    StreamInfo,
+    StreamPositions,
+    check_schema,
+    create_stream,
+    list_streams,
+    load_stream,
+    stream_positions,
+)
+from .timestamps import TimestampMode
+from .writer import AsyncWriter, Writer
+
+__all__ = ["AsyncClient", "Client", "aconnect", "connect", "default_instance_name"]
+
+
+def default_instance_name() -> str:
+    """``<hostname>-<pid>``, cleaned to the instance-name alphabet."""
+    host = re.sub(r"[^A-Za-z0-9_.:\-]", "-", socket.gethostname())[:100] or "host"
+    return f"{host}-{os.getpid()}"
+
+
+class Client:
+    """A synchronous handle on one `streams` database (and, later, its Redis)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        try:
+            self._conn = psycopg.connect(settings.database_url, autocommit=False, connect_timeout=10)
+        except psycopg.Error as exc:
+            raise StoreError(
+                f"cannot connect to {redact_url(settings.database_url)}: {type(exc).__name__}"
+            ) from None
+        try:
+            run(self._conn, check_schema())
+        except BaseException:
+            self._conn.close()
+            raise
+
+    def __repr__(self) -> str:
+        return f"<Client {self.settings!r}>"
+
+    def create_stream(
+        self,
+        name: str,
+        *,
+        timestamping: TimestampMode | str = TimestampMode.CLIENT_PREFER,
+        uncapped: bool = False,
+        retention_ms: int | None = None,
+    ) -> StreamInfo:
+        return run(self._conn, create_stream(name, timestamping=timestamping, uncapped=uncapped,
+                                             retention_ms=retention_ms))
+
+    def stream(self, name: str) -> StreamInfo:
+        return run(self._conn, load_stream(name))
+
+    def streams(self) -> list[StreamInfo]:
+        return run(self._conn, list_streams())
+
+    def positions(self, stream: str) -> StreamPositions:
+        info = run(self._conn, load_stream(stream))
+        return run(self._conn, stream_positions(info))
+
+    def writer(self, stream: str, *, instance: str | None = None) -> Writer:
+        core = WriterCore(
+            stream,
+            instance or default_instance_name(),
+            lease_seconds=self.settings.lease_seconds,
+            max_payload_bytes=self.settings.max_payload_bytes,
+        )
+        return Writer(self.settings.database_url, core)
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """The asyncio twin of `Client`."""
+
+    def __init__(self, settings: Settings, conn: psycopg.AsyncConnection[Any]) -> None:
+        self.settings = settings
+        self._conn = conn
+
+    @classmethod
+    async def open(cls, settings: Settings) -> AsyncClient:
+        try:
+            conn = await psycopg.AsyncConnection.connect(
+                settings.database_url, autocommit=False, connect_timeout=10
+            )
+        except psycopg.Error as exc:
+            raise StoreError(
+                f"cannot connect to {redact_url(settings.database_url)}: {type(exc).__name__}"
+            ) from None
+        try:
+            await arun(conn, check_schema())
+        except BaseException:
+            await conn.close()
+            raise
+        return cls(settings, conn)
+
+    def __repr__(self) -> str:
+        return f"<AsyncClient {self.settings!r}>"
+
+    async def create_stream(
+        self,
+        name: str,
+        *,
+        timestamping: TimestampMode | str = TimestampMode.CLIENT_PREFER,
+        uncapped: bool = False,
+        retention_ms: int | None = None,
+    ) -> StreamInfo:
+        return await arun(self._conn, create_stream(name, timestamping=timestamping,
+                                                    uncapped=uncapped, retention_ms=retention_ms))
+
+    async def stream(self, name: str) -> StreamInfo:
+        return await arun(self._conn, load_stream(name))
+
+    async def streams(self) -> list[StreamInfo]:
+        return await arun(self._conn, list_streams())
+
+    async def positions(self, stream: str) -> StreamPositions:
+        info = await arun(self._conn, load_stream(stream))
+        return await arun(self._conn, stream_positions(info))
+
+    async def writer(self, stream: str, *, instance: str | None = None) -> AsyncWriter:
+        core = WriterCore(
+            stream,
+            instance or default_instance_name(),
+            lease_seconds=self.settings.lease_seconds,
+            max_payload_bytes=self.settings.max_payload_bytes,
+        )
+        return await AsyncWriter.open(self.settings.database_url, core)
+
+    async def aclose(self) -> None:
+        await self._conn.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+def connect(
+    database_url: str | None = None,
+    redis_url: str | None = None,
+    prefix: str | None = None,
+    **options: Any,
+) -> Client:
+    """Open a `Client`; URLs default to ``STREAMS_DATABASE_URL`` / ``STREAMS_REDIS_URL``.
+
+    Options: ``max_payload_bytes`` (default 1 MiB), ``lease_seconds`` (default 10).
+    """
+    return Client(Settings.resolve(database_url, redis_url, prefix, **options))
+
+
+async def aconnect(
+    database_url: str | None = None,
+    redis_url: str | None = None,
+    prefix: str | None = None,
+    **options: Any,
+) -> AsyncClient:
+    """Open an `AsyncClient` (see `connect`)."""
+    return await AsyncClient.open(Settings.resolve(database_url, redis_url, prefix, **options))

@@ -1,0 +1,430 @@
+"""What a writer does, written once as generators (run by `streams._ops.run` / `arun`).
+
+Terms are those of `streams.positions` (reserve, pending, in flight, per-writer position) and
+`streams.store` (writer rows, generations, leases, fencing). A `WriterCore` is one writer
+instance on one stream: it owns the `PositionTracker` of its process and produces the SQL of
+each step; the sync `Writer` and the asyncio `AsyncWriter` only drive these generators.
+
+Life of an append
+-----------------
+1. Validate and encode the payloads and resolve timestamps (pure; raises before any I/O).
+2. ``begin_reservation`` in the tracker (the reservation is now *in flight*).
+3. One statement checks the writer's lease (``FOR KEY SHARE`` on its row, current generation,
+   not retired), reserves the IDs with ``nextval`` and, for one fact, inserts the row. A batch
+   then ``COPY``s its rows. No row back means this writer was fenced.
+4. ``COMMIT``. Whatever happens (commit, error, rollback, cancellation), the IDs complete in
+   the tracker in a ``finally``: a failure is a permanent gap, never a leaked pending ID.
+5. Positions are persisted by `heartbeat` (forward-only), outside the append's transaction, so
+   appends never wait on the writer's row and the position written is always one that is true.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from psycopg import sql
+
+from ._ops import Commit, CopyIn, Gen, Query
+from .config import validate_instance_name
+from .errors import PayloadNotSerializable, PayloadTooLarge, UsageError, WriterFenced
+from .positions import PositionTracker, ReservationToken
+from .store import StreamInfo, load_stream, max_allocated_sql, repair_sequence
+from .timestamps import resolve_timestamps, validate_client_timestamp
+
+__all__ = ["Ack", "DatabaseClock", "FactHandle", "HeartbeatResult", "WriterCore", "encode_payload"]
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """Acknowledgement of an append: IDs (ascending, not necessarily contiguous) and times."""
+
+    first_id: int
+    last_id: int
+    first_timestamp: int
+    last_timestamp: int
+    count: int
+    ids: tuple[int, ...] = field(repr=False)
+
+
+def encode_payload(payload: Any, limit: int) -> str:
+    """Strict compact JSON text for a payload, or a typed error (nothing is written)."""
+    try:
+        text = json.dumps(payload, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise PayloadNotSerializable(f"payload is not JSON-serialisable: {exc}") from None
+    if "\\u0000" in text:
+        # PostgreSQL's jsonb cannot store NUL characters; fail here, not half-way in a batch.
+        raise PayloadNotSerializable("payload contains a NUL character (\\u0000)")
+    size = len(text.encode("utf-8"))
+    if size > limit:
+        raise PayloadTooLarge(size, limit)
+    return text
+
+
+class DatabaseClock:
+    """Arrival time in ms on the database's clock, estimated locally between samples.
+
+    Every writer timestamps with the same clock (PostgreSQL's ``clock_timestamp()``), so hosts
+    with skewed clocks cannot reorder time. The offset is re-sampled at every heartbeat; the
+    estimate uses the round trip's midpoint.
+    """
+
+    def __init__(self) -> None:
+        self._offset_ms = 0.0
+
+    def sample(self, db_ms: int, sent: float, received: float) -> None:
+        self._offset_ms = db_ms - (sent + received) / 2 * 1000
+
+    def now_ms(self) -> int:
+        return math.floor(time.time() * 1000 + self._offset_ms)
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatResult:
+    alive: bool
+    persisted_position: int
+    max_allocated: int
+
+
+@dataclass(slots=True)
+class FactHandle:
+    """A fact being written in the caller's own transaction (see `Writer.fact`)."""
+
+    stream_id: int
+    timestamp: int
+    rows: int = 0
+
+
+_NOW_MS = "(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
+
+
+class WriterCore:
+    """One writer instance on one stream: the shared logic of `Writer` and `AsyncWriter`."""
+
+    def __init__(
+        self, stream: str, instance: str, *, lease_seconds: float, max_payload_bytes: int
+    ) -> None:
+        self.stream_name = stream
+        self.instance = validate_instance_name(instance)
+        self.lease_seconds = lease_seconds
+        self.max_payload_bytes = max_payload_bytes
+        self.clock = DatabaseClock()
+        self.generation = 0
+        self.fenced = False
+        self._info: StreamInfo | None = None
+        self._tracker: PositionTracker | None = None
+        self._ts_floor = 0
+        self._persisted = 0
+        self._reserve_one: sql.Composed | None = None
+        self._reserve_many: sql.Composed | None = None
+
+    # ------------------------------------------------------------------ accessors
+
+    @property
+    def info(self) -> StreamInfo:
+        if self._info is None:
+            raise UsageError("writer is not registered yet")
+        return self._info
+
+    @property
+    def tracker(self) -> PositionTracker:
+        if self._tracker is None:
+            raise UsageError("writer is not registered yet")
+        return self._tracker
+
+    @property
+    def needs_persist(self) -> bool:
+        return self._tracker is not None and self._tracker.local_position > self._persisted
+
+    # ------------------------------------------------------------------ registration
+
+    def register(self) -> Gen[None]:
+        """Register (or take over) this instance name, recovering its position.
+
+        Steps, in one transaction under the stream's advisory lock: repair a sequence that is
+        behind the data; lock this instance's row ``FOR UPDATE`` (which waits for any open
+        transaction of a previous process with the same name, then fences it by bumping the
+        generation); recover the position as the greater of the persisted one and the facts
+        rescanned above it; seed a new name at the linear position.
+        """
+        sent = time.time()
+        info = yield from load_stream(self.stream_name)
+        rows = yield Query(f"SELECT {_NOW_MS}")
+        self.clock.sample(rows[0][0], sent, time.time())
+        yield Query("SELECT pg_advisory_xact_lock(%s, %s)", (7314, info.id))
+        yield from repair_sequence(info)
+        rows = yield Query(
+            sql.SQL(
+                """
+                SELECT {max_allocated},
+                       (SELECT max(ts) FROM streams_facts WHERE stream = %(stream)s),
+                       (SELECT min(position) FROM streams_writers
+                        WHERE stream = %(stream)s AND NOT retired AND instance <> %(instance)s)
+                """
+            ).format(max_allocated=max_allocated_sql(info)),
+            {"stream": info.id, "instance": self.instance},
+        )
+        max_allocated, ts_floor, others_min = int(rows[0][0]), rows[0][1] or 0, rows[0][2]
+        rows = yield Query(
+            "SELECT position FROM streams_writers WHERE stream = %s AND instance = %s FOR UPDATE",
+            (info.id, self.instance),
+        )
+        if rows:
+            persisted = int(rows[0][0])
+            rescan = yield Query(
+                "SELECT max(stream_id) FROM streams_facts "
+                "WHERE stream = %s AND instance = %s AND stream_id > %s",
+                (info.id, self.instance, persisted),
+            )
+            recovered = max(persisted, rescan[0][0] or 0)
+            rows = yield Query(
+                """
+                UPDATE streams_writers
+                SET generation = generation + 1, retired = false, position = %s,
+                    lease_expires_at = clock_timestamp() + make_interval(secs => %s),
+                    registered_at = clock_timestamp(), heartbeat_at = clock_timestamp()
+                WHERE stream = %s AND instance = %s
+                RETURNING generation
+                """,
+                (recovered, self.lease_seconds, info.id, self.instance),
+            )
+        else:
+            # A new writer is seeded at the linear position: never above any pending ID.
+            recovered = max_allocated if others_min is None else min(others_min, max_allocated)
+            rows = yield Query(
+                """
+                INSERT INTO streams_writers
+                    (stream, instance, generation, position, lease_expires_at)
+                VALUES (%s, %s, 1, %s, clock_timestamp() + make_interval(secs => %s))
+                RETURNING generation
+                """,
+                (info.id, self.instance, recovered, self.lease_seconds),
+            )
+        others = yield Query(
+            "SELECT instance, position FROM streams_writers "
+            "WHERE stream = %s AND NOT retired AND instance <> %s",
+            (info.id, self.instance),
+        )
+        yield Commit()
+        self.generation = int(rows[0][0])
+        self._info = info
+        self._ts_floor = int(ts_floor)
+        self._persisted = recovered
+        # Any transaction of an earlier process under this name has ended (we waited for its
+        # row lock), so nothing of ours is pending or in flight: the tracker may announce max
+        # allocated straight away.
+        self._tracker = PositionTracker(
+            local_instance=self.instance,
+            local_position=recovered,
+            max_allocated=max_allocated,
+            writers={name: int(pos) for name, pos in others},
+        )
+        self.fenced = False
+        self._prepare_statements(info)
+
+    def _prepare_statements(self, info: StreamInfo) -> None:
+        lease_check = sql.SQL(
+            """
+            SELECT set_config('idle_in_transaction_session_timeout', %(idle_ms)s, true)
+            FROM streams_writers
+            WHERE stream = %(stream)s AND instance = %(instance)s
+              AND generation = %(generation)s AND NOT retired
+            FOR KEY SHARE
+            """
+        )
+        self._reserve_one = sql.SQL(
+            """
+            WITH w AS ({lease}), r AS (SELECT nextval({seq}) AS id FROM w)
+            INSERT INTO streams_facts (stream, stream_id, row_no, instance, ts, payload)
+            SELECT %(stream)s, r.id, 0, %(instance)s, %(ts)s, %(payload)s::jsonb FROM r
+            RETURNING stream_id
+            """
+        ).format(lease=lease_check, seq=sql.Literal(info.sequence_name))
+        self._reserve_many = sql.SQL(
+            """
+            WITH w AS ({lease})
+            SELECT nextval({seq}) FROM w, generate_series(1, %(count)s)
+            """
+        ).format(lease=lease_check, seq=sql.Literal(info.sequence_name))
+
+    def _lease_params(self) -> dict[str, Any]:
+        return {
+            "idle_ms": str(int(self.lease_seconds * 1000)),
+            "stream": self.info.id,
+            "instance": self.instance,
+            "generation": self.generation,
+        }
+
+    def _check_usable(self) -> None:
+        if self.fenced:
+            raise WriterFenced(
+                f"writer {self.instance!r} on stream {self.stream_name!r} was retired "
+                "(lease expired or name taken over); create a new writer"
+            )
+
+    # ------------------------------------------------------------------ appends
+
+    def append(self, payloads: Sequence[Any], timestamps: Sequence[int | None]) -> Gen[Ack]:
+        """Append facts (one row each) in one transaction."""
+        if not payloads:
+            raise UsageError("append_batch needs at least one payload")
+        self._check_usable()
+        info, tracker = self.info, self.tracker
+        encoded = [encode_payload(p, self.max_payload_bytes) for p in payloads]
+        stamps = resolve_timestamps(
+            timestamps,
+            mode=info.timestamping,
+            uncapped=info.uncapped,
+            arrival_ms=self.clock.now_ms(),
+            floor=self._ts_floor,
+        )
+        token = tracker.begin_reservation()
+        ids: list[int] = []
+        try:
+            params = self._lease_params()
+            if len(encoded) == 1:
+                assert self._reserve_one is not None
+                params.update(ts=stamps[0], payload=encoded[0])
+                rows = yield Query(self._reserve_one, params)
+            else:
+                assert self._reserve_many is not None
+                params.update(count=len(encoded))
+                rows = yield Query(self._reserve_many, params)
+            if not rows:
+                self.fenced = True
+                self._check_usable()
+            ids = sorted(int(row[0]) for row in rows)
+            tracker.reserved(token, ids)
+            if len(encoded) > 1:
+                yield CopyIn(
+                    "COPY streams_facts (stream, stream_id, row_no, instance, ts, payload) "
+                    "FROM STDIN",
+                    [
+                        (info.id, stream_id, 0, self.instance, stamp, text)
+                        for stream_id, stamp, text in zip(ids, stamps, encoded, strict=True)
+                    ],
+                )
+            yield Commit()
+        finally:
+            self._complete(token, ids)
+        self._ts_floor = max(self._ts_floor, stamps[-1])
+        return Ack(ids[0], ids[-1], stamps[0], stamps[-1], len(ids), tuple(ids))
+
+    def _complete(self, token: ReservationToken, ids: Sequence[int]) -> None:
+        if ids:
+            self.tracker.complete(ids)
+        else:
+            self.tracker.abandon(token)
+
+    # ------------------------------------------------------------------ facts in the caller's transaction
+
+    def begin_fact(self, timestamp: int | None) -> tuple[ReservationToken, int]:
+        """Pure first half of `reserve_fact`: validate, resolve the timestamp, go in flight."""
+        self._check_usable()
+        validate_client_timestamp(timestamp)
+        (stamp,) = resolve_timestamps(
+            [timestamp],
+            mode=self.info.timestamping,
+            uncapped=self.info.uncapped,
+            arrival_ms=self.clock.now_ms(),
+            floor=self._ts_floor,
+        )
+        return self.tracker.begin_reservation(), stamp
+
+    def reserve_fact(self, token: ReservationToken, stamp: int) -> Gen[FactHandle]:
+        """Reserve one ID inside the caller's (already open) transaction."""
+        assert self._reserve_many is not None
+        rows = yield Query(self._reserve_many, {**self._lease_params(), "count": 1})
+        if not rows:
+            self.fenced = True
+            self._check_usable()
+        stream_id = int(rows[0][0])
+        self.tracker.reserved(token, [stream_id])
+        return FactHandle(stream_id=stream_id, timestamp=stamp)
+
+    def add_rows(self, handle: FactHandle, payloads: Sequence[Any]) -> Gen[None]:
+        """Add rows of the fact to the built-in facts table (same transaction)."""
+        encoded = [encode_payload(p, self.max_payload_bytes) for p in payloads]
+        if not encoded:
+            return
+        first = handle.rows
+        handle.rows += len(encoded)
+        yield CopyIn(
+            "COPY streams_facts (stream, stream_id, row_no, instance, ts, payload) FROM STDIN",
+            [
+                (self.info.id, handle.stream_id, first + n, self.instance, handle.timestamp, text)
+                for n, text in enumerate(encoded)
+            ],
+        )
+
+    def finish_fact(self, token: ReservationToken, handle: FactHandle | None, ok: bool) -> None:
+        """The caller's transaction ended (committed if `ok`): complete the ID either way."""
+        self._complete(token, [handle.stream_id] if handle is not None else [])
+        if ok and handle is not None:
+            self._ts_floor = max(self._ts_floor, handle.timestamp)
+
+    # ------------------------------------------------------------------ heartbeats
+
+    def heartbeat(self) -> Gen[HeartbeatResult]:
+        """Renew the lease, persist the position (forward-only), read max allocated and time.
+
+        Reading max allocated lets an idle writer's announceable position climb to it (see
+        `PositionTracker`); the next heartbeat persists that, so an idle writer never pins
+        the linear position.
+        """
+        tracker = self.tracker
+        position = tracker.local_position
+        sent = time.time()
+        rows = yield Query(
+            sql.SQL(
+                """
+                UPDATE streams_writers
+                SET position = GREATEST(position, %(position)s),
+                    lease_expires_at = clock_timestamp() + make_interval(secs => %(lease)s),
+                    heartbeat_at = clock_timestamp()
+                WHERE stream = %(stream)s AND instance = %(instance)s
+                  AND generation = %(generation)s AND NOT retired
+                RETURNING position, {max_allocated}, {now}
+                """
+            ).format(max_allocated=max_allocated_sql(self.info), now=sql.SQL(_NOW_MS)),
+            {
+                "position": position,
+                "lease": self.lease_seconds,
+                "stream": self.info.id,
+                "instance": self.instance,
+                "generation": self.generation,
+            },
+        )
+        yield Commit()
+        if not rows:
+            self.fenced = True
+            return HeartbeatResult(False, self._persisted, tracker.max_allocated)
+        persisted, max_allocated, db_ms = (int(v) for v in rows[0])
+        self.clock.sample(db_ms, sent, time.time())
+        self._persisted = max(self._persisted, persisted)
+        tracker.note_allocated(max_allocated)
+        return HeartbeatResult(True, self._persisted, max_allocated)
+
+    def retire(self) -> Gen[None]:
+        """Graceful close: persist the position, then retire (treated as caught up)."""
+        if self._tracker is None or self.fenced:
+            return
+        if self.tracker.pending_count or self.tracker.in_flight_count:
+            # Facts are still being written through this writer: leave the row to its lease.
+            yield from self.heartbeat()
+            return
+        yield Query(
+            """
+            UPDATE streams_writers
+            SET position = GREATEST(position, %s), retired = true, generation = generation + 1
+            WHERE stream = %s AND instance = %s AND generation = %s AND NOT retired
+            """,
+            (self.tracker.local_position, self.info.id, self.instance, self.generation),
+        )
+        yield Commit()
+        self.fenced = True

@@ -1,0 +1,105 @@
+"""The one error tree of `streams`.
+
+Every error this library raises on purpose is a subclass of `StreamsError`, so a service can
+catch everything with one clause and still tell the cases apart::
+
+    StreamsError
+    ├── ConfigurationError          bad URL, bad option, missing setting
+    ├── InvalidStreamName           a stream or writer name that is not allowed
+    ├── UnknownStream               the stream was never created (or was dropped)
+    ├── StreamExists                create_stream() on a name already taken, with other settings
+    ├── InvalidFact                 the append itself is wrong; nothing was written
+    │   ├── PayloadNotSerializable  not JSON (or NaN/Infinity, or non-str keys)
+    │   ├── PayloadTooLarge         larger than the configured maximum (default 1 MiB)
+    │   └── InvalidTimestamp        missing under client-require, negative, or not an int
+    ├── WriterFenced                this writer was declared dead (lease expired or replaced);
+    │                               it may not reserve or complete IDs any more
+    ├── UsageError                  the API was used in a way it cannot honour
+    └── StoreError                  PostgreSQL failed underneath us (down, timed out, ...)
+        └── SchemaNotReady          the schema is missing or older than this library's
+
+Errors never carry passwords: anything that renders a URL goes through `redact_url`.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigurationError",
+    "InvalidFact",
+    "InvalidStreamName",
+    "InvalidTimestamp",
+    "PayloadNotSerializable",
+    "PayloadTooLarge",
+    "SchemaNotReady",
+    "StoreError",
+    "StreamExists",
+    "StreamsError",
+    "UnknownStream",
+    "UsageError",
+    "WriterFenced",
+]
+
+
+class StreamsError(Exception):
+    """Base class of every error `streams` raises on purpose."""
+
+
+class ConfigurationError(StreamsError):
+    """A setting is missing or malformed (database URL, Redis URL, an option)."""
+
+
+class InvalidStreamName(StreamsError, ValueError):
+    """A stream or writer-instance name does not match the allowed pattern."""
+
+
+class UnknownStream(StreamsError, LookupError):
+    """The named stream does not exist."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(f"unknown stream {stream!r} (create it with create_stream or `streams create`)")
+        self.stream = stream
+
+
+class StreamExists(StreamsError):
+    """The stream exists already with different settings."""
+
+
+class InvalidFact(StreamsError, ValueError):
+    """The fact given to append cannot be written; nothing was written and no ID leaked."""
+
+
+class PayloadNotSerializable(InvalidFact, TypeError):
+    """The payload is not representable as strict JSON."""
+
+
+class PayloadTooLarge(InvalidFact):
+    """The serialised payload is larger than the configured maximum."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"payload is {size} bytes, larger than the maximum of {limit} bytes")
+        self.size = size
+        self.limit = limit
+
+
+class InvalidTimestamp(InvalidFact):
+    """A client timestamp is missing (under client-require), negative or not an integer."""
+
+
+class WriterFenced(StreamsError):
+    """This writer was retired (its lease expired, or another process took its name).
+
+    A fenced writer can never again complete an ID, so it can never make a fact appear below a
+    linear position that was already published. Create a new writer to continue.
+    """
+
+
+class UsageError(StreamsError):
+    """The API was called in a way it cannot honour (e.g. a fact inside an open transaction)."""
+
+
+class StoreError(StreamsError):
+    """PostgreSQL failed underneath an operation (unreachable, crashed, timed out)."""
+
+
+class SchemaNotReady(StoreError):
+    """The database has no `streams` schema, or an older one: run `streams migrate`."""

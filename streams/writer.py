@@ -1,0 +1,413 @@
+"""`Writer` and `AsyncWriter`: thin shells that drive `WriterCore` on psycopg connections.
+
+Each writer owns two connections: one for its appends (one transaction at a time, so
+appends from several threads or tasks queue on a lock), one for its heartbeat, which renews
+the lease, persists the position and re-samples the database clock. The heartbeat runs every
+``lease / 4`` seconds, and sooner (coalesced to at most one per ``flush_interval``) after an
+append moved the position, so the persisted position trails the real one by milliseconds.
+
+The logic lives in `streams.core`; everything here is connection handling and scheduling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+import psycopg
+from psycopg.pq import TransactionStatus
+
+from ._ops import arun, run
+from .core import Ack, FactHandle, WriterCore
+from .errors import StoreError, UsageError, WriterFenced
+from .store import StreamInfo, retire_expired_writers
+
+__all__ = ["AsyncFact", "AsyncWriter", "Fact", "Writer"]
+
+log = logging.getLogger("streams.writer")
+
+#: Minimum time between two position flushes triggered by appends.
+FLUSH_INTERVAL = 0.005
+#: Retire expired peers every this many heartbeats (a dead writer must not pin the position).
+RETIRE_EVERY = 4
+
+
+def _connect(url: str) -> psycopg.Connection[Any]:
+    try:
+        return psycopg.connect(url, autocommit=False, connect_timeout=10)
+    except psycopg.Error as exc:
+        raise StoreError(f"cannot connect to PostgreSQL: {type(exc).__name__}") from None
+
+
+async def _aconnect(url: str) -> psycopg.AsyncConnection[Any]:
+    try:
+        return await psycopg.AsyncConnection.connect(url, autocommit=False, connect_timeout=10)
+    except psycopg.Error as exc:
+        raise StoreError(f"cannot connect to PostgreSQL: {type(exc).__name__}") from None
+
+
+def _check_idle(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
+    if conn.info.transaction_status != TransactionStatus.IDLE:
+        raise UsageError(
+            "writer.fact(conn) must start the transaction itself: the ID completes when that "
+            "transaction ends, so conn must not be inside a transaction already"
+        )
+
+
+class Fact:
+    """A fact being written in the caller's transaction: its ID and timestamp, and `add`."""
+
+    def __init__(self, core: WriterCore, conn: psycopg.Connection[Any], handle: FactHandle):
+        self._core, self._conn, self._handle = core, conn, handle
+
+    @property
+    def stream_id(self) -> int:
+        return self._handle.stream_id
+
+    @property
+    def timestamp(self) -> int:
+        return self._handle.timestamp
+
+    def add(self, *payloads: Any) -> None:
+        """Add rows with this fact's stream ID to the built-in facts table."""
+        run(self._conn, self._core.add_rows(self._handle, payloads))
+
+
+class AsyncFact:
+    """The asyncio twin of `Fact`."""
+
+    def __init__(
+        self, core: WriterCore, conn: psycopg.AsyncConnection[Any], handle: FactHandle
+    ) -> None:
+        self._core, self._conn, self._handle = core, conn, handle
+
+    @property
+    def stream_id(self) -> int:
+        return self._handle.stream_id
+
+    @property
+    def timestamp(self) -> int:
+        return self._handle.timestamp
+
+    async def add(self, *payloads: Any) -> None:
+        await arun(self._conn, self._core.add_rows(self._handle, payloads))
+
+
+class Writer:
+    """A synchronous writer of one stream (thread-safe)."""
+
+    def __init__(self, database_url: str, core: WriterCore) -> None:
+        self._url = database_url
+        self._core = core
+        self._conn = _connect(database_url)
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopped = threading.Event()
+        try:
+            run(self._conn, core.register())
+        except BaseException:
+            self._conn.close()
+            raise
+        self._beat_conn = _connect(database_url)
+        self._thread = threading.Thread(
+            target=self._beat_loop, name=f"streams-heartbeat-{core.instance}", daemon=True
+        )
+        self._thread.start()
+
+    def __repr__(self) -> str:
+        return f"<Writer stream={self._core.stream_name!r} instance={self._core.instance!r}>"
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def instance(self) -> str:
+        return self._core.instance
+
+    @property
+    def stream(self) -> StreamInfo:
+        return self._core.info
+
+    @property
+    def position(self) -> int:
+        """This writer's (announceable) per-writer position."""
+        return self._core.tracker.local_position
+
+    @property
+    def core(self) -> WriterCore:
+        return self._core
+
+    # ------------------------------------------------------------------ writing
+
+    def append(self, payload: Any, *, timestamp: int | None = None) -> Ack:
+        """Append one fact; returns its `Ack` once committed."""
+        return self._append([payload], [timestamp])
+
+    def append_batch(
+        self, payloads: Sequence[Any], *, timestamps: Sequence[int | None] | None = None
+    ) -> Ack:
+        """Append several facts in one transaction (IDs ascending, maybe not contiguous)."""
+        stamps = list(timestamps) if timestamps is not None else [None] * len(payloads)
+        if len(stamps) != len(payloads):
+            raise UsageError("timestamps must have one entry per payload")
+        return self._append(list(payloads), stamps)
+
+    def _append(self, payloads: Sequence[Any], stamps: Sequence[int | None]) -> Ack:
+        with self._lock:
+            ack = run(self._conn, self._core.append(payloads, stamps))
+        self._after_completion()
+        return ack
+
+    @contextlib.contextmanager
+    def fact(self, conn: psycopg.Connection[Any], *, timestamp: int | None = None) -> Iterator[Fact]:
+        """Reserve an ID for a fact written in *your* transaction on *your* connection.
+
+        The block is the transaction: it begins here and commits when the block exits (rolls
+        back on an exception). Write the fact's rows in your own tables with `fact.stream_id`
+        (and/or `fact.add(...)` rows in the built-in table). The ID completes when the
+        transaction ends, as a gap if it rolled back.
+        """
+        _check_idle(conn)
+        core = self._core
+        token, stamp = core.begin_fact(timestamp)
+        handle: FactHandle | None = None
+        ok = False
+        try:
+            if conn.autocommit:
+                conn.execute("BEGIN")
+            handle = run(conn, core.reserve_fact(token, stamp))
+            yield Fact(core, conn, handle)
+            conn.commit()
+            ok = True
+        finally:
+            if not ok and not conn.closed:
+                with contextlib.suppress(psycopg.Error):
+                    conn.rollback()
+            core.finish_fact(token, handle, ok)
+            self._after_completion()
+
+    # ------------------------------------------------------------------ heartbeat
+
+    def _after_completion(self) -> None:
+        if self._core.needs_persist:
+            self._wake.set()
+
+    def heartbeat(self) -> None:
+        """Run one heartbeat now (the background thread also runs them)."""
+        run(self._beat_conn, self._core.heartbeat())
+
+    def _beat_loop(self) -> None:
+        interval = self._core.lease_seconds / 4
+        beats = 0
+        while not self._stopped.is_set():
+            self._wake.wait(interval)
+            self._wake.clear()
+            if self._stopped.is_set():
+                break
+            try:
+                self.heartbeat()
+                beats += 1
+                if beats % RETIRE_EVERY == 0:
+                    run(self._beat_conn, retire_expired_writers(self._core.info))
+            except Exception as exc:  # keep beating through transient failures
+                log.warning("heartbeat of %r failed: %s", self, exc)
+                self._reconnect_beat()
+            if self._core.fenced:
+                log.error("%r was fenced: its lease expired or its name was taken over", self)
+                break
+            self._stopped.wait(FLUSH_INTERVAL)
+
+    def _reconnect_beat(self) -> None:
+        with contextlib.suppress(Exception):
+            self._beat_conn.close()
+        try:
+            self._beat_conn = _connect(self._url)
+        except StoreError:
+            self._stopped.wait(min(1.0, self._core.lease_seconds / 4))
+
+    # ------------------------------------------------------------------ closing
+
+    def close(self) -> None:
+        """Persist the position and retire this writer (it no longer holds anything back)."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self._wake.set()
+        self._thread.join()
+        try:
+            with self._lock:
+                if not self._conn.closed:
+                    run(self._conn, self._core.retire())
+        except (StoreError, WriterFenced) as exc:
+            log.warning("could not retire %r cleanly: %s", self, exc)
+        finally:
+            self._conn.close()
+            self._beat_conn.close()
+
+    def __enter__(self) -> Writer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncWriter:
+    """An asyncio writer of one stream (safe to share between tasks)."""
+
+    def __init__(self, database_url: str, core: WriterCore) -> None:
+        self._url = database_url
+        self._core = core
+        self._lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._stopped = asyncio.Event()
+        self._conn: psycopg.AsyncConnection[Any] | None = None
+        self._beat_conn: psycopg.AsyncConnection[Any] | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def open(cls, database_url: str, core: WriterCore) -> AsyncWriter:
+        self = cls(database_url, core)
+        self._conn = await _aconnect(database_url)
+        try:
+            await arun(self._conn, core.register())
+            self._beat_conn = await _aconnect(database_url)
+        except BaseException:
+            await self._conn.close()
+            raise
+        self._task = asyncio.create_task(self._beat_loop(), name=f"streams-heartbeat-{core.instance}")
+        return self
+
+    def __repr__(self) -> str:
+        return f"<AsyncWriter stream={self._core.stream_name!r} instance={self._core.instance!r}>"
+
+    @property
+    def instance(self) -> str:
+        return self._core.instance
+
+    @property
+    def stream(self) -> StreamInfo:
+        return self._core.info
+
+    @property
+    def position(self) -> int:
+        return self._core.tracker.local_position
+
+    @property
+    def core(self) -> WriterCore:
+        return self._core
+
+    def _connection(self) -> psycopg.AsyncConnection[Any]:
+        if self._conn is None or self._stopped.is_set():
+            raise UsageError("writer is closed")
+        return self._conn
+
+    async def append(self, payload: Any, *, timestamp: int | None = None) -> Ack:
+        return await self._append([payload], [timestamp])
+
+    async def append_batch(
+        self, payloads: Sequence[Any], *, timestamps: Sequence[int | None] | None = None
+    ) -> Ack:
+        stamps = list(timestamps) if timestamps is not None else [None] * len(payloads)
+        if len(stamps) != len(payloads):
+            raise UsageError("timestamps must have one entry per payload")
+        return await self._append(list(payloads), stamps)
+
+    async def _append(self, payloads: Sequence[Any], stamps: Sequence[int | None]) -> Ack:
+        conn = self._connection()
+        async with self._lock:
+            ack = await arun(conn, self._core.append(payloads, stamps))
+        self._after_completion()
+        return ack
+
+    @contextlib.asynccontextmanager
+    async def fact(
+        self, conn: psycopg.AsyncConnection[Any], *, timestamp: int | None = None
+    ) -> AsyncIterator[AsyncFact]:
+        """The asyncio twin of `Writer.fact`; a cancellation rolls back and completes the gap."""
+        _check_idle(conn)
+        core = self._core
+        token, stamp = core.begin_fact(timestamp)
+        handle: FactHandle | None = None
+        ok = False
+        try:
+            if conn.autocommit:
+                await conn.execute("BEGIN")
+            handle = await arun(conn, core.reserve_fact(token, stamp))
+            yield AsyncFact(core, conn, handle)
+            await conn.commit()
+            ok = True
+        finally:
+            if not ok and not conn.closed:
+                with contextlib.suppress(psycopg.Error, asyncio.CancelledError):
+                    await asyncio.shield(conn.rollback())
+            core.finish_fact(token, handle, ok)
+            self._after_completion()
+
+    def _after_completion(self) -> None:
+        if self._core.needs_persist:
+            self._wake.set()
+
+    async def heartbeat(self) -> None:
+        assert self._beat_conn is not None
+        await arun(self._beat_conn, self._core.heartbeat())
+
+    async def _beat_loop(self) -> None:
+        interval = self._core.lease_seconds / 4
+        beats = 0
+        while not self._stopped.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), interval)
+            self._wake.clear()
+            if self._stopped.is_set():
+                break
+            try:
+                await self.heartbeat()
+                beats += 1
+                if beats % RETIRE_EVERY == 0:
+                    assert self._beat_conn is not None
+                    await arun(self._beat_conn, retire_expired_writers(self._core.info))
+            except Exception as exc:
+                log.warning("heartbeat of %r failed: %s", self, exc)
+                await self._reconnect_beat()
+            if self._core.fenced:
+                log.error("%r was fenced: its lease expired or its name was taken over", self)
+                break
+            await asyncio.sleep(FLUSH_INTERVAL)
+
+    async def _reconnect_beat(self) -> None:
+        if self._beat_conn is not None:
+            with contextlib.suppress(Exception):
+                await self._beat_conn.close()
+        try:
+            self._beat_conn = await _aconnect(self._url)
+        except StoreError:
+            await asyncio.sleep(min(1.0, self._core.lease_seconds / 4))
+
+    async def aclose(self) -> None:
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self._wake.set()
+        if self._task is not None:
+            await self._task
+        conn = self._conn
+        try:
+            if conn is not None and not conn.closed:
+                async with self._lock:
+                    await arun(conn, self._core.retire())
+        except (StoreError, WriterFenced) as exc:
+            log.warning("could not retire %r cleanly: %s", self, exc)
+        finally:
+            if conn is not None:
+                await conn.close()
+            if self._beat_conn is not None:
+                await self._beat_conn.close()
+
+    async def __aenter__(self) -> AsyncWriter:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
