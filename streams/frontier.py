@@ -144,9 +144,8 @@ class _AntichainBase(Generic[T]):
     # as "if anything may still appear" is a trap. Use `is_empty`.
 
     def __eq__(self, other: object) -> bool:
-        if type(other) is not type(self):
+        if not isinstance(other, _AntichainBase) or type(other) is not type(self):
             return NotImplemented
-        assert isinstance(other, _AntichainBase)
         return bool(self._elements == other._elements)
 
     def __hash__(self) -> int:
@@ -391,7 +390,7 @@ class MutableAntichain(Generic[T]):
 
 @dataclass(frozen=True, slots=True)
 class FrontierSnapshot(Generic[T]):
-    """Strymon's ``InitialFrontierSnapshot``: the lower and upper frontiers when a subscriber joined."""
+    """Strymon's ``InitialFrontierSnapshot``: both frontiers when a subscriber joined."""
 
     lower: Antichain[T]
     upper: UpperAntichain[T]

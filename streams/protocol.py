@@ -79,6 +79,9 @@ _LINE_BREAKS: Final = frozenset("\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029")
 # accept) and at most 19 digits, so int() is cheap and the text round-trips byte for byte.
 _TOKEN_RE: Final = re.compile(r"0|[1-9][0-9]{0,18}")
 
+# The RDATA token of every row but the last sharing one stream ID.
+_BATCH: Final = "batch"
+
 _REPR_LIMIT: Final = 200
 _reprlib = reprlib.Repr()
 _reprlib.maxstring = _REPR_LIMIT
@@ -324,7 +327,7 @@ def _parse_position(args: str) -> PositionCommand:
 
 def _parse_rdata(args: str) -> RdataCommand:
     stream, instance, token, row_json = _parse_fields(args, 4, "RDATA")
-    parsed_token = None if token == "batch" else _parse_token(token, "token")
+    parsed_token = None if token == _BATCH else _parse_token(token, "token")
     row: JsonValue = _DECODER.decode(row_json)
     return RdataCommand(stream, instance, parsed_token, row)
 
@@ -411,7 +414,7 @@ def serialize(cmd: Command) -> bytes:
                 f" {int(cmd.prev_token)} {int(cmd.new_token)}"
             )
         case RdataCommand():
-            token = "batch" if cmd.token is None else str(int(cmd.token))
+            token = _BATCH if cmd.token is None else str(int(cmd.token))
             line = (
                 f"{cmd.NAME} {cmd.stream_name} {cmd.instance_name} {token} {_encode_row(cmd.row)}"
             )

@@ -19,6 +19,8 @@ from collections.abc import Iterator
 
 import pytest
 import redis
+import streams
+from streams import Client
 from hypothesis import settings
 from servers import (
     TIERS,
@@ -145,3 +147,26 @@ def redis_prefix(redis_url: str) -> Iterator[str]:
             client.delete(*keys)
     finally:
         client.close()
+
+
+@pytest.fixture(scope="session")
+def streams_url(database_url: str) -> str:
+    """The session database, migrated to the `streams` schema head."""
+    from streams.migrate import upgrade
+
+    upgrade(database_url)
+    return database_url
+
+
+@pytest.fixture
+def client(streams_url: str) -> Iterator[Client]:
+    """A `streams.Client` on the migrated session database, with a short writer lease."""
+    with streams.connect(streams_url, lease_seconds=2.0) as c:
+        yield c
+
+
+@pytest.fixture
+def stream(client: Client, unique_name: str) -> str:
+    """A freshly created stream (default settings), by name."""
+    client.create_stream(unique_name)
+    return unique_name
