@@ -26,6 +26,7 @@ psycopg are wrapped into `StoreError` on the way out (never with a password in t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias, TypeVar
@@ -41,7 +42,7 @@ __all__ = ["Commit", "CopyIn", "Gen", "Op", "Query", "arun", "run"]
 T = TypeVar("T")
 Row: TypeAlias = tuple[Any, ...]
 Params: TypeAlias = dict[str, Any] | Sequence[Any] | None
-SqlText: TypeAlias = sql.Composable | str
+SqlText: TypeAlias = sql.SQL | sql.Composed | str
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,9 +180,7 @@ async def arun(conn: psycopg.AsyncConnection[Any], gen: Gen[T]) -> T:
         try:
             result = await _aexecute(conn, op)
         except BaseException as exc:
-            try:
-                # Shielded: a second cancellation must not leave the transaction open.
+            # Shielded: a second cancellation must not leave the transaction open.
+            with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.shield(_arollback(conn))
-            except asyncio.CancelledError:
-                pass
             error = _wrap(exc) if isinstance(exc, psycopg.Error) else exc

@@ -44,7 +44,9 @@ class Client:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         try:
-            self._conn = psycopg.connect(settings.database_url, autocommit=False, connect_timeout=10)
+            self._conn = psycopg.connect(
+                settings.database_url, autocommit=False, connect_timeout=10
+            )
         except psycopg.Error as exc:
             raise StoreError(
                 f"cannot connect to {redact_url(settings.database_url)}: {type(exc).__name__}"
@@ -66,8 +68,12 @@ class Client:
         uncapped: bool = False,
         retention_ms: int | None = None,
     ) -> StreamInfo:
-        return run(self._conn, create_stream(name, timestamping=timestamping, uncapped=uncapped,
-                                             retention_ms=retention_ms))
+        return run(
+            self._conn,
+            create_stream(
+                name, timestamping=timestamping, uncapped=uncapped, retention_ms=retention_ms
+            ),
+        )
 
     def stream(self, name: str) -> StreamInfo:
         return run(self._conn, load_stream(name))
@@ -133,8 +139,12 @@ class AsyncClient:
         uncapped: bool = False,
         retention_ms: int | None = None,
     ) -> StreamInfo:
-        return await arun(self._conn, create_stream(name, timestamping=timestamping,
-                                                    uncapped=uncapped, retention_ms=retention_ms))
+        return await arun(
+            self._conn,
+            create_stream(
+                name, timestamping=timestamping, uncapped=uncapped, retention_ms=retention_ms
+            ),
+        )
 
     async def stream(self, name: str) -> StreamInfo:
         return await arun(self._conn, load_stream(name))

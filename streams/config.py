@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from .errors import ConfigurationError, InvalidStreamName
 
@@ -62,18 +62,22 @@ def validate_instance_name(name: object) -> str:
 
 
 def redact_url(url: str) -> str:
-    """The URL with any password replaced by ``***`` (also inside query strings)."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparseable URL>"
-    netloc = parts.netloc
-    if "@" in netloc:
-        userinfo, _, hostport = netloc.rpartition("@")
-        user = userinfo.split(":", 1)[0]
-        netloc = f"{user}:***@{hostport}" if ":" in userinfo else f"{user}@{hostport}"
-    query = re.sub(r"(?i)(password=)[^&]*", r"\1***", parts.query)
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    """The URL with any password replaced by ``***`` (userinfo and ``password=`` parameters).
+
+    Parsed by hand rather than with `urllib.parse.urlsplit`, which ends the host part at the
+    first ``?`` or ``#`` and would therefore miss (and leak) a password containing one that
+    libpq accepts, and which rewrites empty-host URLs such as ``postgresql:///db``.
+    """
+    scheme, sep, rest = url.partition("://")
+    if sep:
+        slash = rest.find("/")
+        authority, tail = (rest, "") if slash < 0 else (rest[:slash], rest[slash:])
+        if "@" in authority:
+            userinfo, _, hostport = authority.rpartition("@")
+            user, colon, _ = userinfo.partition(":")
+            authority = f"{user}:***@{hostport}" if colon else f"{user}@{hostport}"
+        url = f"{scheme}{sep}{authority}{tail}"
+    return re.sub(r"(?i)(password=)[^&\s]*", r"\1***", url)
 
 
 @dataclass(frozen=True, slots=True)

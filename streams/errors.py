@@ -56,7 +56,9 @@ class UnknownStream(StreamsError, LookupError):
     """The named stream does not exist."""
 
     def __init__(self, stream: str) -> None:
-        super().__init__(f"unknown stream {stream!r} (create it with create_stream or `streams create`)")
+        super().__init__(
+            f"unknown stream {stream!r} (create it with create_stream or `streams create`)"
+        )
         self.stream = stream
 
 

@@ -27,7 +27,9 @@ def _config() -> Config:
 
 def _engine_url(database_url: str) -> str:
     scheme, sep, rest = database_url.partition("://")
-    return f"postgresql+psycopg{sep}{rest}" if scheme in ("postgresql", "postgres") else database_url
+    return (
+        f"postgresql+psycopg{sep}{rest}" if scheme in ("postgresql", "postgres") else database_url
+    )
 
 
 def upgrade(database_url: str, revision: str = "head") -> None:

@@ -116,7 +116,9 @@ class PositionTracker:
                 self._remote[instance] = position
                 self._max_allocated = max(self._max_allocated, position)
         self._linear = 0
-        self._linear = self._compute_linear()
+        # A writer constructed with nothing pending or in flight may announce max allocated
+        # at once (e.g. a restarted writer after its predecessor was fenced).
+        self._recompute()
 
     # ------------------------------------------------------------------ local writer
 
@@ -141,8 +143,7 @@ class PositionTracker:
                     "when the reservation started: was the sequence reset?"
                 )
             self._pending.add(stream_id)
-            if stream_id > self._max_allocated:
-                self._max_allocated = stream_id
+            self._max_allocated = max(self._max_allocated, stream_id)
         self._recompute()
 
     @_locked
@@ -183,8 +184,7 @@ class PositionTracker:
         if current is not None and position <= current:
             return False
         self._remote[instance] = position
-        if position > self._max_allocated:
-            self._max_allocated = position
+        self._max_allocated = max(self._max_allocated, position)
         self._recompute()
         return True
 
@@ -297,7 +297,9 @@ class PositionTracker:
         return min(candidates)
 
 
-def sequence_repair_target(sequence_last_value: int | None, max_stored_id: int | None) -> int | None:
+def sequence_repair_target(
+    sequence_last_value: int | None, max_stored_id: int | None
+) -> int | None:
     """The value to `setval` a stream's sequence to, or None if it is consistent.
 
     `sequence_last_value` is ``pg_sequence_last_value()``: None until the first ``nextval``

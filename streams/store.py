@@ -91,7 +91,7 @@ class WriterRow:
     position: int
     retired: bool
     lease_expires_in_ms: int
-    pending: int | None = None
+    pending: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +151,7 @@ def check_schema() -> Gen[None]:
 def load_stream(name: str) -> Gen[StreamInfo]:
     validate_stream_name(name)
     rows = yield Query(
-        f"SELECT {_STREAM_COLUMNS} FROM streams_registry WHERE name = %s",  # noqa: S608
+        f"SELECT {_STREAM_COLUMNS} FROM streams_registry WHERE name = %s",
         (name,),
     )
     if not rows:
@@ -160,7 +160,7 @@ def load_stream(name: str) -> Gen[StreamInfo]:
 
 
 def list_streams() -> Gen[list[StreamInfo]]:
-    rows = yield Query(f"SELECT {_STREAM_COLUMNS} FROM streams_registry ORDER BY name")  # noqa: S608
+    rows = yield Query(f"SELECT {_STREAM_COLUMNS} FROM streams_registry ORDER BY name")
     return [_stream_from_row(row) for row in rows]
 
 
@@ -179,16 +179,17 @@ def create_stream(
         raise ValueError("retention_ms must be a positive number of milliseconds or None")
     yield Query("SELECT pg_advisory_xact_lock(hashtext('streams_registry'))")
     rows = yield Query(
-        f"SELECT {_STREAM_COLUMNS} FROM streams_registry WHERE name = %s",  # noqa: S608
+        f"SELECT {_STREAM_COLUMNS} FROM streams_registry WHERE name = %s",
         (name,),
     )
     if rows:
         existing = _stream_from_row(rows[0])
         wanted = (mode, uncapped, retention_ms)
-        if not exist_ok or (existing.timestamping, existing.uncapped, existing.retention_ms) != wanted:
-            raise StreamExists(
-                f"stream {name!r} exists already with settings {existing.as_dict()}"
-            )
+        if (
+            not exist_ok
+            or (existing.timestamping, existing.uncapped, existing.retention_ms) != wanted
+        ):
+            raise StreamExists(f"stream {name!r} exists already with settings {existing.as_dict()}")
         yield Commit()
         return existing
     rows = yield Query("SELECT nextval(pg_get_serial_sequence('streams_registry', 'id'))")
@@ -200,7 +201,7 @@ def create_stream(
         OVERRIDING SYSTEM VALUE
         VALUES (%s, %s, %s, %s, %s, %s)
         RETURNING {_STREAM_COLUMNS}
-        """,  # noqa: S608
+        """,
         (stream_key, name, f"streams_seq_{stream_key}", str(mode), uncapped, retention_ms),
     )
     info = _stream_from_row(rows[0])
@@ -217,10 +218,11 @@ def create_stream(
 
 def drop_stream(name: str) -> Gen[bool]:
     rows = yield Query(
-        "DELETE FROM streams_registry WHERE name = %s RETURNING sequence_name", (name,)
+        "DELETE FROM streams_registry WHERE name = %s RETURNING id, sequence_name", (name,)
     )
     if rows:
-        yield Query(sql.SQL("DROP SEQUENCE IF EXISTS {}").format(sql.Identifier(rows[0][0])))
+        yield Query("DELETE FROM streams_facts WHERE stream = %s", (rows[0][0],))
+        yield Query(sql.SQL("DROP SEQUENCE IF EXISTS {}").format(sql.Identifier(rows[0][1])))
     yield Commit()
     return bool(rows)
 
@@ -248,8 +250,10 @@ def repair_sequence(info: StreamInfo) -> Gen[int | None]:
     target = sequence_repair_target(rows[0][0], rows[0][1])
     if target is None:
         return None
-    yield Query(sql.SQL("SELECT setval({}::regclass, %s)").format(sql.Literal(info.sequence_name)),
-                (target,))
+    yield Query(
+        sql.SQL("SELECT setval({}::regclass, %s)").format(sql.Literal(info.sequence_name)),
+        (target,),
+    )
     return target
 
 
@@ -312,7 +316,7 @@ def stream_positions(info: StreamInfo, *, retire: bool = True) -> Gen[StreamPosi
             """
             SELECT instance, generation, position, retired,
                    (extract(epoch FROM lease_expires_at - clock_timestamp()) * 1000)::bigint,
-                   {}
+                   {}, pending
             FROM streams_writers WHERE stream = %s ORDER BY instance
             """
         ).format(max_allocated_sql(info)),
@@ -323,10 +327,15 @@ def stream_positions(info: StreamInfo, *, retire: bool = True) -> Gen[StreamPosi
     linear = linear_from([row[2] for row in rows if not row[3]], max_allocated)
     writers = {
         row[0]: WriterRow(
-            instance=row[0], generation=row[1], position=row[2], retired=row[3],
+            instance=row[0],
+            generation=row[1],
+            position=row[2],
+            retired=row[3],
             lease_expires_in_ms=row[4],
+            pending=row[6],
         )
         for row in rows
     }
-    return StreamPositions(stream=info.name, linear=linear, max_allocated=max_allocated,
-                           writers=writers)
+    return StreamPositions(
+        stream=info.name, linear=linear, max_allocated=max_allocated, writers=writers
+    )

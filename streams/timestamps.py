@@ -63,13 +63,17 @@ def resolve_timestamps(
     and never decreases. Raises `InvalidTimestamp` (before anything is written) for a missing
     timestamp under client-require or an invalid one.
     """
+    if mode is TimestampMode.ARRIVAL or all(raw is None for raw in client):
+        for raw in client:
+            validate_client_timestamp(raw)  # ignored, but still not accepted if malformed
+        if mode is TimestampMode.CLIENT_REQUIRE and client:
+            raise InvalidTimestamp("fact 0 has no timestamp and the stream is client-require")
+        return [max(floor, arrival_ms)] * len(client)
     resolved: list[int] = []
     running = floor
     for position, raw in enumerate(client):
         given = validate_client_timestamp(raw)
-        if mode is TimestampMode.ARRIVAL:
-            chosen = arrival_ms
-        elif given is None:
+        if given is None:
             if mode is TimestampMode.CLIENT_REQUIRE:
                 raise InvalidTimestamp(
                     f"fact {position} has no timestamp and the stream is client-require"

@@ -19,8 +19,6 @@ from collections.abc import Iterator
 
 import pytest
 import redis
-import streams
-from streams import Client
 from hypothesis import settings
 from servers import (
     TIERS,
@@ -35,6 +33,9 @@ from servers import (
     postgres_server,
     redis_server,
 )
+
+import streams
+from streams import Client
 
 settings.register_profile("ci", max_examples=100, deadline=None)
 settings.register_profile("dev", max_examples=30, deadline=None)

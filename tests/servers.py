@@ -234,7 +234,7 @@ def _probe_redis(url: str) -> None:
 def _docker_probe() -> str | None:
     """``None`` if a Docker engine answers a ping, else the reason. Cached per process."""
     try:
-        import docker  # noqa: PLC0415  (lazy: only the docker tier needs it)
+        import docker
 
         client = docker.from_env(timeout=CONNECT_TIMEOUT)
         try:
@@ -272,9 +272,9 @@ def _postgres_docker() -> ServerHandle:
     if reason is not None:
         raise TierUnavailable(reason)
     try:
-        from testcontainers.community.postgres import PostgresContainer  # noqa: PLC0415
+        from testcontainers.community.postgres import PostgresContainer
     except ImportError:
-        from testcontainers.postgres import PostgresContainer  # noqa: PLC0415
+        from testcontainers.postgres import PostgresContainer
 
     container = PostgresContainer(POSTGRES_IMAGE, driver=None)
     try:
@@ -294,9 +294,9 @@ def _redis_docker() -> ServerHandle:
     if reason is not None:
         raise TierUnavailable(reason)
     try:
-        from testcontainers.community.redis import RedisContainer  # noqa: PLC0415
+        from testcontainers.community.redis import RedisContainer
     except ImportError:
-        from testcontainers.redis import RedisContainer  # noqa: PLC0415
+        from testcontainers.redis import RedisContainer
 
     container = RedisContainer(REDIS_IMAGE)
     try:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from typing import Any
 
 import psycopg
 
@@ -42,12 +43,14 @@ CHILD = textwrap.dedent(
 )
 
 
-def _facts_at_or_below(conn: psycopg.Connection[object], stream_key: int, linear: int) -> set[int]:
+def _facts_at_or_below(
+    conn: psycopg.Connection[tuple[Any, ...]], stream_key: int, linear: int
+) -> set[int]:
     rows = conn.execute(
         "SELECT DISTINCT stream_id FROM streams_facts WHERE stream = %s AND stream_id <= %s",
         (stream_key, linear),
     ).fetchall()
-    return {int(r[0]) for r in rows}  # type: ignore[call-overload]
+    return {int(r[0]) for r in rows}
 
 
 def test_killed_writer_does_not_pin_and_is_fenced(
@@ -66,9 +69,11 @@ def test_killed_writer_does_not_pin_and_is_fenced(
         line = child.stdout.readline()
         assert line.startswith("HOLDING"), line
         held = int(line.split()[1])
-        with streams.connect(streams_url, lease_seconds=1.0) as fast, fast.writer(
-            stream, instance="survivor"
-        ) as survivor, psycopg.connect(streams_url, autocommit=True) as conn:
+        with (
+            streams.connect(streams_url, lease_seconds=1.0) as fast,
+            fast.writer(stream, instance="survivor") as survivor,
+            psycopg.connect(streams_url, autocommit=True) as conn,
+        ):
             survivor.append_batch([{"load": i} for i in range(100)])
             before = fast.positions(stream).linear
             assert before < held, "the held fact must pin the linear position while alive"
@@ -89,7 +94,9 @@ def test_killed_writer_does_not_pin_and_is_fenced(
             assert passed_at < 1.0 + 2.0, passed_at
             positions = fast.positions(stream)
             assert positions.writers["doomed"].retired
-            final = {linear: _facts_at_or_below(conn, stream_key, linear) for linear, _ in snapshots}
+            final = {
+                linear: _facts_at_or_below(conn, stream_key, linear) for linear, _ in snapshots
+            }
     finally:
         if child.poll() is None:
             child.kill()

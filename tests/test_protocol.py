@@ -35,7 +35,7 @@ LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
 EXAMPLES: list[tuple[bytes, Command]] = [
     (b"REPLICATE", ReplicateCommand()),
     (b"POSITION events master 1 2", PositionCommand("events", "master", 1, 2)),
-    (b"RDATA events master batch {\"a\":1}", RdataCommand("events", "master", None, {"a": 1})),
+    (b'RDATA events master batch {"a":1}', RdataCommand("events", "master", None, {"a": 1})),
     (
         b'RDATA events master 12 {"event_id":"$x","room":"!r"}',
         RdataCommand("events", "master", 12, {"event_id": "$x", "room": "!r"}),
@@ -62,12 +62,12 @@ def test_exact_bytes(line: bytes, cmd: Command) -> None:
 def test_commands_mapping() -> None:
     assert set(COMMANDS) == {"REPLICATE", "POSITION", "RDATA", "PING", "ERROR", "SERVER", "NAME"}
     for name, cls in COMMANDS.items():
-        assert cls.NAME == name
+        assert name == cls.NAME
 
 
 def test_json_is_synapse_compatible() -> None:
     # Synapse's json_encoder: compact separators, ensure_ascii (the default), no NaN.
-    row = {"body": "héllo ☃ 😀", "n": [1, 2.5, None, True]}
+    row: JsonValue = {"body": "héllo ☃ 😀", "n": [1, 2.5, None, True]}
     line = serialize(RdataCommand("events", "master", 3, row))
     expected = json.dumps(row, separators=(",", ":"), allow_nan=False)
     assert line == b"RDATA events master 3 " + expected.encode("ascii")
@@ -81,7 +81,7 @@ def test_synapse_forms_accepted() -> None:
     assert parse('RDATA s i 5 {"a": [1, 2], "b": "x y"}') == RdataCommand(
         "s", "i", 5, {"a": [1, 2], "b": "x y"}
     )
-    assert parse("RDATA s i 5 \"☃\"".encode()) == RdataCommand("s", "i", 5, "☃")
+    assert parse('RDATA s i 5 "☃"'.encode()) == RdataCommand("s", "i", 5, "☃")
     assert parse(b"PING") == PingCommand("")
     assert parse(b"ERROR a  b ") == ErrorCommand("a  b ")
 
@@ -206,7 +206,8 @@ def test_nan_rejected_on_serialize(value: float) -> None:
 def test_unencodable_rows_rejected_on_serialize() -> None:
     circular: list[Any] = []
     circular.append(circular)
-    for row in (circular, {"x": {1, 2}}, object()):
+    rows: list[Any] = [circular, {"x": {1, 2}}, object()]
+    for row in rows:
         with pytest.raises(ProtocolError):
             serialize(RdataCommand("s", "i", 1, row))
 
@@ -250,7 +251,8 @@ def test_serialize_rejects_non_commands() -> None:
 # --- properties -------------------------------------------------------------------------------
 
 names = st.text(st.characters(categories=("L", "M", "N", "P", "S")), min_size=1, max_size=20)
-texts = st.text(st.characters(exclude_categories=("Cs",), exclude_characters=LINE_BREAKS))
+# codec="utf-8" leaves out lone surrogates, which cannot be sent.
+texts = st.text(st.characters(codec="utf-8", exclude_characters=LINE_BREAKS))
 tokens = st.integers(min_value=0, max_value=MAX_TOKEN)
 json_values: st.SearchStrategy[JsonValue] = st.recursive(
     st.none()
@@ -307,7 +309,7 @@ def test_arbitrary_text(data: str) -> None:
 
 @given(
     st.sampled_from(sorted(COMMANDS)),
-    st.text(st.sampled_from(" 0123456789-batch{}[]\":,.eE\nNaInfy\u2028é"), max_size=60),
+    st.text(st.sampled_from(' 0123456789-batch{}[]":,.eE\nNaInfy\u2028é'), max_size=60),
 )
 def test_arbitrary_arguments(name: str, args: str) -> None:
     # Plausible names with junk arguments reach the per-command parsers, not just the dispatcher.

@@ -142,9 +142,12 @@ def test_bad_timestamps(client: Client, stream: str, streams_url: str, timestamp
     with client.writer(stream) as writer:
         with pytest.raises(streams.InvalidTimestamp):
             writer.append({"x": 1}, timestamp=timestamp)
-        with pytest.raises(streams.InvalidTimestamp), psycopg.connect(streams_url) as conn:
-            with writer.fact(conn, timestamp=timestamp):
-                pass
+        with (
+            pytest.raises(streams.InvalidTimestamp),
+            psycopg.connect(streams_url) as conn,
+            writer.fact(conn, timestamp=timestamp),
+        ):
+            pass
         _assert_nothing_leaked(client, writer, stream, streams_url)
 
 
@@ -302,18 +305,19 @@ def test_sequence_behind_the_data_is_repaired(
 # ---------------------------------------------------------------------------- fencing
 
 
-def test_takeover_fences_the_previous_writer(
-    client: Client, stream: str, streams_url: str
-) -> None:
+def test_takeover_fences_the_previous_writer(client: Client, stream: str, streams_url: str) -> None:
     first = client.writer(stream, instance="same")
     first.append({"from": "first"})
     second = client.writer(stream, instance="same")
     try:
         with pytest.raises(streams.WriterFenced):
             first.append({"from": "first, fenced"})
-        with pytest.raises(streams.WriterFenced), psycopg.connect(streams_url) as conn:
-            with first.fact(conn):
-                pass
+        with (
+            pytest.raises(streams.WriterFenced),
+            psycopg.connect(streams_url) as conn,
+            first.fact(conn),
+        ):
+            pass
         assert first.core.tracker.pending_count == 0
         second.append({"from": "second"})
     finally:

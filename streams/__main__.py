@@ -1,0 +1,5 @@
+"""``python -m streams`` runs the `streams` command line."""
+
+from .cli import main
+
+main()

@@ -1,0 +1,397 @@
+"""The `streams` command line (also ``python -m streams``).
+
+Every command takes ``--database-url``, ``--redis-url`` and ``--prefix`` (defaulting to
+``STREAMS_DATABASE_URL``, ``STREAMS_REDIS_URL``, ``STREAMS_PREFIX``). Listing commands take
+``--json`` and print one JSON document (``read`` prints JSON lines), so scripts can rely on
+them. Errors print one line on stderr and exit 1; URLs are always shown redacted.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import click
+import psycopg
+
+from . import __version__
+from ._ops import run
+from .client import Client, connect
+from .config import Settings, redact_url
+from .errors import StreamsError
+from .store import load_stream
+from .timestamps import TimestampMode
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _common(func: F) -> F:
+    @click.option("--database-url", envvar="STREAMS_DATABASE_URL", help="postgresql:// URL")
+    @click.option("--redis-url", envvar="STREAMS_REDIS_URL", help="redis:// or rediss:// URL")
+    @click.option("--prefix", envvar="STREAMS_PREFIX", default=None, help="Redis channel prefix")
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except StreamsError as exc:
+            raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _settings(database_url: str | None, redis_url: str | None, prefix: str | None) -> Settings:
+    return Settings.resolve(database_url, redis_url, prefix)
+
+
+def _client(database_url: str | None, redis_url: str | None, prefix: str | None) -> Client:
+    return connect(database_url, redis_url, prefix)
+
+
+def _emit(data: Any, as_json: bool, text: Callable[[Any], Iterator[str]]) -> None:
+    if as_json:
+        click.echo(json.dumps(data, sort_keys=True, separators=(",", ":")))
+    else:
+        for line in text(data):
+            click.echo(line)
+
+
+@click.group()
+@click.version_option(__version__, prog_name="streams")
+def main() -> None:
+    """Ordered multi-writer fact streams on PostgreSQL (Redis for the fast path)."""
+
+
+@main.command()
+@_common
+def migrate(database_url: str | None, redis_url: str | None, prefix: str | None) -> None:
+    """Upgrade the database schema to this version's head (idempotent)."""
+    from .migrate import current_revision, upgrade
+
+    settings = _settings(database_url, redis_url, prefix)
+    upgrade(settings.database_url)
+    click.echo(
+        f"{redact_url(settings.database_url)}: schema at {current_revision(settings.database_url)}"
+    )
+
+
+@main.command()
+@click.argument("name")
+@click.option(
+    "--timestamping",
+    type=click.Choice([m.value for m in TimestampMode]),
+    default=TimestampMode.CLIENT_PREFER.value,
+    show_default=True,
+)
+@click.option("--uncapped", is_flag=True, help="Do not cap client timestamps at arrival time.")
+@click.option("--retention", "retention_ms", type=click.IntRange(min=1), help="Retention in ms.")
+@click.option("--json", "as_json", is_flag=True)
+@_common
+def create(
+    name: str,
+    timestamping: str,
+    uncapped: bool,
+    retention_ms: int | None,
+    as_json: bool,
+    database_url: str | None,
+    redis_url: str | None,
+    prefix: str | None,
+) -> None:
+    """Create a stream (idempotent when the settings match)."""
+    with _client(database_url, redis_url, prefix) as client:
+        info = client.create_stream(
+            name, timestamping=timestamping, uncapped=uncapped, retention_ms=retention_ms
+        )
+    _emit(info.as_dict(), as_json, lambda d: iter([f"stream {d['name']}: {d}"]))
+
+
+@main.command(name="list")
+@click.option("--json", "as_json", is_flag=True)
+@_common
+def list_(
+    as_json: bool, database_url: str | None, redis_url: str | None, prefix: str | None
+) -> None:
+    """List streams with their linear position and max allocated ID."""
+    with _client(database_url, redis_url, prefix) as client:
+        data = []
+        for info in client.streams():
+            positions = client.positions(info.name)
+            data.append(
+                {
+                    **info.as_dict(),
+                    "linear": positions.linear,
+                    "max_allocated": positions.max_allocated,
+                }
+            )
+
+    def text(rows: list[dict[str, Any]]) -> Iterator[str]:
+        yield f"{'STREAM':<24} {'LINEAR':>12} {'MAX ALLOC':>12}  TIMESTAMPING"
+        for r in rows:
+            yield (
+                f"{r['name']:<24} {r['linear']:>12} {r['max_allocated']:>12}  "
+                f"{r['timestamping']}{' uncapped' if r['uncapped'] else ''}"
+            )
+
+    _emit(data, as_json, text)
+
+
+@main.command()
+@click.argument("stream")
+@click.argument("payloads", nargs=-1)
+@click.option("--instance", help="Writer instance name (default: <host>-<pid>).")
+@click.option("--timestamp", type=int, help="Client timestamp (ms since the Unix epoch).")
+@click.option("--json", "as_json", is_flag=True)
+@_common
+def append(
+    stream: str,
+    payloads: tuple[str, ...],
+    instance: str | None,
+    timestamp: int | None,
+    as_json: bool,
+    database_url: str | None,
+    redis_url: str | None,
+    prefix: str | None,
+) -> None:
+    """Append facts: each PAYLOAD is a JSON document (or read JSON lines from stdin)."""
+    texts = list(payloads) or [line for line in sys.stdin.read().splitlines() if line.strip()]
+    if not texts:
+        raise click.UsageError("no payloads given (arguments or JSON lines on stdin)")
+    try:
+        values = [json.loads(t) for t in texts]
+    except json.JSONDecodeError as exc:
+        raise click.UsageError(f"payload is not JSON: {exc}") from None
+    with (
+        _client(database_url, redis_url, prefix) as client,
+        client.writer(stream, instance=instance) as writer,
+    ):
+        stamps = [timestamp] * len(values)
+        ack = writer.append_batch(values, timestamps=stamps)
+    data = {
+        "first_id": ack.first_id,
+        "last_id": ack.last_id,
+        "count": ack.count,
+        "first_timestamp": ack.first_timestamp,
+        "last_timestamp": ack.last_timestamp,
+    }
+    _emit(
+        data,
+        as_json,
+        lambda d: iter([f"appended {d['count']} fact(s): ids {d['first_id']}..{d['last_id']}"]),
+    )
+
+
+_DURATION = re.compile(r"(\d+)(ms|s|m|h|d)")
+_UNITS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+
+
+def parse_duration_ms(text: str) -> int:
+    """``90s``, ``5m``, ``1h30m``, ``250ms`` -> milliseconds."""
+    parts = _DURATION.findall(text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        raise click.BadParameter(f"invalid duration {text!r} (e.g. 250ms, 90s, 5m, 1h30m)")
+    return sum(int(n) * _UNITS[u] for n, u in parts)
+
+
+@main.command()
+@click.argument("stream")
+@click.option("--from-id", type=click.IntRange(min=1), help="First stream ID to read.")
+@click.option("--from-time", type=click.IntRange(min=0), help="First fact with timestamp >= ms.")
+@click.option("--ago", help="Start at a duration ago, e.g. 5m, 1h.")
+@click.option("--limit", type=click.IntRange(min=1), default=100, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="JSON lines.")
+@_common
+def read(
+    stream: str,
+    from_id: int | None,
+    from_time: int | None,
+    ago: str | None,
+    limit: int,
+    as_json: bool,
+    database_url: str | None,
+    redis_url: str | None,
+    prefix: str | None,
+) -> None:
+    """Read completed facts (up to the linear position) in stream-ID order.
+
+    Timestamps are shown as readers see them: raised to the running maximum in ID order.
+    """
+    if sum(x is not None for x in (from_id, from_time, ago)) > 1:
+        raise click.UsageError("give at most one of --from-id, --from-time, --ago")
+    settings = _settings(database_url, redis_url, prefix)
+    with psycopg.connect(settings.database_url, autocommit=True) as conn:
+        info = run(conn, load_stream(stream))
+        with _client(database_url, redis_url, prefix) as client:
+            linear = client.positions(stream).linear
+        start_time = from_time
+        if ago is not None:
+            start_time = int(time.time() * 1000) - parse_duration_ms(ago)
+        start_id = from_id or 1
+        if start_time is not None:
+            row = conn.execute(
+                "SELECT min(stream_id) FROM streams_facts WHERE stream = %s AND ts >= %s",
+                (info.id, start_time),
+            ).fetchone()
+            start_id = row[0] if row and row[0] is not None else linear + 1
+        floor_row = conn.execute(
+            "SELECT max(ts) FROM streams_facts WHERE stream = %s AND stream_id < %s",
+            (info.id, start_id),
+        ).fetchone()
+        running = int(floor_row[0]) if floor_row and floor_row[0] is not None else 0
+        rows = conn.execute(
+            "SELECT stream_id, row_no, instance, ts, payload FROM streams_facts "
+            "WHERE stream = %s AND stream_id >= %s AND stream_id <= %s "
+            "ORDER BY stream_id, row_no LIMIT %s",
+            (info.id, start_id, linear, limit),
+        ).fetchall()
+    for stream_id, row_no, instance, ts, payload in rows:
+        running = max(running, int(ts))
+        record = {
+            "stream_id": stream_id,
+            "row": row_no,
+            "instance": instance,
+            "timestamp": running,
+            "payload": payload,
+        }
+        if as_json:
+            click.echo(json.dumps(record, sort_keys=True, separators=(",", ":")))
+        else:
+            click.echo(f"{stream_id:>10} {running:>14} {instance:<20} {json.dumps(payload)}")
+
+
+@main.command()
+@click.argument("streams", nargs=-1)
+@click.option("--json", "as_json", is_flag=True)
+@_common
+def positions(
+    streams: tuple[str, ...],
+    as_json: bool,
+    database_url: str | None,
+    redis_url: str | None,
+    prefix: str | None,
+) -> None:
+    """Linear position, max allocated and each writer's position (all streams by default)."""
+    with _client(database_url, redis_url, prefix) as client:
+        names = list(streams) or [s.name for s in client.streams()]
+        data = [client.positions(name).as_dict() for name in names]
+
+    def text(items: list[dict[str, Any]]) -> Iterator[str]:
+        for d in items:
+            yield (
+                f"{d['stream']}: linear {d['linear']}  max allocated {d['max_allocated']}  "
+                f"scratchpad {d['max_allocated'] - d['linear']}"
+            )
+            for name, w in d["writers"].items():
+                state = "retired" if w["retired"] else f"lease {w['lease_expires_in_ms']} ms"
+                yield f"  writer {name:<28} position {w['position']:>12}  {state}"
+
+    _emit(data, as_json, text)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True)
+@_common
+def doctor(
+    as_json: bool, database_url: str | None, redis_url: str | None, prefix: str | None
+) -> None:
+    """Check connectivity, schema, sequences and writer leases; exit 1 on any problem."""
+    from .doctor import diagnose
+
+    settings = _settings(database_url, redis_url, prefix)
+    checks = diagnose(settings)
+    _emit(
+        [c.as_dict() for c in checks],
+        as_json,
+        lambda items: iter(
+            f"[{'ok' if c['ok'] else 'FAIL'}] {c['name']}: {c['detail']}" for c in items
+        ),
+    )
+    if not all(c.ok for c in checks):
+        sys.exit(1)
+
+
+@main.group()
+def bench() -> None:
+    """Benchmarks that print figures beside a raw baseline measured in the same run."""
+
+
+@bench.command(name="write")
+@click.option("--seconds", type=float, default=3.0, show_default=True, help="Per measurement.")
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option(
+    "--writers", "writer_counts", multiple=True, type=int, default=(1, 4), show_default=True
+)
+@click.option("--memory-facts", type=int, default=1_000_000, show_default=True)
+@_common
+def bench_write(
+    seconds: float,
+    rounds: int,
+    writer_counts: tuple[int, ...],
+    memory_facts: int,
+    database_url: str | None,
+    redis_url: str | None,
+    prefix: str | None,
+) -> None:
+    """Appends/s (single and 1000-per-transaction) for 1 and 4 writer processes vs raw."""
+    from .bench import run_write_bench, tracker_memory
+
+    settings = _settings(database_url, redis_url, prefix)
+    click.echo(f"database {redact_url(settings.database_url)}; medians of {rounds} rounds")
+    run_write_bench(
+        settings.database_url,
+        writer_counts=writer_counts,
+        seconds=seconds,
+        rounds=rounds,
+        report=click.echo,
+    )
+    if memory_facts:
+        tracker_memory(memory_facts, report=click.echo)
+
+
+@main.command()
+@click.option("--facts", type=click.IntRange(min=1), default=1000, show_default=True)
+@_common
+def demo(facts: int, database_url: str | None, redis_url: str | None, prefix: str | None) -> None:
+    """Migrate, create a stream, write from two writers (one fact held open), show positions."""
+    from .migrate import upgrade
+
+    settings = _settings(database_url, redis_url, prefix)
+    upgrade(settings.database_url)
+    name = f"demo-{int(time.time())}"
+    with connect(settings.database_url) as client:
+        client.create_stream(name)
+        click.echo(f"created stream {name} in {redact_url(settings.database_url)}")
+        with (
+            client.writer(name, instance="demo-a") as a,
+            client.writer(name, instance="demo-b") as b,
+            psycopg.connect(settings.database_url) as conn,
+        ):
+            started = time.perf_counter()
+            ack = a.append_batch([{"n": n, "by": "demo-a"} for n in range(facts)])
+            click.echo(
+                f"demo-a appended {ack.count} facts (ids {ack.first_id}..{ack.last_id})"
+                f" in {(time.perf_counter() - started) * 1000:.1f} ms"
+            )
+            with b.fact(conn) as held:
+                held.add({"by": "demo-b", "note": "held open"})
+                later = a.append({"n": "after the held one"})
+                a.heartbeat()
+                b.heartbeat()
+                p = client.positions(name)
+                click.echo(
+                    f"demo-b holds id {held.stream_id} open; demo-a wrote {later.first_id}"
+                    f": linear {p.linear} < {held.stream_id} <= max allocated"
+                    f" {p.max_allocated}"
+                )
+            a.heartbeat()
+            b.heartbeat()
+            p = client.positions(name)
+            click.echo(f"demo-b committed: linear {p.linear}, max allocated {p.max_allocated}")
+    click.echo(f"now try: streams read {name} --limit 5   or   streams positions {name}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
