@@ -173,6 +173,9 @@ class Writer:
         back on an exception). Write the fact's rows in your own tables with `fact.stream_id`
         (and/or `fact.add(...)` rows in the built-in table). The ID completes when the
         transaction ends, as a gap if it rolled back.
+
+        The transaction holds back the linear position while open, so it must not sit idle:
+        the server aborts it if it is idle (no statement running) for longer than the lease.
         """
         _check_idle(conn)
         core = self._core
