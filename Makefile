@@ -5,7 +5,7 @@ check: lint typecheck test
 
 lint:
 	ruff check .
-	ruff format --check .
+	ruff format --check streams tests migrations spark
 
 typecheck:
 	mypy
@@ -14,7 +14,7 @@ test:
 	python -m pytest
 
 format:
-	ruff format .
+	ruff format streams tests migrations spark
 	ruff check --fix .
 
 bench:

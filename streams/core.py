@@ -33,7 +33,13 @@ from ._ops import Commit, CopyIn, Gen, Query
 from .config import validate_instance_name
 from .errors import PayloadNotSerializable, PayloadTooLarge, UsageError, WriterFenced
 from .positions import PositionTracker, ReservationToken
-from .store import StreamInfo, load_stream, max_allocated_sql, repair_sequence
+from .store import (
+    StreamInfo,
+    load_stream,
+    max_allocated_sql,
+    repair_sequence,
+    retire_expired_writers,
+)
 from .timestamps import resolve_timestamps, validate_client_timestamp
 
 __all__ = ["Ack", "DatabaseClock", "FactHandle", "HeartbeatResult", "WriterCore", "encode_payload"]
@@ -106,6 +112,9 @@ class FactHandle:
     rows: int = 0
 
 
+#: Retire expired peers every this many heartbeats.
+RETIRE_EVERY = 4
+
 _NOW_MS = "(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
 
 
@@ -128,6 +137,7 @@ class WriterCore:
         self._persisted = 0
         self._reserve_one: sql.Composed | None = None
         self._reserve_many: sql.Composed | None = None
+        self._beats = 0
 
     # ------------------------------------------------------------------ accessors
 
@@ -420,6 +430,15 @@ class WriterCore:
         self._persisted = max(self._persisted, persisted)
         tracker.note_allocated(max_allocated)
         return HeartbeatResult(True, self._persisted, max_allocated)
+
+    def beat(self) -> Gen[HeartbeatResult]:
+        """One scheduled heartbeat; every `RETIRE_EVERY`-th also retires expired peers, so a
+        dead writer stops pinning the linear position even when nobody reads positions."""
+        result = yield from self.heartbeat()
+        self._beats += 1
+        if result.alive and self._beats % RETIRE_EVERY == 0:
+            yield from retire_expired_writers(self.info)
+        return result
 
     def retire(self) -> Gen[None]:
         """Graceful close: persist the position, then retire (treated as caught up)."""

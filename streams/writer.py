@@ -24,7 +24,7 @@ from psycopg.pq import TransactionStatus
 from ._ops import arun, run
 from .core import Ack, FactHandle, WriterCore
 from .errors import StoreError, UsageError, WriterFenced
-from .store import StreamInfo, retire_expired_writers
+from .store import StreamInfo
 
 __all__ = ["AsyncFact", "AsyncWriter", "Fact", "Writer"]
 
@@ -34,8 +34,6 @@ log = logging.getLogger("streams.writer")
 #: position fresher; each flush is a transaction, and at 5 ms four single-fact writers lost
 #: ~25% of their commit throughput to them (measured with `streams bench write`).
 FLUSH_INTERVAL = 0.02
-#: Retire expired peers every this many heartbeats (a dead writer must not pin the position).
-RETIRE_EVERY = 4
 
 
 def _connect(url: str) -> psycopg.Connection[Any]:
@@ -208,17 +206,13 @@ class Writer:
 
     def _beat_loop(self) -> None:
         interval = self._core.lease_seconds / 4
-        beats = 0
         while not self._stopped.is_set():
             self._wake.wait(interval)
             self._wake.clear()
             if self._stopped.is_set():
                 break
             try:
-                self.heartbeat()
-                beats += 1
-                if beats % RETIRE_EVERY == 0:
-                    run(self._beat_conn, retire_expired_writers(self._core.info))
+                run(self._beat_conn, self._core.beat())
             except Exception as exc:  # keep beating through transient failures
                 log.warning("heartbeat of %r failed: %s", self, exc)
                 self._reconnect_beat()
@@ -365,7 +359,6 @@ class AsyncWriter:
 
     async def _beat_loop(self) -> None:
         interval = self._core.lease_seconds / 4
-        beats = 0
         while not self._stopped.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), interval)
@@ -373,11 +366,8 @@ class AsyncWriter:
             if self._stopped.is_set():
                 break
             try:
-                await self.heartbeat()
-                beats += 1
-                if beats % RETIRE_EVERY == 0:
-                    assert self._beat_conn is not None
-                    await arun(self._beat_conn, retire_expired_writers(self._core.info))
+                assert self._beat_conn is not None
+                await arun(self._beat_conn, self._core.beat())
             except Exception as exc:
                 log.warning("heartbeat of %r failed: %s", self, exc)
                 await self._reconnect_beat()
