@@ -110,22 +110,34 @@ async def _aexecute(conn: psycopg.AsyncConnection[Any], op: Op) -> list[Row]:
 
 
 def _rollback(conn: psycopg.Connection[Any]) -> None:
-    if conn.closed or not _in_transaction(conn):
+    """End the transaction so that it can never commit.
+
+    A connection interrupted in the middle of a command (status ACTIVE, e.g. a cancelled
+    task) or broken cannot roll back; closing it has the same effect, because a transaction
+    only commits when the client sends COMMIT. The writer reconnects on its next use.
+    """
+    if conn.closed or conn.info.transaction_status == TransactionStatus.IDLE:
         return
-    try:
-        conn.rollback()
-    except psycopg.Error:
-        # The connection is broken: closing it makes the server abort the transaction.
-        conn.close()
+    if _in_transaction(conn):
+        try:
+            conn.rollback()
+            return
+        except psycopg.Error:
+            pass
+    conn.close()
 
 
 async def _arollback(conn: psycopg.AsyncConnection[Any]) -> None:
-    if conn.closed or not _in_transaction(conn):
+    """The asyncio twin of `_rollback`."""
+    if conn.closed or conn.info.transaction_status == TransactionStatus.IDLE:
         return
-    try:
-        await conn.rollback()
-    except psycopg.Error:
-        await conn.close()
+    if _in_transaction(conn):
+        try:
+            await conn.rollback()
+            return
+        except psycopg.Error:
+            pass
+    await conn.close()
 
 
 def _advance(gen: Gen[T], result: list[Row] | None, error: BaseException | None) -> Op:

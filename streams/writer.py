@@ -157,6 +157,10 @@ class Writer:
 
     def _append(self, payloads: Sequence[Any], stamps: Sequence[int | None]) -> Ack:
         with self._lock:
+            if self._conn.closed or self._conn.broken:
+                # The server restarted or dropped us: the failed append was a gap; carry on
+                # with a new connection (the lease and generation are unchanged).
+                self._conn = _connect(self._url)
             ack = run(self._conn, self._core.append(payloads, stamps))
         self._after_completion()
         return ack
@@ -240,8 +244,9 @@ class Writer:
         self._thread.join()
         try:
             with self._lock:
-                if not self._conn.closed:
-                    run(self._conn, self._core.retire())
+                if self._conn.closed or self._conn.broken:
+                    self._conn = _connect(self._url)
+                run(self._conn, self._core.retire())
         except (StoreError, WriterFenced) as exc:
             log.warning("could not retire %r cleanly: %s", self, exc)
         finally:
@@ -321,6 +326,8 @@ class AsyncWriter:
     async def _append(self, payloads: Sequence[Any], stamps: Sequence[int | None]) -> Ack:
         conn = self._connection()
         async with self._lock:
+            if conn.closed or conn.broken:
+                conn = self._conn = await _aconnect(self._url)
             ack = await arun(conn, self._core.append(payloads, stamps))
         self._after_completion()
         return ack
@@ -394,8 +401,10 @@ class AsyncWriter:
             await self._task
         conn = self._conn
         try:
-            if conn is not None and not conn.closed:
-                async with self._lock:
+            async with self._lock:
+                if conn is not None and (conn.closed or conn.broken):
+                    conn = self._conn = await _aconnect(self._url)
+                if conn is not None:
                     await arun(conn, self._core.retire())
         except (StoreError, WriterFenced) as exc:
             log.warning("could not retire %r cleanly: %s", self, exc)

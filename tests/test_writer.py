@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -386,3 +387,41 @@ def test_async_writer(streams_url: str, unique_name: str) -> None:
     payloads = [r[4] for r in fact_rows(streams_url, unique_name)]
     assert {"never": "committed"} not in payloads
     assert payloads.count({"multi": 1}) == 1
+
+
+def test_lost_connection_is_a_gap_then_the_writer_reconnects(
+    client: Client, stream: str, streams_url: str
+) -> None:
+    with client.writer(stream, instance="w") as writer:
+        first = writer.append({"n": 1})
+        with psycopg.connect(streams_url, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", (writer._conn.info.backend_pid,))
+        with pytest.raises(streams.StoreError):
+            writer.append({"n": "lost"})
+        assert writer.core.tracker.pending_count == 0
+        assert writer.core.tracker.in_flight_count == 0
+        second = writer.append({"n": 2})
+        assert second.first_id > first.first_id
+    assert [r[4] for r in fact_rows(streams_url, stream)] == [{"n": 1}, {"n": 2}]
+
+
+def test_cancelled_async_append_leaks_nothing(streams_url: str, unique_name: str) -> None:
+    async def main() -> None:
+        async with await streams.aconnect(streams_url, lease_seconds=2.0) as client:
+            await client.create_stream(unique_name)
+            async with await client.writer(unique_name, instance="aw") as writer:
+                for _ in range(20):
+                    task = asyncio.create_task(writer.append_batch([{"x": 1}] * 200))
+                    await asyncio.sleep(0.001)
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+                    assert writer.core.tracker.pending_count == 0
+                    assert writer.core.tracker.in_flight_count == 0
+                ack = await writer.append({"after": "cancellations"})
+                assert writer.position >= ack.last_id
+
+    asyncio.run(main())
+    # Every batch landed whole or not at all.
+    rows = fact_rows(streams_url, unique_name)
+    assert (len(rows) - 1) % 200 == 0
