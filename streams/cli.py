@@ -40,6 +40,9 @@ def _common(func: F) -> F:
             return func(*args, **kwargs)
         except StreamsError as exc:
             raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
+        except psycopg.Error as exc:
+            # Server messages never contain the connection password; name the class only.
+            raise click.ClickException(f"StoreError: {type(exc).__name__}") from None
 
     return wrapper  # type: ignore[return-value]
 
