@@ -35,7 +35,7 @@ import psycopg
 from psycopg import sql
 from psycopg.pq import TransactionStatus
 
-from .errors import StoreError, StreamsError
+from .errors import StoreError
 
 __all__ = ["Commit", "CopyIn", "Gen", "Op", "Query", "arun", "run"]
 
@@ -169,8 +169,6 @@ def run(conn: psycopg.Connection[Any], gen: Gen[T]) -> T:
         except BaseException as exc:  # includes KeyboardInterrupt: IDs must not leak
             _rollback(conn)
             error = _wrap(exc) if isinstance(exc, psycopg.Error) else exc
-            if isinstance(error, StreamsError):
-                error.__cause__ = None
 
 
 async def arun(conn: psycopg.AsyncConnection[Any], gen: Gen[T]) -> T:

@@ -24,7 +24,7 @@ from ._ops import run
 from .client import Client, connect
 from .config import Settings, redact_url
 from .errors import StreamsError
-from .store import load_stream
+from .store import load_stream, stream_positions
 from .timestamps import TimestampMode
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -227,8 +227,7 @@ def read(
     settings = _settings(database_url, redis_url, prefix)
     with psycopg.connect(settings.database_url, autocommit=True) as conn:
         info = run(conn, load_stream(stream))
-        with _client(database_url, redis_url, prefix) as client:
-            linear = client.positions(stream).linear
+        linear = run(conn, stream_positions(info)).linear
         start_time = from_time
         if ago is not None:
             start_time = int(time.time() * 1000) - parse_duration_ms(ago)

@@ -311,31 +311,36 @@ def stream_positions(info: StreamInfo, *, retire: bool = True) -> Gen[StreamPosi
     """Positions of a stream: linear, max allocated and every writer's row."""
     if retire:
         yield from retire_expired_writers(info)
+    # One statement: max allocated always comes back, with one row per writer (or one row
+    # of NULL writer columns when the stream has none).
     rows = yield Query(
         sql.SQL(
             """
-            SELECT instance, generation, position, retired,
-                   (extract(epoch FROM lease_expires_at - clock_timestamp()) * 1000)::bigint,
-                   {}, pending
-            FROM streams_writers WHERE stream = %s ORDER BY instance
+            SELECT {max_allocated}, w.instance, w.generation, w.position, w.retired,
+                   (extract(epoch FROM w.lease_expires_at - clock_timestamp()) * 1000)::bigint,
+                   w.pending
+            FROM (SELECT 1) AS one
+            LEFT JOIN streams_writers w ON w.stream = %s
+            ORDER BY w.instance
             """
-        ).format(max_allocated_sql(info)),
+        ).format(max_allocated=max_allocated_sql(info)),
         (info.id,),
     )
     yield Commit()
-    max_allocated = int(rows[0][5]) if rows else (yield from linear_position(info))[1]
-    linear = linear_from([row[2] for row in rows if not row[3]], max_allocated)
+    max_allocated = int(rows[0][0])
     writers = {
-        row[0]: WriterRow(
-            instance=row[0],
-            generation=row[1],
-            position=row[2],
-            retired=row[3],
-            lease_expires_in_ms=row[4],
+        row[1]: WriterRow(
+            instance=row[1],
+            generation=row[2],
+            position=row[3],
+            retired=row[4],
+            lease_expires_in_ms=row[5],
             pending=row[6],
         )
         for row in rows
+        if row[1] is not None
     }
+    linear = linear_from([w.position for w in writers.values() if not w.retired], max_allocated)
     return StreamPositions(
         stream=info.name, linear=linear, max_allocated=max_allocated, writers=writers
     )
