@@ -10,8 +10,10 @@ Life of an append
 1. Validate and encode the payloads and resolve timestamps (pure; raises before any I/O).
 2. ``begin_reservation`` in the tracker (the reservation is now *in flight*).
 3. One statement checks the writer's lease (``FOR KEY SHARE`` on its row, current generation,
-   not retired), reserves the IDs with ``nextval`` and, for one fact, inserts the row. A batch
-   then ``COPY``s its rows. No row back means this writer was fenced.
+   not retired), takes the stream's shared *reservation lock* (which tells readers an ID at or
+   above its key may still complete; see `streams.constants`), reserves the IDs with ``nextval``
+   and, for one fact, inserts the row. A batch then ``COPY``s its rows. No row back means this
+   writer was fenced.
 4. ``COMMIT``. Whatever happens (commit, error, rollback, cancellation), the IDs complete in
    the tracker in a ``finally``: a failure is a permanent gap, never a leaked pending ID.
 5. Positions are persisted by `heartbeat` (forward-only), outside the append's transaction, so
@@ -31,6 +33,7 @@ from psycopg import sql
 
 from ._ops import Commit, CopyIn, Gen, Query
 from .config import validate_instance_name
+from .constants import REGISTRATION_LOCK, reservation_lock_class
 from .errors import PayloadNotSerializable, PayloadTooLarge, UsageError, WriterFenced
 from .positions import PositionTracker, ReservationToken
 from .store import (
@@ -38,6 +41,7 @@ from .store import (
     load_stream,
     max_allocated_sql,
     repair_sequence,
+    reservation_lock_key_sql,
     retire_expired_writers,
 )
 from .timestamps import resolve_timestamps, validate_client_timestamp
@@ -172,7 +176,7 @@ class WriterCore:
         info = yield from load_stream(self.stream_name)
         rows = yield Query(f"SELECT {_NOW_MS}")
         self.clock.sample(rows[0][0], sent, time.time())
-        yield Query("SELECT pg_advisory_xact_lock(%s, %s)", (7314, info.id))
+        yield Query("SELECT pg_advisory_xact_lock(%s, %s)", (REGISTRATION_LOCK, info.id))
         yield from repair_sequence(info)
         rows = yield Query(
             sql.SQL(
@@ -244,29 +248,37 @@ class WriterCore:
         self._prepare_statements(info)
 
     def _prepare_statements(self, info: StreamInfo) -> None:
-        lease_check = sql.SQL(
+        # w: the lease check (see streams.store); g: the reservation lock, taken before nextval
+        # with L = last value + 1, so every ID this transaction reserves is >= L and readers can
+        # see in pg_locks that it may still complete (see streams.constants). r depends on g, and
+        # CTEs with volatile functions are materialised, so the lock is always taken first.
+        prefix = sql.SQL(
             """
-            SELECT set_config('idle_in_transaction_session_timeout', %(idle_ms)s, true)
-            FROM streams_writers
-            WHERE stream = %(stream)s AND instance = %(instance)s
-              AND generation = %(generation)s AND NOT retired
-            FOR KEY SHARE
+            WITH w AS (
+                SELECT set_config('idle_in_transaction_session_timeout', %(idle_ms)s, true)
+                FROM streams_writers
+                WHERE stream = %(stream)s AND instance = %(instance)s
+                  AND generation = %(generation)s AND NOT retired
+                FOR KEY SHARE
+            ), g AS (
+                SELECT pg_advisory_xact_lock_shared({lock_class}, {lock_key}) FROM w
+            )
             """
+        ).format(
+            lock_class=sql.Literal(reservation_lock_class(info.id)),
+            lock_key=reservation_lock_key_sql(info),
         )
+        seq = sql.Literal(info.sequence_name)
         self._reserve_one = sql.SQL(
-            """
-            WITH w AS ({lease}), r AS (SELECT nextval({seq}) AS id FROM w)
+            """{prefix}, r AS (SELECT nextval({seq}) AS id FROM g)
             INSERT INTO streams_facts (stream, stream_id, row_no, instance, ts, payload)
             SELECT %(stream)s, r.id, 0, %(instance)s, %(ts)s, %(payload)s::jsonb FROM r
             RETURNING stream_id
             """
-        ).format(lease=lease_check, seq=sql.Literal(info.sequence_name))
+        ).format(prefix=prefix, seq=seq)
         self._reserve_many = sql.SQL(
-            """
-            WITH w AS ({lease})
-            SELECT nextval({seq}) FROM w, generate_series(1, %(count)s)
-            """
-        ).format(lease=lease_check, seq=sql.Literal(info.sequence_name))
+            "{prefix} SELECT nextval({seq}) FROM g, generate_series(1, %(count)s)"
+        ).format(prefix=prefix, seq=seq)
 
     def _lease_params(self) -> dict[str, Any]:
         return {

@@ -24,6 +24,26 @@ non-key columns, which do not conflict with ``FOR KEY SHARE``, so they never wai
 A wedged-but-connected writer cannot hold a transaction open forever either: each writing
 transaction sets ``idle_in_transaction_session_timeout`` to the lease.
 
+How readers know what is complete (the probe argument)
+-----------------------------------------------------
+A reader may deliver the facts up to ``C`` only when every ID ``<= C`` has completed: an ID
+still pending could commit later and would then be skipped. `probe` learns ``C`` from
+PostgreSQL alone, without trusting any writer's announcement (Redis is unauthenticated), in one
+statement whose parts run in this order:
+
+1. read ``A``, the sequence's last value (max allocated);
+2. read ``pg_locks`` for the stream's reservation locks (`streams.constants`), held by every
+   writing transaction from just *before* its ``nextval`` until it ends, keyed by ``L`` (the
+   sequence value plus one when it started), so every ID it reserves is ``>= L``.
+
+Any transaction holding an ID ``<= A`` called ``nextval`` before step 1, so took its lock
+before step 1; if it is still open at step 2 its lock is seen, with ``L <=`` its IDs. Hence
+``C = min(A, min(L) - 1)`` is complete: every ID ``<= C`` is committed or rolled back for good.
+The rows are then read by a *later* statement (a newer snapshot under READ COMMITTED), which
+therefore sees every committed fact ``<= C``. A writer whose process dies releases its locks
+when the server notices the dropped connection; a wedged one, when its transaction has been idle
+for the lease (``idle_in_transaction_session_timeout``).
+
 The alternative (transaction-ID snapshots with ``pg_current_snapshot``) needs every fact to
 record its ``xid`` and readers to reason about snapshots; row locks put the whole proof in one
 place the database already enforces.
@@ -39,20 +59,32 @@ from psycopg import sql
 
 from ._ops import Commit, Gen, Query
 from .config import validate_stream_name
+from .constants import RESERVATION_LOCK_SPAN, reservation_lock_class
 from .errors import SchemaNotReady, StreamExists, UnknownStream
 from .positions import sequence_repair_target
 from .timestamps import TimestampMode
 
 __all__ = [
+    "FactRow",
+    "GroupRow",
+    "Probe",
     "StreamInfo",
     "StreamPositions",
     "WriterRow",
+    "commit_group",
     "create_stream",
+    "delete_group",
     "drop_stream",
+    "fetch_rows",
+    "group_position",
     "linear_position",
+    "list_groups",
     "list_streams",
     "load_stream",
+    "load_streams",
+    "probe",
     "repair_sequence",
+    "reservation_lock_key_sql",
     "retire_expired_writers",
     "stream_positions",
 ]
@@ -102,12 +134,17 @@ class StreamPositions:
     linear: int
     max_allocated: int
     writers: Mapping[str, WriterRow]
+    #: The minimum of the writers' persisted positions: trails ``linear`` by a heartbeat.
+    persisted_linear: int = 0
+    groups: tuple[GroupRow, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "stream": self.stream,
             "linear": self.linear,
+            "persisted_linear": self.persisted_linear,
             "max_allocated": self.max_allocated,
+            "groups": {g.group: g.as_dict() for g in self.groups},
             "writers": {
                 name: {
                     "position": row.position,
@@ -285,26 +322,217 @@ def retire_expired_writers(info: StreamInfo) -> Gen[list[str]]:
 
 
 def linear_from(live_positions: list[int], max_allocated: int) -> int:
-    """The linear position: the minimum persisted position over writers that are not retired.
+    """The minimum persisted position over writers that are not retired (or max allocated).
 
-    With no live writer everything allocated has completed. Persisted positions are only ever
-    values that were true when written, so the minimum is a safe (possibly slightly old)
-    reading.
+    Persisted positions are values that were true when written, so this is a safe but slightly
+    old reading; `probe` gives the current one.
     """
     return min([*live_positions, max_allocated])
 
 
-def linear_position(info: StreamInfo) -> Gen[tuple[int, int]]:
-    """(linear position, max allocated) from the database alone, in one statement."""
+def reservation_lock_key_sql(info: StreamInfo) -> sql.Composed:
+    """The int4 second key of a reservation lock: ``(last value + 1) mod 2**32``, as an int4.
+
+    For statements executed with parameters (``%%`` is psycopg's escaped ``%``).
+    """
+    return sql.SQL("((({allocated} + 1 + 2147483648) %% 4294967296) - 2147483648)::int4").format(
+        allocated=max_allocated_sql(info)
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """What PostgreSQL proves about a stream at one moment (see "the probe argument").
+
+    ``max_allocated``: the highest ID reserved so far. ``complete``: every ID ``<=`` it has
+    completed, so a reader may deliver everything up to it; this is the stream's linear
+    position as PostgreSQL alone can vouch for it.
+    """
+
+    stream: str
+    max_allocated: int
+    complete: int
+
+
+_PROBE_SQL = f"""
+WITH s AS MATERIALIZED (
+    SELECT r.name, k.lock_class,
+           COALESCE(pg_sequence_last_value(r.sequence_name::regclass), 0) AS allocated
+    FROM unnest(%(ids)s::int[], %(classes)s::bigint[]) AS k(id, lock_class)
+    JOIN streams_registry r ON r.id = k.id
+)
+SELECT s.name, s.allocated, (
+    -- Correlated on s.allocated, so pg_locks is read after the sequence (the argument needs
+    -- it). objid holds L mod 2**32; L is the one value in (allocated + 1 - 2**32, allocated + 1].
+    SELECT min(s.allocated + 1
+               - ((s.allocated + 1 - l.objid::bigint) %% {RESERVATION_LOCK_SPAN}
+                  + {RESERVATION_LOCK_SPAN}) %% {RESERVATION_LOCK_SPAN})
+    FROM pg_locks l
+    WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.classid = s.lock_class::oid
+      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+) AS min_locked
+FROM s
+"""
+
+
+def probe(infos: list[StreamInfo]) -> Gen[dict[str, Probe]]:
+    """`Probe` every stream in ``infos`` in one statement (no transaction is left open)."""
     rows = yield Query(
-        sql.SQL(
-            "SELECT array(SELECT position FROM streams_writers WHERE stream = %s AND NOT retired),"
-            " {}"
-        ).format(max_allocated_sql(info)),
+        _PROBE_SQL,
+        {
+            "ids": [info.id for info in infos],
+            # pg_locks shows the int4 key as an unsigned oid.
+            "classes": [reservation_lock_class(i.id) % RESERVATION_LOCK_SPAN for i in infos],
+        },
+    )
+    yield Commit()
+    result: dict[str, Probe] = {}
+    for name, allocated_value, min_locked in rows:
+        allocated = int(allocated_value)
+        complete = allocated if min_locked is None else min(allocated, int(min_locked) - 1)
+        result[name] = Probe(name, allocated, max(complete, 0))
+    return result
+
+
+def linear_position(info: StreamInfo) -> Gen[tuple[int, int]]:
+    """(linear position, max allocated), proven by PostgreSQL alone (see `probe`)."""
+    probes = yield from probe([info])
+    found = probes[info.name]
+    return found.complete, found.max_allocated
+
+
+@dataclass(frozen=True, slots=True)
+class FactRow:
+    """One row of the built-in facts table, as readers fetch it."""
+
+    stream_id: int
+    row_no: int
+    instance: str
+    timestamp: int
+    payload: Any
+
+
+def fetch_rows(info: StreamInfo, after: int, through: int, limit: int) -> Gen[list[FactRow]]:
+    """Rows of facts with ``after < stream_id <= through``, in (stream ID, row) order.
+
+    At most ``limit`` rows: a page may end in the middle of a fact's rows (see
+    `streams.epochs`). Bounds are inlined as literals: measurably faster than parameters for
+    range scans, and they are ints, so nothing can be injected.
+    """
+    query = sql.SQL(
+        "SELECT stream_id, row_no, instance, ts, payload FROM streams_facts "
+        "WHERE stream = {stream} AND stream_id > {after} AND stream_id <= {through} "
+        "ORDER BY stream_id, row_no LIMIT {limit}"
+    ).format(
+        stream=sql.Literal(int(info.id)),
+        after=sql.Literal(int(after)),
+        through=sql.Literal(int(through)),
+        limit=sql.Literal(int(limit)),
+    )
+    rows = yield Query(query)
+    yield Commit()
+    return [FactRow(*row) for row in rows]
+
+
+def load_streams(names: list[str]) -> Gen[list[StreamInfo]]:
+    """Load several streams by name, in the given order; `UnknownStream` names the first missing."""
+    for name in names:
+        validate_stream_name(name)
+    rows = yield Query(
+        f"SELECT {_STREAM_COLUMNS} FROM streams_registry WHERE name = ANY(%s)", (names,)
+    )
+    found = {row[1]: _stream_from_row(row) for row in rows}
+    for name in names:
+        if name not in found:
+            raise UnknownStream(name)
+    return [found[name] for name in names]
+
+
+# --- reader groups ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class GroupRow:
+    """A reader group's committed frontier on one stream and its lag behind the stream."""
+
+    stream: str
+    group: str
+    position: int
+    ts_floor: int
+    lag: int
+    updated_at: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "group": self.group,
+            "position": self.position,
+            "lag": self.lag,
+            "updated_at": self.updated_at,
+        }
+
+
+def group_position(info: StreamInfo, group: str) -> Gen[tuple[int, int] | None]:
+    """(position, ts_floor) committed by ``group`` on this stream, or None if it never did."""
+    rows = yield Query(
+        "SELECT position, ts_floor FROM streams_reader_groups "
+        "WHERE stream = %s AND group_name = %s",
+        (info.id, group),
+    )
+    yield Commit()
+    return (int(rows[0][0]), int(rows[0][1])) if rows else None
+
+
+def commit_group(info: StreamInfo, group: str, position: int, ts_floor: int) -> Gen[int]:
+    """Record that ``group`` consumed everything ``<= position`` (forward-only); returns the
+    committed position, which is higher than ``position`` if another reader committed more."""
+    rows = yield Query(
+        """
+        INSERT INTO streams_reader_groups (stream, group_name, position, ts_floor)
+        VALUES (%(stream)s, %(group)s, %(position)s, %(ts_floor)s)
+        ON CONFLICT (stream, group_name) DO UPDATE
+        SET position = GREATEST(streams_reader_groups.position, EXCLUDED.position),
+            ts_floor = GREATEST(streams_reader_groups.ts_floor, EXCLUDED.ts_floor),
+            updated_at = now()
+        RETURNING position
+        """,
+        {"stream": info.id, "group": group, "position": position, "ts_floor": ts_floor},
+    )
+    yield Commit()
+    return int(rows[0][0])
+
+
+def delete_group(info: StreamInfo, group: str) -> Gen[bool]:
+    rows = yield Query(
+        "DELETE FROM streams_reader_groups WHERE stream = %s AND group_name = %s RETURNING 1",
+        (info.id, group),
+    )
+    yield Commit()
+    return bool(rows)
+
+
+def list_groups(info: StreamInfo, linear: int | None = None) -> Gen[list[GroupRow]]:
+    """Every group of the stream with its lag: the linear position (by `probe` unless given)
+    minus the committed one."""
+    if linear is None:
+        probes = yield from probe([info])
+        linear = probes[info.name].complete
+    rows = yield Query(
+        "SELECT group_name, position, ts_floor, updated_at FROM streams_reader_groups "
+        "WHERE stream = %s ORDER BY group_name",
         (info.id,),
     )
-    positions, max_allocated = rows[0]
-    return linear_from(list(positions), int(max_allocated)), int(max_allocated)
+    yield Commit()
+    return [
+        GroupRow(
+            stream=info.name,
+            group=name,
+            position=int(position),
+            ts_floor=int(ts_floor),
+            lag=max(0, linear - int(position)),
+            updated_at=updated_at.isoformat(),
+        )
+        for name, position, ts_floor, updated_at in rows
+    ]
 
 
 def stream_positions(info: StreamInfo, *, retire: bool = True) -> Gen[StreamPositions]:
@@ -340,7 +568,15 @@ def stream_positions(info: StreamInfo, *, retire: bool = True) -> Gen[StreamPosi
         for row in rows
         if row[1] is not None
     }
-    linear = linear_from([w.position for w in writers.values() if not w.retired], max_allocated)
+    probes = yield from probe([info])
+    groups = yield from list_groups(info, probes[info.name].complete)
     return StreamPositions(
-        stream=info.name, linear=linear, max_allocated=max_allocated, writers=writers
+        stream=info.name,
+        linear=probes[info.name].complete,
+        max_allocated=max(max_allocated, probes[info.name].max_allocated),
+        writers=writers,
+        persisted_linear=linear_from(
+            [w.position for w in writers.values() if not w.retired], max_allocated
+        ),
+        groups=tuple(groups),
     )

@@ -404,7 +404,15 @@ def test_positions_json(streams_url: str, stream: str) -> None:
     assert isinstance(data, list)
     assert len(data) == 1
     (entry,) = data
-    assert set(entry) == {"stream", "linear", "max_allocated", "writers"}
+    assert set(entry) == {
+        "stream",
+        "linear",
+        "persisted_linear",
+        "max_allocated",
+        "writers",
+        "groups",
+    }
+    assert entry["groups"] == {}
     assert (entry["stream"], entry["linear"], entry["max_allocated"]) == (stream, 3, 3)
     assert isinstance(entry["writers"], dict)
     assert len(entry["writers"]) == 1

@@ -1,0 +1,66 @@
+"""Every name `streams` uses outside its own tables: Redis channels and PostgreSQL lock keys.
+
+Kept in one place (like arq's ``constants.py``) so an operator can see at a glance what a
+deployment touches on shared Redis and PostgreSQL servers, and so two modules can never disagree
+on a name.
+
+Redis
+-----
+* ``<prefix>``: the replication channel. Every command (``REPLICATE``, ``POSITION``, ``RDATA``,
+  ``PING``...) is published here, one command per message (see `streams.protocol`).
+* ``<prefix>/<instance>``: messages meant for one instance only. Every process subscribes to the
+  channel of each of its instance names; nothing in `streams` needs to send there yet, but tools
+  (and Synapse-style workers) may.
+
+`streams` keeps no Redis keys: pub/sub only. Redis may be flushed or restarted at any time.
+
+PostgreSQL advisory locks
+-------------------------
+Advisory locks live in a namespace shared with every other application of the database, so
+ours are spelled out here:
+
+* ``(REGISTRATION_LOCK, <stream id>)``, transaction-scoped, exclusive: serialises writer
+  registration (sequence repair, seeding positions) per stream.
+* ``(-<stream id>, <low 32 bits of L>)``, transaction-scoped, *shared*: the **reservation
+  lock**. Every writing transaction takes it, in the same statement and *before* ``nextval``,
+  with ``L`` = the stream's sequence value plus one as read just before; so every ID that
+  transaction reserves is ``>= L``. Readers look at ``pg_locks`` for these locks to learn, from
+  PostgreSQL alone, up to which ID every reserved ID has completed (see `streams.store.probe`).
+  Negative first keys keep them apart from the ``(7314, id)`` lock and from most applications'
+  own keys; a foreign lock that happened to collide could only make readers more cautious, never
+  make them skip a fact.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+__all__ = [
+    "REGISTRATION_LOCK",
+    "RESERVATION_LOCK_SPAN",
+    "instance_channel",
+    "replication_channel",
+    "reservation_lock_class",
+]
+
+#: First key of the per-stream registration lock.
+REGISTRATION_LOCK: Final = 7314
+
+#: Reservation locks carry ``L mod 2**32``; readers recover ``L`` as the unique value in
+#: ``(max allocated + 1 - 2**32, max allocated + 1]`` (no transaction stays open for 4e9 IDs).
+RESERVATION_LOCK_SPAN: Final = 2**32
+
+
+def replication_channel(prefix: str) -> str:
+    """The channel every replication command is published on."""
+    return prefix
+
+
+def instance_channel(prefix: str, instance: str) -> str:
+    """The channel for messages meant for one instance."""
+    return f"{prefix}/{instance}"
+
+
+def reservation_lock_class(stream_key: int) -> int:
+    """First (int4) key of a stream's reservation locks: minus the stream's registry id."""
+    return -stream_key
