@@ -2,7 +2,9 @@
 
 Writers reserve stream IDs from PostgreSQL sequences and append facts in transactions; the
 library tracks per-writer and linear positions (Synapse's stream model), fences dead writers
-and keeps timestamps monotonic (S2's model). See README.md.
+and keeps timestamps monotonic (S2's model). Readers consume facts in stream-ID order as whole
+epochs with frontiers (Timely's model), woken over Redis and proven complete by PostgreSQL.
+See README.md.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from .client import AsyncClient, Client, aconnect, connect
 from .config import Settings, redact_url
 from .core import Ack
+from .epochs import Epoch, Fact
 from .errors import (
     ConfigurationError,
     InvalidFact,
@@ -23,29 +26,40 @@ from .errors import (
     StreamsError,
     UnknownStream,
     UsageError,
+    WaitTimeout,
     WriterFenced,
 )
+from .frontier import Antichain, FrontierProbe, MutableAntichain
 from .positions import PositionTracker
-from .store import StreamInfo, StreamPositions
+from .reader import AsyncReader, Reader
+from .store import GroupRow, StreamInfo, StreamPositions
 from .timestamps import TimestampMode
-from .writer import AsyncFact, AsyncWriter, Fact, Writer
+from .writer import AsyncOpenFact, AsyncWriter, OpenFact, Writer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Ack",
+    "Antichain",
     "AsyncClient",
-    "AsyncFact",
+    "AsyncOpenFact",
+    "AsyncReader",
     "AsyncWriter",
     "Client",
     "ConfigurationError",
+    "Epoch",
     "Fact",
+    "FrontierProbe",
+    "GroupRow",
     "InvalidFact",
     "InvalidStreamName",
     "InvalidTimestamp",
+    "MutableAntichain",
+    "OpenFact",
     "PayloadNotSerializable",
     "PayloadTooLarge",
     "PositionTracker",
+    "Reader",
     "SchemaNotReady",
     "Settings",
     "StoreError",
@@ -56,6 +70,7 @@ __all__ = [
     "TimestampMode",
     "UnknownStream",
     "UsageError",
+    "WaitTimeout",
     "Writer",
     "WriterFenced",
     "__version__",

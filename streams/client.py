@@ -1,14 +1,19 @@
 """`connect()` / `aconnect()`: the entry points of the Python API.
 
-A `Client` holds the settings and one connection for administrative work (creating streams,
-reading positions); every writer opens its own connections (see `streams.writer`).
+A `Client` holds the settings, one connection for administrative work (creating streams,
+reading positions and groups) and, when a Redis URL is configured, the process's Redis link,
+started on first use and shared by all its writers and readers (`streams.redis_link`). Every
+writer and reader opens its own PostgreSQL connections.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import secrets
 import socket
+import threading
+from collections.abc import Sequence
 from typing import Any
 
 import psycopg
@@ -17,11 +22,16 @@ from ._ops import arun, run
 from .config import Settings, redact_url
 from .core import WriterCore
 from .errors import StoreError
+from .reader import AsyncReader, Reader, ReaderCore, Start
+from .redis_link import AsyncRedisLink, RedisLink
 from .store import (
+    GroupRow,
     StreamInfo,
     StreamPositions,
     check_schema,
     create_stream,
+    delete_group,
+    list_groups,
     list_streams,
     load_stream,
     stream_positions,
@@ -36,6 +46,20 @@ def default_instance_name() -> str:
     """``<hostname>-<pid>``, cleaned to the instance-name alphabet."""
     host = re.sub(r"[^A-Za-z0-9_.:\-]", "-", socket.gethostname())[:100] or "host"
     return f"{host}-{os.getpid()}"
+
+
+def _link_name() -> str:
+    # Unique per client, so two clients of one process never mistake each other's echoes.
+    return f"{default_instance_name()}-{secrets.token_hex(3)}"
+
+
+def _reader_core(
+    streams: str | Sequence[str], start: Start, group: str | None, page_size: int | None
+) -> ReaderCore:
+    names = [streams] if isinstance(streams, str) else list(streams)
+    if page_size is None:
+        return ReaderCore(names, start=start, group=group)
+    return ReaderCore(names, start=start, group=group, page_size=page_size)
 
 
 class Client:
@@ -56,9 +80,21 @@ class Client:
         except BaseException:
             self._conn.close()
             raise
+        self._link: RedisLink | None = None
+        self._link_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"<Client {self.settings!r}>"
+
+    @property
+    def link(self) -> RedisLink | None:
+        """The Redis link (started on first use), or None without a Redis URL."""
+        if self.settings.redis_url is None:
+            return None
+        with self._link_lock:
+            if self._link is None:
+                self._link = RedisLink(self.settings.redis_url, self.settings.prefix, _link_name())
+            return self._link
 
     def create_stream(
         self,
@@ -92,9 +128,39 @@ class Client:
             lease_seconds=self.settings.lease_seconds,
             max_payload_bytes=self.settings.max_payload_bytes,
         )
-        return Writer(self.settings.database_url, core)
+        return Writer(self.settings.database_url, core, self.link)
+
+    def reader(
+        self,
+        streams: str | Sequence[str],
+        *,
+        start: Start = "earliest",
+        group: str | None = None,
+        page_size: int | None = None,
+        poll_interval: float | None = None,
+    ) -> Reader:
+        """A reader of one or several streams (see `streams.reader`).
+
+        ``start``: ``"earliest"`` (default), ``"latest"``, ``"live"`` (only facts that begin
+        after joining), a stream ID, a ``datetime`` or a ``timedelta`` ago. With ``group``, a
+        committed position of that group wins over ``start``.
+        """
+        core = _reader_core(streams, start, group, page_size)
+        return Reader(self.settings.database_url, core, self.link, poll_interval=poll_interval)
+
+    def groups(self, stream: str) -> list[GroupRow]:
+        """Every reader group of ``stream`` with its committed position and lag."""
+        info = run(self._conn, load_stream(stream))
+        return run(self._conn, list_groups(info))
+
+    def delete_group(self, stream: str, group: str) -> bool:
+        info = run(self._conn, load_stream(stream))
+        return run(self._conn, delete_group(info, group))
 
     def close(self) -> None:
+        if self._link is not None:
+            self._link.close()
+            self._link = None
         self._conn.close()
 
     def __enter__(self) -> Client:
@@ -110,6 +176,16 @@ class AsyncClient:
     def __init__(self, settings: Settings, conn: psycopg.AsyncConnection[Any]) -> None:
         self.settings = settings
         self._conn = conn
+        self._link: AsyncRedisLink | None = None
+
+    @property
+    def link(self) -> AsyncRedisLink | None:
+        """The Redis link (started on first use, on the running loop), or None."""
+        if self.settings.redis_url is None:
+            return None
+        if self._link is None:
+            self._link = AsyncRedisLink(self.settings.redis_url, self.settings.prefix, _link_name())
+        return self._link
 
     @classmethod
     async def open(cls, settings: Settings) -> AsyncClient:
@@ -163,9 +239,35 @@ class AsyncClient:
             lease_seconds=self.settings.lease_seconds,
             max_payload_bytes=self.settings.max_payload_bytes,
         )
-        return await AsyncWriter.open(self.settings.database_url, core)
+        return await AsyncWriter.open(self.settings.database_url, core, self.link)
+
+    async def reader(
+        self,
+        streams: str | Sequence[str],
+        *,
+        start: Start = "earliest",
+        group: str | None = None,
+        page_size: int | None = None,
+        poll_interval: float | None = None,
+    ) -> AsyncReader:
+        """The asyncio twin of `Client.reader`."""
+        core = _reader_core(streams, start, group, page_size)
+        return await AsyncReader.open(
+            self.settings.database_url, core, self.link, poll_interval=poll_interval
+        )
+
+    async def groups(self, stream: str) -> list[GroupRow]:
+        info = await arun(self._conn, load_stream(stream))
+        return await arun(self._conn, list_groups(info))
+
+    async def delete_group(self, stream: str, group: str) -> bool:
+        info = await arun(self._conn, load_stream(stream))
+        return await arun(self._conn, delete_group(info, group))
 
     async def aclose(self) -> None:
+        if self._link is not None:
+            await self._link.aclose()
+            self._link = None
         await self._conn.close()
 
     async def __aenter__(self) -> AsyncClient:

@@ -15,6 +15,7 @@ catch everything with one clause and still tell the cases apart::
     ├── WriterFenced                this writer was declared dead (lease expired or replaced);
     │                               it may not reserve or complete IDs any more
     ├── UsageError                  the API was used in a way it cannot honour
+    ├── WaitTimeout                 wait_for_position() gave up (also a TimeoutError)
     └── StoreError                  PostgreSQL failed underneath us (down, timed out, ...)
         └── SchemaNotReady          the schema is missing or older than this library's
 
@@ -36,6 +37,7 @@ __all__ = [
     "StreamsError",
     "UnknownStream",
     "UsageError",
+    "WaitTimeout",
     "WriterFenced",
 ]
 
@@ -105,3 +107,7 @@ class StoreError(StreamsError):
 
 class SchemaNotReady(StoreError):
     """The database has no `streams` schema, or an older one: run `streams migrate`."""
+
+
+class WaitTimeout(StreamsError, TimeoutError):
+    """A wait for a stream position ran out of time; nothing was lost, the stream is behind."""

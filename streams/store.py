@@ -73,6 +73,7 @@ __all__ = [
     "WriterRow",
     "commit_group",
     "create_stream",
+    "database_time_ms",
     "delete_group",
     "drop_stream",
     "fetch_rows",
@@ -82,11 +83,14 @@ __all__ = [
     "list_streams",
     "load_stream",
     "load_streams",
+    "persisted_writer_position",
+    "position_before_time",
     "probe",
     "repair_sequence",
     "reservation_lock_key_sql",
     "retire_expired_writers",
     "stream_positions",
+    "ts_floor_at",
 ]
 
 ALEMBIC_HEAD = "0001_initial"
@@ -446,6 +450,59 @@ def load_streams(names: list[str]) -> Gen[list[StreamInfo]]:
         if name not in found:
             raise UnknownStream(name)
     return [found[name] for name in names]
+
+
+def position_before_time(info: StreamInfo, ts_ms: int) -> Gen[int | None]:
+    """The position just before the first fact with timestamp ``>= ts_ms`` (None if none yet).
+
+    Timestamps as readers see them are running maxima, and the first fact whose running maximum
+    reaches ``ts_ms`` is the first whose own timestamp does.
+    """
+    rows = yield Query(
+        "SELECT min(stream_id) FROM streams_facts WHERE stream = %s AND ts >= %s",
+        (info.id, ts_ms),
+    )
+    yield Commit()
+    return None if rows[0][0] is None else int(rows[0][0]) - 1
+
+
+#: How many facts before a mid-stream start are scanned for the running maximum timestamp.
+TS_FLOOR_WINDOW = 1000
+
+
+def ts_floor_at(info: StreamInfo, position: int) -> Gen[int]:
+    """The running maximum timestamp at ``position``, for a reader starting after it.
+
+    Exact from the start of a stream (0) and for reader groups (they commit it). Elsewhere it is
+    the maximum over the last `TS_FLOOR_WINDOW` facts, not the whole history, so that starting
+    mid-stream stays cheap: writers keep their own timestamps non-decreasing from the stream's
+    maximum at registration, so older facts rarely matter.
+    """
+    if position <= 0:
+        return 0
+    rows = yield Query(
+        "SELECT max(ts) FROM (SELECT ts FROM streams_facts WHERE stream = %s AND stream_id <= %s "
+        "ORDER BY stream_id DESC LIMIT %s) AS recent",
+        (info.id, position, TS_FLOOR_WINDOW),
+    )
+    yield Commit()
+    return int(rows[0][0] or 0)
+
+
+def persisted_writer_position(info: StreamInfo, instance: str) -> Gen[int | None]:
+    """The position writer ``instance`` persisted (None if it never registered)."""
+    rows = yield Query(
+        "SELECT position FROM streams_writers WHERE stream = %s AND instance = %s",
+        (info.id, instance),
+    )
+    yield Commit()
+    return int(rows[0][0]) if rows else None
+
+
+def database_time_ms() -> Gen[int]:
+    rows = yield Query("SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint")
+    yield Commit()
+    return int(rows[0][0])
 
 
 # --- reader groups ----------------------------------------------------------------------------

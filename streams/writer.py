@@ -6,7 +6,12 @@ the lease, persists the position and re-samples the database clock. The heartbea
 ``lease / 4`` seconds, and sooner (coalesced to at most one per ``flush_interval``) after an
 append moved the position, so the persisted position trails the real one by milliseconds.
 
-The logic lives in `streams.core`; everything here is connection handling and scheduling.
+With a Redis link, each writer also has an `Announcer`: after every completion (and every
+heartbeat that moved the position) it publishes ``RDATA``/``POSITION`` through the link's queue,
+so appends never wait on Redis, and every scheduled heartbeat re-announces the position.
+
+The logic lives in `streams.core` and `streams.replication`; everything here is connection
+handling and scheduling.
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ from psycopg.pq import TransactionStatus
 from ._ops import arun, run
 from .core import Ack, FactHandle, WriterCore
 from .errors import StoreError, UsageError, WriterFenced
+from .replication import Announcer
 from .store import StreamInfo
 
-__all__ = ["AsyncFact", "AsyncWriter", "Fact", "Writer"]
+__all__ = ["AsyncOpenFact", "AsyncWriter", "OpenFact", "Writer"]
 
 log = logging.getLogger("streams.writer")
 
@@ -58,7 +64,7 @@ def _check_idle(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) ->
         )
 
 
-class Fact:
+class OpenFact:
     """A fact being written in the caller's transaction: its ID and timestamp, and `add`."""
 
     def __init__(self, core: WriterCore, conn: psycopg.Connection[Any], handle: FactHandle):
@@ -77,8 +83,8 @@ class Fact:
         run(self._conn, self._core.add_rows(self._handle, payloads))
 
 
-class AsyncFact:
-    """The asyncio twin of `Fact`."""
+class AsyncOpenFact:
+    """The asyncio twin of `OpenFact`."""
 
     def __init__(
         self, core: WriterCore, conn: psycopg.AsyncConnection[Any], handle: FactHandle
@@ -97,10 +103,52 @@ class AsyncFact:
         await arun(self._conn, self._core.add_rows(self._handle, payloads))
 
 
-class Writer:
+class _Announcing:
+    """The Redis side shared by both writers: an `Announcer` fed from the tracker."""
+
+    _core: WriterCore
+    _link: Any = None
+    _announcer: Announcer | None = None
+
+    def _attach(self, link: Any) -> None:
+        self._link = link
+        if link is not None:
+            self._announcer = Announcer(
+                self._core.stream_name, self._core.instance, self._core.tracker.local_position
+            )
+            link.add_writer(self._announcer)
+
+    def _detach(self) -> None:
+        if self._announcer is not None:
+            self._link.remove_writer(self._announcer)
+
+    def _announce(
+        self, ids: tuple[int, ...] = (), timestamp: int = 0, *, periodic: bool = False
+    ) -> None:
+        announcer = self._announcer
+        if announcer is None:
+            return
+        if ids:
+            announcer.committed(ids, timestamp)
+        commands = announcer.update(self._core.tracker.local_position)
+        if periodic and not commands:
+            commands = [announcer.announce()]
+        self._link.publish(commands)
+
+    def _after_completion(self, ids: tuple[int, ...] = (), timestamp: int = 0) -> None:
+        """An ID completed: announce what moved, and wake the heartbeat to persist it."""
+        self._announce(ids, timestamp)
+        if self._core.needs_persist:
+            self._request_beat()
+
+    def _request_beat(self) -> None:
+        raise NotImplementedError
+
+
+class Writer(_Announcing):
     """A synchronous writer of one stream (thread-safe)."""
 
-    def __init__(self, database_url: str, core: WriterCore) -> None:
+    def __init__(self, database_url: str, core: WriterCore, link: Any = None) -> None:
         self._url = database_url
         self._core = core
         self._conn = _connect(database_url)
@@ -113,6 +161,7 @@ class Writer:
             self._conn.close()
             raise
         self._beat_conn = _connect(database_url)
+        self._attach(link)
         self._thread = threading.Thread(
             target=self._beat_loop, name=f"streams-heartbeat-{core.instance}", daemon=True
         )
@@ -156,19 +205,25 @@ class Writer:
         return self._append(list(payloads), stamps)
 
     def _append(self, payloads: Sequence[Any], stamps: Sequence[int | None]) -> Ack:
-        with self._lock:
-            if self._conn.closed or self._conn.broken:
-                # The server restarted or dropped us: the failed append was a gap; carry on
-                # with a new connection (the lease and generation are unchanged).
-                self._conn = _connect(self._url)
-            ack = run(self._conn, self._core.append(payloads, stamps))
-        self._after_completion()
-        return ack
+        ack: Ack | None = None
+        try:
+            with self._lock:
+                if self._conn.closed or self._conn.broken:
+                    # The server restarted or dropped us: the failed append was a gap; carry
+                    # on with a new connection (the lease and generation are unchanged).
+                    self._conn = _connect(self._url)
+                ack = run(self._conn, self._core.append(payloads, stamps))
+            return ack
+        finally:
+            if ack is not None:
+                self._after_completion(ack.ids, ack.last_timestamp)
+            else:
+                self._after_completion()
 
     @contextlib.contextmanager
     def fact(
         self, conn: psycopg.Connection[Any], *, timestamp: int | None = None
-    ) -> Iterator[Fact]:
+    ) -> Iterator[OpenFact]:
         """Reserve an ID for a fact written in *your* transaction on *your* connection.
 
         The block is the transaction: it begins here and commits when the block exits (rolls
@@ -188,7 +243,7 @@ class Writer:
             if conn.autocommit:
                 conn.execute("BEGIN")
             handle = run(conn, core.reserve_fact(token, stamp))
-            yield Fact(core, conn, handle)
+            yield OpenFact(core, conn, handle)
             conn.commit()
             ok = True
         finally:
@@ -196,13 +251,15 @@ class Writer:
                 with contextlib.suppress(psycopg.Error):
                     conn.rollback()
             core.finish_fact(token, handle, ok)
-            self._after_completion()
+            if ok and handle is not None:
+                self._after_completion((handle.stream_id,), handle.timestamp)
+            else:
+                self._after_completion()
 
     # ------------------------------------------------------------------ heartbeat
 
-    def _after_completion(self) -> None:
-        if self._core.needs_persist:
-            self._wake.set()
+    def _request_beat(self) -> None:
+        self._wake.set()
 
     def heartbeat(self) -> None:
         """Run one heartbeat now (the background thread also runs them)."""
@@ -211,12 +268,13 @@ class Writer:
     def _beat_loop(self) -> None:
         interval = self._core.lease_seconds / 4
         while not self._stopped.is_set():
-            self._wake.wait(interval)
+            woken = self._wake.wait(interval)
             self._wake.clear()
             if self._stopped.is_set():
                 break
             try:
                 run(self._beat_conn, self._core.beat())
+                self._announce(periodic=not woken)
             except Exception as exc:  # keep beating through transient failures
                 log.warning("heartbeat of %r failed: %s", self, exc)
                 self._reconnect_beat()
@@ -242,6 +300,7 @@ class Writer:
         self._stopped.set()
         self._wake.set()
         self._thread.join()
+        self._detach()
         try:
             with self._lock:
                 if self._conn.closed or self._conn.broken:
@@ -260,7 +319,7 @@ class Writer:
         self.close()
 
 
-class AsyncWriter:
+class AsyncWriter(_Announcing):
     """An asyncio writer of one stream (safe to share between tasks)."""
 
     def __init__(self, database_url: str, core: WriterCore) -> None:
@@ -274,7 +333,7 @@ class AsyncWriter:
         self._task: asyncio.Task[None] | None = None
 
     @classmethod
-    async def open(cls, database_url: str, core: WriterCore) -> AsyncWriter:
+    async def open(cls, database_url: str, core: WriterCore, link: Any = None) -> AsyncWriter:
         self = cls(database_url, core)
         self._conn = await _aconnect(database_url)
         try:
@@ -283,6 +342,7 @@ class AsyncWriter:
         except BaseException:
             await self._conn.close()
             raise
+        self._attach(link)
         self._task = asyncio.create_task(
             self._beat_loop(), name=f"streams-heartbeat-{core.instance}"
         )
@@ -325,17 +385,23 @@ class AsyncWriter:
 
     async def _append(self, payloads: Sequence[Any], stamps: Sequence[int | None]) -> Ack:
         conn = self._connection()
-        async with self._lock:
-            if conn.closed or conn.broken:
-                conn = self._conn = await _aconnect(self._url)
-            ack = await arun(conn, self._core.append(payloads, stamps))
-        self._after_completion()
-        return ack
+        ack: Ack | None = None
+        try:
+            async with self._lock:
+                if conn.closed or conn.broken:
+                    conn = self._conn = await _aconnect(self._url)
+                ack = await arun(conn, self._core.append(payloads, stamps))
+            return ack
+        finally:
+            if ack is not None:
+                self._after_completion(ack.ids, ack.last_timestamp)
+            else:
+                self._after_completion()
 
     @contextlib.asynccontextmanager
     async def fact(
         self, conn: psycopg.AsyncConnection[Any], *, timestamp: int | None = None
-    ) -> AsyncIterator[AsyncFact]:
+    ) -> AsyncIterator[AsyncOpenFact]:
         """The asyncio twin of `Writer.fact`; a cancellation rolls back and completes the gap."""
         _check_idle(conn)
         core = self._core
@@ -346,7 +412,7 @@ class AsyncWriter:
             if conn.autocommit:
                 await conn.execute("BEGIN")
             handle = await arun(conn, core.reserve_fact(token, stamp))
-            yield AsyncFact(core, conn, handle)
+            yield AsyncOpenFact(core, conn, handle)
             await conn.commit()
             ok = True
         finally:
@@ -354,11 +420,13 @@ class AsyncWriter:
                 with contextlib.suppress(psycopg.Error, asyncio.CancelledError):
                     await asyncio.shield(conn.rollback())
             core.finish_fact(token, handle, ok)
-            self._after_completion()
+            if ok and handle is not None:
+                self._after_completion((handle.stream_id,), handle.timestamp)
+            else:
+                self._after_completion()
 
-    def _after_completion(self) -> None:
-        if self._core.needs_persist:
-            self._wake.set()
+    def _request_beat(self) -> None:
+        self._wake.set()
 
     async def heartbeat(self) -> None:
         assert self._beat_conn is not None
@@ -367,14 +435,18 @@ class AsyncWriter:
     async def _beat_loop(self) -> None:
         interval = self._core.lease_seconds / 4
         while not self._stopped.is_set():
-            with contextlib.suppress(TimeoutError):
+            woken = True
+            try:
                 await asyncio.wait_for(self._wake.wait(), interval)
+            except TimeoutError:
+                woken = False
             self._wake.clear()
             if self._stopped.is_set():
                 break
             try:
                 assert self._beat_conn is not None
                 await arun(self._beat_conn, self._core.beat())
+                self._announce(periodic=not woken)
             except Exception as exc:
                 log.warning("heartbeat of %r failed: %s", self, exc)
                 await self._reconnect_beat()
@@ -399,6 +471,7 @@ class AsyncWriter:
         self._wake.set()
         if self._task is not None:
             await self._task
+        self._detach()
         conn = self._conn
         try:
             async with self._lock:

@@ -1,0 +1,168 @@
+"""Epoch planning: turning pages of fact rows into whole facts and epochs. Pure; no I/O.
+
+Terms (see also `streams.frontier`):
+
+* A **position** ``p`` of a reader on a stream means it has delivered every fact with a stream
+  ID ``<= p``; its frontier on that stream is ``{p + 1}``.
+* A **fact** is every row sharing one stream ID (a fact written with `Writer.fact` may have
+  several rows; one with none is a gap and is never seen).
+* A **page** is at most ``limit`` rows with IDs in ``(after, through]`` in (ID, row) order, as
+  `streams.store.fetch_rows` returns them. ``through`` is a position PostgreSQL has proven
+  complete, so the rows of every fact in that range are all committed and visible.
+* An **epoch** is what a reader yields in one step: for each stream it advanced, every fact in
+  ``(previous position, new position]``, each fact whole, in stream-ID order.
+
+`plan_page` decides how far one page lets a reader advance. A page shorter than ``limit`` holds
+everything up to ``through``, so the position may jump to ``through`` (skipping gaps). A full
+page may have cut the last fact's rows short: that fact is left for the next page and the
+position stops at the fact before it. A full page of one single fact means the fact has more
+rows than a page: the caller must fetch that ID alone (`PagePlan.refetch`).
+
+Timestamps are raised to their running maximum (``ts_floor``) as readers see them, so they never
+decrease in stream-ID order even when clients sent skewed ones (S2's rule).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Protocol
+
+__all__ = ["Epoch", "Fact", "PagePlan", "RowLike", "plan_page"]
+
+
+class RowLike(Protocol):
+    """What `plan_page` needs of a row (`streams.store.FactRow` has it)."""
+
+    @property
+    def stream_id(self) -> int: ...
+    @property
+    def instance(self) -> str: ...
+    @property
+    def timestamp(self) -> int: ...
+    @property
+    def payload(self) -> Any: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Fact:
+    """One fact as a reader sees it: every row it has, its writer and its timestamp."""
+
+    stream: str
+    id: int
+    instance: str
+    #: ms since the Unix epoch, raised to the running maximum of the stream.
+    timestamp: int
+    payloads: tuple[Any, ...] = field(repr=False)
+
+    @property
+    def payload(self) -> Any:
+        """The payload of the fact's first row (most facts have exactly one)."""
+        return self.payloads[0] if self.payloads else None
+
+    def as_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "stream": self.stream,
+            "id": self.id,
+            "instance": self.instance,
+            "timestamp": self.timestamp,
+            "payload": self.payload,
+        }
+        if len(self.payloads) != 1:
+            data["payloads"] = list(self.payloads)
+        return data
+
+
+@dataclass(frozen=True, slots=True)
+class PagePlan:
+    """What one page lets a reader deliver."""
+
+    facts: tuple[Fact, ...]
+    #: The new position: every fact ``<=`` it is in ``facts`` or was delivered before.
+    position: int
+    #: The running maximum timestamp at ``position``.
+    ts_floor: int
+    #: Set when a single fact filled the page: fetch the rows of this ID alone, then plan again.
+    refetch: int | None = None
+
+
+def plan_page(
+    stream: str,
+    rows: Sequence[RowLike],
+    *,
+    after: int,
+    through: int,
+    limit: int,
+    ts_floor: int,
+) -> PagePlan:
+    """Plan the facts and new position that a page of rows allows (see the module docstring)."""
+    if limit <= 0:
+        raise ValueError("limit must be positive")
+    if through < after:
+        raise ValueError(f"empty range ({after}, {through}]")
+    full = len(rows) >= limit
+    if full:
+        last_id = rows[-1].stream_id
+        if rows[0].stream_id == last_id:
+            # One fact with at least `limit` rows: nothing can be delivered from this page.
+            return PagePlan((), after, ts_floor, refetch=last_id)
+        # The last fact may continue on the next page: leave all of its rows for then.
+        cut = len(rows)
+        while rows[cut - 1].stream_id == last_id:
+            cut -= 1
+        rows = rows[:cut]
+        position = rows[-1].stream_id
+    else:
+        position = through
+    facts: list[Fact] = []
+    floor = ts_floor
+    start = 0
+    for i in range(1, len(rows) + 1):
+        if i < len(rows) and rows[i].stream_id == rows[start].stream_id:
+            continue
+        first = rows[start]
+        if not after < first.stream_id <= through:
+            raise ValueError(f"row {first.stream_id} outside ({after}, {through}]")
+        floor = max(floor, first.timestamp)
+        facts.append(
+            Fact(
+                stream=stream,
+                id=first.stream_id,
+                instance=first.instance,
+                timestamp=floor,
+                payloads=tuple(row.payload for row in rows[start:i]),
+            )
+        )
+        start = i
+    return PagePlan(tuple(facts), position, floor)
+
+
+@dataclass(frozen=True, slots=True)
+class Epoch:
+    """Everything a reader delivers in one step.
+
+    ``lower[s]`` and ``upper[s]`` are the reader's positions on stream ``s`` before and after:
+    the epoch holds every fact of ``s`` in ``(lower[s], upper[s]]``, and the reader's frontier on
+    ``s`` moves from ``{lower[s] + 1}`` to ``{upper[s] + 1}``. ``facts`` are grouped by stream in
+    the reader's stream order, each stream's in stream-ID order. An epoch may hold no facts (the
+    frontier moved over gaps only).
+    """
+
+    lower: Mapping[str, int]
+    upper: Mapping[str, int]
+    facts: tuple[Fact, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lower", MappingProxyType(dict(self.lower)))
+        object.__setattr__(self, "upper", MappingProxyType(dict(self.upper)))
+
+    def __iter__(self) -> Any:
+        return iter(self.facts)
+
+    def __len__(self) -> int:
+        return len(self.facts)
+
+    def __repr__(self) -> str:
+        ranges = ", ".join(f"{s}: ({self.lower[s]}, {self.upper[s]}]" for s in self.upper)
+        return f"Epoch({ranges}; {len(self.facts)} facts)"

@@ -1,0 +1,605 @@
+"""Readers: facts in stream-ID order, one whole epoch at a time, with frontiers and probes.
+
+Theory of operation
+===================
+
+A reader follows one or more streams. Its state per stream is a **position** ``p``: it has
+delivered every fact ``<= p``, so its frontier there is ``{p + 1}`` (`streams.epochs`). With
+several streams, its frontier is the one-element antichain of the vector ``(p1 + 1, p2 + 1, ...)``
+in the reader's stream order, compared pointwise (`streams.frontier`).
+
+Stages, after Materialize's compute protocol:
+
+1. **Creation**: attach to the process's Redis link (subscribe; `streams.redis_link`).
+2. **Initialization**: resolve where to start (a reader group's committed position, else
+   ``start``), and ask PostgreSQL what is complete (`streams.store.probe`). The link publishes
+   ``REPLICATE`` once its subscription is confirmed; writers answer with ``POSITION``.
+3. **Computation**: `ReaderCore.step` delivers the next epoch. While behind the last probe it
+   reads pages of rows from PostgreSQL; when caught up it probes again. Between steps the driver
+   sleeps until a *hint* (an ``RDATA``/``POSITION`` naming a token beyond its position, from
+   Redis or from a writer in the same process) or the poll interval.
+
+Nothing from Redis is trusted: a hint only decides *when* to ask PostgreSQL, so forged, lost,
+stale or duplicated commands cannot make a reader skip or invent a fact, and catching up after a
+reconnect is the ordinary path, not a special one. After a (re)connect every stream counts as
+disconnected (`Reader.live` is False, polling is fast) until the next probe re-establishes it.
+
+`ReaderCore` holds all of this as generators (psycopg style); `Reader` and `AsyncReader` only
+drive them on a connection and wait for hints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from typing import Any, TypeAlias
+
+import psycopg
+
+from ._ops import Gen, arun, run
+from .epochs import Epoch, Fact, plan_page
+from .errors import StoreError, UsageError, WaitTimeout
+from .frontier import Antichain, FrontierProbe, FrontierSnapshot, LiveFilter, UpperAntichain
+from .replication import Hint
+from .store import (
+    Probe,
+    StreamInfo,
+    commit_group,
+    database_time_ms,
+    fetch_rows,
+    group_position,
+    load_streams,
+    persisted_writer_position,
+    position_before_time,
+    probe,
+    ts_floor_at,
+)
+
+__all__ = ["AsyncReader", "Reader", "ReaderCore", "Start"]
+
+#: Where a reader without a committed group position starts: ``"earliest"``, ``"latest"``,
+#: ``"live"``, a stream ID (the first fact with an ID >= it), a `datetime` (the first fact with a
+#: timestamp >= it) or a `timedelta` (that long ago, on the database's clock).
+Start: TypeAlias = str | int | dt.datetime | dt.timedelta
+
+#: Rows per page when catching up.
+DEFAULT_PAGE_SIZE = 5000
+#: Seconds between probes while the Redis fast path is up (a safety net for lost messages).
+LIVE_POLL_INTERVAL = 1.0
+#: Seconds between probes without Redis, or while it is reconnecting.
+FALLBACK_POLL_INTERVAL = 0.1
+#: Least time between two probes woken by hints that found nothing new (bounds the load a
+#: flood of forged or stale messages can cause).
+MIN_HINT_GAP = 0.0005
+
+
+def _check_start(start: object) -> Start:
+    if isinstance(start, bool):
+        raise UsageError(f"invalid start {start!r}")
+    if isinstance(start, str):
+        if start not in ("earliest", "latest", "live"):
+            raise UsageError(
+                f"invalid start {start!r}: use 'earliest', 'latest', 'live', a stream ID, "
+                "a datetime or a timedelta"
+            )
+        return start
+    if isinstance(start, int):
+        if start < 1:
+            raise UsageError("a start stream ID must be >= 1")
+        return start
+    if isinstance(start, dt.datetime):
+        if start.tzinfo is None:
+            raise UsageError("a start datetime must be timezone-aware")
+        return start
+    if isinstance(start, dt.timedelta):
+        if start < dt.timedelta(0):
+            raise UsageError("a start timedelta must not be negative")
+        return start
+    raise UsageError(f"invalid start {start!r}")
+
+
+class ReaderCore:
+    """The logic of one reader, shared by `Reader` and `AsyncReader` (see the module doc)."""
+
+    def __init__(
+        self,
+        streams: Sequence[str],
+        *,
+        start: Start = "earliest",
+        group: str | None = None,
+        page_size: int = DEFAULT_PAGE_SIZE,
+    ) -> None:
+        names = list(streams)
+        if not names:
+            raise UsageError("a reader needs at least one stream")
+        if len(set(names)) != len(names):
+            raise UsageError("a reader cannot follow the same stream twice")
+        if group is not None and (not isinstance(group, str) or not 0 < len(group) <= 200):
+            raise UsageError("a group name is a non-empty string of at most 200 characters")
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+            raise UsageError("page_size must be a positive int")
+        self.names: tuple[str, ...] = tuple(names)
+        self.start = _check_start(start)
+        self.group = group
+        self.page_size = page_size
+        self.infos: dict[str, StreamInfo] = {}
+        self.positions: dict[str, int] = {}
+        self.ts_floors: dict[str, int] = {}
+        self.last_probe: dict[str, Probe] = {}
+        self._targets: dict[str, int] = {}
+        self._filters: dict[str, LiveFilter[int]] = {}
+        self._start_ts: dict[str, int] = {}
+        self.live = False
+        self._link_up = False
+        self._reconcile = True
+        self.probes = 0
+        self.pages = 0
+
+    # ---------------------------------------------------------------- initialization
+
+    def open(self) -> Gen[None]:
+        """Load the streams and resolve every starting position."""
+        infos = yield from load_streams(list(self.names))
+        self.infos = {info.name: info for info in infos}
+        probes = yield from probe(infos)
+        self._note_probe(probes)
+        start = self.start
+        start_ms: int | None = None
+        if isinstance(start, dt.timedelta):
+            now_ms = yield from database_time_ms()
+            start_ms = now_ms - start // dt.timedelta(milliseconds=1)
+        elif isinstance(start, dt.datetime):
+            start_ms = int(start.timestamp() * 1000)
+        for info in infos:
+            found = probes[info.name]
+            committed = None
+            if self.group is not None:
+                committed = yield from group_position(info, self.group)
+            if committed is not None:
+                self.positions[info.name], self.ts_floors[info.name] = committed
+                continue
+            if start == "earliest":
+                position = 0
+            elif start in ("latest", "live"):
+                position = found.complete
+            elif isinstance(start, int):
+                position = start - 1
+            else:
+                assert start_ms is not None
+                before = yield from position_before_time(info, start_ms)
+                position = found.complete if before is None else before
+                self._start_ts[info.name] = start_ms
+            if start == "live" and found.max_allocated > position:
+                # Strymon's late subscriber: epochs active at join (IDs up to max allocated) may
+                # be partly gone for a subscriber without backfill; drop them all.
+                snapshot = FrontierSnapshot(
+                    Antichain([position + 1]), UpperAntichain([found.max_allocated])
+                )
+                self._filters[info.name] = LiveFilter(snapshot)
+            self.positions[info.name] = position
+            self.ts_floors[info.name] = yield from ts_floor_at(info, position)
+
+    # ---------------------------------------------------------------- computation
+
+    def _note_probe(self, probes: Mapping[str, Probe]) -> None:
+        self.probes += 1
+        self.last_probe.update(probes)
+        for name, found in probes.items():
+            self._targets[name] = max(self._targets.get(name, 0), found.complete)
+        if self._reconcile:
+            self._reconcile = False
+            self.live = self._link_up
+
+    def set_link_state(self, connected: bool) -> None:
+        """The Redis link went up or down: disconnected until the next probe re-establishes."""
+        self._link_up = connected
+        self.live = False
+        self._reconcile = True
+
+    def wants(self, hint: Hint) -> bool:
+        """Could this hint mean something new for this reader?"""
+        position = self.positions.get(hint.stream)
+        return position is not None and hint.token > position
+
+    def behind(self) -> bool:
+        return any(self.positions[n] < self._targets.get(n, 0) for n in self.names)
+
+    def step(self) -> Gen[Epoch | None]:
+        """The next epoch, or None if PostgreSQL has nothing complete beyond the positions."""
+        if not self.behind() or self._reconcile:
+            probes = yield from probe(list(self.infos.values()))
+            self._note_probe(probes)
+            if not self.behind():
+                return None
+        lower = dict(self.positions)
+        facts: list[Fact] = []
+        for name in self.names:
+            target = self._targets.get(name, 0)
+            if self.positions[name] >= target:
+                continue
+            facts.extend((yield from self._page(name, target)))
+        return Epoch(lower, dict(self.positions), tuple(facts))
+
+    def _page(self, name: str, target: int) -> Gen[list[Fact]]:
+        info = self.infos[name]
+        after = self.positions[name]
+        rows = yield from fetch_rows(info, after, target, self.page_size)
+        self.pages += 1
+        plan = plan_page(
+            name, rows, after=after, through=target, limit=self.page_size,
+            ts_floor=self.ts_floors[name],
+        )  # fmt: skip
+        if plan.refetch is not None:
+            # One fact has more rows than a page: read it alone, whole.
+            rows = yield from fetch_rows(info, plan.refetch - 1, plan.refetch, 2**31 - 1)
+            plan = plan_page(
+                name, rows, after=after, through=plan.refetch, limit=len(rows) + 1,
+                ts_floor=self.ts_floors[name],
+            )  # fmt: skip
+        self.positions[name] = plan.position
+        self.ts_floors[name] = plan.ts_floor
+        facts = list(plan.facts)
+        live = self._filters.get(name)
+        if live is not None:
+            facts = [f for f in facts if live.admit(f.id)]
+            live.advance_lower(Antichain([plan.position + 1]))
+            if not live.active:
+                del self._filters[name]
+        start_ms = self._start_ts.get(name)
+        if start_ms is not None:
+            facts = [f for f in facts if f.timestamp >= start_ms]
+            if facts:
+                del self._start_ts[name]
+        return facts
+
+    # ---------------------------------------------------------------- queries
+
+    def reached(self, stream: str, token: int, instance: str | None) -> Gen[bool]:
+        """Has PostgreSQL proven ``stream`` complete through ``token`` (for ``instance``'s
+        facts only, if given: its persisted position counts too)?"""
+        info = self._info(stream)
+        probes = yield from probe([info])
+        self._note_probe(probes)
+        if probes[stream].complete >= token:
+            return True
+        if instance is not None:
+            persisted = yield from persisted_writer_position(info, instance)
+            return persisted is not None and persisted >= token
+        return False
+
+    def commit(self) -> Gen[dict[str, int]]:
+        """Commit the group's positions (forward-only); returns what is committed now."""
+        if self.group is None:
+            raise UsageError("this reader has no group: pass group= to commit positions")
+        committed = {}
+        for name in self.names:
+            committed[name] = yield from commit_group(
+                self.infos[name], self.group, self.positions[name], self.ts_floors[name]
+            )
+        return committed
+
+    def _info(self, stream: str) -> StreamInfo:
+        try:
+            return self.infos[stream]
+        except KeyError:
+            raise UsageError(f"this reader does not follow stream {stream!r}") from None
+
+    def position(self, stream: str | None = None) -> int:
+        if stream is None:
+            if len(self.names) != 1:
+                raise UsageError("this reader follows several streams: name one")
+            stream = self.names[0]
+        self._info(stream)
+        return self.positions[stream]
+
+    @property
+    def frontier(self) -> Antichain[tuple[int, ...]]:
+        return Antichain([tuple(self.positions[n] + 1 for n in self.names)])
+
+    def probe(self, stream: str | None = None) -> FrontierProbe[int]:
+        """A probe of one stream's frontier ``{position + 1}`` (the only stream by default)."""
+        return FrontierProbe(Antichain([self.position(stream) + 1]))
+
+    def vector_probe(self) -> FrontierProbe[tuple[int, ...]]:
+        """A probe of the merged frontier over all streams (vectors in the reader's order)."""
+        return FrontierProbe(self.frontier)
+
+
+def _connect(url: str) -> psycopg.Connection[Any]:
+    try:
+        return psycopg.connect(url, autocommit=True, connect_timeout=10)
+    except psycopg.Error as exc:
+        raise StoreError(f"cannot connect to PostgreSQL: {type(exc).__name__}") from None
+
+
+class _ReaderBase:
+    _core: ReaderCore
+
+    @property
+    def core(self) -> ReaderCore:
+        return self._core
+
+    @property
+    def streams(self) -> tuple[str, ...]:
+        return self._core.names
+
+    @property
+    def group(self) -> str | None:
+        return self._core.group
+
+    @property
+    def live(self) -> bool:
+        """Is the Redis fast path up and re-established (else the reader polls)?"""
+        return self._core.live
+
+    @property
+    def frontier(self) -> Antichain[tuple[int, ...]]:
+        """The merged frontier: ``{(p1 + 1, p2 + 1, ...)}`` in `streams` order."""
+        return self._core.frontier
+
+    def position(self, stream: str | None = None) -> int:
+        """Everything ``<=`` this has been delivered (on ``stream``, or the only stream)."""
+        return self._core.position(stream)
+
+    def probe(self, stream: str | None = None) -> FrontierProbe[int]:
+        return self._core.probe(stream)
+
+    def vector_probe(self) -> FrontierProbe[tuple[int, ...]]:
+        return self._core.vector_probe()
+
+    def _poll_interval(self, configured: float | None) -> float:
+        if configured is not None:
+            return configured
+        return LIVE_POLL_INTERVAL if self._core.live else FALLBACK_POLL_INTERVAL
+
+    # LinkListener
+    def on_link_state(self, connected: bool) -> None:
+        self._core.set_link_state(connected)
+        self._wakeup()
+
+    def on_hint(self, hint: Hint) -> None:
+        if self._core.wants(hint):
+            self._wakeup()
+
+    def _wakeup(self) -> None:
+        raise NotImplementedError
+
+
+class Reader(_ReaderBase):
+    """A synchronous reader. Iterate it for epochs; see `ReaderCore` for the model."""
+
+    def __init__(
+        self,
+        database_url: str,
+        core: ReaderCore,
+        link: Any = None,
+        *,
+        poll_interval: float | None = None,
+    ) -> None:
+        self._core = core
+        self._conn = _connect(database_url)
+        self._wake = threading.Event()
+        self._closed = False
+        self._poll = poll_interval
+        try:
+            run(self._conn, core.open())
+        except BaseException:
+            self._conn.close()
+            raise
+        self._link = link
+        if link is not None:
+            core.set_link_state(link.connected)
+            link.add_listener(self)
+
+    def __repr__(self) -> str:
+        return f"<Reader streams={list(self.streams)!r} group={self.group!r}>"
+
+    def _wakeup(self) -> None:
+        self._wake.set()
+
+    def poll(self, timeout: float | None = 0.0) -> Epoch | None:
+        """The next epoch, waiting up to ``timeout`` seconds (None: forever) for one."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        hinted = False
+        while True:
+            if self._closed:
+                raise UsageError("reader is closed")
+            self._wake.clear()
+            epoch = run(self._conn, self._core.step())
+            if epoch is not None:
+                return epoch
+            if hinted:
+                time.sleep(MIN_HINT_GAP)
+            wait = self._poll_interval(self._poll)
+            if deadline is not None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                wait = min(wait, remaining)
+            hinted = self._wake.wait(wait)
+
+    def __iter__(self) -> Iterator[Epoch]:
+        """Epochs forever (blocking); stop by breaking out or closing the reader."""
+        while not self._closed:
+            epoch = self.poll(timeout=None)
+            if epoch is not None:
+                yield epoch
+
+    def epochs(self, *, idle_timeout: float = 0.0) -> Iterator[Epoch]:
+        """Epochs until none arrives within ``idle_timeout`` seconds (0: until caught up)."""
+        while True:
+            epoch = self.poll(timeout=idle_timeout)
+            if epoch is None:
+                return
+            yield epoch
+
+    def facts(self, *, idle_timeout: float = 0.0) -> Iterator[Fact]:
+        """The facts of `epochs`, one by one."""
+        for epoch in self.epochs(idle_timeout=idle_timeout):
+            yield from epoch.facts
+
+    def wait_for_position(
+        self, stream: str, token: int, instance: str | None = None, *, timeout: float = 10.0
+    ) -> None:
+        """Wait until PostgreSQL has every fact of ``stream`` up to ``token`` complete (only
+        ``instance``'s facts, if given), so a query now sees them; raises `WaitTimeout`.
+
+        This is about what is *visible*, not what this reader has delivered yet: compare
+        `position` for that.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            self._wake.clear()
+            if run(self._conn, self._core.reached(stream, token, instance)):
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise WaitTimeout(f"stream {stream!r} did not reach {token} within {timeout}s")
+            self._wake.wait(min(remaining, self._poll_interval(self._poll)))
+
+    def commit(self) -> dict[str, int]:
+        """Commit this reader's positions for its group; a restart of the group resumes here."""
+        return run(self._conn, self._core.commit())
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._link is not None:
+            self._link.remove_listener(self)
+        self._wake.set()
+        self._conn.close()
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncReader(_ReaderBase):
+    """The asyncio twin of `Reader`: ``async for epoch in reader``."""
+
+    def __init__(
+        self, core: ReaderCore, conn: psycopg.AsyncConnection[Any], link: Any, poll: float | None
+    ) -> None:
+        self._core = core
+        self._conn = conn
+        self._link = link
+        self._poll = poll
+        self._wake = asyncio.Event()
+        self._closed = False
+
+    @classmethod
+    async def open(
+        cls,
+        database_url: str,
+        core: ReaderCore,
+        link: Any = None,
+        *,
+        poll_interval: float | None = None,
+    ) -> AsyncReader:
+        try:
+            conn = await psycopg.AsyncConnection.connect(
+                database_url, autocommit=True, connect_timeout=10
+            )
+        except psycopg.Error as exc:
+            raise StoreError(f"cannot connect to PostgreSQL: {type(exc).__name__}") from None
+        try:
+            await arun(conn, core.open())
+        except BaseException:
+            await conn.close()
+            raise
+        self = cls(core, conn, link, poll_interval)
+        if link is not None:
+            core.set_link_state(link.connected)
+            link.add_listener(self)
+        return self
+
+    def __repr__(self) -> str:
+        return f"<AsyncReader streams={list(self.streams)!r} group={self.group!r}>"
+
+    def _wakeup(self) -> None:
+        self._wake.set()
+
+    async def _wait(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    async def poll(self, timeout: float | None = 0.0) -> Epoch | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        hinted = False
+        while True:
+            if self._closed:
+                raise UsageError("reader is closed")
+            self._wake.clear()
+            epoch = await arun(self._conn, self._core.step())
+            if epoch is not None:
+                return epoch
+            if hinted:
+                await asyncio.sleep(MIN_HINT_GAP)
+            wait = self._poll_interval(self._poll)
+            if deadline is not None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                wait = min(wait, remaining)
+            hinted = await self._wait(wait)
+
+    def __aiter__(self) -> AsyncIterator[Epoch]:
+        return self._forever()
+
+    async def _forever(self) -> AsyncIterator[Epoch]:
+        while not self._closed:
+            epoch = await self.poll(timeout=None)
+            if epoch is not None:
+                yield epoch
+
+    async def epochs(self, *, idle_timeout: float = 0.0) -> AsyncIterator[Epoch]:
+        while True:
+            epoch = await self.poll(timeout=idle_timeout)
+            if epoch is None:
+                return
+            yield epoch
+
+    async def facts(self, *, idle_timeout: float = 0.0) -> AsyncIterator[Fact]:
+        async for epoch in self.epochs(idle_timeout=idle_timeout):
+            for fact in epoch.facts:
+                yield fact
+
+    async def wait_for_position(
+        self, stream: str, token: int, instance: str | None = None, *, timeout: float = 10.0
+    ) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            self._wake.clear()
+            if await arun(self._conn, self._core.reached(stream, token, instance)):
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise WaitTimeout(f"stream {stream!r} did not reach {token} within {timeout}s")
+            await self._wait(min(remaining, self._poll_interval(self._poll)))
+
+    async def commit(self) -> dict[str, int]:
+        return await arun(self._conn, self._core.commit())
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._link is not None:
+            self._link.remove_listener(self)
+        self._wake.set()
+        await self._conn.close()
+
+    async def __aenter__(self) -> AsyncReader:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

@@ -1,0 +1,395 @@
+"""The Redis I/O of one process: `RedisLink` (threads) and `AsyncRedisLink` (asyncio tasks).
+
+Each link keeps two Redis connections: a subscriber (the replication channel and its instance
+channels) and a publisher fed through a bounded queue, so a writer's append never waits on
+Redis. Every decision (what a message means, what to publish on connect, back-off) is made by
+`streams.replication.LinkCore`; these classes only move bytes and keep time.
+
+Connection discipline, as the issue of record asks and Synapse does:
+
+* subscribe, wait until Redis confirms every channel, *then* publish ``REPLICATE`` and the local
+  writers' positions (a reply published before we listen would be lost);
+* a ``PING`` every `KEEPALIVE` seconds; no reply within two intervals counts as a dead link;
+* on any error: mark disconnected (readers fall back to polling PostgreSQL), back off
+  exponentially up to 5 s, reconnect, and run the connect step again.
+
+Publishing is best effort: Redis delivers at most once anyway, so when the queue is full or Redis
+is down, messages are dropped (and counted) rather than blocking writers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import random
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import redis
+import redis.asyncio
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from .config import redact_url
+from .protocol import Command, serialize
+from .replication import Announcer, Hint, LinkCore, backoff_delay
+
+__all__ = ["KEEPALIVE", "AsyncRedisLink", "LinkListener", "RedisLink"]
+
+log = logging.getLogger("streams.redis")
+
+#: Seconds between keep-alive PINGs on the subscriber connection.
+KEEPALIVE = 5.0
+#: Most messages waiting to be published; beyond that new ones are dropped.
+PUBLISH_QUEUE_LIMIT = 100_000
+#: Most messages sent in one pipeline.
+PUBLISH_BATCH = 256
+
+_REDIS_ERRORS = (redis.RedisError, OSError)
+
+
+class LinkListener(Protocol):
+    """What a link tells a reader. Called on the link's thread (or event loop): be quick."""
+
+    def on_hint(self, hint: Hint) -> None: ...
+    def on_link_state(self, connected: bool) -> None: ...
+
+
+def _client_options() -> dict[str, Any]:
+    # No hidden retries inside redis-py: the link owns reconnection (it must re-run the
+    # connect step, which redis-py's silent resubscribe would skip).
+    return {"socket_connect_timeout": 5, "socket_timeout": None, "retry": Retry(NoBackoff(), 0)}
+
+
+class _LinkBase:
+    def __init__(self, url: str, prefix: str, name: str) -> None:
+        self.core = LinkCore(prefix, name)
+        self._url = url
+        self._listeners: list[LinkListener] = []
+        self._listeners_lock = threading.Lock()
+        self.connected = False
+        self.dropped = 0
+
+    def __repr__(self) -> str:
+        state = "connected" if self.connected else "disconnected"
+        return (
+            f"<{type(self).__name__} {redact_url(self._url)} prefix={self.core.prefix!r} {state}>"
+        )
+
+    def add_listener(self, listener: LinkListener) -> None:
+        with self._listeners_lock:
+            self._listeners.append(listener)
+        self.core.add_reader()
+
+    def remove_listener(self, listener: LinkListener) -> None:
+        with self._listeners_lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+                self.core.remove_reader()
+
+    def add_writer(self, announcer: Announcer) -> None:
+        self.core.add_writer(announcer)
+
+    def remove_writer(self, announcer: Announcer) -> None:
+        self.core.remove_writer(announcer)
+
+    def _dispatch(self, hints: Sequence[Hint]) -> None:
+        if not hints:
+            return
+        with self._listeners_lock:
+            listeners = list(self._listeners)
+        for listener in listeners:
+            for hint in hints:
+                listener.on_hint(hint)
+
+    def _set_connected(self, connected: bool) -> None:
+        if connected == self.connected:
+            return
+        self.connected = connected
+        with self._listeners_lock:
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener.on_link_state(connected)
+
+    def _handle(self, message: dict[str, Any]) -> list[bytes]:
+        """One message from the subscriber connection: dispatch it, return lines to publish."""
+        kind = message.get("type")
+        if kind == "message":
+            hints, replies = self.core.on_message(message["data"])
+            self._dispatch(hints)
+            return replies
+        if kind == "subscribe" and _text(message.get("channel")) == self.core.channel:
+            # Confirmed (also after a reconnect that redis-py did on its own): connect step.
+            self._set_connected(True)
+            return self.core.on_connected()
+        return []
+
+
+def _text(value: object) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+class RedisLink(_LinkBase):
+    """The threaded link of a synchronous `streams.Client`."""
+
+    def __init__(self, url: str, prefix: str, name: str) -> None:
+        super().__init__(url, prefix, name)
+        self._queue: queue.Queue[bytes | None] = queue.Queue(PUBLISH_QUEUE_LIMIT)
+        self._stopped = threading.Event()
+        self._resubscribe = threading.Event()
+        self._listen_thread = threading.Thread(
+            target=self._listen_loop, name="streams-redis-listen", daemon=True
+        )
+        self._publish_thread = threading.Thread(
+            target=self._publish_loop, name="streams-redis-publish", daemon=True
+        )
+        self._listen_thread.start()
+        self._publish_thread.start()
+
+    def publish(self, commands: Sequence[Command]) -> None:
+        """Queue commands of local writers; local readers hear them at once."""
+        if not commands:
+            return
+        self._dispatch(LinkCore.hints_for(list(commands)))
+        self._enqueue([serialize(cmd) for cmd in commands])
+
+    def add_writer(self, announcer: Announcer) -> None:
+        super().add_writer(announcer)
+        self._resubscribe.set()  # its instance channel
+
+    def _enqueue(self, lines: Sequence[bytes]) -> None:
+        for line in lines:
+            try:
+                self._queue.put_nowait(line)
+            except queue.Full:
+                self.dropped += 1
+
+    def _listen_loop(self) -> None:
+        attempt = 0
+        while not self._stopped.is_set():
+            client = redis.Redis.from_url(self._url, **_client_options())
+            pubsub = client.pubsub()  # type: ignore[no-untyped-call]
+            try:
+                channels = self.core.channels()
+                pubsub.subscribe(*channels)
+                last_pong = last_ping = time.monotonic()
+                while not self._stopped.is_set():
+                    if self._resubscribe.is_set():
+                        self._resubscribe.clear()
+                        new = [c for c in self.core.channels() if c not in channels]
+                        if new:
+                            pubsub.subscribe(*new)
+                            channels += new
+                    message = pubsub.get_message(timeout=0.5)
+                    now = time.monotonic()
+                    if message is not None:
+                        attempt = 0
+                        if message.get("type") == "pong":
+                            last_pong = now
+                        self._enqueue(self._handle(message))
+                    if now - last_ping >= KEEPALIVE:
+                        if now - last_pong > 2 * KEEPALIVE + 1:
+                            raise redis.ConnectionError("no reply to keep-alive PING")
+                        pubsub.ping()
+                        last_ping = now
+            except _REDIS_ERRORS as exc:
+                if self._stopped.is_set():
+                    break
+                self._set_connected(False)
+                self.core.stats.reconnects += 1
+                delay = backoff_delay(attempt, jitter=random.random())
+                attempt += 1
+                log.warning(
+                    "Redis link %s lost (%s); reconnecting in %.2fs",
+                    redact_url(self._url),
+                    type(exc).__name__,
+                    delay,
+                )
+                self._stopped.wait(delay)
+            finally:
+                with contextlib.suppress(Exception):
+                    pubsub.close()
+                with contextlib.suppress(Exception):
+                    client.close()
+        self._set_connected(False)
+
+    def _publish_loop(self) -> None:
+        client = redis.Redis.from_url(self._url, **_client_options())
+        channel = self.core.channel
+        try:
+            while True:
+                line = self._queue.get()
+                if line is None:
+                    return
+                batch = [line]
+                while len(batch) < PUBLISH_BATCH:
+                    try:
+                        more = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if more is None:
+                        self._send(client, channel, batch)
+                        return
+                    batch.append(more)
+                self._send(client, channel, batch)
+        finally:
+            client.close()
+
+    def _send(self, client: redis.Redis, channel: str, batch: list[bytes]) -> None:
+        for attempt in range(2):  # one retry on a fresh connection, then drop
+            try:
+                if len(batch) == 1:
+                    client.publish(channel, batch[0])
+                else:
+                    pipe = client.pipeline(transaction=False)
+                    for line in batch:
+                        pipe.publish(channel, line)
+                    pipe.execute()
+                self.core.stats.published += len(batch)
+                return
+            except _REDIS_ERRORS as exc:
+                if attempt:
+                    self.dropped += len(batch)
+                    log.debug("dropped %d replication messages: %s", len(batch), exc)
+
+    def close(self) -> None:
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        with contextlib.suppress(queue.Full):
+            self._queue.put(None, timeout=1)
+        self._publish_thread.join(timeout=5)
+        self._listen_thread.join(timeout=5)
+
+
+class AsyncRedisLink(_LinkBase):
+    """The asyncio link of a `streams.AsyncClient` (tasks on the loop that started it)."""
+
+    def __init__(self, url: str, prefix: str, name: str) -> None:
+        super().__init__(url, prefix, name)
+        self._queue: asyncio.Queue[bytes | None] = asyncio.Queue(PUBLISH_QUEUE_LIMIT)
+        self._stopped = asyncio.Event()
+        self._resubscribe = asyncio.Event()
+        self._tasks = [
+            asyncio.create_task(self._listen_loop(), name="streams-redis-listen"),
+            asyncio.create_task(self._publish_loop(), name="streams-redis-publish"),
+        ]
+
+    def publish(self, commands: Sequence[Command]) -> None:
+        if not commands:
+            return
+        self._dispatch(LinkCore.hints_for(list(commands)))
+        self._enqueue([serialize(cmd) for cmd in commands])
+
+    def add_writer(self, announcer: Announcer) -> None:
+        super().add_writer(announcer)
+        self._resubscribe.set()
+
+    def _enqueue(self, lines: Sequence[bytes]) -> None:
+        for line in lines:
+            try:
+                self._queue.put_nowait(line)
+            except asyncio.QueueFull:
+                self.dropped += 1
+
+    async def _listen_loop(self) -> None:
+        attempt = 0
+        while not self._stopped.is_set():
+            client = redis.asyncio.Redis.from_url(self._url, **_client_options())
+            pubsub = client.pubsub()
+            try:
+                channels = self.core.channels()
+                await pubsub.subscribe(*channels)
+                last_pong = last_ping = time.monotonic()
+                while not self._stopped.is_set():
+                    if self._resubscribe.is_set():
+                        self._resubscribe.clear()
+                        new = [c for c in self.core.channels() if c not in channels]
+                        if new:
+                            await pubsub.subscribe(*new)
+                            channels += new
+                    message = await pubsub.get_message(timeout=0.5)
+                    now = time.monotonic()
+                    if message is not None:
+                        attempt = 0
+                        if message.get("type") == "pong":
+                            last_pong = now
+                        self._enqueue(self._handle(message))
+                    if now - last_ping >= KEEPALIVE:
+                        if now - last_pong > 2 * KEEPALIVE + 1:
+                            raise redis.ConnectionError("no reply to keep-alive PING")
+                        await pubsub.ping()
+                        last_ping = now
+            except _REDIS_ERRORS as exc:
+                if self._stopped.is_set():
+                    break
+                self._set_connected(False)
+                self.core.stats.reconnects += 1
+                delay = backoff_delay(attempt, jitter=random.random())
+                attempt += 1
+                log.warning(
+                    "Redis link %s lost (%s); reconnecting in %.2fs",
+                    redact_url(self._url),
+                    type(exc).__name__,
+                    delay,
+                )
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopped.wait(), delay)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                with contextlib.suppress(Exception):
+                    await client.aclose()
+        self._set_connected(False)
+
+    async def _publish_loop(self) -> None:
+        client = redis.asyncio.Redis.from_url(self._url, **_client_options())
+        channel = self.core.channel
+        try:
+            while True:
+                line = await self._queue.get()
+                if line is None:
+                    return
+                batch = [line]
+                while len(batch) < PUBLISH_BATCH and not self._queue.empty():
+                    more = self._queue.get_nowait()
+                    if more is None:
+                        await self._send(client, channel, batch)
+                        return
+                    batch.append(more)
+                await self._send(client, channel, batch)
+        finally:
+            await client.aclose()
+
+    async def _send(self, client: redis.asyncio.Redis, channel: str, batch: list[bytes]) -> None:
+        for attempt in range(2):
+            try:
+                if len(batch) == 1:
+                    await client.publish(channel, batch[0])
+                else:
+                    pipe = client.pipeline(transaction=False)
+                    for line in batch:
+                        pipe.publish(channel, line)
+                    await pipe.execute()
+                self.core.stats.published += len(batch)
+                return
+            except _REDIS_ERRORS as exc:
+                if attempt:
+                    self.dropped += len(batch)
+                    log.debug("dropped %d replication messages: %s", len(batch), exc)
+
+    async def aclose(self) -> None:
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        with contextlib.suppress(asyncio.QueueFull):
+            self._queue.put_nowait(None)
+        for task in self._tasks:
+            try:
+                await asyncio.wait_for(task, 5)
+            except (TimeoutError, asyncio.CancelledError):
+                task.cancel()
