@@ -8,6 +8,7 @@ them. Errors print one line on stderr and exit 1; URLs are always shown redacted
 
 from __future__ import annotations
 
+import datetime as dt
 import functools
 import json
 import re
@@ -20,11 +21,11 @@ import click
 import psycopg
 
 from . import __version__
-from ._ops import run
 from .client import Client, connect
 from .config import Settings, redact_url
+from .epochs import Fact
 from .errors import StreamsError
-from .store import load_stream, stream_positions
+from .reader import Start
 from .timestamps import TimestampMode
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -204,7 +205,11 @@ def parse_duration_ms(text: str) -> int:
 @click.option("--from-id", type=click.IntRange(min=1), help="First stream ID to read.")
 @click.option("--from-time", type=click.IntRange(min=0), help="First fact with timestamp >= ms.")
 @click.option("--ago", help="Start at a duration ago, e.g. 5m, 1h.")
-@click.option("--limit", type=click.IntRange(min=1), default=100, show_default=True)
+@click.option("--latest", is_flag=True, help="Start after the facts complete now (with --follow).")
+@click.option("--group", help="Reader group: resume after its committed position.")
+@click.option("--commit", "commit_group", is_flag=True, help="Commit the group's position.")
+@click.option("--follow", "-f", is_flag=True, help="Keep reading new facts (Ctrl-C stops).")
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="Stop after N rows.")
 @click.option("--json", "as_json", is_flag=True, help="JSON lines.")
 @_common
 def read(
@@ -212,56 +217,67 @@ def read(
     from_id: int | None,
     from_time: int | None,
     ago: str | None,
-    limit: int,
+    latest: bool,
+    group: str | None,
+    commit_group: bool,
+    follow: bool,
+    limit: int | None,
     as_json: bool,
     database_url: str | None,
     redis_url: str | None,
     prefix: str | None,
 ) -> None:
-    """Read completed facts (up to the linear position) in stream-ID order.
+    """Read completed facts in stream-ID order, one line per row (``--follow`` to tail).
 
-    Timestamps are shown as readers see them: raised to the running maximum in ID order.
+    Only facts PostgreSQL proves complete are shown: nothing at or above a pending ID. Timestamps
+    are shown as readers see them: raised to the running maximum in ID order. Without --follow
+    and --limit, reads until caught up; --limit defaults to 100 rows without --follow.
     """
-    if sum(x is not None for x in (from_id, from_time, ago)) > 1:
-        raise click.UsageError("give at most one of --from-id, --from-time, --ago")
-    settings = _settings(database_url, redis_url, prefix)
-    with psycopg.connect(settings.database_url, autocommit=True) as conn:
-        info = run(conn, load_stream(stream))
-        linear = run(conn, stream_positions(info)).linear
-        start_time = from_time
-        if ago is not None:
-            start_time = int(time.time() * 1000) - parse_duration_ms(ago)
-        start_id = from_id or 1
-        if start_time is not None:
-            row = conn.execute(
-                "SELECT min(stream_id) FROM streams_facts WHERE stream = %s AND ts >= %s",
-                (info.id, start_time),
-            ).fetchone()
-            start_id = row[0] if row and row[0] is not None else linear + 1
-        floor_row = conn.execute(
-            "SELECT max(ts) FROM streams_facts WHERE stream = %s AND stream_id < %s",
-            (info.id, start_id),
-        ).fetchone()
-        running = int(floor_row[0]) if floor_row and floor_row[0] is not None else 0
-        rows = conn.execute(
-            "SELECT stream_id, row_no, instance, ts, payload FROM streams_facts "
-            "WHERE stream = %s AND stream_id >= %s AND stream_id <= %s "
-            "ORDER BY stream_id, row_no LIMIT %s",
-            (info.id, start_id, linear, limit),
-        ).fetchall()
-    for stream_id, row_no, instance, ts, payload in rows:
-        running = max(running, int(ts))
+    if sum(x is not None for x in (from_id, from_time, ago)) + latest > 1:
+        raise click.UsageError("give at most one of --from-id, --from-time, --ago, --latest")
+    if commit_group and group is None:
+        raise click.UsageError("--commit needs --group")
+    start: Start = "latest" if latest else "earliest"
+    if from_id is not None:
+        start = from_id
+    elif from_time is not None:
+        start = dt.datetime.fromtimestamp(from_time / 1000, dt.UTC)
+    elif ago is not None:
+        start = dt.timedelta(milliseconds=parse_duration_ms(ago))
+    if limit is None and not follow:
+        limit = 100
+    shown = 0
+    with (
+        _client(database_url, redis_url, prefix) as client,
+        client.reader(stream, start=start, group=group) as reader,
+    ):
+        epochs = iter(reader) if follow else reader.epochs()
+        try:
+            for epoch in epochs:
+                for fact in epoch.facts:
+                    for row_no, payload in enumerate(fact.payloads):
+                        if limit is not None and shown >= limit:
+                            return
+                        _print_row(fact, row_no, payload, as_json)
+                        shown += 1
+                if commit_group:
+                    reader.commit()
+        except KeyboardInterrupt:
+            return
+
+
+def _print_row(fact: Fact, row_no: int, payload: Any, as_json: bool) -> None:
+    if as_json:
         record = {
-            "stream_id": stream_id,
+            "stream_id": fact.id,
             "row": row_no,
-            "instance": instance,
-            "timestamp": running,
+            "instance": fact.instance,
+            "timestamp": fact.timestamp,
             "payload": payload,
         }
-        if as_json:
-            click.echo(json.dumps(record, sort_keys=True, separators=(",", ":")))
-        else:
-            click.echo(f"{stream_id:>10} {running:>14} {instance:<20} {json.dumps(payload)}")
+        click.echo(json.dumps(record, sort_keys=True, separators=(",", ":")))
+    else:
+        click.echo(f"{fact.id:>10} {fact.timestamp:>14} {fact.instance:<20} {json.dumps(payload)}")
 
 
 @main.command()
@@ -275,7 +291,8 @@ def positions(
     redis_url: str | None,
     prefix: str | None,
 ) -> None:
-    """Linear position, max allocated and each writer's position (all streams by default)."""
+    """Linear position, max allocated, each writer's position and each reader group's lag
+    (all streams by default)."""
     with _client(database_url, redis_url, prefix) as client:
         names = list(streams) or [s.name for s in client.streams()]
         data = [client.positions(name).as_dict() for name in names]
@@ -289,6 +306,8 @@ def positions(
             for name, w in d["writers"].items():
                 state = "retired" if w["retired"] else f"lease {w['lease_expires_in_ms']} ms"
                 yield f"  writer {name:<28} position {w['position']:>12}  {state}"
+            for name, g in d["groups"].items():
+                yield f"  group  {name:<28} position {g['position']:>12}  lag {g['lag']}"
 
     _emit(data, as_json, text)
 
@@ -357,18 +376,20 @@ def bench_write(
 @click.option("--facts", type=click.IntRange(min=1), default=1000, show_default=True)
 @_common
 def demo(facts: int, database_url: str | None, redis_url: str | None, prefix: str | None) -> None:
-    """Migrate, create a stream, write from two writers (one fact held open), show positions."""
+    """Migrate, create a stream, write from two writers (one fact held open) while a reader
+    follows, and show positions and epochs."""
     from .migrate import upgrade
 
     settings = _settings(database_url, redis_url, prefix)
     upgrade(settings.database_url)
     name = f"demo-{int(time.time())}"
-    with connect(settings.database_url) as client:
+    with connect(settings.database_url, settings.redis_url, settings.prefix) as client:
         client.create_stream(name)
         click.echo(f"created stream {name} in {redact_url(settings.database_url)}")
         with (
             client.writer(name, instance="demo-a") as a,
             client.writer(name, instance="demo-b") as b,
+            client.reader(name, group="demo") as reader,
             psycopg.connect(settings.database_url) as conn,
         ):
             started = time.perf_counter()
@@ -388,10 +409,16 @@ def demo(facts: int, database_url: str | None, redis_url: str | None, prefix: st
                     f": linear {p.linear} < {held.stream_id} <= max allocated"
                     f" {p.max_allocated}"
                 )
-            a.heartbeat()
-            b.heartbeat()
+                for epoch in reader.epochs():
+                    click.echo(f"reader: {epoch!r}")
+                click.echo(f"reader stops at {reader.position()}: {held.stream_id} may commit")
             p = client.positions(name)
             click.echo(f"demo-b committed: linear {p.linear}, max allocated {p.max_allocated}")
+            for epoch in reader.epochs():
+                ids = ", ".join(str(f.id) for f in epoch.facts)
+                click.echo(f"reader: {epoch!r}: ids {ids}")
+            reader.commit()
+            click.echo(f"group 'demo' committed {reader.position()}")
     click.echo(f"now try: streams read {name} --limit 5   or   streams positions {name}")
 
 

@@ -25,7 +25,16 @@ from streams.migrate import current_revision, upgrade
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PACKAGE_DIR = Path(streams.__file__).resolve().parent
 
-PURE_MODULES = ("positions", "timestamps", "protocol", "frontier", "config")
+PURE_MODULES = (
+    "positions",
+    "timestamps",
+    "protocol",
+    "frontier",
+    "config",
+    "epochs",
+    "replication",
+    "constants",
+)
 #: Pure modules may import these `streams` modules (themselves free of I/O) and nothing else.
 PURE_SIBLINGS = frozenset({*PURE_MODULES, "errors"})
 IO_MODULES = frozenset(
