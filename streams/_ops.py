@@ -37,7 +37,7 @@ from psycopg.pq import TransactionStatus
 
 from .errors import StoreError
 
-__all__ = ["Commit", "CopyIn", "Gen", "Op", "Query", "arun", "run"]
+__all__ = ["Commit", "CopyIn", "Gen", "Op", "Pipeline", "Query", "Row", "arun", "run"]
 
 T = TypeVar("T")
 Row: TypeAlias = tuple[Any, ...]
@@ -66,7 +66,20 @@ class Commit:
     """Commit the current transaction; the generator receives an empty list."""
 
 
-Op: TypeAlias = Query | CopyIn | Commit
+@dataclass(frozen=True, slots=True)
+class Pipeline:
+    """Execute several statements in one network round trip (psycopg's pipeline mode).
+
+    The server still runs them one after the other, each with its own snapshot under READ
+    COMMITTED, so a later statement sees what an earlier one left behind (e.g. ``set_config``).
+    The generator receives ``[Row(rows_of_query_1), Row(rows_of_query_2), ...]``: one tuple of
+    rows per query.
+    """
+
+    queries: Sequence[Query]
+
+
+Op: TypeAlias = Query | CopyIn | Commit | Pipeline
 Gen: TypeAlias = Generator[Op, list[Row], T]
 
 
@@ -85,6 +98,10 @@ def _execute(conn: psycopg.Connection[Any], op: Op) -> list[Row]:
     if isinstance(op, Commit):
         conn.commit()
         return []
+    if isinstance(op, Pipeline):
+        with conn.pipeline():
+            cursors = [conn.execute(q.statement, q.params) for q in op.queries]
+        return [tuple(cur.fetchall()) for cur in cursors]
     with conn.cursor() as cur:
         if isinstance(op, CopyIn):
             with cur.copy(op.statement) as copy:
@@ -99,6 +116,10 @@ async def _aexecute(conn: psycopg.AsyncConnection[Any], op: Op) -> list[Row]:
     if isinstance(op, Commit):
         await conn.commit()
         return []
+    if isinstance(op, Pipeline):
+        async with conn.pipeline():
+            acursors = [await conn.execute(q.statement, q.params) for q in op.queries]
+        return [tuple(await cur.fetchall()) for cur in acursors]
     async with conn.cursor() as cur:
         if isinstance(op, CopyIn):
             async with cur.copy(op.statement) as copy:

@@ -39,22 +39,26 @@ from typing import Any, TypeAlias
 
 import psycopg
 
-from ._ops import Gen, arun, run
+from ._ops import Gen, Pipeline, arun, run
 from .epochs import Epoch, Fact, plan_page
 from .errors import StoreError, UsageError, WaitTimeout
 from .frontier import Antichain, FrontierProbe, FrontierSnapshot, LiveFilter, UpperAntichain
 from .replication import Hint
 from .store import (
+    FactRow,
     Probe,
     StreamInfo,
     commit_group,
     database_time_ms,
     fetch_rows,
+    fetch_rows_after_probe,
     group_position,
     load_streams,
     persisted_writer_position,
     position_before_time,
     probe,
+    probe_query,
+    probes_from_rows,
     ts_floor_at,
 )
 
@@ -208,25 +212,42 @@ class ReaderCore:
         return any(self.positions[n] < self._targets.get(n, 0) for n in self.names)
 
     def step(self) -> Gen[Epoch | None]:
-        """The next epoch, or None if PostgreSQL has nothing complete beyond the positions."""
-        if not self.behind() or self._reconcile:
-            probes = yield from probe(list(self.infos.values()))
-            self._note_probe(probes)
-            if not self.behind():
-                return None
+        """The next epoch, or None if PostgreSQL has nothing complete beyond the positions.
+
+        Caught up (or reconciling), it probes and reads the first page of every stream in one
+        pipelined round trip; behind the last probe, it reads pages only.
+        """
         lower = dict(self.positions)
         facts: list[Fact] = []
-        for name in self.names:
-            target = self._targets.get(name, 0)
-            if self.positions[name] >= target:
-                continue
-            facts.extend((yield from self._page(name, target)))
+        if not self.behind() or self._reconcile:
+            infos = [self.infos[n] for n in self.names]
+            queries = [probe_query(infos)]
+            queries += [fetch_rows_after_probe(i, lower[i.name], self.page_size) for i in infos]
+            results = yield Pipeline(queries)
+            probes = probes_from_rows(results[0])
+            self._note_probe(probes)
+            for info, raw in zip(infos, results[1:], strict=True):
+                # The rows were read up to this probe's position, whatever earlier ones said.
+                through = probes[info.name].complete
+                if through > lower[info.name]:
+                    page = [FactRow(*row) for row in raw]
+                    facts.extend((yield from self._plan(info.name, page, through)))
+        else:
+            for name in self.names:
+                target = self._targets.get(name, 0)
+                if self.positions[name] < target:
+                    page = yield from fetch_rows(
+                        self.infos[name], self.positions[name], target, self.page_size
+                    )
+                    facts.extend((yield from self._plan(name, page, target)))
+        if self.positions == lower:
+            return None
         return Epoch(lower, dict(self.positions), tuple(facts))
 
-    def _page(self, name: str, target: int) -> Gen[list[Fact]]:
+    def _plan(self, name: str, rows: list[FactRow], target: int) -> Gen[list[Fact]]:
+        """Deliver what a page of rows allows; advance the position."""
         info = self.infos[name]
         after = self.positions[name]
-        rows = yield from fetch_rows(info, after, target, self.page_size)
         self.pages += 1
         plan = plan_page(
             name, rows, after=after, through=target, limit=self.page_size,

@@ -51,13 +51,13 @@ place the database already enforces.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from psycopg import sql
 
-from ._ops import Commit, Gen, Query
+from ._ops import Commit, Gen, Query, Row
 from .config import validate_stream_name
 from .constants import RESERVATION_LOCK_SPAN, reservation_lock_class
 from .errors import SchemaNotReady, StreamExists, UnknownStream
@@ -77,6 +77,7 @@ __all__ = [
     "delete_group",
     "drop_stream",
     "fetch_rows",
+    "fetch_rows_after_probe",
     "group_position",
     "linear_position",
     "list_groups",
@@ -86,6 +87,8 @@ __all__ = [
     "persisted_writer_position",
     "position_before_time",
     "probe",
+    "probe_query",
+    "probes_from_rows",
     "repair_sequence",
     "reservation_lock_key_sql",
     "retire_expired_writers",
@@ -94,6 +97,9 @@ __all__ = [
 ]
 
 ALEMBIC_HEAD = "0001_initial"
+
+#: Session setting (plus the stream's registry id) where `probe` leaves the complete position.
+COMPLETE_SETTING = "streams.complete_"
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,28 +366,36 @@ class Probe:
 
 _PROBE_SQL = f"""
 WITH s AS MATERIALIZED (
-    SELECT r.name, k.lock_class,
+    SELECT r.id, r.name, k.lock_class,
            COALESCE(pg_sequence_last_value(r.sequence_name::regclass), 0) AS allocated
     FROM unnest(%(ids)s::int[], %(classes)s::bigint[]) AS k(id, lock_class)
     JOIN streams_registry r ON r.id = k.id
+), p AS MATERIALIZED (
+    SELECT s.id, s.name, s.allocated, (
+        -- Correlated on s.allocated, so pg_locks is read after the sequence (the argument
+        -- needs it). objid holds L mod 2**32; L is the one value in (allocated + 1 - 2**32,
+        -- allocated + 1].
+        SELECT min(s.allocated + 1
+                   - ((s.allocated + 1 - l.objid::bigint) %% {RESERVATION_LOCK_SPAN}
+                      + {RESERVATION_LOCK_SPAN}) %% {RESERVATION_LOCK_SPAN})
+        FROM pg_locks l
+        WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.classid = s.lock_class::oid
+          AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+    ) AS min_locked
+    FROM s
 )
-SELECT s.name, s.allocated, (
-    -- Correlated on s.allocated, so pg_locks is read after the sequence (the argument needs
-    -- it). objid holds L mod 2**32; L is the one value in (allocated + 1 - 2**32, allocated + 1].
-    SELECT min(s.allocated + 1
-               - ((s.allocated + 1 - l.objid::bigint) %% {RESERVATION_LOCK_SPAN}
-                  + {RESERVATION_LOCK_SPAN}) %% {RESERVATION_LOCK_SPAN})
-    FROM pg_locks l
-    WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.classid = s.lock_class::oid
-      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-) AS min_locked
-FROM s
+SELECT p.name, p.allocated, c.complete,
+       -- Remembered in the session for `fetch_rows_after_probe` in the same pipeline.
+       set_config('{COMPLETE_SETTING}' || p.id, c.complete::text, false)
+FROM p, LATERAL (
+    SELECT GREATEST(0, LEAST(p.allocated, COALESCE(p.min_locked - 1, p.allocated))) AS complete
+) AS c
 """
 
 
-def probe(infos: list[StreamInfo]) -> Gen[dict[str, Probe]]:
-    """`Probe` every stream in ``infos`` in one statement (no transaction is left open)."""
-    rows = yield Query(
+def probe_query(infos: list[StreamInfo]) -> Query:
+    """The statement of `probe` (for pipelining it with `fetch_rows_after_probe`)."""
+    return Query(
         _PROBE_SQL,
         {
             "ids": [info.id for info in infos],
@@ -389,13 +403,19 @@ def probe(infos: list[StreamInfo]) -> Gen[dict[str, Probe]]:
             "classes": [reservation_lock_class(i.id) % RESERVATION_LOCK_SPAN for i in infos],
         },
     )
+
+
+def probes_from_rows(rows: Sequence[Row]) -> dict[str, Probe]:
+    return {
+        name: Probe(name, int(allocated), int(complete)) for name, allocated, complete, _ in rows
+    }
+
+
+def probe(infos: list[StreamInfo]) -> Gen[dict[str, Probe]]:
+    """`Probe` every stream in ``infos`` in one statement (no transaction is left open)."""
+    rows = yield probe_query(infos)
     yield Commit()
-    result: dict[str, Probe] = {}
-    for name, allocated_value, min_locked in rows:
-        allocated = int(allocated_value)
-        complete = allocated if min_locked is None else min(allocated, int(min_locked) - 1)
-        result[name] = Probe(name, allocated, max(complete, 0))
-    return result
+    return probes_from_rows(rows)
 
 
 def linear_position(info: StreamInfo) -> Gen[tuple[int, int]]:
@@ -436,6 +456,25 @@ def fetch_rows(info: StreamInfo, after: int, through: int, limit: int) -> Gen[li
     rows = yield Query(query)
     yield Commit()
     return [FactRow(*row) for row in rows]
+
+
+def fetch_rows_after_probe(info: StreamInfo, after: int, limit: int) -> Query:
+    """Like `fetch_rows` up to the complete position the preceding `probe_query` of the same
+    session remembered: pipelined behind it, a caught-up reader needs one round trip, and this
+    statement's snapshot is still taken after the probe's pg_locks read, as the argument needs."""
+    return Query(
+        sql.SQL(
+            "SELECT stream_id, row_no, instance, ts, payload FROM streams_facts "
+            "WHERE stream = {stream} AND stream_id > {after} "
+            "AND stream_id <= current_setting({setting})::bigint "
+            "ORDER BY stream_id, row_no LIMIT {limit}"
+        ).format(
+            stream=sql.Literal(int(info.id)),
+            after=sql.Literal(int(after)),
+            setting=sql.Literal(f"{COMPLETE_SETTING}{int(info.id)}"),
+            limit=sql.Literal(int(limit)),
+        )
+    )
 
 
 def load_streams(names: list[str]) -> Gen[list[StreamInfo]]:
