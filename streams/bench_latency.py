@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Barrier
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 import redis
@@ -39,6 +39,10 @@ from ._ops import run
 from .bench import PAYLOAD
 from .reader import DEFAULT_PAGE_SIZE
 from .store import drop_stream
+
+if TYPE_CHECKING:
+    from .client import Client
+    from .reader import Reader
 
 __all__ = [
     "CatchupResult",
@@ -224,7 +228,7 @@ def _schedule(start: float, offset: float, interval: float, seconds: float) -> I
         yield
 
 
-def _wait_connected(client: Any, timeout: float = 10.0) -> None:
+def _wait_connected(client: Client, timeout: float = 10.0) -> None:
     link = client.link
     deadline = time.monotonic() + timeout
     while link is not None and not link.connected and time.monotonic() < deadline:
@@ -279,7 +283,8 @@ def _redis_child(
     try:
         for _ in range(WARMUP_APPENDS):
             client.publish(f"{channel}:warmup", b"0")
-        barrier.wait(START_TIMEOUT)
+        barrier.wait(START_TIMEOUT)  # ready
+        barrier.wait(START_TIMEOUT)  # start_at is set
         for _ in _schedule(start_at.value, 0.0, 1 / rate, seconds):
             client.publish(channel, repr(time.monotonic()).encode())
         client.publish(channel, b"done")
@@ -288,9 +293,10 @@ def _redis_child(
 
 
 def _stop(procs: Sequence[BaseProcess]) -> None:
-    for proc in procs:
+    started = [proc for proc in procs if proc.pid is not None]
+    for proc in started:
         proc.join(timeout=30)
-    for proc in procs:
+    for proc in started:
         if proc.is_alive():
             proc.terminate()
             proc.join(timeout=5)
@@ -342,20 +348,56 @@ def _measure_raw_redis(redis_url: str, rate: float, seconds: float) -> LatencySt
         with contextlib.suppress(Exception):
             pubsub.close()
         client.close()
-        if proc.pid is not None:
-            _stop([proc])
+        _stop([proc])
+
+
+def _collect(
+    reader: Reader, results: Any, writers: int, deadline: float
+) -> tuple[dict[int, float], dict[int, float], int]:
+    """Poll until every writer reported and every fact it committed was delivered (or the
+    deadline): (committed time by ID, delivered time by ID, epochs)."""
+    delivered: dict[int, float] = {}
+    committed: dict[int, float] = {}
+    reported = 0
+    pending: set[int] | None = None
+    epochs = 0
+    while time.monotonic() < deadline:
+        epoch = reader.poll(timeout=0.05)
+        if epoch is not None:
+            now = time.monotonic()
+            epochs += 1
+            for fact in epoch.facts:
+                delivered.setdefault(fact.id, now)
+                if pending is not None:
+                    pending.discard(fact.id)
+        while reported < writers:
+            try:
+                _, records, error = results.get_nowait()
+            except queue.Empty:
+                break
+            if error is not None:
+                raise RuntimeError(f"a bench writer failed: {error}")
+            committed.update(records)
+            reported += 1
+        if reported == writers:
+            if pending is None:
+                pending = committed.keys() - delivered.keys()
+            if not pending:
+                break
+    if reported < writers:
+        raise RuntimeError(f"only {reported} of {writers} bench writers reported back")
+    return committed, delivered, epochs
 
 
 def _measure_streams(
-    client: Any,
-    database_url: str,
-    redis_url: str,
-    prefix: str,
+    client: Client,
+    settings: tuple[str, str, str],
     stream: str,
     writers: int,
     rate: float,
     seconds: float,
 ) -> tuple[LatencyStats, tuple[int, int, int]]:
+    """``settings``: (database URL, Redis URL, prefix) for the writers' clients."""
     ctx = multiprocessing.get_context("spawn")
     barrier = ctx.Barrier(writers + 1)
     start_at = ctx.Value("d", 0.0)
@@ -363,20 +405,8 @@ def _measure_streams(
     procs = [
         ctx.Process(
             target=_writer_child,
-            args=(
-                database_url,
-                redis_url,
-                prefix,
-                stream,
-                index,
-                writers,
-                rate,
-                seconds,
-                barrier,
-                start_at,
-                results,
-            ),
-        )  # fmt: skip
+            args=(*settings, stream, index, writers, rate, seconds, barrier, start_at, results),
+        )
         for index in range(writers)
     ]
     reader = None
@@ -391,42 +421,13 @@ def _measure_streams(
         start = time.monotonic() + 0.01
         start_at.value = start
         barrier.wait(START_TIMEOUT)
+        committed, delivered, epochs = _collect(
+            reader, results, writers, start + seconds + DRAIN_SECONDS
+        )
         cutoff = start + min(WARMUP_MAX, seconds * WARMUP_FRACTION)
-
-        delivered: dict[int, float] = {}
-        committed: dict[int, float] = {}
-        reported = 0
-        pending: set[int] | None = None
-        epochs = 0
-        deadline = start + seconds + DRAIN_SECONDS
-        while time.monotonic() < deadline:
-            epoch = reader.poll(timeout=0.05)
-            if epoch is not None:
-                now = time.monotonic()
-                epochs += 1
-                for fact in epoch.facts:
-                    delivered.setdefault(fact.id, now)
-                    if pending is not None:
-                        pending.discard(fact.id)
-            while reported < writers:
-                try:
-                    _, records, error = results.get_nowait()
-                except queue.Empty:
-                    break
-                if error is not None:
-                    raise RuntimeError(f"a bench writer failed: {error}")
-                committed.update(records)
-                reported += 1
-            if reported == writers:
-                if pending is None:
-                    pending = {i for i, t in committed.items() if t >= cutoff} - delivered.keys()
-                if not pending:
-                    break
         measured = {i: t for i, t in committed.items() if t >= cutoff}
         samples = [delivered[i] - t for i, t in measured.items() if i in delivered]
         stats = LatencyStats.from_seconds(samples, lost=len(measured) - len(samples))
-        if reported < writers:
-            raise RuntimeError(f"only {reported} of {writers} bench writers reported back")
         return stats, (reader.core.probes, reader.core.pages, epochs)
     finally:
         barrier.abort()  # a failed parent must not leave the writers waiting
@@ -435,7 +436,7 @@ def _measure_streams(
         _stop(procs)
 
 
-def _fill(client: Any, stream: str, facts: int) -> None:
+def _fill(client: Client, stream: str, facts: int) -> None:
     writer = client.writer(stream, instance="bench-lat-catchup")
     try:
         payloads = [PAYLOAD] * CATCHUP_BATCH
@@ -447,7 +448,7 @@ def _fill(client: Any, stream: str, facts: int) -> None:
         writer.close()
 
 
-def _catchup_streams(client: Any, stream: str, page_size: int) -> tuple[int, float]:
+def _catchup_streams(client: Client, stream: str, page_size: int) -> tuple[int, float]:
     reader = client.reader(stream, start="earliest", page_size=page_size)
     try:
         count = 0
@@ -478,7 +479,7 @@ def _catchup_raw(database_url: str, stream_key: int, page_size: int) -> tuple[in
 
 
 def _measure_catchup(
-    client: Any,
+    client: Client,
     database_url: str,
     stream: str,
     facts: int,
@@ -533,7 +534,13 @@ def run_latency_bench(
     """Run the latency and catch-up benchmarks (see the module doc); report lines as it goes."""
     from .client import connect
 
-    if rate <= 0 or seconds <= 0 or catchup_facts < 1 or not writer_counts:
+    if (
+        rate <= 0
+        or seconds <= 0
+        or catchup_facts < 1
+        or not writer_counts
+        or min(writer_counts) < 1
+    ):
         raise ValueError(
             "rate, seconds and catchup_facts must be positive, writer_counts non-empty"
         )
@@ -550,7 +557,7 @@ def run_latency_bench(
             for writers in writer_counts:
                 raw = _measure_raw_redis(redis_url, rate, seconds)
                 ours, (probes, page_count, epochs) = _measure_streams(
-                    client, database_url, redis_url, prefix, latency_stream, writers, rate,
+                    client, (database_url, redis_url, prefix), latency_stream, writers, rate,
                     seconds,
                 )  # fmt: skip
                 result = LatencyRun(writers, rate, ours, raw, probes, page_count, epochs)

@@ -101,6 +101,9 @@ def plan_page(
         raise ValueError("limit must be positive")
     if through < after:
         raise ValueError(f"empty range ({after}, {through}]")
+    if rows and not (after < rows[0].stream_id and rows[-1].stream_id <= through):
+        bad = rows[0].stream_id if rows[0].stream_id <= after else rows[-1].stream_id
+        raise ValueError(f"row {bad} outside ({after}, {through}]")
     full = len(rows) >= limit
     if full:
         last_id = rows[-1].stream_id
@@ -122,8 +125,8 @@ def plan_page(
         if i < len(rows) and rows[i].stream_id == rows[start].stream_id:
             continue
         first = rows[start]
-        if not after < first.stream_id <= through:
-            raise ValueError(f"row {first.stream_id} outside ({after}, {through}]")
+        if facts and first.stream_id <= facts[-1].id:
+            raise ValueError(f"rows out of order: {first.stream_id} after {facts[-1].id}")
         floor = max(floor, first.timestamp)
         facts.append(
             Fact(
@@ -164,5 +167,5 @@ class Epoch:
         return len(self.facts)
 
     def __repr__(self) -> str:
-        ranges = ", ".join(f"{s}: ({self.lower[s]}, {self.upper[s]}]" for s in self.upper)
+        ranges = ", ".join(f"{s}: ({self.lower.get(s)}, {self.upper[s]}]" for s in self.upper)
         return f"Epoch({ranges}; {len(self.facts)} facts)"

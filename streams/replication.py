@@ -59,7 +59,12 @@ class _Committed:
 
 
 class Announcer:
-    """The commands one writer sends, from its completions and position (thread-safe)."""
+    """The commands one writer sends, from its completions and position (thread-safe).
+
+    If another thread's `update` passes an append's IDs before that append's `committed` call
+    arrives, the append is covered by a ``POSITION`` instead of its own ``RDATA``: tokens never
+    go backwards on the wire, and readers only use either as a hint to ask PostgreSQL.
+    """
 
     def __init__(self, stream: str, instance: str, position: int) -> None:
         self.stream = stream
@@ -171,7 +176,9 @@ class LinkCore:
 
     def remove_writer(self, announcer: Announcer) -> None:
         with self._lock:
-            self._writers.pop((announcer.stream, announcer.instance), None)
+            key = (announcer.stream, announcer.instance)
+            if self._writers.get(key) is announcer:  # not a newer writer under the same name
+                del self._writers[key]
 
     def add_reader(self) -> None:
         with self._lock:

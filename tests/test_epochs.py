@@ -161,32 +161,34 @@ def test_inverted_range(after: int, back: int) -> None:
         plan_page(STREAM, [], after=after, through=after - back, limit=5, ts_floor=0)
 
 
-def _outside(model: Model, below: bool, n: int) -> list[Row]:
-    bad_id = model.after - 1 if below else model.through + 1
+def _outside(model: Model, below: bool, n: int, distance: int) -> list[Row]:
+    """``n`` rows of one fact just outside the range: ``after - distance`` (boundary included)
+    or ``through + 1 + distance``."""
+    bad_id = model.after - distance if below else model.through + 1 + distance
     return [Row(bad_id, r, "w1", 0, None) for r in range(n)]
 
 
-@given(models(), st.booleans(), st.integers(1, 3), st.data())
+@given(models(), st.booleans(), st.integers(1, 3), st.integers(0, 2), st.data())
 def test_row_outside_range_in_short_page(
-    model: Model, below: bool, n: int, data: st.DataObject
+    model: Model, below: bool, n: int, distance: int, data: st.DataObject
 ) -> None:
     # A page shorter than the limit, with one fact outside (after, through] somewhere in it.
     rows = model.rows
-    bad = _outside(model, below, n)
+    bad = _outside(model, below, n, distance)
     rows = bad + rows if below else rows + bad
     with pytest.raises(ValueError, match="outside"):
         plan_page(STREAM, rows, after=model.after, through=model.through,
                   limit=len(rows) + data.draw(st.integers(1, 3)), ts_floor=0)  # fmt: skip
 
 
-@given(models(), st.booleans(), st.integers(1, 3))
-def test_row_outside_range_in_full_page(model: Model, below: bool, n: int) -> None:
+@given(models(), st.booleans(), st.integers(1, 3), st.integers(0, 2))
+def test_row_outside_range_in_full_page(model: Model, below: bool, n: int, distance: int) -> None:
     # BUG (kept failing on purpose): a *full* page is not checked against (after, through] when
     # the out-of-range fact is the one left for the next page, or the single oversized fact.
     # E.g. rows of ID through+1 alone filling the page give refetch=through+1, and the reader
     # then plans that fact with through=refetch, moving past the proven-complete position.
     rows = model.rows
-    bad = _outside(model, below, n)
+    bad = _outside(model, below, n, distance)
     rows = bad + rows if below else rows + bad
     with pytest.raises(ValueError, match="outside"):
         plan_page(STREAM, rows, after=model.after, through=model.through, limit=len(rows),
