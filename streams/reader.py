@@ -69,6 +69,8 @@ __all__ = ["AsyncReader", "Reader", "ReaderCore", "Start"]
 #: timestamp >= it) or a `timedelta` (that long ago, on the database's clock).
 Start: TypeAlias = str | int | dt.datetime | dt.timedelta
 
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+
 #: Rows per page when catching up.
 DEFAULT_PAGE_SIZE = 5000
 #: Seconds between probes while the Redis fast path is up (a safety net for lost messages).
@@ -156,7 +158,8 @@ class ReaderCore:
             now_ms = yield from database_time_ms()
             start_ms = now_ms - start // dt.timedelta(milliseconds=1)
         elif isinstance(start, dt.datetime):
-            start_ms = int(start.timestamp() * 1000)
+            # Exact ceiling in integers: a fact at 12.000 s is before a start at 12.0005 s.
+            start_ms = -((_EPOCH - start) // dt.timedelta(milliseconds=1))
         for info in infos:
             found = probes[info.name]
             committed = None
@@ -174,7 +177,9 @@ class ReaderCore:
             else:
                 assert start_ms is not None
                 before = yield from position_before_time(info, start_ms)
-                position = found.complete if before is None else before
+                # Capped at what is complete: a pending fact below the first committed match
+                # may still commit with a timestamp >= start (the filter drops earlier ones).
+                position = found.complete if before is None else min(before, found.complete)
                 self._start_ts[info.name] = start_ms
             if start == "live" and found.max_allocated > position:
                 # Strymon's late subscriber: epochs active at join (IDs up to max allocated) may
