@@ -25,36 +25,37 @@ decrease in stream-ID order even when clients sent skewed ones (S2's rule).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Protocol
+from typing import Any, Final, NamedTuple, TypeAlias
 
-__all__ = ["Epoch", "Fact", "PagePlan", "RowLike", "plan_page"]
-
-
-class RowLike(Protocol):
-    """What `plan_page` needs of a row (`streams.store.FactRow` has it)."""
-
-    @property
-    def stream_id(self) -> int: ...
-    @property
-    def instance(self) -> str: ...
-    @property
-    def timestamp(self) -> int: ...
-    @property
-    def payload(self) -> Any: ...
+__all__ = ["Epoch", "Fact", "PagePlan", "Row", "plan_page"]
 
 
-@dataclass(frozen=True, slots=True)
-class Fact:
-    """One fact as a reader sees it: every row it has, its writer and its timestamp."""
+#: One row as `streams.store.fetch_rows` returns it: ``(stream_id, row_no, instance, ts,
+#: payload)``. Plain tuples, not objects: catching up touches every row, and building an object
+#: per row cost a fifth of the read throughput.
+Row: TypeAlias = "tuple[int, int, str, int, Any]"
+
+_ID: Final = 0
+_INSTANCE: Final = 2
+_TS: Final = 3
+_PAYLOAD: Final = 4
+
+
+class Fact(NamedTuple):
+    """One fact as a reader sees it: every row it has, its writer and its timestamp.
+
+    A named tuple because readers build one per fact (it is several times cheaper than a frozen
+    dataclass) and it is immutable all the same.
+    """
 
     stream: str
     id: int
     instance: str
     #: ms since the Unix epoch, raised to the running maximum of the stream.
     timestamp: int
-    payloads: tuple[Any, ...] = field(repr=False)
+    payloads: tuple[Any, ...]
 
     @property
     def payload(self) -> Any:
@@ -73,6 +74,12 @@ class Fact:
             data["payloads"] = list(self.payloads)
         return data
 
+    def __repr__(self) -> str:
+        return (
+            f"Fact(stream={self.stream!r}, id={self.id}, instance={self.instance!r}, "
+            f"timestamp={self.timestamp}, rows={len(self.payloads)})"
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class PagePlan:
@@ -89,7 +96,7 @@ class PagePlan:
 
 def plan_page(
     stream: str,
-    rows: Sequence[RowLike],
+    rows: Sequence[Row],
     *,
     after: int,
     through: int,
@@ -101,43 +108,45 @@ def plan_page(
         raise ValueError("limit must be positive")
     if through < after:
         raise ValueError(f"empty range ({after}, {through}]")
-    if rows and not (after < rows[0].stream_id and rows[-1].stream_id <= through):
-        bad = rows[0].stream_id if rows[0].stream_id <= after else rows[-1].stream_id
+    if rows and not (after < rows[0][_ID] and rows[-1][_ID] <= through):
+        bad = rows[0][_ID] if rows[0][_ID] <= after else rows[-1][_ID]
         raise ValueError(f"row {bad} outside ({after}, {through}]")
-    full = len(rows) >= limit
-    if full:
-        last_id = rows[-1].stream_id
-        if rows[0].stream_id == last_id:
+    if len(rows) >= limit:
+        last_id = rows[-1][_ID]
+        if rows[0][_ID] == last_id:
             # One fact with at least `limit` rows: nothing can be delivered from this page.
             return PagePlan((), after, ts_floor, refetch=last_id)
         # The last fact may continue on the next page: leave all of its rows for then.
-        cut = len(rows)
-        while rows[cut - 1].stream_id == last_id:
+        cut = len(rows) - 1
+        while rows[cut - 1][_ID] == last_id:
             cut -= 1
         rows = rows[:cut]
-        position = rows[-1].stream_id
+        position = rows[-1][_ID]
     else:
         position = through
     facts: list[Fact] = []
+    append = facts.append
     floor = ts_floor
-    start = 0
-    for i in range(1, len(rows) + 1):
-        if i < len(rows) and rows[i].stream_id == rows[start].stream_id:
-            continue
-        first = rows[start]
-        if facts and first.stream_id <= facts[-1].id:
-            raise ValueError(f"rows out of order: {first.stream_id} after {facts[-1].id}")
-        floor = max(floor, first.timestamp)
-        facts.append(
-            Fact(
-                stream=stream,
-                id=first.stream_id,
-                instance=first.instance,
-                timestamp=floor,
-                payloads=tuple(row.payload for row in rows[start:i]),
-            )
-        )
-        start = i
+    previous = after
+    n = len(rows)
+    i = 0
+    while i < n:
+        row = rows[i]
+        stream_id = row[_ID]
+        if stream_id <= previous:
+            raise ValueError(f"rows out of order: {stream_id} after {previous}")
+        ts = row[_TS]
+        floor = max(floor, ts)
+        j = i + 1
+        if j < n and rows[j][_ID] == stream_id:  # a multi-row fact (rare)
+            while j < n and rows[j][_ID] == stream_id:
+                j += 1
+            payloads = tuple(r[_PAYLOAD] for r in rows[i:j])
+        else:
+            payloads = (row[_PAYLOAD],)
+        append(Fact(stream, stream_id, row[_INSTANCE], floor, payloads))
+        previous = stream_id
+        i = j
     return PagePlan(tuple(facts), position, floor)
 
 

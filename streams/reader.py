@@ -40,12 +40,11 @@ from typing import Any, TypeAlias
 import psycopg
 
 from ._ops import Gen, Pipeline, arun, run
-from .epochs import Epoch, Fact, plan_page
+from .epochs import Epoch, Fact, Row, plan_page
 from .errors import StoreError, UsageError, WaitTimeout
 from .frontier import Antichain, FrontierProbe, FrontierSnapshot, LiveFilter, UpperAntichain
 from .replication import Hint
 from .store import (
-    FactRow,
     Probe,
     StreamInfo,
     commit_group,
@@ -216,6 +215,11 @@ class ReaderCore:
     def behind(self) -> bool:
         return any(self.positions[n] < self._targets.get(n, 0) for n in self.names)
 
+    @property
+    def caught_up(self) -> bool:
+        """Everything the last probe proved complete is delivered (and no reconnect since)."""
+        return not self._reconcile and not self.behind()
+
     def step(self) -> Gen[Epoch | None]:
         """The next epoch, or None if PostgreSQL has nothing complete beyond the positions.
 
@@ -235,8 +239,7 @@ class ReaderCore:
                 # The rows were read up to this probe's position, whatever earlier ones said.
                 through = probes[info.name].complete
                 if through > lower[info.name]:
-                    page = [FactRow(*row) for row in raw]
-                    facts.extend((yield from self._plan(info.name, page, through)))
+                    facts.extend((yield from self._plan(info.name, list(raw), through)))
         else:
             for name in self.names:
                 target = self._targets.get(name, 0)
@@ -249,7 +252,7 @@ class ReaderCore:
             return None
         return Epoch(lower, dict(self.positions), tuple(facts))
 
-    def _plan(self, name: str, rows: list[FactRow], target: int) -> Gen[list[Fact]]:
+    def _plan(self, name: str, rows: list[Row], target: int) -> Gen[list[Fact]]:
         """Deliver what a page of rows allows; advance the position."""
         info = self.infos[name]
         after = self.positions[name]
@@ -410,6 +413,7 @@ class Reader(_ReaderBase):
         self._wake = threading.Event()
         self._closed = False
         self._poll = poll_interval
+        self._last_probe = 0.0
         try:
             run(self._conn, core.open())
         except BaseException:
@@ -427,25 +431,33 @@ class Reader(_ReaderBase):
         self._wake.set()
 
     def poll(self, timeout: float | None = 0.0) -> Epoch | None:
-        """The next epoch, waiting up to ``timeout`` seconds (None: forever) for one."""
+        """The next epoch, waiting up to ``timeout`` seconds (None: forever) for one.
+
+        ``timeout=0`` asks PostgreSQL once, now. Otherwise a caught-up reader asks again only
+        when a hint arrives (a command naming a token beyond its position) or the poll interval
+        has passed since its last probe, so a quiet stream costs one probe per interval, not
+        one per call.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
         hinted = False
         while True:
             if self._closed:
                 raise UsageError("reader is closed")
+            if timeout != 0 and self._core.caught_up and not self._wake.is_set():
+                due = self._last_probe + self._poll_interval(self._poll)
+                until = due if deadline is None else min(due, deadline)
+                hinted = self._wake.wait(max(0.0, until - time.monotonic()))
+                if not hinted and time.monotonic() < due:
+                    return None  # the deadline came first
+            elif hinted:
+                time.sleep(MIN_HINT_GAP)
             self._wake.clear()
+            self._last_probe = time.monotonic()
             epoch = run(self._conn, self._core.step())
             if epoch is not None:
                 return epoch
-            if hinted:
-                time.sleep(MIN_HINT_GAP)
-            wait = self._poll_interval(self._poll)
-            if deadline is not None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return None
-                wait = min(wait, remaining)
-            hinted = self._wake.wait(wait)
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
 
     def __iter__(self) -> Iterator[Epoch]:
         """Epochs forever (blocking); stop by breaking out or closing the reader."""
@@ -518,6 +530,7 @@ class AsyncReader(_ReaderBase):
         self._poll = poll
         self._wake = asyncio.Event()
         self._closed = False
+        self._last_probe = 0.0
 
     @classmethod
     async def open(
@@ -559,24 +572,27 @@ class AsyncReader(_ReaderBase):
             return False
 
     async def poll(self, timeout: float | None = 0.0) -> Epoch | None:
+        """The asyncio twin of `Reader.poll`."""
         deadline = None if timeout is None else time.monotonic() + timeout
         hinted = False
         while True:
             if self._closed:
                 raise UsageError("reader is closed")
+            if timeout != 0 and self._core.caught_up and not self._wake.is_set():
+                due = self._last_probe + self._poll_interval(self._poll)
+                until = due if deadline is None else min(due, deadline)
+                hinted = await self._wait(max(0.0, until - time.monotonic()))
+                if not hinted and time.monotonic() < due:
+                    return None
+            elif hinted:
+                await asyncio.sleep(MIN_HINT_GAP)
             self._wake.clear()
+            self._last_probe = time.monotonic()
             epoch = await arun(self._conn, self._core.step())
             if epoch is not None:
                 return epoch
-            if hinted:
-                await asyncio.sleep(MIN_HINT_GAP)
-            wait = self._poll_interval(self._poll)
-            if deadline is not None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return None
-                wait = min(wait, remaining)
-            hinted = await self._wait(wait)
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
 
     def __aiter__(self) -> AsyncIterator[Epoch]:
         return self._forever()

@@ -46,6 +46,8 @@ log = logging.getLogger("streams.redis")
 KEEPALIVE = 5.0
 #: Most messages waiting to be published; beyond that new ones are dropped.
 PUBLISH_QUEUE_LIMIT = 100_000
+#: Seconds a publish may wait on Redis before the batch is given up.
+PUBLISH_TIMEOUT = 5.0
 #: Most messages sent in one pipeline.
 PUBLISH_BATCH = 256
 
@@ -59,10 +61,16 @@ class LinkListener(Protocol):
     def on_link_state(self, connected: bool) -> None: ...
 
 
-def _client_options() -> dict[str, Any]:
+def _client_options(socket_timeout: float | None = None) -> dict[str, Any]:
     # No hidden retries inside redis-py: the link owns reconnection (it must re-run the
-    # connect step, which redis-py's silent resubscribe would skip).
-    return {"socket_connect_timeout": 5, "socket_timeout": None, "retry": Retry(NoBackoff(), 0)}
+    # connect step, which redis-py's silent resubscribe would skip). The subscriber blocks in
+    # reads on purpose (the keep-alive finds a dead server); the publisher must not hang on a
+    # server that stopped answering, so it gets a timeout.
+    return {
+        "socket_connect_timeout": 5,
+        "socket_timeout": socket_timeout,
+        "retry": Retry(NoBackoff(), 0),
+    }
 
 
 class _LinkBase:
@@ -218,7 +226,7 @@ class RedisLink(_LinkBase):
         self._set_connected(False)
 
     def _publish_loop(self) -> None:
-        client = redis.Redis.from_url(self._url, **_client_options())
+        client = redis.Redis.from_url(self._url, **_client_options(PUBLISH_TIMEOUT))
         channel = self.core.channel
         try:
             while True:
@@ -347,7 +355,7 @@ class AsyncRedisLink(_LinkBase):
         self._set_connected(False)
 
     async def _publish_loop(self) -> None:
-        client = redis.asyncio.Redis.from_url(self._url, **_client_options())
+        client = redis.asyncio.Redis.from_url(self._url, **_client_options(PUBLISH_TIMEOUT))
         channel = self.core.channel
         try:
             while True:
