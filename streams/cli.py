@@ -372,6 +372,46 @@ def bench_write(
         tracker_memory(memory_facts, report=click.echo)
 
 
+@bench.command(name="latency")
+@click.option("--seconds", type=float, default=5.0, show_default=True, help="Per writer count.")
+@click.option("--rate", type=float, default=200.0, show_default=True, help="Facts/s in total.")
+@click.option(
+    "--writers", "writer_counts", multiple=True, type=int, default=(1, 4), show_default=True
+)
+@click.option("--catchup-facts", type=click.IntRange(min=0), default=200_000, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Also print the results as JSON.")
+@_common
+def bench_latency(
+    seconds: float,
+    rate: float,
+    writer_counts: tuple[int, ...],
+    catchup_facts: int,
+    as_json: bool,
+    database_url: str | None,
+    redis_url: str | None,
+    prefix: str | None,
+) -> None:
+    """Commit-to-delivery p50/p99 vs raw Redis pub/sub; catch-up facts/s vs raw paging."""
+    from .bench_latency import run_latency_bench
+
+    settings = Settings.resolve(database_url, redis_url, prefix, require_redis=True)
+    assert settings.redis_url is not None
+    click.echo(
+        f"database {redact_url(settings.database_url)}, Redis {redact_url(settings.redis_url)}"
+    )
+    result = run_latency_bench(
+        settings.database_url,
+        settings.redis_url,
+        writer_counts=writer_counts,
+        rate=rate,
+        seconds=seconds,
+        catchup_facts=catchup_facts,
+        report=click.echo,
+    )
+    if as_json:
+        click.echo(json.dumps(result.as_dict(), sort_keys=True, separators=(",", ":")))
+
+
 @main.command()
 @click.option("--facts", type=click.IntRange(min=1), default=1000, show_default=True)
 @_common
