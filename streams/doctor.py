@@ -9,8 +9,12 @@ import psycopg
 
 from ._ops import run
 from .config import Settings, redact_url
+from .constants import RESERVATION_LOCK_SPAN, replication_channel, reservation_lock_class
 from .errors import StreamsError
-from .store import check_schema, list_streams, max_allocated_sql
+from .store import check_schema, list_streams, max_allocated_sql, probe
+
+#: A reservation held open longer than this is reported: it holds every reader back.
+HELD_WARNING_SECONDS = 5.0
 
 __all__ = ["Check", "diagnose"]
 
@@ -62,6 +66,7 @@ def diagnose(settings: Settings) -> list[Check]:
                     + ("; BEHIND the data: the next writer to start repairs it" if behind else ""),
                 )
             )
+            checks.append(_held_check(conn, info))
             checks.append(
                 Check(
                     f"stream {info.name}: writers",
@@ -79,8 +84,17 @@ def diagnose(settings: Settings) -> list[Check]:
         try:
             client = redis.Redis.from_url(settings.redis_url, socket_timeout=3)
             client.ping()
+            channel = replication_channel(settings.prefix)
+            listeners = dict(client.pubsub_numsub(channel)).get(channel.encode(), 0)
             client.close()
-            checks.append(Check("redis", True, redact_url(settings.redis_url)))
+            checks.append(
+                Check(
+                    "redis",
+                    True,
+                    f"{redact_url(settings.redis_url)}: {listeners} process(es) listening on "
+                    f"{channel!r}",
+                )
+            )
         except redis.RedisError as exc:
             checks.append(
                 Check(
@@ -90,3 +104,28 @@ def diagnose(settings: Settings) -> list[Check]:
                 )
             )
     return checks
+
+
+def _held_check(conn: psycopg.Connection[Any], info: Any) -> Check:
+    """Which transactions hold the stream's linear position back, and for how long."""
+    found = run(conn, probe([info]))[info.name]
+    rows = conn.execute(
+        """
+        SELECT a.pid, COALESCE(a.application_name, ''), a.state,
+               extract(epoch FROM clock_timestamp() - a.xact_start)::float8
+        FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+        WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.classid = %s::bigint::oid
+          AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+        ORDER BY a.xact_start
+        """,
+        (reservation_lock_class(info.id) % RESERVATION_LOCK_SPAN,),
+    ).fetchall()
+    name = f"stream {info.name}: linear position"
+    if not rows:
+        return Check(name, True, f"{found.complete} (max allocated {found.max_allocated})")
+    pid, app, state, age = rows[0]
+    detail = (
+        f"{found.complete} (max allocated {found.max_allocated}); {len(rows)} writing "
+        f"transaction(s) open, oldest pid {pid} {app!r} {state} for {age:.1f} s"
+    )
+    return Check(name, age < HELD_WARNING_SECONDS, detail)

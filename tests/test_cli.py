@@ -463,6 +463,31 @@ def test_doctor_healthy(fresh_url: str) -> None:
     assert text.startswith("[ok] database: ")
 
 
+def test_doctor_names_a_transaction_holding_the_stream_back(
+    streams_url: str, client: Client, stream: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import streams.doctor
+
+    monkeypatch.setattr(streams.doctor, "HELD_WARNING_SECONDS", 0.0)
+    name = f"stream {stream}: linear position"
+    with client.writer(stream, instance="holder") as writer:
+        writer.append({"before": 1})
+        with (
+            psycopg.connect(streams_url, application_name="holder-app") as conn,
+            writer.fact(conn) as held,
+        ):
+            result = cli(streams_url, "doctor", "--json")
+            assert result.exit_code == 1, result.output
+            (check,) = [c for c in json.loads(result.stdout) if c["name"] == name]
+            assert check["ok"] is False
+            assert "1 writing transaction(s) open" in check["detail"]
+            assert "'holder-app'" in check["detail"]
+            assert check["detail"].startswith(f"{held.stream_id - 1} ")
+    (check,) = [c for c in one_json(cli(streams_url, "doctor", "--json")) if c["name"] == name]
+    assert check == {"name": name, "ok": True, "detail": f"{held.stream_id} (max allocated "
+                     f"{held.stream_id})"}  # fmt: skip
+
+
 def test_doctor_unmigrated_database_fails(fresh_url: str) -> None:
     result = cli(fresh_url, "doctor", "--json")
     assert result.exit_code == 1, result.output
