@@ -378,7 +378,7 @@ def bench_write(
 @click.option(
     "--writers", "writer_counts", multiple=True, type=int, default=(1, 4), show_default=True
 )
-@click.option("--catchup-facts", type=click.IntRange(min=0), default=200_000, show_default=True)
+@click.option("--catchup-facts", type=click.IntRange(min=1), default=200_000, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Also print the results as JSON.")
 @_common
 def bench_latency(

