@@ -35,8 +35,8 @@ import datetime as dt
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from typing import Any, TypeAlias
+from collections.abc import AsyncIterator, Generator, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple, Protocol, TypeAlias, TypeVar
 
 import orjson
 import psycopg
@@ -82,6 +82,28 @@ FALLBACK_POLL_INTERVAL = 0.1
 #: Least time between two probes of a caught-up reader (bounds the load a flood of forged or
 #: stale messages can cause: a probe costs about as much anyway).
 MIN_HINT_GAP = 0.0005
+
+
+class _Flag(Protocol):
+    """What the plans need of the wake-up event (threading's and asyncio's both have it)."""
+
+    def is_set(self) -> bool: ...
+    def clear(self) -> None: ...
+    def set(self) -> None: ...
+
+
+class _WaitWake(NamedTuple):
+    """Wait up to ``seconds`` for a hint; the driver sends back whether one came."""
+
+    seconds: float
+
+
+class _Pause(NamedTuple):
+    seconds: float
+
+
+T = TypeVar("T")
+_Plan: TypeAlias = Generator["_WaitWake | _Pause | Gen[Any]", Any, T]
 
 
 def _check_start(start: object) -> Start:
@@ -418,9 +440,56 @@ class _ReaderBase:
     def _wakeup(self) -> None:
         raise NotImplementedError
 
+    # The waiting logic of `poll` and `wait_for_position`, written once as generators (like
+    # `ReaderCore`'s): they yield `_WaitWake` (wait for a hint, up to some seconds; the driver
+    # sends back whether one came), `_Pause` (sleep), or a `ReaderCore` generator to run on the
+    # connection (the driver sends back its result). `Reader` and `AsyncReader` only drive them.
+    _wake: _Flag
+    _closed: bool
+    _poll: float | None
+    _last_probe: float
+
+    def _poll_plan(self, timeout: float | None) -> _Plan[Epoch | None]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._closed:
+                raise UsageError("reader is closed")
+            if timeout != 0 and self._core.caught_up and not self._wake.is_set():
+                due = self._last_probe + self._poll_interval(self._poll)
+                until = due if deadline is None else min(due, deadline)
+                hinted = yield _WaitWake(max(0.0, until - time.monotonic()))
+                if not hinted and time.monotonic() < due:
+                    return None  # the deadline came first
+            if self._core.caught_up:  # this step probes: at most one probe per MIN_HINT_GAP
+                gap = self._last_probe + MIN_HINT_GAP - time.monotonic()
+                if gap > 0:
+                    yield _Pause(gap)
+            self._wake.clear()
+            self._last_probe = time.monotonic()
+            epoch: Epoch | None = yield self._core.step()
+            if epoch is not None:
+                return epoch
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+
+    def _wait_plan(
+        self, stream: str, token: int, instance: str | None, timeout: float
+    ) -> _Plan[None]:
+        deadline = time.monotonic() + timeout
+        while True:
+            self._wake.clear()
+            if (yield self._core.reached(stream, token, instance)):
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise WaitTimeout(f"stream {stream!r} did not reach {token} within {timeout}s")
+            yield _WaitWake(min(remaining, self._poll_interval(self._poll)))
+
 
 class Reader(_ReaderBase):
     """A synchronous reader. Iterate it for epochs; see `ReaderCore` for the model."""
+
+    _wake: threading.Event
 
     def __init__(
         self,
@@ -460,27 +529,22 @@ class Reader(_ReaderBase):
         has passed since its last probe, so a quiet stream costs one probe per interval, not
         one per call.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        return self._drive(self._poll_plan(timeout))
+
+    def _drive(self, plan: _Plan[T]) -> T:
+        result: Any = None
         while True:
-            if self._closed:
-                raise UsageError("reader is closed")
-            if timeout != 0 and self._core.caught_up and not self._wake.is_set():
-                due = self._last_probe + self._poll_interval(self._poll)
-                until = due if deadline is None else min(due, deadline)
-                hinted = self._wake.wait(max(0.0, until - time.monotonic()))
-                if not hinted and time.monotonic() < due:
-                    return None  # the deadline came first
-            if self._core.caught_up:  # this step probes: at most one probe per MIN_HINT_GAP
-                gap = self._last_probe + MIN_HINT_GAP - time.monotonic()
-                if gap > 0:
-                    time.sleep(gap)
-            self._wake.clear()
-            self._last_probe = time.monotonic()
-            epoch = run(self._conn, self._core.step())
-            if epoch is not None:
-                return epoch
-            if deadline is not None and time.monotonic() >= deadline:
-                return None
+            try:
+                op = plan.send(result)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
+            if isinstance(op, _WaitWake):
+                result = self._wake.wait(op.seconds)
+            elif isinstance(op, _Pause):
+                time.sleep(op.seconds)
+                result = None
+            else:
+                result = run(self._conn, op)
 
     def __iter__(self) -> Iterator[Epoch]:
         """Epochs forever (blocking); stop by breaking out or closing the reader."""
@@ -511,15 +575,7 @@ class Reader(_ReaderBase):
         This is about what is *visible*, not what this reader has delivered yet: compare
         `position` for that.
         """
-        deadline = time.monotonic() + timeout
-        while True:
-            self._wake.clear()
-            if run(self._conn, self._core.reached(stream, token, instance)):
-                return
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise WaitTimeout(f"stream {stream!r} did not reach {token} within {timeout}s")
-            self._wake.wait(min(remaining, self._poll_interval(self._poll)))
+        self._drive(self._wait_plan(stream, token, instance, timeout))
 
     def commit(self) -> dict[str, int]:
         """Commit this reader's positions for its group; a restart of the group resumes here."""
@@ -543,6 +599,8 @@ class Reader(_ReaderBase):
 
 class AsyncReader(_ReaderBase):
     """The asyncio twin of `Reader`: ``async for epoch in reader``."""
+
+    _wake: asyncio.Event
 
     def __init__(
         self, core: ReaderCore, conn: psycopg.AsyncConnection[Any], link: Any, poll: float | None
@@ -598,27 +656,22 @@ class AsyncReader(_ReaderBase):
 
     async def poll(self, timeout: float | None = 0.0) -> Epoch | None:
         """The asyncio twin of `Reader.poll`."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        return await self._drive(self._poll_plan(timeout))
+
+    async def _drive(self, plan: _Plan[T]) -> T:
+        result: Any = None
         while True:
-            if self._closed:
-                raise UsageError("reader is closed")
-            if timeout != 0 and self._core.caught_up and not self._wake.is_set():
-                due = self._last_probe + self._poll_interval(self._poll)
-                until = due if deadline is None else min(due, deadline)
-                hinted = await self._wait(max(0.0, until - time.monotonic()))
-                if not hinted and time.monotonic() < due:
-                    return None
-            if self._core.caught_up:
-                gap = self._last_probe + MIN_HINT_GAP - time.monotonic()
-                if gap > 0:
-                    await asyncio.sleep(gap)
-            self._wake.clear()
-            self._last_probe = time.monotonic()
-            epoch = await arun(self._conn, self._core.step())
-            if epoch is not None:
-                return epoch
-            if deadline is not None and time.monotonic() >= deadline:
-                return None
+            try:
+                op = plan.send(result)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
+            if isinstance(op, _WaitWake):
+                result = await self._wait(op.seconds)
+            elif isinstance(op, _Pause):
+                await asyncio.sleep(op.seconds)
+                result = None
+            else:
+                result = await arun(self._conn, op)
 
     def __aiter__(self) -> AsyncIterator[Epoch]:
         return self._forever()
@@ -644,15 +697,7 @@ class AsyncReader(_ReaderBase):
     async def wait_for_position(
         self, stream: str, token: int, instance: str | None = None, *, timeout: float = 10.0
     ) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            self._wake.clear()
-            if await arun(self._conn, self._core.reached(stream, token, instance)):
-                return
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise WaitTimeout(f"stream {stream!r} did not reach {token} within {timeout}s")
-            await self._wait(min(remaining, self._poll_interval(self._poll)))
+        await self._drive(self._wait_plan(stream, token, instance, timeout))
 
     async def commit(self) -> dict[str, int]:
         return await arun(self._conn, self._core.commit())

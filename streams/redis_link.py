@@ -2,8 +2,9 @@
 
 Each link keeps two Redis connections: a subscriber (the replication channel and its instance
 channels) and a publisher fed through a bounded queue, so a writer's append never waits on
-Redis. Every decision (what a message means, what to publish on connect, back-off) is made by
-`streams.replication.LinkCore`; these classes only move bytes and keep time.
+Redis. What a message means and what to publish on connect is decided by
+`streams.replication.LinkCore`; the connection discipline below is written once, as generator
+"plans" in `_LinkBase`, and the two classes only drive them on redis-py or redis.asyncio.
 
 Connection discipline, as the issue of record asks and Synapse does:
 
@@ -26,8 +27,9 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeAlias
 
 import redis
 import redis.asyncio
@@ -136,9 +138,134 @@ class _LinkBase:
             return self.core.on_connected()
         return []
 
+    # The connection discipline, written once as generators (psycopg style): the listen plan
+    # yields `_Open`, `_Subscribe`, `_Receive`, `_Ping` and `_Sleep`, the send plan `_Publish`;
+    # a driver performs each on redis-py (threads) or redis.asyncio (tasks) and sends back the
+    # result, or throws the Redis error into the plan.
+    _stopped: Any  # threading.Event or asyncio.Event: only is_set() is used here
+    _resubscribe: Any
+
+    def _listen_plan(self) -> Generator[_ListenOp, Any, None]:
+        attempt = 0
+        while not self._stopped.is_set():
+            try:
+                yield _Open()
+                channels = self.core.channels()
+                yield _Subscribe(tuple(channels))
+                last_pong = last_ping = time.monotonic()
+                while not self._stopped.is_set():
+                    if self._resubscribe.is_set():
+                        self._resubscribe.clear()
+                        new = [c for c in self.core.channels() if c not in channels]
+                        if new:
+                            yield _Subscribe(tuple(new))
+                            channels += new
+                    message = yield _Receive(0.5)
+                    now = time.monotonic()
+                    if message is not None:
+                        attempt = 0
+                        if message.get("type") == "pong":
+                            last_pong = now
+                        self._enqueue(self._handle(message))
+                    if now - last_ping >= KEEPALIVE:
+                        if now - last_pong > 2 * KEEPALIVE + 1:
+                            raise redis.ConnectionError("no reply to keep-alive PING")
+                        yield _Ping()
+                        last_ping = now
+            except _REDIS_ERRORS as exc:
+                if self._stopped.is_set():
+                    break
+                self._set_connected(False)
+                self.core.stats.reconnects += 1
+                delay = backoff_delay(attempt, jitter=random.random())
+                attempt += 1
+                log.warning(
+                    "Redis link %s lost (%s); reconnecting in %.2fs",
+                    redact_url(self._url),
+                    type(exc).__name__,
+                    delay,
+                )
+                yield _Sleep(delay)
+        self._set_connected(False)
+
+    def _send_plan(self, batch: list[bytes]) -> Generator[_Publish, Any, None]:
+        for attempt in range(2):  # one retry (redis-py reconnects), then drop: best effort
+            try:
+                yield _Publish(self.core.channel, tuple(batch))
+                self.core.stats.published += len(batch)
+                return
+            except _REDIS_ERRORS as exc:
+                if attempt:
+                    self.dropped += len(batch)
+                    log.debug("dropped %d replication messages: %s", len(batch), exc)
+
+    def _enqueue(self, lines: Sequence[bytes]) -> None:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, slots=True)
+class _Open:
+    """(Re)connect the subscriber: close the previous connection, open a new one."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Subscribe:
+    channels: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _Receive:
+    """The next message or None after ``timeout`` seconds."""
+
+    timeout: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Ping:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class _Sleep:
+    """Sleep, but wake up early when the link is closed."""
+
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Publish:
+    channel: str
+    lines: tuple[bytes, ...]
+
+
+_ListenOp: TypeAlias = _Open | _Subscribe | _Receive | _Ping | _Sleep
+
+
+def _step(plan: Generator[Any, Any, None], result: Any, error: BaseException | None) -> Any:
+    """Advance a plan; raises StopIteration when it is done."""
+    return plan.throw(error) if error is not None else plan.send(result)
+
 
 def _text(value: object) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def _close_quietly(pubsub: Any, client: redis.Redis | None) -> None:
+    with contextlib.suppress(Exception):
+        if pubsub is not None:
+            pubsub.close()
+    with contextlib.suppress(Exception):
+        if client is not None:
+            client.close()
+
+
+async def _aclose_quietly(pubsub: Any, client: redis.asyncio.Redis | None) -> None:
+    with contextlib.suppress(Exception):
+        if pubsub is not None:
+            await pubsub.aclose()
+    with contextlib.suppress(Exception):
+        if client is not None:
+            await client.aclose()
 
 
 class RedisLink(_LinkBase):
@@ -177,92 +304,79 @@ class RedisLink(_LinkBase):
                 self.dropped += 1
 
     def _listen_loop(self) -> None:
-        attempt = 0
-        while not self._stopped.is_set():
-            client = redis.Redis.from_url(self._url, **_client_options())
-            pubsub = client.pubsub()  # type: ignore[no-untyped-call]
-            try:
-                channels = self.core.channels()
-                pubsub.subscribe(*channels)
-                last_pong = last_ping = time.monotonic()
-                while not self._stopped.is_set():
-                    if self._resubscribe.is_set():
-                        self._resubscribe.clear()
-                        new = [c for c in self.core.channels() if c not in channels]
-                        if new:
-                            pubsub.subscribe(*new)
-                            channels += new
-                    message = pubsub.get_message(timeout=0.5)
-                    now = time.monotonic()
-                    if message is not None:
-                        attempt = 0
-                        if message.get("type") == "pong":
-                            last_pong = now
-                        self._enqueue(self._handle(message))
-                    if now - last_ping >= KEEPALIVE:
-                        if now - last_pong > 2 * KEEPALIVE + 1:
-                            raise redis.ConnectionError("no reply to keep-alive PING")
-                        pubsub.ping()
-                        last_ping = now
-            except _REDIS_ERRORS as exc:
-                if self._stopped.is_set():
-                    break
-                self._set_connected(False)
-                self.core.stats.reconnects += 1
-                delay = backoff_delay(attempt, jitter=random.random())
-                attempt += 1
-                log.warning(
-                    "Redis link %s lost (%s); reconnecting in %.2fs",
-                    redact_url(self._url),
-                    type(exc).__name__,
-                    delay,
-                )
-                self._stopped.wait(delay)
-            finally:
-                with contextlib.suppress(Exception):
-                    pubsub.close()
-                with contextlib.suppress(Exception):
-                    client.close()
-        self._set_connected(False)
+        plan = self._listen_plan()
+        client: redis.Redis | None = None
+        pubsub: Any = None
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            while True:
+                try:
+                    op = _step(plan, result, error)
+                except StopIteration:
+                    return
+                result, error = None, None
+                try:
+                    match op:
+                        case _Open():
+                            _close_quietly(pubsub, client)
+                            client = redis.Redis.from_url(self._url, **_client_options())
+                            pubsub = client.pubsub()  # type: ignore[no-untyped-call]
+                        case _Subscribe(channels=channels):
+                            pubsub.subscribe(*channels)
+                        case _Receive(timeout=timeout):
+                            result = pubsub.get_message(timeout=timeout)
+                        case _Ping():
+                            pubsub.ping()
+                        case _Sleep(seconds=seconds):
+                            self._stopped.wait(seconds)
+                except _REDIS_ERRORS as exc:
+                    error = exc
+        finally:
+            _close_quietly(pubsub, client)
 
     def _publish_loop(self) -> None:
         client = redis.Redis.from_url(self._url, **_client_options(PUBLISH_TIMEOUT))
-        channel = self.core.channel
         try:
             while True:
                 line = self._queue.get()
                 if line is None:
                     return
                 batch = [line]
-                while len(batch) < PUBLISH_BATCH:
+                stop = False
+                while len(batch) < PUBLISH_BATCH and not stop:
                     try:
                         more = self._queue.get_nowait()
                     except queue.Empty:
                         break
-                    if more is None:
-                        self._send(client, channel, batch)
-                        return
-                    batch.append(more)
-                self._send(client, channel, batch)
+                    stop = more is None
+                    if more is not None:
+                        batch.append(more)
+                self._send(client, batch)
+                if stop:
+                    return
         finally:
             client.close()
 
-    def _send(self, client: redis.Redis, channel: str, batch: list[bytes]) -> None:
-        for attempt in range(2):  # one retry on a fresh connection, then drop
+    def _send(self, client: redis.Redis, batch: list[bytes]) -> None:
+        plan = self._send_plan(batch)
+        error: BaseException | None = None
+        while True:
             try:
-                if len(batch) == 1:
-                    client.publish(channel, batch[0])
+                op = _step(plan, None, error)
+            except StopIteration:
+                return
+            error = None
+            try:
+                if len(op.lines) == 1:
+                    client.publish(op.channel, op.lines[0])
                 else:
                     pipe = client.pipeline(transaction=False)
-                    for line in batch:
-                        pipe.publish(channel, line)
+                    for line in op.lines:
+                        pipe.publish(op.channel, line)
                     pipe.execute()
-                self.core.stats.published += len(batch)
-                return
             except _REDIS_ERRORS as exc:
-                if attempt:
-                    self.dropped += len(batch)
-                    log.debug("dropped %d replication messages: %s", len(batch), exc)
+                error = exc
 
     def close(self) -> None:
         if self._stopped.is_set():
@@ -305,90 +419,77 @@ class AsyncRedisLink(_LinkBase):
                 self.dropped += 1
 
     async def _listen_loop(self) -> None:
-        attempt = 0
-        while not self._stopped.is_set():
-            client = redis.asyncio.Redis.from_url(self._url, **_client_options())
-            pubsub = client.pubsub()
-            try:
-                channels = self.core.channels()
-                await pubsub.subscribe(*channels)
-                last_pong = last_ping = time.monotonic()
-                while not self._stopped.is_set():
-                    if self._resubscribe.is_set():
-                        self._resubscribe.clear()
-                        new = [c for c in self.core.channels() if c not in channels]
-                        if new:
-                            await pubsub.subscribe(*new)
-                            channels += new
-                    message = await pubsub.get_message(timeout=0.5)
-                    now = time.monotonic()
-                    if message is not None:
-                        attempt = 0
-                        if message.get("type") == "pong":
-                            last_pong = now
-                        self._enqueue(self._handle(message))
-                    if now - last_ping >= KEEPALIVE:
-                        if now - last_pong > 2 * KEEPALIVE + 1:
-                            raise redis.ConnectionError("no reply to keep-alive PING")
-                        await pubsub.ping()
-                        last_ping = now
-            except _REDIS_ERRORS as exc:
-                if self._stopped.is_set():
-                    break
-                self._set_connected(False)
-                self.core.stats.reconnects += 1
-                delay = backoff_delay(attempt, jitter=random.random())
-                attempt += 1
-                log.warning(
-                    "Redis link %s lost (%s); reconnecting in %.2fs",
-                    redact_url(self._url),
-                    type(exc).__name__,
-                    delay,
-                )
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stopped.wait(), delay)
-            finally:
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
-                with contextlib.suppress(Exception):
-                    await client.aclose()
-        self._set_connected(False)
+        plan = self._listen_plan()
+        client: redis.asyncio.Redis | None = None
+        pubsub: Any = None
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            while True:
+                try:
+                    op = _step(plan, result, error)
+                except StopIteration:
+                    return
+                result, error = None, None
+                try:
+                    match op:
+                        case _Open():
+                            await _aclose_quietly(pubsub, client)
+                            client = redis.asyncio.Redis.from_url(self._url, **_client_options())
+                            pubsub = client.pubsub()
+                        case _Subscribe(channels=channels):
+                            await pubsub.subscribe(*channels)
+                        case _Receive(timeout=timeout):
+                            result = await pubsub.get_message(timeout=timeout)
+                        case _Ping():
+                            await pubsub.ping()
+                        case _Sleep(seconds=seconds):
+                            with contextlib.suppress(TimeoutError):
+                                await asyncio.wait_for(self._stopped.wait(), seconds)
+                except _REDIS_ERRORS as exc:
+                    error = exc
+        finally:
+            await _aclose_quietly(pubsub, client)
 
     async def _publish_loop(self) -> None:
         client = redis.asyncio.Redis.from_url(self._url, **_client_options(PUBLISH_TIMEOUT))
-        channel = self.core.channel
         try:
             while True:
                 line = await self._queue.get()
                 if line is None:
                     return
                 batch = [line]
-                while len(batch) < PUBLISH_BATCH and not self._queue.empty():
+                stop = False
+                while len(batch) < PUBLISH_BATCH and not stop and not self._queue.empty():
                     more = self._queue.get_nowait()
-                    if more is None:
-                        await self._send(client, channel, batch)
-                        return
-                    batch.append(more)
-                await self._send(client, channel, batch)
+                    stop = more is None
+                    if more is not None:
+                        batch.append(more)
+                await self._send(client, batch)
+                if stop:
+                    return
         finally:
             await client.aclose()
 
-    async def _send(self, client: redis.asyncio.Redis, channel: str, batch: list[bytes]) -> None:
-        for attempt in range(2):
+    async def _send(self, client: redis.asyncio.Redis, batch: list[bytes]) -> None:
+        plan = self._send_plan(batch)
+        error: BaseException | None = None
+        while True:
             try:
-                if len(batch) == 1:
-                    await client.publish(channel, batch[0])
+                op = _step(plan, None, error)
+            except StopIteration:
+                return
+            error = None
+            try:
+                if len(op.lines) == 1:
+                    await client.publish(op.channel, op.lines[0])
                 else:
                     pipe = client.pipeline(transaction=False)
-                    for line in batch:
-                        pipe.publish(channel, line)
+                    for line in op.lines:
+                        pipe.publish(op.channel, line)
                     await pipe.execute()
-                self.core.stats.published += len(batch)
-                return
             except _REDIS_ERRORS as exc:
-                if attempt:
-                    self.dropped += len(batch)
-                    log.debug("dropped %d replication messages: %s", len(batch), exc)
+                error = exc
 
     async def aclose(self) -> None:
         if self._stopped.is_set():
