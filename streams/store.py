@@ -95,7 +95,7 @@ __all__ = [
     "ts_floor_at",
 ]
 
-ALEMBIC_HEAD = "0001_initial"
+ALEMBIC_HEAD = "0002_reservation_locks"
 
 #: Session setting (plus the stream's registry id) where `probe` leaves the complete position.
 COMPLETE_SETTING = "streams.complete_"
