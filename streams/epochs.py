@@ -24,7 +24,7 @@ decrease in stream-ID order even when clients sent skewed ones (S2's rule).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Final, NamedTuple, TypeAlias
@@ -169,7 +169,7 @@ class Epoch:
         object.__setattr__(self, "lower", MappingProxyType(dict(self.lower)))
         object.__setattr__(self, "upper", MappingProxyType(dict(self.upper)))
 
-    def __iter__(self) -> Any:
+    def __iter__(self) -> Iterator[Fact]:
         return iter(self.facts)
 
     def __len__(self) -> int:
