@@ -112,6 +112,10 @@ class _Announcing:
 
     def _attach(self, link: Any) -> None:
         self._link = link
+        # Held from computing commands to queueing them, so threads of one writer can never
+        # queue them out of order (RDATA 5 after POSITION 5 6). asyncio needs no lock: nothing
+        # awaits in between.
+        self._announce_lock = threading.Lock()
         if link is not None:
             self._announcer = Announcer(
                 self._core.stream_name, self._core.instance, self._core.tracker.local_position
@@ -128,12 +132,13 @@ class _Announcing:
         announcer = self._announcer
         if announcer is None:
             return
-        if ids:
-            announcer.committed(ids, timestamp)
-        commands = announcer.update(self._core.tracker.local_position)
-        if periodic and not commands:
-            commands = [announcer.announce()]
-        self._link.publish(commands)
+        with self._announce_lock:
+            if ids:
+                announcer.committed(ids, timestamp)
+            commands = announcer.update(self._core.tracker.local_position)
+            if periodic and not commands:
+                commands = [announcer.announce()]
+            self._link.publish(commands)
 
     def _after_completion(self, ids: tuple[int, ...] = (), timestamp: int = 0) -> None:
         """An ID completed: announce what moved, and wake the heartbeat to persist it."""
