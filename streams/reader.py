@@ -158,11 +158,9 @@ class ReaderCore:
         self.infos: dict[str, StreamInfo] = {}
         self.positions: dict[str, int] = {}
         self.ts_floors: dict[str, int] = {}
-        self.last_probe: dict[str, Probe] = {}
         self._targets: dict[str, int] = {}
         self._filters: dict[str, LiveFilter[int]] = {}
         self._start_ts: dict[str, int] = {}
-        self.live = False
         self._link_up = False
         self._reconcile = True
         self.probes = 0
@@ -219,18 +217,19 @@ class ReaderCore:
 
     def _note_probe(self, probes: Mapping[str, Probe]) -> None:
         self.probes += 1
-        self.last_probe.update(probes)
         for name, found in probes.items():
             self._targets[name] = max(self._targets.get(name, 0), found.complete)
-        if self._reconcile:
-            self._reconcile = False
-            self.live = self._link_up
+        self._reconcile = False
 
     def set_link_state(self, connected: bool) -> None:
         """The Redis link went up or down: disconnected until the next probe re-establishes."""
         self._link_up = connected
-        self.live = False
         self._reconcile = True
+
+    @property
+    def live(self) -> bool:
+        """The Redis link is up and a probe has re-established the position since."""
+        return self._link_up and not self._reconcile
 
     def wants(self, hint: Hint) -> bool:
         """Could this hint mean something new for this reader?"""

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .constants import instance_channel, replication_channel
 from .protocol import (
@@ -137,7 +137,6 @@ class LinkStats:
     replicate_requests: int = 0
     published: int = 0
     reconnects: int = 0
-    errors: dict[str, int] = field(default_factory=dict)
 
 
 def backoff_delay(

@@ -78,7 +78,6 @@ __all__ = [
     "fetch_rows",
     "fetch_rows_after_probe",
     "group_position",
-    "linear_position",
     "list_groups",
     "list_streams",
     "load_stream",
@@ -415,13 +414,6 @@ def probe(infos: list[StreamInfo]) -> Gen[dict[str, Probe]]:
     rows = yield probe_query(infos)
     yield Commit()
     return probes_from_rows(rows)
-
-
-def linear_position(info: StreamInfo) -> Gen[tuple[int, int]]:
-    """(linear position, max allocated), proven by PostgreSQL alone (see `probe`)."""
-    probes = yield from probe([info])
-    found = probes[info.name]
-    return found.complete, found.max_allocated
 
 
 def fetch_rows(info: StreamInfo, after: int, through: int, limit: int) -> Gen[list[Row]]:
