@@ -28,6 +28,7 @@ Two pieces, each a small state machine driven by `streams.redis_link`:
 
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
 from collections.abc import Callable
@@ -50,10 +51,10 @@ __all__ = ["Announcer", "Hint", "LinkCore", "LinkStats", "backoff_delay"]
 log = logging.getLogger("streams.replication")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, order=True)
 class _Committed:
+    last_id: int  # first: the heap orders appends by the token they are announced with
     first_id: int
-    last_id: int
     count: int
     timestamp: int
 
@@ -81,7 +82,12 @@ class Announcer:
         """Facts with these IDs committed (one append, or one `Writer.fact`)."""
         if ids:
             with self._lock:
-                self._committed.append(_Committed(ids[0], ids[-1], len(ids), timestamp))
+                heapq.heappush(
+                    self._committed,
+                    _Committed(
+                        last_id=ids[-1], first_id=ids[0], count=len(ids), timestamp=timestamp
+                    ),
+                )
 
     def update(self, position: int) -> list[Command]:
         """The writer's position is now ``position``: the commands that say so (maybe none)."""
@@ -89,23 +95,21 @@ class Announcer:
             if position <= self._announced:
                 return []
             commands: list[Command] = []
-            keep: list[_Committed] = []
             last_token = self._announced
-            for fact in sorted(self._committed, key=lambda c: c.last_id):
-                if fact.last_id <= position:
-                    if fact.last_id > self._announced:
-                        commands.append(
-                            RdataCommand(
-                                self.stream,
-                                self.instance,
-                                fact.last_id,
-                                {"first": fact.first_id, "count": fact.count, "ts": fact.timestamp},
-                            )
+            # A heap, not a sorted list: while a transaction of this writer stays open, its
+            # later appends pile up here, and this runs after every one of them.
+            while self._committed and self._committed[0].last_id <= position:
+                fact = heapq.heappop(self._committed)
+                if fact.last_id > self._announced:
+                    commands.append(
+                        RdataCommand(
+                            self.stream,
+                            self.instance,
+                            fact.last_id,
+                            {"first": fact.first_id, "count": fact.count, "ts": fact.timestamp},
                         )
-                        last_token = fact.last_id
-                else:
-                    keep.append(fact)
-            self._committed = keep
+                    )
+                    last_token = fact.last_id
             if position > last_token:
                 commands.append(PositionCommand(self.stream, self.instance, last_token, position))
             self._announced = position
