@@ -9,9 +9,15 @@ import psycopg
 
 from ._ops import run
 from .config import Settings, redact_url
-from .constants import RESERVATION_LOCK_SPAN, replication_channel, reservation_lock_class
+from .constants import replication_channel
 from .errors import StreamsError
-from .store import check_schema, list_streams, max_allocated_sql, probe
+from .store import (
+    check_schema,
+    list_streams,
+    max_allocated_sql,
+    probe,
+    reservation_lock_holders,
+)
 
 #: A reservation held open longer than this is reported: it holds every reader back.
 HELD_WARNING_SECONDS = 5.0
@@ -109,23 +115,14 @@ def diagnose(settings: Settings) -> list[Check]:
 def _held_check(conn: psycopg.Connection[Any], info: Any) -> Check:
     """Which transactions hold the stream's linear position back, and for how long."""
     found = run(conn, probe([info]))[info.name]
-    rows = conn.execute(
-        """
-        SELECT a.pid, COALESCE(a.application_name, ''), a.state,
-               extract(epoch FROM clock_timestamp() - a.xact_start)::float8
-        FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
-        WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.classid = %s::bigint::oid
-          AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-        ORDER BY a.xact_start
-        """,
-        (reservation_lock_class(info.id) % RESERVATION_LOCK_SPAN,),
-    ).fetchall()
+    holders = run(conn, reservation_lock_holders(info))
     name = f"stream {info.name}: linear position"
-    if not rows:
+    if not holders:
         return Check(name, True, f"{found.complete} (max allocated {found.max_allocated})")
-    pid, app, state, age = rows[0]
+    oldest = holders[0]
     detail = (
-        f"{found.complete} (max allocated {found.max_allocated}); {len(rows)} writing "
-        f"transaction(s) open, oldest pid {pid} {app!r} {state} for {age:.1f} s"
+        f"{found.complete} (max allocated {found.max_allocated}); {len(holders)} writing "
+        f"transaction(s) open, oldest pid {oldest.pid} {oldest.application_name!r} "
+        f"{oldest.state} for {oldest.transaction_seconds:.1f} s"
     )
-    return Check(name, age < HELD_WARNING_SECONDS, detail)
+    return Check(name, oldest.transaction_seconds < HELD_WARNING_SECONDS, detail)

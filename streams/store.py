@@ -66,6 +66,7 @@ from .timestamps import TimestampMode
 
 __all__ = [
     "GroupRow",
+    "LockHolder",
     "Probe",
     "StreamInfo",
     "StreamPositions",
@@ -88,6 +89,7 @@ __all__ = [
     "probe_query",
     "probes_from_rows",
     "repair_sequence",
+    "reservation_lock_holders",
     "reservation_lock_key_sql",
     "retire_expired_writers",
     "stream_positions",
@@ -362,6 +364,12 @@ class Probe:
     complete: int
 
 
+#: The rows of ``pg_locks l`` that are reservation locks (of some stream) in this database.
+_RESERVATION_LOCKS = (
+    "l.locktype = 'advisory' AND l.objsubid = 2"
+    " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+)
+
 _PROBE_SQL = f"""
 WITH s AS MATERIALIZED (
     SELECT r.id, r.name, k.lock_class,
@@ -377,8 +385,7 @@ WITH s AS MATERIALIZED (
                    - ((s.allocated + 1 - l.objid::bigint) %% {RESERVATION_LOCK_SPAN}
                       + {RESERVATION_LOCK_SPAN}) %% {RESERVATION_LOCK_SPAN})
         FROM pg_locks l
-        WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.classid = s.lock_class::oid
-          AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+        WHERE {_RESERVATION_LOCKS} AND l.classid = s.lock_class::oid
     ) AS min_locked
     FROM s
 )
@@ -454,6 +461,33 @@ def fetch_rows_after_probe(info: StreamInfo, after: int, limit: int) -> Query:
         "ORDER BY stream_id, row_no LIMIT %s",
         (info.id, after, f"{COMPLETE_SETTING}{int(info.id)}", limit),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class LockHolder:
+    """A session in a writing transaction on a stream (it holds a reservation lock)."""
+
+    pid: int
+    application_name: str
+    state: str
+    transaction_seconds: float
+
+
+def reservation_lock_holders(info: StreamInfo) -> Gen[list[LockHolder]]:
+    """The sessions holding the stream's reservation locks, oldest transaction first: what
+    holds the stream's linear position back (for operators; readers only need `probe`)."""
+    rows = yield Query(
+        f"""
+        SELECT a.pid, COALESCE(a.application_name, ''), COALESCE(a.state, ''),
+               extract(epoch FROM clock_timestamp() - a.xact_start)::float8
+        FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+        WHERE {_RESERVATION_LOCKS} AND l.classid = %s::bigint::oid
+        ORDER BY a.xact_start
+        """,
+        (reservation_lock_class(info.id) % RESERVATION_LOCK_SPAN,),
+    )
+    yield Commit()
+    return [LockHolder(int(pid), app, state, float(age)) for pid, app, state, age in rows]
 
 
 def load_streams(names: list[str]) -> Gen[list[StreamInfo]]:
