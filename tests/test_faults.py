@@ -35,6 +35,7 @@ from typing import Any
 import psycopg
 import pytest
 import redis
+from helpers import wait_until
 from servers import docker_available, free_port, new_redis_prefix
 
 import streams
@@ -46,15 +47,6 @@ LOCALHOST = "127.0.0.1"
 
 
 # ---------------------------------------------------------------------------- helpers
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
-    """Poll a condition instead of sleeping a fixed time."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
-        time.sleep(0.01)
 
 
 def stored_ids(

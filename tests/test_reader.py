@@ -12,6 +12,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from helpers import wait_until
 
 import streams
 from streams import Antichain, Client, Epoch, Fact, Reader, TimestampMode
@@ -21,15 +22,6 @@ EPOCH = dt.datetime(1970, 1, 1, tzinfo=UTC)
 
 
 # ---------------------------------------------------------------------------- helpers
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
-    """Poll a condition instead of sleeping a fixed time."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or predicate}")
-        time.sleep(0.01)
 
 
 def at_ms(ms: int) -> dt.datetime:

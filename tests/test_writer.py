@@ -5,23 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
 from typing import Any
 
 import psycopg
 import pytest
+from helpers import wait_until
 
 import streams
 from streams import Client, TimestampMode
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
-    """Poll a condition instead of sleeping a fixed time."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or predicate}")
-        time.sleep(0.01)
 
 
 def fact_rows(url: str, stream: str) -> list[tuple[Any, ...]]:
