@@ -31,10 +31,16 @@ from typing import Any
 
 from psycopg import sql
 
-from ._ops import Commit, CopyIn, Gen, Query
+from ._ops import Commit, CopyIn, Gen, Query, Row
 from .config import validate_instance_name
 from .constants import REGISTRATION_LOCK, reservation_lock_class
-from .errors import PayloadNotSerializable, PayloadTooLarge, UsageError, WriterFenced
+from .errors import (
+    PayloadNotSerializable,
+    PayloadTooLarge,
+    SequenceRewound,
+    UsageError,
+    WriterFenced,
+)
 from .positions import PositionTracker, ReservationToken
 from .store import (
     StreamInfo,
@@ -248,10 +254,12 @@ class WriterCore:
         self._prepare_statements(info)
 
     def _prepare_statements(self, info: StreamInfo) -> None:
-        # w: the lease check (see streams.store); g: the reservation lock, taken before nextval
-        # with L = last value + 1, so every ID this transaction reserves is >= L and readers can
-        # see in pg_locks that it may still complete (see streams.constants). r depends on g, and
-        # CTEs with volatile functions are materialised, so the lock is always taken first.
+        # w: the lease check (see streams.store); k: L = last value + 1, read once; g: the shared
+        # reservation lock on L, taken before nextval, so every ID this transaction reserves is
+        # >= L and readers see in pg_locks that it may still complete (streams.constants,
+        # "the probe argument" in streams.store). r scans g and returns L beside each ID: the
+        # lock is taken before nextval by data dependency, and `_check_floor` verifies ID >= L
+        # before anything commits, rather than trusting the order of evaluation.
         prefix = sql.SQL(
             """
             WITH w AS (
@@ -260,25 +268,41 @@ class WriterCore:
                 WHERE stream = %(stream)s AND instance = %(instance)s
                   AND generation = %(generation)s AND NOT retired
                 FOR KEY SHARE
+            ), k AS (
+                SELECT {allocated} + 1 AS floor FROM w
             ), g AS (
-                SELECT pg_advisory_xact_lock_shared({lock_class}, {lock_key}) FROM w
+                SELECT k.floor,
+                       pg_advisory_xact_lock_shared({lock_class}, {lock_key}) AS locked
+                FROM k
             )
             """
         ).format(
+            allocated=max_allocated_sql(info),
             lock_class=sql.Literal(reservation_lock_class(info.id)),
-            lock_key=reservation_lock_key_sql(info),
+            lock_key=reservation_lock_key_sql(sql.SQL("k.floor")),
         )
         seq = sql.Literal(info.sequence_name)
         self._reserve_one = sql.SQL(
-            """{prefix}, r AS (SELECT nextval({seq}) AS id FROM g)
+            """{prefix}, r AS (SELECT nextval({seq}) AS id, g.floor FROM g)
             INSERT INTO streams_facts (stream, stream_id, row_no, instance, ts, payload)
             SELECT %(stream)s, r.id, 0, %(instance)s, %(ts)s, %(payload)s::jsonb FROM r
-            RETURNING stream_id
+            RETURNING stream_id, (SELECT g.floor FROM g)
             """
         ).format(prefix=prefix, seq=seq)
         self._reserve_many = sql.SQL(
-            "{prefix} SELECT nextval({seq}) FROM g, generate_series(1, %(count)s)"
+            "{prefix} SELECT nextval({seq}), g.floor FROM g, generate_series(1, %(count)s)"
         ).format(prefix=prefix, seq=seq)
+
+    def _check_floor(self, rows: Sequence[Row]) -> list[int]:
+        """The reserved IDs, each checked to be >= the reservation lock's L (see above)."""
+        ids = sorted(int(row[0]) for row in rows)
+        floor = int(rows[0][1])
+        if ids[0] < floor:
+            raise SequenceRewound(
+                f"stream {self.stream_name!r}: ID {ids[0]} below the reservation floor {floor}: "
+                "the sequence was set back during the reservation; nothing was written"
+            )
+        return ids
 
     def _lease_params(self) -> dict[str, Any]:
         return {
@@ -326,7 +350,7 @@ class WriterCore:
             if not rows:
                 self.fenced = True
                 self._check_usable()
-            ids = sorted(int(row[0]) for row in rows)
+            ids = self._check_floor(rows)
             tracker.reserved(token, ids)
             if len(encoded) > 1:
                 yield CopyIn(
@@ -371,7 +395,7 @@ class WriterCore:
         if not rows:
             self.fenced = True
             self._check_usable()
-        stream_id = int(rows[0][0])
+        (stream_id,) = self._check_floor(rows)
         self.tracker.reserved(token, [stream_id])
         return FactHandle(stream_id=stream_id, timestamp=stamp)
 

@@ -17,7 +17,9 @@ catch everything with one clause and still tell the cases apart::
     ├── UsageError                  the API was used in a way it cannot honour
     ├── WaitTimeout                 wait_for_position() gave up (also a TimeoutError)
     └── StoreError                  PostgreSQL failed underneath us (down, timed out, ...)
-        └── SchemaNotReady          the schema is missing or older than this library's
+        ├── SchemaNotReady          the schema is missing or older than this library's
+        ├── SequenceRewound         a stream's sequence was set back below IDs already used
+        └── InvalidFactTables       a declared user table / ID column does not exist or fits not
 
 Errors never carry passwords: anything that renders a URL goes through `redact_url`.
 """
@@ -27,11 +29,13 @@ from __future__ import annotations
 __all__ = [
     "ConfigurationError",
     "InvalidFact",
+    "InvalidFactTables",
     "InvalidStreamName",
     "InvalidTimestamp",
     "PayloadNotSerializable",
     "PayloadTooLarge",
     "SchemaNotReady",
+    "SequenceRewound",
     "StoreError",
     "StreamExists",
     "StreamsError",
@@ -107,6 +111,20 @@ class StoreError(StreamsError):
 
 class SchemaNotReady(StoreError):
     """The database has no `streams` schema, or an older one: run `streams migrate`."""
+
+
+class SequenceRewound(StoreError):
+    """A stream's sequence handed out an ID at or below one already allocated or used.
+
+    The sequence was set back (restored from a backup, a bad migration, ``setval`` by hand). The
+    append was rolled back, so nothing was written twice. A writer repairs the sequence when it
+    starts (past every stored fact, declared table, writer and reader-group position): close this
+    writer and open a new one, or run ``streams doctor --repair``.
+    """
+
+
+class InvalidFactTables(StoreError):
+    """A table declared to hold a stream's facts does not exist or has no such integer column."""
 
 
 class WaitTimeout(StreamsError, TimeoutError):

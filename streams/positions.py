@@ -45,6 +45,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from .errors import SequenceRewound
+
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
@@ -137,10 +139,11 @@ class PositionTracker:
         for stream_id in ids:
             if stream_id <= token.floor:
                 # A sequence never goes back; an ID at or below the floor means the sequence was
-                # reset under us. Refuse rather than corrupt every position derived from it.
-                raise ValueError(
-                    f"stream ID {stream_id} is not above max allocated {token.floor} "
-                    "when the reservation started: was the sequence reset?"
+                # set back under us. Refuse rather than corrupt every position derived from it.
+                raise SequenceRewound(
+                    f"stream ID {stream_id} is not above max allocated {token.floor} when the "
+                    "reservation started: the sequence was set back; nothing was written. Open a "
+                    "new writer (it repairs the sequence) or run `streams doctor --repair`"
                 )
             self._pending.add(stream_id)
             self._max_allocated = max(self._max_allocated, stream_id)

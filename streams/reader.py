@@ -48,6 +48,8 @@ from .errors import StoreError, UsageError, WaitTimeout
 from .frontier import Antichain, FrontierProbe, FrontierSnapshot, LiveFilter, UpperAntichain
 from .replication import Hint
 from .store import (
+    PROBE_STATEMENTS,
+    READER_SESSION_SETUP,
     Probe,
     StreamInfo,
     commit_group,
@@ -59,7 +61,7 @@ from .store import (
     persisted_writer_position,
     position_before_time,
     probe,
-    probe_query,
+    probe_queries,
     probes_from_rows,
     ts_floor_at,
 )
@@ -254,12 +256,12 @@ class ReaderCore:
         facts: list[Fact] = []
         if not self.behind() or self._reconcile:
             infos = [self.infos[n] for n in self.names]
-            queries = [probe_query(infos)]
+            queries = probe_queries(infos)
             queries += [fetch_rows_after_probe(i, lower[i.name], self.page_size) for i in infos]
             results = yield Pipeline(queries)
-            probes = probes_from_rows(results[0])
+            probes = probes_from_rows(results[PROBE_STATEMENTS - 1])
             self._note_probe(probes)
-            for info, raw in zip(infos, results[1:], strict=True):
+            for info, raw in zip(infos, results[PROBE_STATEMENTS:], strict=True):
                 # The rows were read up to this probe's position, whatever earlier ones said.
                 through = probes[info.name].complete
                 if through > lower[info.name]:
@@ -361,16 +363,6 @@ class ReaderCore:
         return FrontierProbe(self.frontier)
 
 
-#: Settings of a reader's session (its statements are the probe and range scans of the facts
-#: table's primary key, nothing else):
-#: * the statements that repeat (the probe, the page behind it) are prepared by psycopg, and
-#:   PostgreSQL would otherwise keep re-planning them ("custom plans"): forcing generic plans
-#:   halved a caught-up reader's round trip (688 -> 349 us per probe, measured);
-#: * with statistics older than a stream's growth (autovacuum had not analysed it yet), the
-#:   planner read a page ``stream_id > a AND stream_id <= b ... LIMIT n`` as a bitmap scan of
-#:   the whole remaining range plus a sort: 100 ms per 5000-row page instead of 2 ms, measured.
-#:   The ordered primary-key scan is always right for these statements.
-_SESSION_SETUP = ("SET plan_cache_mode = force_generic_plan", "SET enable_bitmapscan = off")
 
 
 def _loads(data: bytes | str) -> Any:
@@ -386,7 +378,7 @@ def _loads(data: bytes | str) -> Any:
 def _connect(url: str) -> psycopg.Connection[Any]:
     try:
         conn = psycopg.connect(url, autocommit=True, connect_timeout=10)
-        for statement in _SESSION_SETUP:
+        for statement in READER_SESSION_SETUP:
             conn.execute(statement)
         set_json_loads(_loads, conn)
         return conn
@@ -632,7 +624,7 @@ class AsyncReader(_ReaderBase):
             conn = await psycopg.AsyncConnection.connect(
                 database_url, autocommit=True, connect_timeout=10
             )
-            for statement in _SESSION_SETUP:
+            for statement in READER_SESSION_SETUP:
                 await conn.execute(statement)
             set_json_loads(_loads, conn)
         except psycopg.Error as exc:

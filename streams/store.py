@@ -27,22 +27,47 @@ transaction sets ``idle_in_transaction_session_timeout`` to the lease.
 How readers know what is complete (the probe argument)
 -----------------------------------------------------
 A reader may deliver the facts up to ``C`` only when every ID ``<= C`` has completed: an ID
-still pending could commit later and would then be skipped. `probe` learns ``C`` from
-PostgreSQL alone, without trusting any writer's announcement (Redis is unauthenticated), in one
-statement whose parts run in this order:
+still pending could commit later and would then be skipped. `probe` learns ``C`` for every
+stream it is given from PostgreSQL alone, without trusting any writer's announcement (Redis is
+unauthenticated). It sends three kinds of statement in one pipeline (one round trip), and the
+argument rests only on the order of *statements*, which the server runs one after the other,
+never on the order in which PostgreSQL evaluates the parts of one statement (a planner may
+evaluate a function scan such as ``pg_lock_status()`` once and reuse it, or read rows in any
+order):
 
-1. read ``A``, the sequence's last value (max allocated);
-2. read ``pg_locks`` for the stream's reservation locks (`streams.constants`), held by every
-   writing transaction from just *before* its ``nextval`` until it ends, keyed by ``L`` (the
-   sequence value plus one when it started), so every ID it reserves is ``>= L``.
+1. statement 1 reads ``A[s]``, every stream's sequence last value (max allocated), and leaves
+   them in session settings;
+2. statement 2 reads ``pg_locks`` for the streams' reservation locks (`streams.constants`) and
+   computes ``C[s] = min(A[s], min(L[s]) - 1)`` from the settings of statement 1; a reservation
+   lock is held by every writing transaction from just *before* its ``nextval`` until it ends,
+   keyed by ``L`` (the sequence value plus one when it started), so every ID it reserves is
+   ``>= L``;
+3. later statements read rows ``<= C[s]``.
 
-Any transaction holding an ID ``<= A`` called ``nextval`` before step 1, so took its lock
-before step 1; if it is still open at step 2 its lock is seen, with ``L <=`` its IDs. Hence
-``C = min(A, min(L) - 1)`` is complete: every ID ``<= C`` is committed or rolled back for good.
-The rows are then read by a *later* statement (a newer snapshot under READ COMMITTED), which
-therefore sees every committed fact ``<= C``. A writer whose process dies releases its locks
-when the server notices the dropped connection; a wedged one, when its transaction has been idle
-for the lease (``idle_in_transaction_session_timeout``).
+For one stream ``s``: any transaction holding an ID ``<= A[s]`` called ``nextval`` before
+statement 1 read ``A[s]``, so it took its lock before statement 1 ended, hence before statement
+2 began. If it is still open when statement 2 reads ``pg_locks``, its lock is seen, with ``L <=``
+its IDs, and ``C[s]`` stays below them. Otherwise it has ended (committed or rolled back for
+good). This holds for each stream separately, whatever the number of streams and whichever
+order statement 1 reads their sequences in: every sequence is read before any lock is. The rows
+are read by a *later* statement, with a newer snapshot, so they include every committed fact
+``<= C[s]``; that needs READ COMMITTED (a pipeline is one implicit transaction, and under
+REPEATABLE READ its first statement's snapshot would serve them all), so reader sessions pin it
+(`READER_SESSION_SETUP`). A writer whose process dies releases its locks when the server
+notices the dropped connection; a wedged one, when its transaction has been idle for the lease
+(``idle_in_transaction_session_timeout``).
+
+The writer's side (`streams.core`): one statement computes ``L`` from the sequence, takes the
+lock on it and calls ``nextval``. That is the one place where order inside a statement matters,
+and it is a data dependency, not an evaluation-order assumption: ``nextval`` runs in a CTE that
+scans the CTE taking the lock, and returns ``L`` beside every ID, and the writer checks
+``ID >= L`` for every ID before the transaction can commit (`SequenceRewound` otherwise).
+
+Earlier versions read ``pg_locks`` in a correlated subquery of the statement that read the
+sequences. PostgreSQL evaluated ``pg_lock_status()`` once, at the first stream's row, and reused
+it for the others, whose sequences were therefore read *after* the lock snapshot: a reader of
+several streams could pass an ID reserved in between (issue 7; `tests/test_probe.py` forces that
+window).
 
 The alternative (transaction-ID snapshots with ``pg_current_snapshot``) needs every fact to
 record its ``xid`` and readers to reason about snapshots; row locks put the whole proof in one
@@ -57,7 +82,7 @@ from typing import Any
 
 from psycopg import sql
 
-from ._ops import Commit, Gen, Query, Row
+from ._ops import Commit, Gen, Pipeline, Query, Row
 from .config import validate_stream_name
 from .constants import RESERVATION_LOCK_SPAN, reservation_lock_class
 from .errors import SchemaNotReady, StreamExists, UnknownStream
@@ -86,7 +111,7 @@ __all__ = [
     "persisted_writer_position",
     "position_before_time",
     "probe",
-    "probe_query",
+    "probe_queries",
     "probes_from_rows",
     "repair_sequence",
     "reservation_lock_holders",
@@ -340,13 +365,11 @@ def linear_from(live_positions: list[int], max_allocated: int) -> int:
     return min([*live_positions, max_allocated])
 
 
-def reservation_lock_key_sql(info: StreamInfo) -> sql.Composed:
-    """The int4 second key of a reservation lock: ``(last value + 1) mod 2**32``, as an int4.
-
-    For statements executed with parameters (``%%`` is psycopg's escaped ``%``).
-    """
-    return sql.SQL("((({allocated} + 1 + 2147483648) %% 4294967296) - 2147483648)::int4").format(
-        allocated=max_allocated_sql(info)
+def reservation_lock_key_sql(floor: sql.Composable) -> sql.Composed:
+    """The int4 second key of a reservation lock on ``L`` (an SQL bigint expression): ``L mod
+    2**32`` as an int4. For statements executed with parameters (``%%`` is psycopg's ``%``)."""
+    return sql.SQL("((({floor} + 2147483648) %% 4294967296) - 2147483648)::int4").format(
+        floor=floor
     )
 
 
@@ -370,44 +393,76 @@ _RESERVATION_LOCKS = (
     " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
 )
 
-_PROBE_SQL = f"""
-WITH s AS MATERIALIZED (
-    SELECT r.id, r.name, k.lock_class,
-           COALESCE(pg_sequence_last_value(r.sequence_name::regclass), 0) AS allocated
-    FROM unnest(%(ids)s::int[], %(classes)s::bigint[]) AS k(id, lock_class)
-    JOIN streams_registry r ON r.id = k.id
-), p AS MATERIALIZED (
-    SELECT s.id, s.name, s.allocated, (
-        -- Correlated on s.allocated, so pg_locks is read after the sequence (the argument
-        -- needs it). objid holds L mod 2**32; L is the one value in (allocated + 1 - 2**32,
-        -- allocated + 1].
-        SELECT min(s.allocated + 1
-                   - ((s.allocated + 1 - l.objid::bigint) %% {RESERVATION_LOCK_SPAN}
-                      + {RESERVATION_LOCK_SPAN}) %% {RESERVATION_LOCK_SPAN})
-        FROM pg_locks l
-        WHERE {_RESERVATION_LOCKS} AND l.classid = s.lock_class::oid
-    ) AS min_locked
-    FROM s
-)
-SELECT p.name, p.allocated, c.complete,
-       -- Remembered in the session for `fetch_rows_after_probe` in the same pipeline.
-       set_config('{COMPLETE_SETTING}' || p.id, c.complete::text, false)
-FROM p, LATERAL (
-    SELECT GREATEST(0, LEAST(p.allocated, COALESCE(p.min_locked - 1, p.allocated))) AS complete
+#: Session settings (plus the stream's registry id) where a probe leaves max allocated
+#: (statement 1) and the complete position (statement 2, for `fetch_rows_after_probe`).
+ALLOCATED_SETTING = "streams.allocated_"
+
+#: Statement 1 of a probe: every sequence's last value, before any lock is read.
+_PROBE_ALLOCATED_SQL = f"""
+SELECT r.id,
+       set_config('{ALLOCATED_SETTING}' || r.id,
+                  COALESCE(pg_sequence_last_value(r.sequence_name::regclass), 0)::text, false)
+FROM streams_registry r
+WHERE r.id = ANY(%(ids)s::int[])
+"""
+
+#: Statement 2 of a probe: pg_locks, then ``C`` from statement 1's values. Nothing here depends
+#: on the order of evaluation: statement 1 has ended before this statement starts.
+_PROBE_COMPLETE_SQL = f"""
+SELECT r.name, a.allocated, c.complete,
+       set_config('{COMPLETE_SETTING}' || r.id, c.complete::text, false)
+FROM unnest(%(ids)s::int[], %(classes)s::bigint[]) AS k(id, lock_class)
+JOIN streams_registry r ON r.id = k.id
+CROSS JOIN LATERAL (
+    SELECT current_setting('{ALLOCATED_SETTING}' || r.id)::bigint AS allocated
+) AS a
+CROSS JOIN LATERAL (
+    -- objid holds L mod 2**32; L is the one value in (allocated + 1 - 2**32, allocated + 1].
+    SELECT min(a.allocated + 1
+               - ((a.allocated + 1 - l.objid::bigint) %% {RESERVATION_LOCK_SPAN}
+                  + {RESERVATION_LOCK_SPAN}) %% {RESERVATION_LOCK_SPAN}) AS min_locked
+    FROM pg_locks l
+    WHERE {_RESERVATION_LOCKS} AND l.classid = k.lock_class::oid
+) AS m
+CROSS JOIN LATERAL (
+    SELECT GREATEST(0, LEAST(a.allocated, COALESCE(m.min_locked - 1, a.allocated))) AS complete
 ) AS c
 """
 
+#: Settings of every session that reads facts behind a probe (readers): READ COMMITTED, which the
+#: probe argument needs; the statements that repeat (the probe, the page behind it) are prepared by
+#: psycopg, and generic plans halved a caught-up reader's round trip (688 -> 349 us per probe,
+#: measured); with statistics older than a stream's growth the planner read a page
+#: ``stream_id > a AND stream_id <= b ... LIMIT n`` as a bitmap scan of the whole remaining range
+#: plus a sort (100 ms per 5000-row page instead of 2 ms): the ordered primary-key scan is always
+#: right for these statements.
+READER_SESSION_SETUP = (
+    "SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL READ COMMITTED",
+    "SET plan_cache_mode = force_generic_plan",
+    "SET enable_bitmapscan = off",
+)
 
-def probe_query(infos: list[StreamInfo]) -> Query:
-    """The statement of `probe` (for pipelining it with `fetch_rows_after_probe`)."""
-    return Query(
-        _PROBE_SQL,
-        {
-            "ids": [info.id for info in infos],
-            # pg_locks shows the int4 key as an unsigned oid.
-            "classes": [reservation_lock_class(i.id) % RESERVATION_LOCK_SPAN for i in infos],
-        },
-    )
+
+def probe_queries(infos: Sequence[StreamInfo]) -> list[Query]:
+    """The statements of `probe`, for pipelining (see "the probe argument"): the rows of the
+    *last* one go to `probes_from_rows`; more statements may follow them in the pipeline
+    (`fetch_rows_after_probe`)."""
+    ids = [info.id for info in infos]
+    return [
+        Query(_PROBE_ALLOCATED_SQL, {"ids": ids}),
+        Query(
+            _PROBE_COMPLETE_SQL,
+            {
+                "ids": ids,
+                # pg_locks shows the int4 key as an unsigned oid.
+                "classes": [reservation_lock_class(i.id) % RESERVATION_LOCK_SPAN for i in infos],
+            },
+        ),
+    ]
+
+
+#: How many statements `probe_queries` returns (results before the rows behind a probe).
+PROBE_STATEMENTS = 2
 
 
 def probes_from_rows(rows: Sequence[Row]) -> dict[str, Probe]:
@@ -416,11 +471,11 @@ def probes_from_rows(rows: Sequence[Row]) -> dict[str, Probe]:
     }
 
 
-def probe(infos: list[StreamInfo]) -> Gen[dict[str, Probe]]:
-    """`Probe` every stream in ``infos`` in one statement (no transaction is left open)."""
-    rows = yield probe_query(infos)
+def probe(infos: Sequence[StreamInfo]) -> Gen[dict[str, Probe]]:
+    """`Probe` every stream in ``infos`` in one round trip (no transaction is left open)."""
+    results = yield Pipeline(probe_queries(infos))
     yield Commit()
-    return probes_from_rows(rows)
+    return probes_from_rows(results[-1])
 
 
 def fetch_rows(info: StreamInfo, after: int, through: int, limit: int) -> Gen[list[Row]]:

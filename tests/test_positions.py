@@ -22,6 +22,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from streams.errors import SequenceRewound
 from streams.positions import PositionTracker, ReservationToken, sequence_repair_target
 
 # ---------------------------------------------------------------------------------------------
@@ -446,7 +447,7 @@ def test_reserved_at_or_below_floor_raises(bad_id: int) -> None:
     tracker = PositionTracker(local_instance="w", local_position=5, max_allocated=5)
     token = tracker.begin_reservation()
     assert token.floor == 5
-    with pytest.raises(ValueError, match="sequence reset"):
+    with pytest.raises(SequenceRewound, match="set back"):
         tracker.reserved(token, [bad_id])
     assert tracker.local_position == 5
     assert tracker.max_allocated == 5
