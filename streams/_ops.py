@@ -87,7 +87,9 @@ def _wrap(error: psycopg.Error) -> StoreError:
     # psycopg's messages come from the server and never contain the connection password;
     # the class name tells operators what kind of failure it was.
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return StoreError(f"{type(error).__name__}: {text}")
+    wrapped = StoreError(f"{type(error).__name__}: {text}")
+    wrapped.sqlstate = error.sqlstate
+    return wrapped
 
 
 def _in_transaction(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:

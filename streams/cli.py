@@ -93,6 +93,13 @@ def migrate(database_url: str | None, redis_url: str | None, prefix: str | None)
 )
 @click.option("--uncapped", is_flag=True, help="Do not cap client timestamps at arrival time.")
 @click.option("--retention", "retention_ms", type=click.IntRange(min=1), help="Retention in ms.")
+@click.option(
+    "--table",
+    "tables",
+    multiple=True,
+    metavar="TABLE.COLUMN",
+    help="A user table holding facts of this stream, and its stream-ID column (repeatable).",
+)
 @click.option("--json", "as_json", is_flag=True)
 @_common
 def create(
@@ -100,6 +107,7 @@ def create(
     timestamping: str,
     uncapped: bool,
     retention_ms: int | None,
+    tables: tuple[str, ...],
     as_json: bool,
     database_url: str | None,
     redis_url: str | None,
@@ -108,9 +116,53 @@ def create(
     """Create a stream (idempotent when the settings match)."""
     with _client(database_url, redis_url, prefix) as client:
         info = client.create_stream(
-            name, timestamping=timestamping, uncapped=uncapped, retention_ms=retention_ms
+            name,
+            timestamping=timestamping,
+            uncapped=uncapped,
+            retention_ms=retention_ms,
+            fact_tables=list(tables) if tables else None,
         )
-    _emit(info.as_dict(), as_json, lambda d: iter([f"stream {d['name']}: {d}"]))
+    _emit(info.as_dict(), as_json, _stream_text)
+
+
+def _stream_text(d: dict[str, Any]) -> Iterator[str]:
+    tables = ", ".join(d["fact_tables"]) or "none"
+    retention = "forever" if d["retention_ms"] is None else f"{d['retention_ms']} ms"
+    yield (
+        f"stream {d['name']}: timestamping {d['timestamping']}"
+        f"{' uncapped' if d['uncapped'] else ''}, retention {retention}, "
+        f"fact tables besides streams_facts: {tables}"
+    )
+
+
+@main.command()
+@click.argument("name")
+@click.argument("tables", nargs=-1, metavar="[TABLE.COLUMN]...")
+@click.option("--clear", is_flag=True, help="Declare no user tables.")
+@click.option("--json", "as_json", is_flag=True)
+@_common
+def tables(
+    name: str,
+    tables: tuple[str, ...],
+    clear: bool,
+    as_json: bool,
+    database_url: str | None,
+    redis_url: str | None,
+    prefix: str | None,
+) -> None:
+    """Show or declare the user tables that hold facts of stream NAME (besides streams_facts).
+
+    Sequence repair (a writer starting, `streams doctor --repair`) moves the sequence past the
+    largest ID in each of them; IDs in an undeclared table cannot be seen.
+    """
+    if clear and tables:
+        raise click.UsageError("give tables or --clear, not both")
+    with _client(database_url, redis_url, prefix) as client:
+        if tables or clear:
+            info = client.set_fact_tables(name, list(tables))
+        else:
+            info = client.stream(name)
+    _emit(info.as_dict(), as_json, _stream_text)
 
 
 @main.command(name="list")

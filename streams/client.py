@@ -34,6 +34,7 @@ from .store import (
     list_groups,
     list_streams,
     load_stream,
+    set_fact_tables,
     stream_positions,
 )
 from .timestamps import TimestampMode
@@ -103,13 +104,37 @@ class Client:
         timestamping: TimestampMode | str = TimestampMode.CLIENT_PREFER,
         uncapped: bool = False,
         retention_ms: int | None = None,
+        fact_tables: Sequence[str | tuple[str, str]] | None = None,
     ) -> StreamInfo:
+        """Create a stream (idempotent when the settings match).
+
+        ``fact_tables``: the user tables that hold facts of this stream besides the built-in
+        one, as ``"table.column"`` / ``"schema.table.column"`` / ``(table, column)``: sequence
+        repair looks at them (see `set_fact_tables`). None: whatever is declared already.
+        """
         return run(
             self._conn,
             create_stream(
-                name, timestamping=timestamping, uncapped=uncapped, retention_ms=retention_ms
+                name,
+                timestamping=timestamping,
+                uncapped=uncapped,
+                retention_ms=retention_ms,
+                fact_tables=fact_tables,
             ),
         )
+
+    def set_fact_tables(
+        self, name: str, fact_tables: Sequence[str | tuple[str, str]]
+    ) -> StreamInfo:
+        """Declare (replace) the user tables that hold facts of stream ``name``.
+
+        A fact written with ``writer.fact(conn)`` may live only in your own tables; when a
+        sequence is set back (restore from a backup), a starting writer repairs it past the
+        largest ID of ``streams_facts``, of every declared table, of every writer and of every
+        reader group. IDs in a table that is not declared cannot be seen and could be handed out
+        again. Each table and column must exist; index the column (repair reads its maximum).
+        """
+        return run(self._conn, set_fact_tables(name, fact_tables))
 
     def stream(self, name: str) -> StreamInfo:
         return run(self._conn, load_stream(name))
@@ -214,13 +239,37 @@ class AsyncClient:
         timestamping: TimestampMode | str = TimestampMode.CLIENT_PREFER,
         uncapped: bool = False,
         retention_ms: int | None = None,
+        fact_tables: Sequence[str | tuple[str, str]] | None = None,
     ) -> StreamInfo:
+        """Create a stream (idempotent when the settings match).
+
+        ``fact_tables``: the user tables that hold facts of this stream besides the built-in
+        one, as ``"table.column"`` / ``"schema.table.column"`` / ``(table, column)``: sequence
+        repair looks at them (see `set_fact_tables`). None: whatever is declared already.
+        """
         return await arun(
             self._conn,
             create_stream(
-                name, timestamping=timestamping, uncapped=uncapped, retention_ms=retention_ms
+                name,
+                timestamping=timestamping,
+                uncapped=uncapped,
+                retention_ms=retention_ms,
+                fact_tables=fact_tables,
             ),
         )
+
+    async def set_fact_tables(
+        self, name: str, fact_tables: Sequence[str | tuple[str, str]]
+    ) -> StreamInfo:
+        """Declare (replace) the user tables that hold facts of stream ``name``.
+
+        A fact written with ``writer.fact(conn)`` may live only in your own tables; when a
+        sequence is set back (restore from a backup), a starting writer repairs it past the
+        largest ID of ``streams_facts``, of every declared table, of every writer and of every
+        reader group. IDs in a table that is not declared cannot be seen and could be handed out
+        again. Each table and column must exist; index the column (repair reads its maximum).
+        """
+        return await arun(self._conn, set_fact_tables(name, fact_tables))
 
     async def stream(self, name: str) -> StreamInfo:
         return await arun(self._conn, load_stream(name))

@@ -38,6 +38,7 @@ from .errors import (
     PayloadNotSerializable,
     PayloadTooLarge,
     SequenceRewound,
+    StoreError,
     UsageError,
     WriterFenced,
 )
@@ -122,6 +123,9 @@ class FactHandle:
     rows: int = 0
 
 
+#: SQLSTATE of a unique violation: a reserved ID that is already stored.
+UNIQUE_VIOLATION = "23505"
+
 #: Retire expired peers every this many heartbeats.
 RETIRE_EVERY = 4
 
@@ -172,11 +176,18 @@ class WriterCore:
     def register(self) -> Gen[None]:
         """Register (or take over) this instance name, recovering its position.
 
-        Steps, in one transaction under the stream's advisory lock: repair a sequence that is
-        behind the data; lock this instance's row ``FOR UPDATE`` (which waits for any open
-        transaction of a previous process with the same name, then fences it by bumping the
-        generation); recover the position as the greater of the persisted one and the facts
-        rescanned above it; seed a new name at the linear position.
+        Steps, in one transaction under the stream's registration lock:
+
+        1. repair a sequence that is behind any ID known to be used: ``streams_facts``, every
+           declared user table, every persisted writer position and committed group position
+           (`streams.store.sequence_state`);
+        2. lock this instance's row ``FOR UPDATE``: that waits for every open transaction of a
+           previous process with the same name (they hold ``FOR KEY SHARE`` on it), and the
+           generation bump below fences all its later ones;
+        3. read max allocated *after* that lock. Nothing reserved under this name can still be
+           pending now, so this writer's position is max allocated (the definition allows it):
+           a restarted name never pins the linear position below IDs it no longer holds, however
+           often it restarts within its lease. A new name is seeded at the linear position.
         """
         sent = time.time()
         info = yield from load_stream(self.stream_name)
@@ -184,6 +195,10 @@ class WriterCore:
         self.clock.sample(rows[0][0], sent, time.time())
         yield Query("SELECT pg_advisory_xact_lock(%s, %s)", (REGISTRATION_LOCK, info.id))
         yield from repair_sequence(info)
+        existing = yield Query(
+            "SELECT position FROM streams_writers WHERE stream = %s AND instance = %s FOR UPDATE",
+            (info.id, self.instance),
+        )
         rows = yield Query(
             sql.SQL(
                 """
@@ -196,22 +211,13 @@ class WriterCore:
             {"stream": info.id, "instance": self.instance},
         )
         max_allocated, ts_floor, others_min = int(rows[0][0]), rows[0][1] or 0, rows[0][2]
-        rows = yield Query(
-            "SELECT position FROM streams_writers WHERE stream = %s AND instance = %s FOR UPDATE",
-            (info.id, self.instance),
-        )
-        if rows:
-            persisted = int(rows[0][0])
-            rescan = yield Query(
-                "SELECT max(stream_id) FROM streams_facts "
-                "WHERE stream = %s AND instance = %s AND stream_id > %s",
-                (info.id, self.instance, persisted),
-            )
-            recovered = max(persisted, rescan[0][0] or 0)
+        if existing:
+            recovered = max(int(existing[0][0]), max_allocated)
             rows = yield Query(
                 """
                 UPDATE streams_writers
-                SET generation = generation + 1, retired = false, position = %s,
+                SET generation = generation + 1, retired = false,
+                    position = GREATEST(position, %s), pending = 0,
                     lease_expires_at = clock_timestamp() + make_interval(secs => %s),
                     registered_at = clock_timestamp(), heartbeat_at = clock_timestamp()
                 WHERE stream = %s AND instance = %s
@@ -342,7 +348,16 @@ class WriterCore:
             if len(encoded) == 1:
                 assert self._reserve_one is not None
                 params.update(ts=stamps[0], payload=encoded[0])
-                rows = yield Query(self._reserve_one, params)
+                try:
+                    rows = yield Query(self._reserve_one, params)
+                except StoreError as exc:
+                    if exc.sqlstate == UNIQUE_VIOLATION:  # the new ID is stored already
+                        raise SequenceRewound(
+                            f"stream {self.stream_name!r}: the sequence handed out an ID that "
+                            "is stored already: it was set back; nothing was written. Open a "
+                            "new writer (it repairs the sequence) or run `streams doctor --repair`"
+                        ) from None
+                    raise
             else:
                 assert self._reserve_many is not None
                 params.update(count=len(encoded))

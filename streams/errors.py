@@ -106,7 +106,13 @@ class UsageError(StreamsError):
 
 
 class StoreError(StreamsError):
-    """PostgreSQL failed underneath an operation (unreachable, crashed, timed out)."""
+    """PostgreSQL failed underneath an operation (unreachable, crashed, timed out).
+
+    ``sqlstate`` is the server's error code when there is one (e.g. ``23505`` for a unique
+    violation), so callers can tell failures apart without parsing messages.
+    """
+
+    sqlstate: str | None = None
 
 
 class SchemaNotReady(StoreError):

@@ -310,7 +310,7 @@ def sequence_repair_target(
     sequence behind the stored data (restored from a backup, recreated by hand) would hand out
     IDs that already exist, so it must be moved past them before any writer starts.
     """
-    if max_stored_id is None:
+    if max_stored_id is None or max_stored_id < 1:  # positions start at 0; IDs at 1
         return None
     if sequence_last_value is None or sequence_last_value < max_stored_id:
         return max_stored_id

@@ -2,7 +2,8 @@
 
 Tables (created by the Alembic migrations in ``migrations/``):
 
-* ``streams_registry``: one row per stream, naming its own sequence.
+* ``streams_registry``: one row per stream, naming its own sequence and the user tables that
+  hold its facts besides ``streams_facts`` (`FactTable`).
 * ``streams_facts``: the built-in facts table, one or more rows per fact.
 * ``streams_writers``: one row per (stream, writer instance): its generation, its persisted
   per-writer position (forward-only) and its lease.
@@ -76,26 +77,31 @@ place the database already enforces.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from psycopg import sql
+from psycopg.types.json import Jsonb
 
 from ._ops import Commit, Gen, Pipeline, Query, Row
 from .config import validate_stream_name
 from .constants import RESERVATION_LOCK_SPAN, reservation_lock_class
-from .errors import SchemaNotReady, StreamExists, UnknownStream
+from .errors import InvalidFactTables, SchemaNotReady, StreamExists, UnknownStream
 from .positions import sequence_repair_target
 from .timestamps import TimestampMode
 
 __all__ = [
+    "FactTable",
     "GroupRow",
     "LockHolder",
     "Probe",
+    "SequenceState",
     "StreamInfo",
     "StreamPositions",
     "WriterRow",
+    "check_fact_tables",
     "commit_group",
     "create_stream",
     "database_time_ms",
@@ -108,6 +114,7 @@ __all__ = [
     "list_streams",
     "load_stream",
     "load_streams",
+    "parse_fact_tables",
     "persisted_writer_position",
     "position_before_time",
     "probe",
@@ -117,11 +124,13 @@ __all__ = [
     "reservation_lock_holders",
     "reservation_lock_key_sql",
     "retire_expired_writers",
+    "sequence_state",
+    "set_fact_tables",
     "stream_positions",
     "ts_floor_at",
 ]
 
-ALEMBIC_HEAD = "0002_reservation_locks"
+ALEMBIC_HEAD = "0003_fact_tables"
 
 #: Session setting (plus the stream's registry id) where `probe` leaves the complete position.
 COMPLETE_SETTING = "streams.complete_"
@@ -137,6 +146,8 @@ class StreamInfo:
     timestamping: TimestampMode
     uncapped: bool
     retention_ms: int | None
+    #: User tables that hold facts of this stream, besides ``streams_facts``.
+    fact_tables: tuple[FactTable, ...] = ()
 
     @property
     def sequence(self) -> sql.Identifier:
@@ -148,7 +159,60 @@ class StreamInfo:
             "timestamping": str(self.timestamping),
             "uncapped": self.uncapped,
             "retention_ms": self.retention_ms,
+            "fact_tables": [str(t) for t in self.fact_tables],
         }
+
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_$]{0,62}")
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class FactTable:
+    """A user table holding facts of a stream: ``table`` (``schema.table``) and the column with
+    the stream ID. Sequence repair takes ``max(column)`` over the whole table, so index it."""
+
+    table: str
+    column: str
+
+    def __str__(self) -> str:
+        return f"{self.table}.{self.column}"
+
+    @classmethod
+    def parse(cls, spec: object) -> FactTable:
+        """``"table.column"``, ``"schema.table.column"`` or a ``(table, column)`` pair; the
+        schema defaults to ``public``. Plain identifiers only: they become SQL identifiers."""
+        if isinstance(spec, FactTable):
+            return spec
+        if isinstance(spec, str):
+            parts = spec.split(".")
+        elif isinstance(spec, tuple | list) and len(spec) == 2 and isinstance(spec[0], str):
+            parts = [*spec[0].split("."), spec[1]]
+        else:
+            raise InvalidFactTables(
+                f"invalid fact table {spec!r}: use 'table.column', 'schema.table.column' "
+                "or a (table, column) pair"
+            )
+        if len(parts) == 2:
+            parts.insert(0, "public")
+        if len(parts) != 3 or not all(
+            isinstance(p, str) and _IDENTIFIER.fullmatch(p) for p in parts
+        ):
+            raise InvalidFactTables(
+                f"invalid fact table {spec!r}: use 'table.column' or 'schema.table.column' "
+                "with plain identifiers (letters, digits, '_', '$')"
+            )
+        return cls(f"{parts[0]}.{parts[1]}", parts[2])
+
+    def as_json(self) -> dict[str, str]:
+        return {"table": self.table, "column": self.column}
+
+    def max_sql(self) -> sql.Composed:
+        schema, table = self.table.split(".")
+        return sql.SQL("(SELECT max({column}) FROM {schema}.{table})").format(
+            column=sql.Identifier(self.column),
+            schema=sql.Identifier(schema),
+            table=sql.Identifier(table),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +257,7 @@ class StreamPositions:
         }
 
 
-_STREAM_COLUMNS = "id, name, sequence_name, timestamping, uncapped, retention_ms"
+_STREAM_COLUMNS = "id, name, sequence_name, timestamping, uncapped, retention_ms, fact_tables"
 
 
 def _stream_from_row(row: tuple[Any, ...]) -> StreamInfo:
@@ -204,6 +268,7 @@ def _stream_from_row(row: tuple[Any, ...]) -> StreamInfo:
         timestamping=TimestampMode(row[3]),
         uncapped=row[4],
         retention_ms=row[5],
+        fact_tables=tuple(FactTable(t["table"], t["column"]) for t in row[6] or ()),
     )
 
 
@@ -218,6 +283,9 @@ def check_schema() -> Gen[None]:
             f"the streams schema is at {found}, this library needs {ALEMBIC_HEAD}: "
             "run `streams migrate`"
         )
+    # Never leave a connection idle in a transaction: it would hold AccessShareLock on the
+    # version table (blocking `streams migrate`) for as long as the client lives.
+    yield Commit()
 
 
 def load_stream(name: str) -> Gen[StreamInfo]:
@@ -226,6 +294,7 @@ def load_stream(name: str) -> Gen[StreamInfo]:
         f"SELECT {_STREAM_COLUMNS} FROM streams_registry WHERE name = %s",
         (name,),
     )
+    yield Commit()
     if not rows:
         raise UnknownStream(name)
     return _stream_from_row(rows[0])
@@ -233,6 +302,7 @@ def load_stream(name: str) -> Gen[StreamInfo]:
 
 def list_streams() -> Gen[list[StreamInfo]]:
     rows = yield Query(f"SELECT {_STREAM_COLUMNS} FROM streams_registry ORDER BY name")
+    yield Commit()
     return [_stream_from_row(row) for row in rows]
 
 
@@ -242,13 +312,18 @@ def create_stream(
     timestamping: TimestampMode | str = TimestampMode.CLIENT_PREFER,
     uncapped: bool = False,
     retention_ms: int | None = None,
+    fact_tables: Sequence[object] | None = None,
     exist_ok: bool = True,
 ) -> Gen[StreamInfo]:
-    """Create a stream and its sequence (idempotent when the settings match)."""
+    """Create a stream and its sequence (idempotent when the settings match; ``fact_tables``
+    None means "whatever is declared")."""
     validate_stream_name(name)
     mode = TimestampMode(timestamping)
     if retention_ms is not None and (isinstance(retention_ms, bool) or retention_ms <= 0):
         raise ValueError("retention_ms must be a positive number of milliseconds or None")
+    tables = None if fact_tables is None else parse_fact_tables(fact_tables)
+    if tables:
+        yield from check_fact_tables(tables)
     yield Query("SELECT pg_advisory_xact_lock(hashtext('streams_registry'))")
     rows = yield Query(
         f"SELECT {_STREAM_COLUMNS} FROM streams_registry WHERE name = %s",
@@ -260,6 +335,7 @@ def create_stream(
         if (
             not exist_ok
             or (existing.timestamping, existing.uncapped, existing.retention_ms) != wanted
+            or (tables is not None and existing.fact_tables != tables)
         ):
             raise StreamExists(f"stream {name!r} exists already with settings {existing.as_dict()}")
         yield Commit()
@@ -269,12 +345,20 @@ def create_stream(
     rows = yield Query(
         f"""
         INSERT INTO streams_registry
-            (id, name, sequence_name, timestamping, uncapped, retention_ms)
+            (id, name, sequence_name, timestamping, uncapped, retention_ms, fact_tables)
         OVERRIDING SYSTEM VALUE
-        VALUES (%s, %s, %s, %s, %s, %s)
+        VALUES (%s, %s, %s, %s, %s, %s, %s)
         RETURNING {_STREAM_COLUMNS}
         """,
-        (stream_key, name, f"streams_seq_{stream_key}", str(mode), uncapped, retention_ms),
+        (
+            stream_key,
+            name,
+            f"streams_seq_{stream_key}",
+            str(mode),
+            uncapped,
+            retention_ms,
+            Jsonb([t.as_json() for t in tables or ()]),
+        ),
     )
     info = _stream_from_row(rows[0])
     # Synapse's pitfall: a fresh sequence's START value is not "allocated" until nextval is
@@ -306,20 +390,117 @@ def max_allocated_sql(info: StreamInfo) -> sql.Composed:
     )
 
 
-def repair_sequence(info: StreamInfo) -> Gen[int | None]:
-    """Move the sequence past the stored facts if it is behind them; returns the new value.
+def parse_fact_tables(specs: Sequence[object]) -> tuple[FactTable, ...]:
+    """Validate declared fact tables (`FactTable.parse`), sorted and without duplicates."""
+    if isinstance(specs, str | bytes):
+        raise InvalidFactTables("fact_tables is a list of 'table.column' (not a single string)")
+    tables = sorted({FactTable.parse(spec) for spec in specs})
+    if any(t.table == "public.streams_facts" for t in tables):
+        raise InvalidFactTables("streams_facts is always included; do not declare it")
+    return tuple(tables)
 
-    Runs under the stream's advisory lock (the caller's transaction), so two starting writers
-    do not both repair.
+
+def check_fact_tables(tables: Sequence[FactTable]) -> Gen[None]:
+    """Every declared table exists and its column is an integer type (IDs are bigints)."""
+    for table in tables:
+        rows = yield Query(
+            "SELECT format_type(a.atttypid, a.atttypmod) FROM pg_attribute a "
+            "WHERE a.attrelid = to_regclass(%s) AND a.attname = %s "
+            "AND a.attnum > 0 AND NOT a.attisdropped",
+            (table.table, table.column),
+        )
+        if not rows:
+            raise InvalidFactTables(f"no table {table.table} with a column {table.column!r}")
+        if rows[0][0] not in ("bigint", "integer", "smallint", "numeric"):
+            raise InvalidFactTables(
+                f"{table}: a stream ID column must be an integer type, not {rows[0][0]}"
+            )
+    yield Commit()
+
+
+def set_fact_tables(name: str, specs: Sequence[object]) -> Gen[StreamInfo]:
+    """Declare (replace) the user tables that hold facts of stream ``name``."""
+    tables = parse_fact_tables(specs)
+    yield from check_fact_tables(tables)
+    rows = yield Query(
+        f"UPDATE streams_registry SET fact_tables = %s WHERE name = %s RETURNING {_STREAM_COLUMNS}",
+        (Jsonb([t.as_json() for t in tables]), validate_stream_name(name)),
+    )
+    yield Commit()
+    if not rows:
+        raise UnknownStream(name)
+    return _stream_from_row(rows[0])
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceState:
+    """A stream's sequence beside every ID known to be used: what repair compares."""
+
+    last_value: int | None
+    #: The largest stream ID found in ``streams_facts`` and every declared table.
+    max_stored: int | None
+    #: The largest position any writer persisted or any reader group committed.
+    max_position: int | None
+    #: Declared tables that do not exist (any more): their IDs cannot be seen.
+    missing_tables: tuple[FactTable, ...] = ()
+
+    @property
+    def max_used(self) -> int | None:
+        known = [v for v in (self.max_stored, self.max_position) if v is not None]
+        return max(known) if known else None
+
+    @property
+    def repair_target(self) -> int | None:
+        return sequence_repair_target(self.last_value, self.max_used)
+
+
+def sequence_state(info: StreamInfo, *, commit: bool = True) -> Gen[SequenceState]:
+    """Read everything sequence repair needs, in one statement: the sequence, the largest ID in
+    ``streams_facts`` and in each declared table, and the largest writer and group position (a
+    writer persists positions up to max allocated; a group commits up to the linear position;
+    both mean those IDs were handed out).
+
+    What stays invisible: facts in a table the stream does not declare. `streams doctor`
+    reports how many IDs have no row anywhere it can see (rollbacks, or such a table).
     """
+    missing: list[FactTable] = []
+    present: list[FactTable] = []
+    for table in info.fact_tables:
+        rows = yield Query("SELECT to_regclass(%s) IS NOT NULL", (table.table,))
+        (present if rows[0][0] else missing).append(table)
+    maxima = [
+        sql.SQL("(SELECT max(stream_id) FROM streams_facts WHERE stream = %(stream)s)"),
+        *(t.max_sql() for t in present),
+    ]
     rows = yield Query(
         sql.SQL(
-            "SELECT pg_sequence_last_value({}::regclass), "
-            "(SELECT max(stream_id) FROM streams_facts WHERE stream = %s)"
-        ).format(sql.Literal(info.sequence_name)),
-        (info.id,),
+            "SELECT pg_sequence_last_value({seq}::regclass), GREATEST({maxima})::bigint, "
+            "GREATEST((SELECT max(position) FROM streams_writers WHERE stream = %(stream)s), "
+            "(SELECT max(position) FROM streams_reader_groups WHERE stream = %(stream)s))"
+        ).format(seq=sql.Literal(info.sequence_name), maxima=sql.SQL(", ").join(maxima)),
+        {"stream": info.id},
     )
-    target = sequence_repair_target(rows[0][0], rows[0][1])
+    if commit:
+        yield Commit()
+    last, stored, position = rows[0]
+    return SequenceState(
+        None if last is None else int(last),
+        None if stored is None else int(stored),
+        None if position is None else int(position),
+        tuple(missing),
+    )
+
+
+def repair_sequence(info: StreamInfo) -> Gen[int | None]:
+    """Move the sequence past every ID known to be used (`sequence_state`) if it is behind;
+    returns the new value.
+
+    Runs in the caller's transaction under the stream's registration lock, so two starting
+    writers do not both repair. ``setval`` is not transactional: the repair stands even if the
+    caller's transaction rolls back, which is what it should do.
+    """
+    state = yield from sequence_state(info, commit=False)
+    target = state.repair_target
     if target is None:
         return None
     yield Query(
@@ -552,6 +733,7 @@ def load_streams(names: list[str]) -> Gen[list[StreamInfo]]:
     rows = yield Query(
         f"SELECT {_STREAM_COLUMNS} FROM streams_registry WHERE name = ANY(%s)", (names,)
     )
+    yield Commit()
     found = {row[1]: _stream_from_row(row) for row in rows}
     for name in names:
         if name not in found:

@@ -56,7 +56,7 @@ IO_MODULES = frozenset(
 )
 TABLES = ("streams_facts", "streams_reader_groups", "streams_registry", "streams_writers")
 VERSION_TABLE = "streams_alembic_version"
-HEAD = "0002_reservation_locks"
+HEAD = "0003_fact_tables"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -129,7 +129,7 @@ def read(url: str, name: str, *options: str) -> list[dict[str, Any]]:
 def test_migrate_is_idempotent_and_redacts_the_url(fresh_url: str) -> None:
     outputs = [ok(cli(fresh_url, "migrate")) for _ in range(2)]
     for out in outputs:
-        assert out.strip() == f"{redact_url(fresh_url)}: schema at 0002_reservation_locks"
+        assert out.strip() == f"{redact_url(fresh_url)}: schema at 0003_fact_tables"
     password = urlsplit(fresh_url).password
     if password:
         assert password not in "".join(outputs)
@@ -157,6 +157,7 @@ def test_create_json_prints_the_settings(streams_url: str, unique_name: str) -> 
         "timestamping": "client-prefer",
         "uncapped": False,
         "retention_ms": None,
+        "fact_tables": [],
     }
     # Idempotent when the settings match.
     assert create(streams_url, unique_name)["name"] == unique_name
@@ -188,6 +189,7 @@ def test_create_options_are_honoured(streams_url: str, unique_name: str) -> None
         "timestamping": "client-require",
         "uncapped": True,
         "retention_ms": 60000,
+        "fact_tables": [],
     }
     assert info == expected
     row = listed(streams_url)[unique_name]
@@ -204,8 +206,9 @@ def test_list_json_is_one_document(streams_url: str, unique_name: str) -> None:
     row = listed(streams_url)[unique_name]
     assert row["linear"] == 2
     assert row["max_allocated"] == 2
-    assert set(row) == {"name", "timestamping", "uncapped", "retention_ms", "linear"} | {
-        "max_allocated"
+    assert set(row) == {"name", "timestamping", "uncapped", "retention_ms", "fact_tables"} | {
+        "linear",
+        "max_allocated",
     }
     text = ok(cli(streams_url, "list"))
     assert unique_name in text
@@ -635,3 +638,24 @@ def test_console_script() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "streams" in proc.stdout
+
+
+def test_tables_declares_shows_and_clears_fact_tables(streams_url: str, unique_name: str) -> None:
+    table = f"cli_lines_{unique_name.replace('-', '_')}"
+    with psycopg.connect(streams_url, autocommit=True) as conn:
+        conn.execute(f"CREATE TABLE {table} (stream_id bigint)")
+    try:
+        info = create(streams_url, unique_name, "--table", f"{table}.stream_id")
+        assert info["fact_tables"] == [f"public.{table}.stream_id"]
+        shown = json.loads(cli(streams_url, "tables", unique_name, "--json").output)
+        assert shown["fact_tables"] == [f"public.{table}.stream_id"]
+        result = cli(streams_url, "tables", unique_name)
+        assert result.exit_code == 0
+        assert f"public.{table}.stream_id" in result.output
+        cleared = json.loads(cli(streams_url, "tables", unique_name, "--clear", "--json").output)
+        assert cleared["fact_tables"] == []
+        line = error_line(cli(streams_url, "tables", unique_name, "nope.stream_id"))
+        assert line.startswith("Error: InvalidFactTables: no table")
+    finally:
+        with psycopg.connect(streams_url, autocommit=True) as conn:
+            conn.execute(f"DROP TABLE {table}")

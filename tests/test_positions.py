@@ -478,7 +478,7 @@ def test_advance_for_local_instance_is_ignored() -> None:
 
 @pytest.mark.parametrize(
     ("last_value", "max_stored", "expected"),
-    [(None, None, None), (None, 5, 5), (3, 5, 5), (7, 5, None), (5, 5, None)],
+    [(None, None, None), (None, 0, None), (None, 5, 5), (3, 5, 5), (7, 5, None), (5, 5, None)],
 )
 def test_sequence_repair_target(
     last_value: int | None, max_stored: int | None, expected: int | None
