@@ -25,7 +25,7 @@ from .client import Client, connect
 from .config import Settings, redact_url
 from .epochs import Fact
 from .errors import StreamsError
-from .reader import Start
+from .reader import Reader, Start
 from .timestamps import TimestampMode
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -304,18 +304,34 @@ def read(
         client.reader(stream, start=start, group=group) as reader,
     ):
         epochs = iter(reader) if follow else reader.epochs()
+        # The last fact printed whole, when a limit or Ctrl-C stops inside an epoch: --commit
+        # commits exactly what was printed, never more (the rest comes again next time).
+        printed: Fact | None = None
         try:
             for epoch in epochs:
                 for fact in epoch.facts:
+                    if limit is not None and shown + len(fact.payloads) > limit:
+                        for row_no, payload in enumerate(fact.payloads[: limit - shown]):
+                            _print_row(fact, row_no, payload, as_json)
+                        _commit_through(reader, printed, commit_group)
+                        return
                     for row_no, payload in enumerate(fact.payloads):
-                        if limit is not None and shown >= limit:
-                            return
                         _print_row(fact, row_no, payload, as_json)
-                        shown += 1
+                    shown += len(fact.payloads)
+                    printed = fact
                 if commit_group:
-                    reader.commit()
+                    reader.commit()  # the whole epoch, gaps after its last fact included
+                printed = None
+                if limit is not None and shown >= limit:
+                    return
         except KeyboardInterrupt:
+            _commit_through(reader, printed, commit_group)
             return
+
+
+def _commit_through(reader: Reader, printed: Fact | None, commit_group: bool) -> None:
+    if commit_group and printed is not None:
+        reader.commit(through=printed)
 
 
 def _print_row(fact: Fact, row_no: int, payload: Any, as_json: bool) -> None:

@@ -325,10 +325,21 @@ class ReaderCore:
             return persisted is not None and persisted >= token
         return False
 
-    def commit(self) -> Gen[dict[str, int]]:
-        """Commit the group's positions (forward-only); returns what is committed now."""
+    def commit(self, through: Fact | None = None) -> Gen[dict[str, int]]:
+        """Commit the group's positions (forward-only); returns what is committed now.
+
+        With ``through``, a fact this reader delivered, commit its stream only, up to that fact:
+        for a consumer that stopped in the middle of an epoch (the rest of the epoch is
+        delivered again after a restart of the group; nothing is skipped).
+        """
         if self.group is None:
             raise UsageError("this reader has no group: pass group= to commit positions")
+        if through is not None:
+            info = self._info(through.stream)
+            if through.id > self.positions[through.stream]:
+                raise UsageError(f"fact {through.id} of {through.stream!r} was not delivered yet")
+            position = yield from commit_group(info, self.group, through.id, through.timestamp)
+            return {through.stream: position}
         committed = {}
         for name in self.names:
             committed[name] = yield from commit_group(
@@ -361,8 +372,6 @@ class ReaderCore:
     def vector_probe(self) -> FrontierProbe[tuple[int, ...]]:
         """A probe of the merged frontier over all streams (vectors in the reader's order)."""
         return FrontierProbe(self.frontier)
-
-
 
 
 def _loads(data: bytes | str) -> Any:
@@ -575,9 +584,10 @@ class Reader(_ReaderBase):
         """
         self._drive(self._wait_plan(stream, token, instance, timeout))
 
-    def commit(self) -> dict[str, int]:
-        """Commit this reader's positions for its group; a restart of the group resumes here."""
-        return run(self._conn, self._core.commit())
+    def commit(self, through: Fact | None = None) -> dict[str, int]:
+        """Commit this reader's positions for its group; a restart of the group resumes here.
+        ``through``: only up to that delivered fact (see `ReaderCore.commit`)."""
+        return run(self._conn, self._core.commit(through))
 
     def close(self) -> None:
         if self._closed:
@@ -698,8 +708,8 @@ class AsyncReader(_ReaderBase):
     ) -> None:
         await self._drive(self._wait_plan(stream, token, instance, timeout))
 
-    async def commit(self) -> dict[str, int]:
-        return await arun(self._conn, self._core.commit())
+    async def commit(self, through: Fact | None = None) -> dict[str, int]:
+        return await arun(self._conn, self._core.commit(through))
 
     async def aclose(self) -> None:
         if self._closed:

@@ -711,14 +711,20 @@ class LockHolder:
 
 def reservation_lock_holders(info: StreamInfo) -> Gen[list[LockHolder]]:
     """The sessions holding the stream's reservation locks, oldest transaction first: what
-    holds the stream's linear position back (for operators; readers only need `probe`)."""
+    holds the stream's linear position back (for operators; readers only need `probe`).
+
+    ``pg_locks`` and ``pg_stat_activity`` are read at different instants, and a session may not
+    report its activity (``track_activities = off``): its transaction start may be unknown
+    (reported as 0 seconds, state as the server gives it, e.g. ``disabled``), and a holder that
+    ended in between is left out by the join.
+    """
     rows = yield Query(
         f"""
         SELECT a.pid, COALESCE(a.application_name, ''), COALESCE(a.state, ''),
-               extract(epoch FROM clock_timestamp() - a.xact_start)::float8
+               COALESCE(extract(epoch FROM clock_timestamp() - a.xact_start), 0)::float8
         FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
         WHERE {_RESERVATION_LOCKS} AND l.classid = %s::bigint::oid
-        ORDER BY a.xact_start
+        ORDER BY a.xact_start NULLS LAST, a.pid
         """,
         (reservation_lock_class(info.id) % RESERVATION_LOCK_SPAN,),
     )

@@ -659,3 +659,36 @@ def test_tables_declares_shows_and_clears_fact_tables(streams_url: str, unique_n
     finally:
         with psycopg.connect(streams_url, autocommit=True) as conn:
             conn.execute(f"DROP TABLE {table}")
+
+
+def test_read_commit_commits_exactly_what_was_printed(
+    streams_url: str, client: Client, stream: str
+) -> None:
+    """--limit ending inside an epoch (even inside a multi-row fact) used to commit nothing,
+    silently. Now the group commits through the last fact printed whole."""
+    with client.writer(stream, instance="w") as writer, psycopg.connect(streams_url) as conn:
+        first = writer.append({"n": 1}).first_id
+        with writer.fact(conn) as fact:
+            fact.add({"n": 2, "row": 0}, {"n": 2, "row": 1}, {"n": 2, "row": 2})
+        third = writer.append({"n": 3}).first_id
+
+    def read(*options: str) -> list[dict[str, Any]]:
+        result = cli(streams_url, "read", stream, "--group", "g", "--json", *options)
+        assert result.exit_code == 0, result.output
+        return [json.loads(line) for line in result.output.splitlines()]
+
+    # 3 rows: the first fact and two of the second's three rows; commit through the first.
+    assert [r["stream_id"] for r in read("--commit", "--limit", "3")] == [first] + [
+        fact.stream_id
+    ] * 2
+    assert [g.position for g in client.groups(stream)] == [first]
+    # Without --commit nothing moves; the second fact comes again, whole.
+    assert [r["row"] for r in read("--limit", "3")] == [0, 1, 2]
+    assert [g.position for g in client.groups(stream)] == [first]
+    # Exactly the second fact: committed through it, the third still to come.
+    assert len(read("--commit", "--limit", "3")) == 3
+    assert [g.position for g in client.groups(stream)] == [fact.stream_id]
+    # The rest: the whole epoch is committed.
+    assert [r["stream_id"] for r in read("--commit")] == [third]
+    assert [g.position for g in client.groups(stream)] == [third]
+    assert read("--commit") == []

@@ -206,3 +206,26 @@ def test_no_connection_of_the_library_sits_idle_in_a_transaction(
                 (pids,),
             ).fetchone()
         assert held == (0,)
+
+
+def test_lock_holders_with_unknown_transaction_start(
+    client: Client, stream: str, streams_url: str
+) -> None:
+    """A holder whose xact_start is NULL (it does not report its activity) used to make
+    `reservation_lock_holders` (and so `streams doctor`) raise TypeError."""
+    from streams.constants import reservation_lock_class
+    from streams.store import reservation_lock_holders
+
+    info = client.stream(stream)
+    with psycopg.connect(streams_url) as holder, psycopg.connect(streams_url) as conn:
+        holder.execute("SET track_activities = off")
+        holder.execute("SELECT 1")
+        holder.commit()
+        holder.execute(
+            "SELECT pg_advisory_xact_lock_shared(%s, 1)",
+            (reservation_lock_class(info.id),),
+        )
+        holders = run(conn, reservation_lock_holders(info))
+        assert [h.pid for h in holders] == [holder.info.backend_pid]
+        assert holders[0].transaction_seconds == 0.0
+        assert client.positions(stream).linear == 0
