@@ -8,6 +8,7 @@ writer and reader opens its own PostgreSQL connections.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import secrets
@@ -18,10 +19,10 @@ from typing import Any
 
 import psycopg
 
+from . import dbconnect
 from ._ops import arun, run
-from .config import Settings, redact_url
+from .config import Settings
 from .core import WriterCore
-from .errors import StoreError
 from .reader import AsyncReader, Reader, ReaderCore, Start
 from .redis_link import AsyncRedisLink, RedisLink
 from .store import (
@@ -54,6 +55,15 @@ def _link_name() -> str:
     return f"{default_instance_name()}-{secrets.token_hex(3)}"
 
 
+def _known_streams(settings: Settings) -> list[str]:
+    """The registry's stream names, for the Redis link: a POSITION or RDATA for a stream this
+    database does not know means another deployment shares the channel (`streams.replication`).
+    Runs on the link's thread (rarely: only when it hears an unknown name), on a connection of
+    its own."""
+    with psycopg.connect(settings.database_url, autocommit=True, connect_timeout=3) as conn:
+        return [info.name for info in run(conn, list_streams())]
+
+
 def _reader_core(
     streams: str | Sequence[str], start: Start, group: str | None, page_size: int | None
 ) -> ReaderCore:
@@ -68,14 +78,9 @@ class Client:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        try:
-            self._conn = psycopg.connect(
-                settings.database_url, autocommit=False, connect_timeout=10
-            )
-        except psycopg.Error as exc:
-            raise StoreError(
-                f"cannot connect to {redact_url(settings.database_url)}: {type(exc).__name__}"
-            ) from None
+        self._conn = dbconnect.connect(
+            settings.database_url, autocommit=False, connect_timeout=10, purpose="client"
+        )
         try:
             run(self._conn, check_schema())
         except BaseException:
@@ -94,7 +99,12 @@ class Client:
             return None
         with self._link_lock:
             if self._link is None:
-                self._link = RedisLink(self.settings.redis_url, self.settings.prefix, _link_name())
+                self._link = RedisLink(
+                    self.settings.redis_url,
+                    self.settings.prefix,
+                    _link_name(),
+                    known_streams=functools.partial(_known_streams, self.settings),
+                )
             return self._link
 
     def create_stream(
@@ -209,19 +219,19 @@ class AsyncClient:
         if self.settings.redis_url is None:
             return None
         if self._link is None:
-            self._link = AsyncRedisLink(self.settings.redis_url, self.settings.prefix, _link_name())
+            self._link = AsyncRedisLink(
+                self.settings.redis_url,
+                self.settings.prefix,
+                _link_name(),
+                known_streams=functools.partial(_known_streams, self.settings),
+            )
         return self._link
 
     @classmethod
     async def open(cls, settings: Settings) -> AsyncClient:
-        try:
-            conn = await psycopg.AsyncConnection.connect(
-                settings.database_url, autocommit=False, connect_timeout=10
-            )
-        except psycopg.Error as exc:
-            raise StoreError(
-                f"cannot connect to {redact_url(settings.database_url)}: {type(exc).__name__}"
-            ) from None
+        conn = await dbconnect.aconnect(
+            settings.database_url, autocommit=False, connect_timeout=10, purpose="client"
+        )
         try:
             await arun(conn, check_schema())
         except BaseException:

@@ -11,9 +11,12 @@ Terms, in the order they build on each other:
 * A line is ``NAME`` optionally followed by one space and an **argument string**. The name picks the
   command; how the argument string splits is up to the command, exactly as in Synapse's
   ``synapse/replication/tcp/commands.py``.
-* A **command** is the parsed form of a line: one frozen dataclass per name (``COMMANDS`` maps
-  names to classes). Constructing a command validates it, so every command object that exists can
-  be serialized, and ``parse(serialize(cmd)) == cmd``.
+* A **command** is the parsed form of a line: one frozen dataclass per name `streams` uses
+  (``COMMANDS`` maps names to classes). Every other command Synapse defines
+  (`SYNAPSE_ONLY_COMMANDS`: ``LOCK_RELEASED``, ``USER_SYNC``, ``USER_IP``, ...) parses to one
+  class, `ForeignCommand`, which keeps the argument string verbatim after checking its shape as
+  Synapse would (field counts, integers, JSON). Constructing a command validates it, so every
+  command object that exists can be serialized, and ``parse(serialize(cmd)) == cmd``.
 * A **name** (a stream, instance or server name) is non-empty printable text without spaces. It
   must not contain spaces because the argument string is split on single spaces.
 * A **text** (``PING`` data, ``ERROR`` message) is the whole rest of the line, so it may contain
@@ -26,10 +29,11 @@ Terms, in the order they build on each other:
   (compact separators, ASCII escapes, no NaN/Infinity). Because it is the last of at most four
   space-separated fields (``split(" ", 3)``) it may itself contain spaces.
 
-Everything malformed — unknown name, wrong field count, non-canonical or out-of-range token, bad
-JSON, invalid UTF-8, an empty or oversized line, a line break — raises `ProtocolError` and nothing
-else: readers log and drop such lines (Redis is only the fast path; PostgreSQL is the truth), so a
-hostile or buggy publisher must not be able to crash them with an unexpected exception type.
+Everything malformed — a name neither `streams` nor Synapse defines, wrong field count,
+non-canonical or out-of-range token, bad JSON, invalid UTF-8, an empty or oversized line, a line
+break — raises `ProtocolError` and nothing else: readers count and drop such lines (Redis is only
+the fast path; PostgreSQL is the truth), so a hostile or buggy publisher must not be able to
+crash them with an unexpected exception type.
 
 This module does no I/O; the caller moves bytes.
 """
@@ -49,8 +53,10 @@ __all__ = [
     "COMMANDS",
     "MAX_LINE_BYTES",
     "MAX_TOKEN",
+    "SYNAPSE_ONLY_COMMANDS",
     "Command",
     "ErrorCommand",
+    "ForeignCommand",
     "JsonValue",
     "NameCommand",
     "PingCommand",
@@ -59,6 +65,7 @@ __all__ = [
     "RdataCommand",
     "ReplicateCommand",
     "ServerCommand",
+    "TypedCommand",
     "parse",
     "serialize",
 ]
@@ -106,11 +113,15 @@ class ProtocolError(ValueError):
     """A line or command that is not valid replication protocol.
 
     ``line`` is a truncated, escaped repr of the offending input (<= 200 characters), for logging.
+    ``reason`` is a short message that does not depend on the input's content beyond a bounded
+    set of values (no quoted names, offsets or numbers), so a link can log each *kind* of
+    malformed line once without a hostile publisher flooding the log with distinct reasons.
     """
 
-    def __init__(self, message: str, line: object = "") -> None:
+    def __init__(self, message: str, line: object = "", *, reason: str | None = None) -> None:
         super().__init__(message)
         self.line: str = _safe_repr(line)
+        self.reason: str = message if reason is None else reason
 
 
 def _check_name(value: object, what: str) -> None:
@@ -235,7 +246,117 @@ class NameCommand:
         _check_name(self.name, "instance name")
 
 
-Command: TypeAlias = (
+# --- Synapse's other commands -----------------------------------------------------------------
+
+#: Every command Synapse defines (``synapse/replication/tcp/commands.py``, current and earlier
+#: releases with Redis support) that `streams` never sends. Hearing one on a channel means a
+#: Synapse deployment publishes there (see `streams.replication`). Over Redis, Synapse sends
+#: ``REPLICATE``, ``POSITION``, ``RDATA`` and these; ``SERVER`` and ``NAME`` belong to its old
+#: TCP protocol only, and its keep-alive is the Redis ``PING``, not the ``PING`` command.
+SYNAPSE_ONLY_COMMANDS: Final[frozenset[str]] = frozenset(
+    {
+        "USER_SYNC",  # <instance_id> <user_id> [<device_id>] start|end <last_sync_ms>
+        "CLEAR_USER_SYNC",  # <instance_id>
+        "FEDERATION_ACK",  # <instance_name> <token>
+        "USER_IP",  # <user_id> <json [access_token, ip, user_agent, device_id, last_seen]>
+        "REMOTE_SERVER_UP",  # <server>
+        "LOCK_RELEASED",  # <json [instance_name, lock_name, lock_key]>
+        "NEW_ACTIVE_TASK",  # <task_id>
+        "USER_DIRECTORY_READY_TO_REFRESH_STALE_REMOTE_PROFILES",  # arbitrary data (Synapse <1.99)
+    }
+)
+
+_INT_RE: Final = re.compile(r"-?[0-9]{1,19}")
+
+
+def _check_int(text: str, what: str) -> None:
+    # Synapse writes str(int); accept exactly that form (it also accepts what int() takes, but a
+    # genuine Synapse line never has it).
+    if _INT_RE.fullmatch(text) is None:
+        raise ProtocolError(f"{what} is not a decimal integer", text)
+
+
+def _check_json_array(text: str, length: int, what: str) -> None:
+    value = _decode_json(text)
+    if not isinstance(value, list) or len(value) != length:
+        raise ProtocolError(f"{what} must be a JSON array of {length} values", text)
+
+
+def _check_user_sync(args: str) -> None:
+    # Synapse >= 1.95 sends the device ID ("None" when absent), earlier releases did not.
+    fields = args.split(" ")
+    if len(fields) not in (4, 5):
+        raise ProtocolError("USER_SYNC takes 4 or 5 arguments")
+    for field in fields[:-2]:
+        _check_name(field, "USER_SYNC field")
+    if fields[-2] not in ("start", "end"):
+        raise ProtocolError("USER_SYNC state must be start or end", fields[-2])
+    _check_int(fields[-1], "USER_SYNC last_sync_ms")
+
+
+def _check_federation_ack(args: str) -> None:
+    fields = args.split(" ")
+    if len(fields) != 2:
+        raise ProtocolError("FEDERATION_ACK takes 2 arguments")
+    _check_name(fields[0], "FEDERATION_ACK instance name")
+    _check_int(fields[1], "FEDERATION_ACK token")
+
+
+def _check_user_ip(args: str) -> None:
+    user_id, space, json_text = args.partition(" ")
+    if not space:
+        raise ProtocolError("USER_IP takes 2 arguments")
+    _check_name(user_id, "USER_IP user ID")
+    _check_json_array(json_text, 5, "USER_IP data")
+
+
+def _check_one_name(what: str) -> Callable[[str], None]:
+    def check(args: str) -> None:
+        _check_name(args, what)
+
+    return check
+
+
+def _check_any(args: str) -> None:
+    """A free-form ``_SimpleCommand`` argument: any text (checked by the caller)."""
+
+
+_FOREIGN_CHECKS: Final[Mapping[str, Callable[[str], None]]] = MappingProxyType(
+    {
+        "USER_SYNC": _check_user_sync,
+        "CLEAR_USER_SYNC": _check_one_name("CLEAR_USER_SYNC instance ID"),
+        "FEDERATION_ACK": _check_federation_ack,
+        "USER_IP": _check_user_ip,
+        "REMOTE_SERVER_UP": _check_one_name("REMOTE_SERVER_UP server name"),
+        "LOCK_RELEASED": lambda args: _check_json_array(args, 3, "LOCK_RELEASED data"),
+        "NEW_ACTIVE_TASK": _check_one_name("NEW_ACTIVE_TASK task ID"),
+        "USER_DIRECTORY_READY_TO_REFRESH_STALE_REMOTE_PROFILES": _check_any,
+    }
+)
+assert set(_FOREIGN_CHECKS) == SYNAPSE_ONLY_COMMANDS
+
+
+@dataclass(frozen=True, slots=True)
+class ForeignCommand:
+    """A command Synapse defines and `streams` never sends (``name`` in `SYNAPSE_ONLY_COMMANDS`).
+
+    ``args`` is the argument string, verbatim (so it round-trips byte for byte); construction
+    checks its shape the way Synapse's parser would: field counts, integers, JSON arrays.
+    Serialized like Synapse does, as ``NAME + " " + args`` (a trailing space when empty).
+    """
+
+    name: str
+    args: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or self.name not in SYNAPSE_ONLY_COMMANDS:
+            raise ProtocolError("not a Synapse-only command name", self.name)
+        _check_text(self.args, f"{self.name} arguments")
+        _FOREIGN_CHECKS[self.name](self.args)
+
+
+#: The commands `streams` uses, one class each (``COMMANDS``).
+TypedCommand: TypeAlias = (
     ReplicateCommand
     | PositionCommand
     | RdataCommand
@@ -244,9 +365,10 @@ Command: TypeAlias = (
     | ServerCommand
     | NameCommand
 )
+Command: TypeAlias = TypedCommand | ForeignCommand
 
 #: Wire name -> command class, for every command this module understands.
-COMMANDS: Final[Mapping[str, type[Command]]] = MappingProxyType(
+COMMANDS: Final[Mapping[str, type[TypedCommand]]] = MappingProxyType(
     {
         ReplicateCommand.NAME: ReplicateCommand,
         PositionCommand.NAME: PositionCommand,
@@ -267,7 +389,7 @@ _ENCODER: Final = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
 
 
 def _reject_constant(name: str) -> NoReturn:
-    raise ProtocolError(f"non-finite number {name} in JSON")
+    raise ProtocolError(f"non-finite number {name} in JSON", reason="non-finite number in JSON")
 
 
 def _parse_float(text: str) -> float:
@@ -275,11 +397,23 @@ def _parse_float(text: str) -> float:
     # and would then fail to re-encode, so it is rejected here too.
     value = float(text)
     if not math.isfinite(value):
-        raise ProtocolError(f"non-finite number {text} in JSON")
+        raise ProtocolError(f"non-finite number {text} in JSON", reason="non-finite number in JSON")
     return value
 
 
 _DECODER: Final = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_parse_float)
+
+
+def _decode_json(text: str) -> JsonValue:
+    try:
+        value: JsonValue = _DECODER.decode(text)
+    except ProtocolError:
+        raise
+    except ValueError as exc:
+        raise ProtocolError(f"malformed JSON: {exc}", text, reason="malformed JSON") from None
+    except RecursionError:
+        raise ProtocolError("JSON nested too deeply", text) from None
+    return value
 
 
 def _encode_row(row: JsonValue) -> str:
@@ -328,7 +462,7 @@ def _parse_position(args: str) -> PositionCommand:
 def _parse_rdata(args: str) -> RdataCommand:
     stream, instance, token, row_json = _parse_fields(args, 4, "RDATA")
     parsed_token = None if token == _BATCH else _parse_token(token, "token")
-    row: JsonValue = _DECODER.decode(row_json)
+    row = _decode_json(row_json)
     return RdataCommand(stream, instance, parsed_token, row)
 
 
@@ -384,14 +518,16 @@ def parse(data: bytes | str) -> Command:
         text = _decode_line(data)
         name, _, args = text.partition(" ")
         parser = _PARSERS.get(name)
-        if parser is None:
-            raise ProtocolError(f"unknown command {name[:50]!r}")
-        return parser(args)
+        if parser is not None:
+            return parser(args)
+        if name in SYNAPSE_ONLY_COMMANDS:
+            return ForeignCommand(name, args)
+        raise ProtocolError(f"unknown command {name[:50]!r}", reason="unknown command")
     except ProtocolError as exc:
         # Re-raise with the whole line attached, whichever field the check was looking at.
-        raise ProtocolError(str(exc), data) from None
-    except (ValueError, RecursionError) as exc:  # bad JSON, or JSON nested too deeply
-        raise ProtocolError(f"malformed line: {exc}", data) from None
+        raise ProtocolError(str(exc), data, reason=exc.reason) from None
+    except (ValueError, RecursionError) as exc:  # defensive: every check raises ProtocolError
+        raise ProtocolError(f"malformed line: {exc}", data, reason="malformed line") from None
 
 
 # --- serializing ------------------------------------------------------------------------------
@@ -424,6 +560,8 @@ def serialize(cmd: Command) -> bytes:
             line = f"{cmd.NAME} {cmd.message}"
         case ServerCommand() | NameCommand():
             line = f"{cmd.NAME} {cmd.name}"
+        case ForeignCommand():
+            line = f"{cmd.name} {cmd.args}"
         case _:
             raise TypeError(f"not a replication command: {type(cmd).__name__}")
     encoded = line.encode("utf-8")

@@ -12,7 +12,17 @@ Connection discipline, as the issue of record asks and Synapse does:
   writers' positions (a reply published before we listen would be lost);
 * a ``PING`` every `KEEPALIVE` seconds; no reply within two intervals counts as a dead link;
 * on any error: mark disconnected (readers fall back to polling PostgreSQL), back off
-  exponentially up to 5 s, reconnect, and run the connect step again.
+  exponentially up to 5 s, reconnect, and run the connect step again;
+* a reader attaching to a connected link publishes ``REPLICATE`` (writers answer ``POSITION``).
+
+Foreign deployments (see `streams.replication`): when the core decides the channel belongs to
+another deployment (Synapse), the link publishes nothing more there for its whole life, and
+reports itself not connected (`connected` is False, listeners get ``on_link_state(False)``), so
+readers poll PostgreSQL. With ``known_streams`` (a blocking function returning the stream names
+of this deployment's registry) the link also checks announced stream names against it; it is
+called from the listener thread (asyncio: `asyncio.to_thread`), only when an unknown name was
+heard, at most every `streams.replication.REFRESH_INTERVAL` seconds. It should be quick (a short
+database timeout): the subscriber is not read while it runs.
 
 Publishing is best effort: Redis delivers at most once anyway, so when the queue is full or Redis
 is down, messages are dropped (and counted) rather than blocking writers.
@@ -27,7 +37,7 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Collection, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeAlias
 
@@ -38,9 +48,9 @@ from redis.retry import Retry
 
 from .config import redact_url
 from .protocol import Command, serialize
-from .replication import Announcer, Hint, LinkCore, backoff_delay
+from .replication import Announcer, ForeignDeployment, Hint, LinkCore, LinkStats, backoff_delay
 
-__all__ = ["KEEPALIVE", "AsyncRedisLink", "LinkListener", "RedisLink"]
+__all__ = ["KEEPALIVE", "AsyncRedisLink", "KnownStreams", "LinkListener", "RedisLink"]
 
 log = logging.getLogger("streams.redis")
 
@@ -54,6 +64,9 @@ PUBLISH_TIMEOUT = 5.0
 PUBLISH_BATCH = 256
 
 _REDIS_ERRORS = (redis.RedisError, OSError)
+
+#: A blocking function returning the stream names of this deployment's registry.
+KnownStreams: TypeAlias = Callable[[], Collection[str]]
 
 
 class LinkListener(Protocol):
@@ -76,13 +89,27 @@ def _client_options(socket_timeout: float | None = None) -> dict[str, Any]:
 
 
 class _LinkBase:
-    def __init__(self, url: str, prefix: str, name: str) -> None:
-        self.core = LinkCore(prefix, name)
+    def __init__(
+        self, url: str, prefix: str, name: str, known_streams: KnownStreams | None = None
+    ) -> None:
+        self.core = LinkCore(prefix, name, check_streams=known_streams is not None)
         self._url = url
+        self._known_streams = known_streams
         self._listeners: list[LinkListener] = []
         self._listeners_lock = threading.Lock()
-        self.connected = False
+        self._state_lock = threading.Lock()
+        self._subscribed = False  # Redis confirmed the subscription (whatever `foreign` says)
+        self.connected = False  # live: subscribed and the channel is not foreign
         self.dropped = 0
+
+    @property
+    def foreign(self) -> ForeignDeployment | None:
+        """Why the link went quiet for good (another deployment shares the channel), or None."""
+        return self.core.foreign
+
+    @property
+    def stats(self) -> LinkStats:
+        return self.core.stats
 
     def __repr__(self) -> str:
         state = "connected" if self.connected else "disconnected"
@@ -93,7 +120,9 @@ class _LinkBase:
     def add_listener(self, listener: LinkListener) -> None:
         with self._listeners_lock:
             self._listeners.append(listener)
-        self.core.add_reader()
+        # If the link is already connected, the core says to publish REPLICATE now: the
+        # connect step's REPLICATE went out before this reader was there.
+        self._enqueue(self.core.add_reader())
 
     def remove_listener(self, listener: LinkListener) -> None:
         with self._listeners_lock:
@@ -116,14 +145,23 @@ class _LinkBase:
             for hint in hints:
                 listener.on_hint(hint)
 
-    def _set_connected(self, connected: bool) -> None:
-        if connected == self.connected:
-            return
-        self.connected = connected
+    def _set_connected(self, subscribed: bool) -> None:
+        """Redis subscription up or down; listeners hear when the link's liveness changes."""
+        with self._state_lock:
+            self._subscribed = subscribed
+            live = subscribed and self.core.foreign is None
+            if live == self.connected:
+                return
+            self.connected = live
         with self._listeners_lock:
             listeners = list(self._listeners)
         for listener in listeners:
-            listener.on_link_state(connected)
+            listener.on_link_state(live)
+
+    def _check_foreign(self) -> None:
+        """After anything that may have made the channel foreign: tell the readers."""
+        if self.connected and self.core.foreign is not None:
+            self._set_connected(self._subscribed)
 
     def _handle(self, message: dict[str, Any]) -> list[bytes]:
         """One message from the subscriber connection: dispatch it, return lines to publish."""
@@ -131,11 +169,13 @@ class _LinkBase:
         if kind == "message":
             hints, replies = self.core.on_message(message["data"])
             self._dispatch(hints)
+            self._check_foreign()
             return replies
         if kind == "subscribe" and _text(message.get("channel")) == self.core.channel:
             # Confirmed (also after a reconnect that redis-py did on its own): connect step.
+            lines = self.core.on_connected()
             self._set_connected(True)
-            return self.core.on_connected()
+            return lines
         return []
 
     # The connection discipline, written once as generators (psycopg style): the listen plan
@@ -167,6 +207,16 @@ class _LinkBase:
                         if message.get("type") == "pong":
                             last_pong = now
                         self._enqueue(self._handle(message))
+                    if self._known_streams is not None and self.core.refresh_due(now):
+                        # Read after every suspect name was heard: this plan is the only
+                        # consumer of messages, and it waits here.
+                        names = yield _Refresh()
+                        done = time.monotonic()
+                        if isinstance(names, BaseException):
+                            self.core.on_refresh_failed(done, names)
+                        else:
+                            self.core.on_known_streams(names, done)
+                            self._check_foreign()
                     if now - last_ping >= KEEPALIVE:
                         if now - last_pong > 2 * KEEPALIVE + 1:
                             raise redis.ConnectionError("no reply to keep-alive PING")
@@ -175,6 +225,7 @@ class _LinkBase:
             except _REDIS_ERRORS as exc:
                 if self._stopped.is_set():
                     break
+                self.core.on_disconnected()
                 self._set_connected(False)
                 self.core.stats.reconnects += 1
                 delay = backoff_delay(attempt, jitter=random.random())
@@ -186,9 +237,14 @@ class _LinkBase:
                     delay,
                 )
                 yield _Sleep(delay)
+        self.core.on_disconnected()
         self._set_connected(False)
 
     def _send_plan(self, batch: list[bytes]) -> Generator[_Publish, Any, None]:
+        # Lines queued before the channel was found foreign are dropped here, at the last step.
+        batch = self.core.outgoing(batch)
+        if not batch:
+            return
         for attempt in range(2):  # one retry (redis-py reconnects), then drop: best effort
             try:
                 yield _Publish(self.core.channel, tuple(batch))
@@ -233,12 +289,17 @@ class _Sleep:
 
 
 @dataclass(frozen=True, slots=True)
+class _Refresh:
+    """Call ``known_streams``; the result is its names as a frozenset, or the exception."""
+
+
+@dataclass(frozen=True, slots=True)
 class _Publish:
     channel: str
     lines: tuple[bytes, ...]
 
 
-_ListenOp: TypeAlias = _Open | _Subscribe | _Receive | _Ping | _Sleep
+_ListenOp: TypeAlias = _Open | _Subscribe | _Receive | _Ping | _Sleep | _Refresh
 
 
 def _step(plan: Generator[Any, Any, None], result: Any, error: BaseException | None) -> Any:
@@ -269,10 +330,15 @@ async def _aclose_quietly(pubsub: Any, client: redis.asyncio.Redis | None) -> No
 
 
 class RedisLink(_LinkBase):
-    """The threaded link of a synchronous `streams.Client`."""
+    """The threaded link of a synchronous `streams.Client`.
 
-    def __init__(self, url: str, prefix: str, name: str) -> None:
-        super().__init__(url, prefix, name)
+    ``known_streams``: see the module docstring (foreign-deployment detection, rule (b)).
+    """
+
+    def __init__(
+        self, url: str, prefix: str, name: str, *, known_streams: KnownStreams | None = None
+    ) -> None:
+        super().__init__(url, prefix, name, known_streams)
         self._queue: queue.Queue[bytes | None] = queue.Queue(PUBLISH_QUEUE_LIMIT)
         self._stopped = threading.Event()
         self._resubscribe = threading.Event()
@@ -297,7 +363,7 @@ class RedisLink(_LinkBase):
         self._resubscribe.set()  # its instance channel
 
     def _enqueue(self, lines: Sequence[bytes]) -> None:
-        for line in lines:
+        for line in self.core.outgoing(list(lines)):
             try:
                 self._queue.put_nowait(line)
             except queue.Full:
@@ -330,10 +396,19 @@ class RedisLink(_LinkBase):
                             pubsub.ping()
                         case _Sleep(seconds=seconds):
                             self._stopped.wait(seconds)
+                        case _Refresh():
+                            result = self._read_known_streams()
                 except _REDIS_ERRORS as exc:
                     error = exc
         finally:
             _close_quietly(pubsub, client)
+
+    def _read_known_streams(self) -> frozenset[str] | Exception:
+        assert self._known_streams is not None
+        try:
+            return frozenset(self._known_streams())
+        except Exception as exc:  # the client's function: a database error, most likely
+            return exc
 
     def _publish_loop(self) -> None:
         client = redis.Redis.from_url(self._url, **_client_options(PUBLISH_TIMEOUT))
@@ -389,10 +464,15 @@ class RedisLink(_LinkBase):
 
 
 class AsyncRedisLink(_LinkBase):
-    """The asyncio link of a `streams.AsyncClient` (tasks on the loop that started it)."""
+    """The asyncio link of a `streams.AsyncClient` (tasks on the loop that started it).
 
-    def __init__(self, url: str, prefix: str, name: str) -> None:
-        super().__init__(url, prefix, name)
+    ``known_streams`` is a *blocking* function, run with `asyncio.to_thread`.
+    """
+
+    def __init__(
+        self, url: str, prefix: str, name: str, *, known_streams: KnownStreams | None = None
+    ) -> None:
+        super().__init__(url, prefix, name, known_streams)
         self._queue: asyncio.Queue[bytes | None] = asyncio.Queue(PUBLISH_QUEUE_LIMIT)
         self._stopped = asyncio.Event()
         self._resubscribe = asyncio.Event()
@@ -412,7 +492,7 @@ class AsyncRedisLink(_LinkBase):
         self._resubscribe.set()
 
     def _enqueue(self, lines: Sequence[bytes]) -> None:
-        for line in lines:
+        for line in self.core.outgoing(list(lines)):
             try:
                 self._queue.put_nowait(line)
             except asyncio.QueueFull:
@@ -446,10 +526,19 @@ class AsyncRedisLink(_LinkBase):
                         case _Sleep(seconds=seconds):
                             with contextlib.suppress(TimeoutError):
                                 await asyncio.wait_for(self._stopped.wait(), seconds)
+                        case _Refresh():
+                            result = await self._read_known_streams()
                 except _REDIS_ERRORS as exc:
                     error = exc
         finally:
             await _aclose_quietly(pubsub, client)
+
+    async def _read_known_streams(self) -> frozenset[str] | Exception:
+        assert self._known_streams is not None
+        try:
+            return frozenset(await asyncio.to_thread(self._known_streams))
+        except Exception as exc:  # the client's function: a database error, most likely
+            return exc
 
     async def _publish_loop(self) -> None:
         client = redis.asyncio.Redis.from_url(self._url, **_client_options(PUBLISH_TIMEOUT))

@@ -429,7 +429,8 @@ def test_forged_and_malformed_commands_move_nothing(
                 # The reader's own process's writer, forged by another publisher:
                 f"POSITION {s} local-w 0 1000000",
                 f'RDATA {s} local-w 1000001 {{"first":1000001,"count":1,"ts":0}}',
-                "POSITION s_nosuchstream ghost 0 5",
+                # (A POSITION for a stream this database does not know is evidence of another
+                # deployment on the channel: the link goes quiet; tests/test_synapse.py.)
                 "REPLICATE",
             ]
             forged_bytes = [line.encode() for line in forged]

@@ -14,8 +14,10 @@ from streams.protocol import (
     COMMANDS,
     MAX_LINE_BYTES,
     MAX_TOKEN,
+    SYNAPSE_ONLY_COMMANDS,
     Command,
     ErrorCommand,
+    ForeignCommand,
     JsonValue,
     NameCommand,
     PingCommand,
@@ -49,6 +51,27 @@ EXAMPLES: list[tuple[bytes, Command]] = [
     (b"SERVER example.com", ServerCommand("example.com")),
     (b"NAME event_persister-1", NameCommand("event_persister-1")),
     (b"POSITION events w 0 9223372036854775807", PositionCommand("events", "w", 0, MAX_TOKEN)),
+    (
+        b'LOCK_RELEASED ["master","purge_lock","!r:example.com"]',
+        ForeignCommand("LOCK_RELEASED", '["master","purge_lock","!r:example.com"]'),
+    ),
+    (
+        b"USER_SYNC sync1 @a:example.com DEV start 1700000000000",
+        ForeignCommand("USER_SYNC", "sync1 @a:example.com DEV start 1700000000000"),
+    ),
+    (b"USER_SYNC sync1 @a:x end 5", ForeignCommand("USER_SYNC", "sync1 @a:x end 5")),
+    (b"CLEAR_USER_SYNC sync1", ForeignCommand("CLEAR_USER_SYNC", "sync1")),
+    (b"FEDERATION_ACK fed1 2219", ForeignCommand("FEDERATION_ACK", "fed1 2219")),
+    (
+        b'USER_IP @a:x ["tok","10.0.0.1","Mozilla/5.0 (X11)","DEV",17]',
+        ForeignCommand("USER_IP", '@a:x ["tok","10.0.0.1","Mozilla/5.0 (X11)","DEV",17]'),
+    ),
+    (b"REMOTE_SERVER_UP matrix.org", ForeignCommand("REMOTE_SERVER_UP", "matrix.org")),
+    (b"NEW_ACTIVE_TASK AbCdEf", ForeignCommand("NEW_ACTIVE_TASK", "AbCdEf")),
+    (
+        b"USER_DIRECTORY_READY_TO_REFRESH_STALE_REMOTE_PROFILES ",
+        ForeignCommand("USER_DIRECTORY_READY_TO_REFRESH_STALE_REMOTE_PROFILES", ""),
+    ),
 ]
 
 
@@ -63,6 +86,41 @@ def test_commands_mapping() -> None:
     assert set(COMMANDS) == {"REPLICATE", "POSITION", "RDATA", "PING", "ERROR", "SERVER", "NAME"}
     for name, cls in COMMANDS.items():
         assert name == cls.NAME
+    # Every other command Synapse defines (synapse/replication/tcp/commands.py).
+    assert {
+        "USER_SYNC",
+        "CLEAR_USER_SYNC",
+        "FEDERATION_ACK",
+        "USER_IP",
+        "REMOTE_SERVER_UP",
+        "LOCK_RELEASED",
+        "NEW_ACTIVE_TASK",
+    } <= SYNAPSE_ONLY_COMMANDS
+    assert not SYNAPSE_ONLY_COMMANDS & set(COMMANDS)
+
+
+def test_foreign_forms() -> None:
+    # A free-form command with empty data arrives as NAME + " " (Synapse) or bare NAME.
+    name = "USER_DIRECTORY_READY_TO_REFRESH_STALE_REMOTE_PROFILES"
+    assert parse(name) == parse(name + " ") == ForeignCommand(name, "")
+    # JSON with spaces from another encoder is kept verbatim (it round-trips byte for byte).
+    line = b'LOCK_RELEASED ["a", "b", "c"]'
+    assert serialize(parse(line)) == line
+    assert parse(b"NEW_ACTIVE_TASK x").name == "NEW_ACTIVE_TASK"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("name", "args"),
+    [
+        ("FOO", ""),
+        ("lock_released", "[1,2,3]"),
+        ("POSITION", "s i 1 2"),  # ours: typed, never foreign
+        (1, ""),
+    ],
+)
+def test_foreign_command_names(name: Any, args: str) -> None:
+    with pytest.raises(ProtocolError):
+        ForeignCommand(name, args)
 
 
 def test_json_is_synapse_compatible() -> None:
@@ -156,6 +214,31 @@ MALFORMED: list[bytes | str] = [
     b"PING \xed\xa0\x80",  # UTF-8-encoded surrogate: invalid
     "PING \ud800",  # lone surrogate: not encodable
     b"\xef\xbb\xbfPING 1",  # a BOM is not part of the name
+    # Synapse-only commands with the wrong shape:
+    b"LOCK_RELEASED",
+    b"LOCK_RELEASED []",
+    b'LOCK_RELEASED ["a","b"]',
+    b'LOCK_RELEASED {"a":1}',
+    b"LOCK_RELEASED [NaN,1,2]",
+    b'LOCK_RELEASED ["a","b","c"',
+    b"USER_SYNC a b start",
+    b"USER_SYNC a b c d start 1",
+    b"USER_SYNC a b going 1",
+    b"USER_SYNC a b c start x",
+    b"USER_SYNC a  start 1",
+    b"CLEAR_USER_SYNC",
+    b"CLEAR_USER_SYNC a b",
+    b"FEDERATION_ACK a",
+    b"FEDERATION_ACK a 1 2",
+    b"FEDERATION_ACK a one",
+    b"USER_IP @a:x",
+    b"USER_IP @a:x [1,2,3,4]",
+    b"USER_IP @a:x nope",
+    b"REMOTE_SERVER_UP",
+    b"REMOTE_SERVER_UP a b",
+    b"NEW_ACTIVE_TASK",
+    "USER_DIRECTORY_READY_TO_REFRESH_STALE_REMOTE_PROFILES a\u2028b",
+    b"Lock_Released [1,2,3]",
 ]
 
 
@@ -165,6 +248,25 @@ def test_malformed_lines_raise_protocol_error(line: bytes | str) -> None:
         parse(line)
     assert isinstance(info.value, ValueError)
     assert len(info.value.line) <= 200
+    assert info.value.reason
+
+
+def test_reasons_do_not_depend_on_content() -> None:
+    """A link logs each reason once: a publisher varying names, offsets or numbers must not
+    be able to make up new reasons."""
+    families = [
+        [f"FOO{i} x".encode() for i in range(5)],
+        [b"RDATA s i 1 " + b"[" * i + b"x" for i in range(1, 6)],
+        [f"RDATA s i 1 [1e{400 + i}]".encode() for i in range(5)],
+        [f"LOCK_RELEASED [{',' * i}]".encode() for i in range(1, 6)],
+    ]
+    for family in families:
+        reasons = set()
+        for line in family:
+            with pytest.raises(ProtocolError) as info:
+                parse(line)
+            reasons.add(info.value.reason)
+        assert len(reasons) == 1, reasons
 
 
 def test_oversized_line() -> None:
@@ -272,6 +374,45 @@ commands: st.SearchStrategy[Command] = st.one_of(
     st.builds(ErrorCommand, texts),
     st.builds(ServerCommand, names),
     st.builds(NameCommand, names),
+    st.builds(
+        ForeignCommand,
+        st.just("LOCK_RELEASED"),
+        st.lists(json_values, min_size=3, max_size=3).map(json.dumps),
+    ),
+    st.builds(
+        ForeignCommand,
+        st.just("USER_SYNC"),
+        st.builds(
+            lambda i, u, d, state, ms: " ".join([i, u, *d, state, str(ms)]),
+            names,
+            names,
+            st.lists(names, max_size=1),
+            st.sampled_from(["start", "end"]),
+            st.integers(-(2**62), 2**62),
+        ),
+    ),
+    st.builds(
+        ForeignCommand,
+        st.just("FEDERATION_ACK"),
+        st.builds(lambda n, t: f"{n} {t}", names, tokens),
+    ),
+    st.builds(
+        ForeignCommand,
+        st.just("USER_IP"),
+        st.builds(
+            lambda u, v: f"{u} {json.dumps(v, separators=(',', ':'))}",
+            names,
+            st.lists(json_values, min_size=5, max_size=5),
+        ),
+    ),
+    st.builds(
+        ForeignCommand,
+        st.sampled_from(["CLEAR_USER_SYNC", "REMOTE_SERVER_UP", "NEW_ACTIVE_TASK"]),
+        names,
+    ),
+    st.builds(
+        ForeignCommand, st.just("USER_DIRECTORY_READY_TO_REFRESH_STALE_REMOTE_PROFILES"), texts
+    ),
 )
 
 
@@ -293,7 +434,7 @@ def _parse_total(data: bytes | str) -> None:
     except ProtocolError as exc:
         assert len(exc.line) <= 200
         return
-    assert type(cmd) in COMMANDS.values()
+    assert type(cmd) in {*COMMANDS.values(), ForeignCommand}
     assert parse(serialize(cmd)) == cmd
 
 
@@ -308,8 +449,8 @@ def test_arbitrary_text(data: str) -> None:
 
 
 @given(
-    st.sampled_from(sorted(COMMANDS)),
-    st.text(st.sampled_from(' 0123456789-batch{}[]":,.eE\nNaInfy\u2028é'), max_size=60),
+    st.sampled_from(sorted({*COMMANDS, *SYNAPSE_ONLY_COMMANDS})),
+    st.text(st.sampled_from(' 0123456789-batch{}[]":,.eE\nNaInfy\u2028éstd'), max_size=60),
 )
 def test_arbitrary_arguments(name: str, args: str) -> None:
     # Plausible names with junk arguments reach the per-command parsers, not just the dispatcher.

@@ -76,7 +76,7 @@ def test_fact_tables_are_declared_validated_and_changeable(
         (["streams_facts.stream_id"], "always included"),
     ]:
         with pytest.raises(InvalidFactTables, match=message):
-            client.set_fact_tables(unique_name, bad)  # type: ignore[arg-type]
+            client.set_fact_tables(unique_name, bad)
     assert client.stream(unique_name).fact_tables == ()
 
 

@@ -20,8 +20,10 @@ from hypothesis import strategies as st
 
 from streams.protocol import (
     MAX_TOKEN,
+    SYNAPSE_ONLY_COMMANDS,
     Command,
     ErrorCommand,
+    ForeignCommand,
     JsonValue,
     NameCommand,
     PingCommand,
@@ -33,7 +35,15 @@ from streams.protocol import (
     parse,
     serialize,
 )
-from streams.replication import Announcer, Hint, LinkCore, backoff_delay
+from streams.replication import (
+    REFRESH_INTERVAL,
+    Announcer,
+    ForeignDeployment,
+    Hint,
+    LinkCore,
+    backoff_delay,
+    foreign_verdict,
+)
 
 S, W = "events", "w1"
 LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
@@ -223,6 +233,12 @@ COMMANDS: st.SearchStrategy[Command] = st.one_of(
     st.builds(ErrorCommand, TEXT),
     st.builds(ServerCommand, NAMES),
     st.builds(NameCommand, NAMES),
+    st.builds(
+        ForeignCommand,
+        st.sampled_from(["CLEAR_USER_SYNC", "REMOTE_SERVER_UP", "NEW_ACTIVE_TASK"]),
+        NAMES,
+    ),
+    st.builds(ForeignCommand, st.just("LOCK_RELEASED"), st.just('["w1","lock","key"]')),
 )
 WRITERS = st.dictionaries(st.tuples(STREAMS, INSTANCES), st.integers(0, 100), max_size=4)
 
@@ -265,10 +281,13 @@ def make_core(writers: dict[tuple[str, str], int], readers: int = 0) -> LinkCore
 
 
 def expected_outcome(
-    cmd: Command, writers: dict[tuple[str, str], int]
+    cmd: Command, writers: dict[tuple[str, str], int], foreign: bool = False
 ) -> tuple[list[Hint], list[bytes], bool]:
-    """(hints, replies, is an echo) for a well-formed command."""
+    """(hints, replies, is an echo) for a well-formed command; ``foreign``: the channel was
+    found to be another deployment's before (or by) this command."""
     if isinstance(cmd, ReplicateCommand):
+        if foreign:
+            return [], [], False
         return [], [serialize(PositionCommand(s, i, p, p)) for (s, i), p in writers.items()], False
     if isinstance(cmd, PositionCommand | RdataCommand):
         if (cmd.stream_name, cmd.instance_name) in writers:
@@ -305,6 +324,9 @@ def test_on_message_any_input(writers: dict[tuple[str, str], int], data: bytes |
     assert stats.echoes == int(echo)
     assert stats.hints == len(hints)
     assert stats.replicate_requests == int(isinstance(cmd, ReplicateCommand))
+    foreign = isinstance(cmd, ForeignCommand)
+    assert stats.foreign == int(foreign)
+    assert (core.foreign is not None) == foreign
     if isinstance(data, bytes) and raw.isascii():
         assert make_core(writers).on_message(raw.decode()) == (hints, replies)
 
@@ -316,13 +338,18 @@ def test_message_sequence_counts(
     core = make_core(writers)
     all_hints: list[Hint] = []
     echoes = replicates = 0
+    foreign = False
     for cmd in commands:
-        want_hints, want_replies, echo = expected_outcome(cmd, writers)
+        foreign = foreign or isinstance(cmd, ForeignCommand)
+        want_hints, want_replies, echo = expected_outcome(cmd, writers, foreign)
         assert core.on_message(serialize(cmd)) == (want_hints, want_replies)
         assert core.on_command(cmd) == (want_hints, want_replies)
         all_hints += want_hints
         echoes += 2 * echo
         replicates += 2 * isinstance(cmd, ReplicateCommand)
+        assert (core.foreign is not None) == foreign
+        assert core.on_connected() == ([] if foreign else core.on_connected())
+    assert core.stats.foreign == 2 * sum(isinstance(c, ForeignCommand) for c in commands)
     assert core.stats.received == len(commands)
     assert core.stats.hints == 2 * len(all_hints)
     assert core.stats.echoes == echoes
@@ -423,6 +450,190 @@ def test_link_examples() -> None:
     assert core.stats.hints == 2
     assert core.stats.malformed == 3
     assert core.channels() == ["pfx", "pfx/me", "pfx/w1"]
+
+
+# --- LinkCore: REPLICATE when a reader attaches ---------------------------------------------
+
+
+def test_add_reader_replicates_only_when_live() -> None:
+    core = make_core({("s1", "w1"): 3})
+    assert core.add_reader() == []  # not connected yet: on_connected will send it
+    assert core.on_connected() == [b"POSITION s1 w1 3 3", b"REPLICATE"]
+    assert core.add_reader() == [b"REPLICATE"]  # connected: this reader asks for itself
+    core.on_disconnected()
+    assert core.add_reader() == []
+    assert core.on_connected() == [b"POSITION s1 w1 3 3", b"REPLICATE"]
+    core.on_message(b"REMOTE_SERVER_UP matrix.org")  # foreign: never again
+    assert core.add_reader() == []
+    assert core.on_connected() == []
+
+
+@given(st.lists(st.sampled_from(["add", "remove", "connect", "disconnect"]), max_size=20))
+def test_every_reader_is_covered_by_a_replicate(ops: list[str]) -> None:
+    """Whenever a reader is attached and the link is connected, a REPLICATE went out after the
+    later of the two events (so its writers' answers reach it)."""
+    core = LinkCore("pfx", "me")
+    connected = False
+    readers = 0
+    for op in ops:
+        if op == "add":
+            readers += 1
+            assert core.add_reader() == ([b"REPLICATE"] if connected else [])
+        elif op == "remove":
+            readers = max(0, readers - 1)
+            core.remove_reader()
+        elif op == "connect":
+            connected = True
+            assert core.on_connected() == ([b"REPLICATE"] if readers else [])
+        else:
+            connected = False
+            core.on_disconnected()
+
+
+# --- LinkCore: foreign deployments ------------------------------------------------------------
+
+SYNAPSE_LINES = [
+    b'LOCK_RELEASED ["master","lock","key"]',
+    b"USER_SYNC sync1 @a:x None start 17",
+    b"CLEAR_USER_SYNC sync1",
+    b"FEDERATION_ACK fed1 5",
+    b'USER_IP @a:x ["t","1.2.3.4","ua","D",1]',
+    b"REMOTE_SERVER_UP other.org",
+    b"NEW_ACTIVE_TASK abc",
+    b"USER_DIRECTORY_READY_TO_REFRESH_STALE_REMOTE_PROFILES ",
+]
+
+
+def test_synapse_lines_cover_every_synapse_only_command() -> None:
+    assert {line.split(b" ")[0].decode() for line in SYNAPSE_LINES} == SYNAPSE_ONLY_COMMANDS
+
+
+@pytest.mark.parametrize("line", SYNAPSE_LINES)
+def test_synapse_command_makes_the_channel_foreign(
+    line: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    core = make_core({("s1", "w1"): 4}, readers=1)
+    assert core.on_connected() == [b"POSITION s1 w1 4 4", b"REPLICATE"]
+    with caplog.at_level("DEBUG", logger="streams.replication"):
+        for _ in range(3):
+            assert core.on_message(line) == ([], [])
+        assert core.on_message(b"REPLICATE") == ([], [])  # no answer any more
+        assert core.on_connected() == []
+        assert core.outgoing([b"POSITION s1 w1 4 5"]) == []
+    name = line.split(b" ")[0].decode()
+    assert core.foreign == ForeignDeployment("synapse-commands", (name,), repr(line))
+    assert core.stats.foreign == 3
+    assert core.stats.foreign_by_name == {name: 3}
+    assert core.stats.malformed == 0
+    assert core.stats.suppressed == 1 + 2 + 1  # the REPLICATE answer, on_connected, outgoing
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1
+    message = errors[0].getMessage()
+    assert "'pfx'" in message and "STREAMS_PREFIX" in message and name in message
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_our_own_traffic_never_looks_foreign() -> None:
+    core = make_core({("s1", "w1"): 4, ("s2", "w2"): 0}, readers=2)
+    lines = [
+        *core.on_connected(),
+        b"REPLICATE",
+        b"PING 1700000000000",
+        b"SERVER example.com",  # Synapse sends SERVER and NAME over TCP only
+        b"NAME me",
+        b"ERROR oops",
+        b"POSITION s1 w9 0 7",
+        b'RDATA s2 w9 3 {"first":3,"count":1,"ts":0}',
+    ]
+    for line in lines:
+        core.on_message(line)
+    assert core.foreign is None
+    assert not core.refresh_due(0.0)  # check_streams is off: rule (b) does not apply
+
+
+def test_unknown_stream_needs_a_fresh_registry_read() -> None:
+    core = LinkCore("pfx", "me", check_streams=True)
+    core.add_writer(Announcer("mine", "w1", 0))
+    assert not core.refresh_due(0.0)
+    core.on_message(b"POSITION mine w2 0 3")  # a local writer's stream is known
+    assert not core.refresh_due(0.0)
+    core.on_message(b"POSITION new1 w2 0 3")
+    assert core.refresh_due(0.0)
+    assert core.on_known_streams({"mine", "new1"}, 0.0) is None  # created meanwhile: fine
+    core.on_message(b"POSITION new1 w2 3 4")  # known now: no new read
+    assert not core.refresh_due(100.0)
+    core.on_message(b"POSITION new2 w2 0 1")
+    assert not core.refresh_due(REFRESH_INTERVAL - 0.1)  # rate-limited
+    assert core.refresh_due(REFRESH_INTERVAL)
+    core.on_refresh_failed(REFRESH_INTERVAL, OSError("db down"))
+    assert core.foreign is None
+    assert not core.refresh_due(REFRESH_INTERVAL + 1)
+    assert core.refresh_due(2 * REFRESH_INTERVAL)
+    assert core.on_known_streams({"new2"}, 2 * REFRESH_INTERVAL) is None
+    core.on_message(b'RDATA events master 12 ["ev",[]]')
+    core.on_message(b"POSITION typing master 5 5")
+    verdict = core.on_known_streams({"mine"}, 3 * REFRESH_INTERVAL)
+    assert verdict is not None and verdict == core.foreign
+    assert verdict.reason == "unknown-streams"
+    assert verdict.evidence == ("events", "typing")
+    assert "RDATA events" in verdict.line
+    assert "does not have: events, typing" in verdict.describe("pfx")
+    assert (core.stats.refreshes, core.stats.refresh_errors) == (3, 1)
+    core.on_message(b"POSITION other master 5 5")
+    assert not core.refresh_due(100.0)  # foreign for good: nothing more to decide
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["create", "hear", "refresh", "tick"]), st.integers(0, 7)),
+        max_size=40,
+    )
+)
+def test_default_path_never_trips(ops: list[tuple[str, int]]) -> None:
+    """Streams are created at any time; a name is only ever heard after its stream exists; the
+    registry is read whenever the core asks: never foreign."""
+    core = LinkCore("streams", "me", check_streams=True)
+    registry: set[str] = set()
+    now = 0.0
+    for op, n in ops:
+        name = f"s{n}"
+        if op == "create":
+            registry.add(name)
+        elif op == "hear" and name in registry:
+            core.on_message(f"POSITION {name} w{n} 0 {n}".encode())
+        elif op == "tick":
+            now += n
+        if core.refresh_due(now):
+            core.on_known_streams(frozenset(registry), now)
+    assert core.foreign is None
+
+
+@given(st.lists(st.sampled_from(sorted(SYNAPSE_ONLY_COMMANDS)), min_size=1), st.data())
+def test_foreign_verdict(names: list[str], data: st.DataObject) -> None:
+    streams = data.draw(st.sets(STREAMS))
+    known = data.draw(st.none() | st.sets(STREAMS))
+    verdict = foreign_verdict(commands=names, streams=streams, known_streams=known)
+    assert verdict is not None and verdict.reason == "synapse-commands"
+    assert verdict.evidence == tuple(sorted(set(names)))
+    plain = foreign_verdict(
+        commands=["POSITION", "REPLICATE"], streams=streams, known_streams=known
+    )
+    if known is None or streams <= known:
+        assert plain is None
+    else:
+        assert plain is not None and plain.evidence == tuple(sorted(streams - known))
+
+
+def test_malformed_lines_warn_once_per_reason(caplog: pytest.LogCaptureFixture) -> None:
+    core = LinkCore("pfx", "me")
+    with caplog.at_level("WARNING", logger="streams.replication"):
+        for i in range(200):
+            core.on_message(f"HOSTILE{i} spam".encode())
+            core.on_message(f"POSITION s w 0 {i}x".encode())
+            core.on_message(f"ERROR boom {i}".encode())
+    assert core.stats.malformed == 400
+    assert core.foreign is None  # unknown commands are not Synapse's
+    assert len(caplog.records) == 3, [r.getMessage() for r in caplog.records]
 
 
 # --- backoff_delay ----------------------------------------------------------------------------
