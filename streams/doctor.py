@@ -7,16 +7,20 @@ from typing import Any
 
 import psycopg
 
+from . import dbconnect
 from ._ops import run
 from .config import Settings, redact_url
 from .constants import replication_channel
 from .errors import StreamsError
 from .store import (
+    StreamInfo,
     check_schema,
+    expired_writer_count,
     list_streams,
-    max_allocated_sql,
     probe,
     reservation_lock_holders,
+    sequence_state,
+    unseen_ids,
 )
 
 #: A reservation held open longer than this is reported: it holds every reader back.
@@ -39,9 +43,11 @@ def diagnose(settings: Settings) -> list[Check]:
     checks: list[Check] = []
     where = redact_url(settings.database_url)
     try:
-        conn = psycopg.connect(settings.database_url, autocommit=True, connect_timeout=5)
-    except psycopg.Error as exc:
-        return [Check("database", False, f"cannot connect to {where}: {type(exc).__name__}")]
+        conn = dbconnect.connect(
+            settings.database_url, autocommit=True, connect_timeout=5, purpose="doctor"
+        )
+    except StreamsError as exc:  # StoreError (unreachable) or ConfigurationError (bad URL)
+        return [Check("database", False, str(exc))]
     with conn:
         version = conn.execute("SHOW server_version").fetchone()
         checks.append(
@@ -53,46 +59,28 @@ def diagnose(settings: Settings) -> list[Check]:
         except StreamsError as exc:
             checks.append(Check("schema", False, str(exc)))
             return checks
-        for info in run(conn, list_streams()):
-            row = conn.execute(
-                f"SELECT {max_allocated_sql(info).as_string(conn)}, "
-                "(SELECT max(stream_id) FROM streams_facts WHERE stream = %s), "
-                "(SELECT count(*) FROM streams_writers WHERE stream = %s AND NOT retired "
-                " AND lease_expires_at < clock_timestamp())",
-                (info.id, info.id),
-            ).fetchone()
-            assert row is not None
-            allocated, stored, expired = int(row[0]), row[1], int(row[2])
-            behind = stored is not None and stored > allocated
-            checks.append(
-                Check(
-                    f"stream {info.name}: sequence",
-                    not behind,
-                    f"sequence at {allocated}, highest stored ID {stored}"
-                    + ("; BEHIND the data: the next writer to start repairs it" if behind else ""),
-                )
-            )
-            checks.append(_held_check(conn, info))
-            checks.append(
-                Check(
-                    f"stream {info.name}: writers",
-                    expired == 0,
-                    "no expired lease"
-                    if expired == 0
-                    else f"{expired} writer(s) with an expired lease not yet retired "
-                    "(retired by the next positions call or writer heartbeat; if it stays, a "
-                    "transaction of theirs is still open)",
-                )
-            )
+        infos = run(conn, list_streams())
+        for info in infos:
+            checks.extend(_stream_checks(conn, info))
     if settings.redis_url:
         import redis
 
+        # Any failure, even redis-py's URL parser raising ValueError, shows only the class
+        # name: redis-py's messages may quote part of the URL, and so of its password.
+        failure: str | None = None
         try:
-            client = redis.Redis.from_url(settings.redis_url, socket_timeout=3)
-            client.ping()
-            channel = replication_channel(settings.prefix)
-            listeners = dict(client.pubsub_numsub(channel)).get(channel.encode(), 0)
-            client.close()
+            client = redis.Redis.from_url(
+                settings.redis_url, socket_timeout=3, socket_connect_timeout=3
+            )
+            try:
+                client.ping()
+                channel = replication_channel(settings.prefix)
+                listeners = dict(client.pubsub_numsub(channel)).get(channel.encode(), 0)
+            finally:
+                client.close()
+        except Exception as exc:
+            failure = type(exc).__name__
+        if failure is None:
             checks.append(
                 Check(
                     "redis",
@@ -101,15 +89,91 @@ def diagnose(settings: Settings) -> list[Check]:
                     f"{channel!r}",
                 )
             )
-        except redis.RedisError as exc:
+        else:
             checks.append(
-                Check(
-                    "redis",
-                    False,
-                    f"cannot reach {redact_url(settings.redis_url)}: {type(exc).__name__}",
-                )
+                Check("redis", False, f"cannot reach {redact_url(settings.redis_url)}: {failure}")
             )
+    if settings.redis_url:
+        checks.append(_channel_check(settings, [i.name for i in infos]))
     return checks
+
+
+#: How many of the most recent IDs `streams doctor` looks up in every table it knows.
+UNSEEN_WINDOW = 10_000
+
+
+def _stream_checks(conn: psycopg.Connection[Any], info: StreamInfo) -> list[Check]:
+    state = run(conn, sequence_state(info))
+    allocated = state.last_value or 0
+    behind = state.repair_target is not None
+    checks = [
+        Check(
+            f"stream {info.name}: sequence",
+            not behind,
+            f"sequence at {allocated}, highest ID used {state.max_used} (facts "
+            f"{state.max_stored}, writer and group positions {state.max_position})"
+            + (
+                "; BEHIND: the next writer to start repairs it (or `streams doctor --repair`)"
+                if behind
+                else ""
+            ),
+        )
+    ]
+    declared = ", ".join(str(t) for t in info.fact_tables) or "none"
+    if state.missing_tables:
+        missing = ", ".join(str(t) for t in state.missing_tables)
+        checks.append(
+            Check(
+                f"stream {info.name}: declared tables",
+                False,
+                f"declared tables do not exist: {missing}; their IDs cannot be seen by repair "
+                f"(`streams tables {info.name} ...` to fix the declaration)",
+            )
+        )
+    unseen = run(conn, unseen_ids(info, UNSEEN_WINDOW))
+    detail = f"besides streams_facts: {declared}"
+    if unseen.unseen:
+        detail += (
+            f"; {unseen.unseen} of the last {unseen.ids} IDs have no row in any of them: "
+            "rolled back, or facts in a table this stream does not declare, which sequence "
+            f"repair cannot see (`streams tables {info.name} TABLE.COLUMN`)"
+        )
+    checks.append(Check(f"stream {info.name}: fact tables", True, detail))
+    checks.append(_held_check(conn, info))
+    expired = run(conn, expired_writer_count(info))
+    checks.append(
+        Check(
+            f"stream {info.name}: writers",
+            expired == 0,
+            "no expired lease"
+            if expired == 0
+            else f"{expired} writer(s) with an expired lease not yet retired "
+            "(retired by the next positions call or writer heartbeat; if it stays, a "
+            "transaction of theirs is still open)",
+        )
+    )
+    return checks
+
+
+def _channel_check(settings: Settings, known: list[str]) -> Check:
+    """Is another deployment (a Synapse homeserver, another `streams` database) on our
+    replication channel? Publishes only REPLICATE, which is safe on any such channel."""
+    from .channel import observe_channel
+
+    assert settings.redis_url is not None
+    name = f"redis channel {settings.prefix!r}"
+    try:
+        report = observe_channel(settings.redis_url, settings.prefix, known_streams=set(known))
+    except Exception as exc:  # redis-py's messages may quote the URL: class name only
+        return Check(name, False, f"cannot observe: {type(exc).__name__}")
+    if report.foreign is not None:
+        return Check(name, False, report.foreign.describe(settings.prefix))
+    answered = sorted({p.instance for p in report.positions})
+    return Check(
+        name,
+        True,
+        f"{len(answered)} writer instance(s) answered REPLICATE, no other deployment heard",
+    )
 
 
 def _held_check(conn: psycopg.Connection[Any], info: Any) -> Check:

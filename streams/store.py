@@ -100,6 +100,7 @@ __all__ = [
     "SequenceState",
     "StreamInfo",
     "StreamPositions",
+    "UnseenIds",
     "WriterRow",
     "check_fact_tables",
     "commit_group",
@@ -107,6 +108,7 @@ __all__ = [
     "database_time_ms",
     "delete_group",
     "drop_stream",
+    "expired_writer_count",
     "fetch_rows",
     "fetch_rows_after_probe",
     "group_position",
@@ -128,6 +130,7 @@ __all__ = [
     "set_fact_tables",
     "stream_positions",
     "ts_floor_at",
+    "unseen_ids",
 ]
 
 ALEMBIC_HEAD = "0003_fact_tables"
@@ -489,6 +492,65 @@ def sequence_state(info: StreamInfo, *, commit: bool = True) -> Gen[SequenceStat
         None if position is None else int(position),
         tuple(missing),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class UnseenIds:
+    """Of the last ``ids`` allocated IDs, ``unseen`` have no row in ``streams_facts`` nor in any
+    declared table: rolled back, or facts in a table the stream does not declare."""
+
+    ids: int
+    unseen: int
+
+
+def unseen_ids(info: StreamInfo, window: int) -> Gen[UnseenIds]:
+    """Count the most recent ``window`` allocated IDs that no known table holds (`doctor`)."""
+    tables: list[sql.Composable] = [
+        sql.SQL("SELECT stream_id FROM streams_facts WHERE stream = %(stream)s")
+    ]
+    for table in info.fact_tables:
+        rows = yield Query("SELECT to_regclass(%s) IS NOT NULL", (table.table,))
+        if rows[0][0]:
+            schema, name = table.table.split(".")
+            tables.append(
+                sql.SQL("SELECT {col}::bigint FROM {schema}.{name}").format(
+                    col=sql.Identifier(table.column),
+                    schema=sql.Identifier(schema),
+                    name=sql.Identifier(name),
+                )
+            )
+    rows = yield Query(
+        sql.SQL(
+            """
+            WITH a AS (SELECT {allocated} AS top),
+            seen AS ({union})
+            SELECT LEAST(a.top, %(window)s),
+                   LEAST(a.top, %(window)s) - (
+                       SELECT count(DISTINCT s.stream_id) FROM seen s
+                       WHERE s.stream_id > a.top - %(window)s AND s.stream_id <= a.top)
+            FROM a
+            """
+        ).format(
+            allocated=max_allocated_sql(info),
+            union=sql.SQL(" UNION ALL ").join(
+                sql.SQL("SELECT * FROM ({}) AS t(stream_id)").format(t) for t in tables
+            ),
+        ),
+        {"stream": info.id, "window": window},
+    )
+    yield Commit()
+    return UnseenIds(int(rows[0][0]), int(rows[0][1]))
+
+
+def expired_writer_count(info: StreamInfo) -> Gen[int]:
+    """Writers whose lease expired but that are not retired yet."""
+    rows = yield Query(
+        "SELECT count(*) FROM streams_writers WHERE stream = %s AND NOT retired "
+        "AND lease_expires_at < clock_timestamp()",
+        (info.id,),
+    )
+    yield Commit()
+    return int(rows[0][0])
 
 
 def repair_sequence(info: StreamInfo) -> Gen[int | None]:
