@@ -22,10 +22,12 @@ import psycopg
 
 from . import __version__
 from .client import Client, connect
-from .config import Settings, redact_url
+from .config import Settings, redact_url, scrub_secrets, url_passwords
 from .epochs import Fact
 from .errors import StreamsError
 from .reader import Reader, Start
+from .render import Table, age, print_tables, render_plain, rich_renderable, sparkline, timestamp
+from .store import StreamPositions
 from .timestamps import TimestampMode
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -37,13 +39,25 @@ def _common(func: F) -> F:
     @click.option("--prefix", envvar="STREAMS_PREFIX", default=None, help="Redis channel prefix")
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        # Every failure is one line without a secret; the message is built outside the except
+        # blocks so that no driver exception (whose text may quote the URL) is chained.
         try:
             return func(*args, **kwargs)
+        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
         except StreamsError as exc:
-            raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
+            line = f"{type(exc).__name__}: {exc}"
         except psycopg.Error as exc:
-            # Server messages never contain the connection password; name the class only.
-            raise click.ClickException(f"StoreError: {type(exc).__name__}") from None
+            # A server message: show its first line, every form of the passwords scrubbed.
+            first = (str(exc).strip().splitlines() or [""])[0]
+            urls = [kwargs.get("database_url"), kwargs.get("redis_url")]
+            secrets = [p for url in urls if isinstance(url, str) for p in url_passwords(url)]
+            line = f"StoreError: {type(exc).__name__}: {scrub_secrets(first, secrets)}"
+        except Exception as exc:
+            # Anything else from the driver layers (redis-py's URL parser, SQLAlchemy, ...) may
+            # quote a fragment of a password that no scrubbing can recognise: class name only.
+            line = f"unexpected {type(exc).__name__} (details withheld: they may contain a secret)"
+        raise click.ClickException(" ".join(line.split()))
 
     return wrapper  # type: ignore[return-value]
 
@@ -213,6 +227,11 @@ def append(
     prefix: str | None,
 ) -> None:
     """Append facts: each PAYLOAD is a JSON document (or read JSON lines from stdin)."""
+    if not payloads and sys.stdin.isatty():
+        raise click.UsageError(
+            "no payloads: give JSON documents as arguments, or pipe JSON lines into stdin "
+            "(e.g. `echo '{\"n\": 1}' | streams append NAME`)"
+        )
     texts = list(payloads) or [line for line in sys.stdin.read().splitlines() if line.strip()]
     if not texts:
         raise click.UsageError("no payloads given (arguments or JSON lines on stdin)")
@@ -262,7 +281,14 @@ def parse_duration_ms(text: str) -> int:
 @click.option("--commit", "commit_group", is_flag=True, help="Commit the group's position.")
 @click.option("--follow", "-f", is_flag=True, help="Keep reading new facts (Ctrl-C stops).")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Stop after N rows.")
-@click.option("--json", "as_json", is_flag=True, help="JSON lines.")
+@click.option(
+    "--format",
+    "output_format",
+    type=click.Choice(["table", "json"]),
+    default=None,
+    help="table (human timestamps; the default) or json (JSON lines).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Same as --format json.")
 @_common
 def read(
     stream: str,
@@ -274,6 +300,7 @@ def read(
     commit_group: bool,
     follow: bool,
     limit: int | None,
+    output_format: str | None,
     as_json: bool,
     database_url: str | None,
     redis_url: str | None,
@@ -289,6 +316,9 @@ def read(
         raise click.UsageError("give at most one of --from-id, --from-time, --ago, --latest")
     if commit_group and group is None:
         raise click.UsageError("--commit needs --group")
+    if as_json and output_format == "table":
+        raise click.UsageError("--json and --format table contradict each other")
+    as_json = as_json or output_format == "json"
     start: Start = "latest" if latest else "earliest"
     if from_id is not None:
         start = from_id
@@ -345,59 +375,256 @@ def _print_row(fact: Fact, row_no: int, payload: Any, as_json: bool) -> None:
         }
         click.echo(json.dumps(record, sort_keys=True, separators=(",", ":")))
     else:
-        click.echo(f"{fact.id:>10} {fact.timestamp:>14} {fact.instance:<20} {json.dumps(payload)}")
+        click.echo(
+            f"{fact.id:>10}  {timestamp(fact.timestamp)}  {fact.instance:<20} "
+            f"{json.dumps(payload, ensure_ascii=False)}"
+        )
+
+
+def _terminal() -> bool:
+    return sys.stdout.isatty()
+
+
+def _positions_tables(
+    items: list[StreamPositions], show_all: bool, rates: dict[str, list[float]] | None = None
+) -> list[Table]:
+    streams_table = Table(
+        "streams",
+        ["STREAM", "LINEAR", "MAX_ALLOCATED", "SCRATCHPAD", "OLDEST_PENDING_MS"]
+        + (["RATE"] if rates is not None else []),
+        numeric=frozenset({"LINEAR", "MAX_ALLOCATED", "SCRATCHPAD", "OLDEST_PENDING_MS"}),
+    )
+    writers = Table(
+        "writers",
+        ["STREAM", "WRITER", "POSITION", "PENDING", "STATE", "HEARTBEAT_AGE_MS"],
+        numeric=frozenset({"POSITION", "PENDING", "HEARTBEAT_AGE_MS"}),
+    )
+    groups = Table(
+        "reader groups and Spark queries",
+        ["STREAM", "GROUP", "POSITION", "LAG", "LAG_MS"],
+        numeric=frozenset({"POSITION", "LAG", "LAG_MS"}),
+    )
+    for p in items:
+        row = [p.stream, str(p.linear), str(p.max_allocated), str(p.scratchpad)]
+        row.append(age(p.oldest_pending_ms))
+        if rates is not None:
+            history = rates.get(p.stream, [])
+            now = f"{history[-1]:,.0f}/s" if history else "-"
+            row.append(f"{now} {sparkline(history[-20:])}")
+        streams_table.rows.append(row)
+        for name, w in sorted(p.writers.items()):
+            if w.retired and not show_all:
+                continue
+            writers.rows.append(
+                [p.stream, name, str(w.position), str(w.pending), w.state, age(w.heartbeat_age_ms)]
+            )
+        for g in p.groups:
+            groups.rows.append([p.stream, g.group, str(g.position), str(g.lag), age(g.lag_ms)])
+    return [streams_table, writers, groups]
+
+
+def _read_positions(client: Client, streams: tuple[str, ...]) -> list[StreamPositions]:
+    names = list(streams) or [s.name for s in client.streams()]
+    return [client.positions(name) for name in names]
 
 
 @main.command()
 @click.argument("streams", nargs=-1)
+@click.option("--watch", "-w", is_flag=True, help="Redraw every --interval until Ctrl-C.")
+@click.option("--interval", type=click.FloatRange(min=0.05), default=1.0, show_default=True)
+@click.option("--count", type=click.IntRange(min=1), help="With --watch: stop after N samples.")
+@click.option("--all", "show_all", is_flag=True, help="Also list retired writers.")
+@click.option(
+    "--from-redis",
+    is_flag=True,
+    help="No database: ask every deployment on the channel (REPLICATE) for its positions.",
+)
 @click.option("--json", "as_json", is_flag=True)
 @_common
 def positions(
     streams: tuple[str, ...],
+    watch: bool,
+    interval: float,
+    count: int | None,
+    show_all: bool,
+    from_redis: bool,
     as_json: bool,
     database_url: str | None,
     redis_url: str | None,
     prefix: str | None,
 ) -> None:
-    """Linear position, max allocated, each writer's position and each reader group's lag
-    (all streams by default)."""
+    """Linear position, max allocated, scratchpad and its oldest pending ID; each writer's
+    position, pending IDs, state and heartbeat; each reader group's (and Spark query's) position
+    and lag (all streams by default; retired writers folded unless --all)."""
+    if from_redis:
+        _positions_from_redis(streams, redis_url, prefix, as_json)
+        return
     with _client(database_url, redis_url, prefix) as client:
-        names = list(streams) or [s.name for s in client.streams()]
-        data = [client.positions(name).as_dict() for name in names]
+        if not watch:
+            items = _read_positions(client, streams)
+            if as_json:
+                data = [p.as_dict(retired=show_all) for p in items]
+                click.echo(json.dumps(data, sort_keys=True, separators=(",", ":")))
+            else:
+                print_tables(_positions_tables(items, show_all), sys.stdout, terminal=_terminal())
+            return
+        _watch_positions(client, streams, show_all, interval, count, as_json)
 
-    def text(items: list[dict[str, Any]]) -> Iterator[str]:
-        for d in items:
-            yield (
-                f"{d['stream']}: linear {d['linear']}  max allocated {d['max_allocated']}  "
-                f"scratchpad {d['max_allocated'] - d['linear']}"
-            )
-            for name, w in d["writers"].items():
-                state = "retired" if w["retired"] else f"lease {w['lease_expires_in_ms']} ms"
-                yield f"  writer {name:<28} position {w['position']:>12}  {state}"
-            for name, g in d["groups"].items():
-                yield f"  group  {name:<28} position {g['position']:>12}  lag {g['lag']}"
 
-    _emit(data, as_json, text)
+def _watch_positions(
+    client: Client,
+    streams: tuple[str, ...],
+    show_all: bool,
+    interval: float,
+    count: int | None,
+    as_json: bool,
+) -> None:
+    rates: dict[str, list[float]] = {}
+    previous: dict[str, tuple[float, int]] = {}
+    live: Any = None
+    if _terminal() and not as_json:
+        from rich.live import Live
+
+        live = Live(auto_refresh=False)
+        live.start()
+    samples = 0
+    try:
+        while True:
+            now = time.monotonic()
+            items = _read_positions(client, streams)
+            for p in items:
+                if p.stream in previous:
+                    then, linear = previous[p.stream]
+                    rate = (p.linear - linear) / max(now - then, 1e-6)
+                    rates.setdefault(p.stream, []).append(max(0.0, rate))
+                previous[p.stream] = (now, p.linear)
+            if as_json:
+                data = [
+                    {**p.as_dict(retired=show_all), "rate": _last(rates.get(p.stream))}
+                    for p in items
+                ]
+                click.echo(json.dumps(data, sort_keys=True, separators=(",", ":")))
+            elif live is not None:
+                live.update(
+                    rich_renderable(_positions_tables(items, show_all, rates)), refresh=True
+                )
+            else:
+                click.echo(render_plain(_positions_tables(items, show_all, rates)) + "\n")
+            samples += 1
+            if count is not None and samples >= count:
+                return
+            time.sleep(max(0.0, interval - (time.monotonic() - now)))
+    except KeyboardInterrupt:
+        return
+    finally:
+        if live is not None:
+            live.stop()
+
+
+def _last(values: list[float] | None) -> float | None:
+    return values[-1] if values else None
+
+
+def _positions_from_redis(
+    streams: tuple[str, ...], redis_url: str | None, prefix: str | None, as_json: bool
+) -> None:
+    from .channel import observe_channel
+    from .config import DEFAULT_PREFIX, validate_redis_url
+
+    if not redis_url:
+        raise click.UsageError("--from-redis needs --redis-url (or STREAMS_REDIS_URL)")
+    validate_redis_url(redis_url)
+    report = observe_channel(redis_url, prefix or DEFAULT_PREFIX)
+    rows = [p for p in report.positions if not streams or p.stream in streams]
+    if as_json:
+        click.echo(json.dumps(report.as_dict(), sort_keys=True, separators=(",", ":")))
+    else:
+        table = Table(
+            f"positions heard on {report.prefix!r}",
+            ["STREAM", "INSTANCE", "POSITION", "ANSWER_MS"],
+            numeric=frozenset({"POSITION", "ANSWER_MS"}),
+        )
+        table.rows = [[p.stream, p.instance, str(p.new_token), str(p.ms)] for p in rows]
+        print_tables([table], sys.stdout, terminal=_terminal())
+        if report.foreign is not None:
+            click.echo(report.foreign.describe(report.prefix), err=True)
+    if not rows:
+        raise click.ClickException(
+            f"no POSITION answered REPLICATE on {report.prefix!r} within "
+            f"{report.elapsed_ms} ms ({report.receivers} receiver(s) on the channel)"
+        )
+
+
+@main.group()
+def writers() -> None:
+    """Writer rows: `streams writers prune`."""
+
+
+@writers.command(name="prune")
+@click.argument("streams", nargs=-1)
+@click.option(
+    "--older-than",
+    default="1d",
+    show_default=True,
+    help="Remove retired writers whose last heartbeat is older than this (e.g. 1h, 7d).",
+)
+@click.option("--json", "as_json", is_flag=True)
+@_common
+def writers_prune(
+    streams: tuple[str, ...],
+    older_than: str,
+    as_json: bool,
+    database_url: str | None,
+    redis_url: str | None,
+    prefix: str | None,
+) -> None:
+    """Remove retired writers' rows (every `streams append` registers one). Safe: a retired
+    writer stays fenced without its row."""
+    older_ms = parse_duration_ms(older_than)
+    with _client(database_url, redis_url, prefix) as client:
+        pruned = {
+            name: client.prune_writers(name, older_ms)
+            for name in (list(streams) or [s.name for s in client.streams()])
+        }
+    _emit(
+        {name: gone for name, gone in pruned.items() if gone},
+        as_json,
+        lambda d: iter(
+            [f"pruned {sum(len(v) for v in d.values())} retired writer(s)"]
+            + [f"  {name}: {', '.join(v)}" for name, v in d.items()]
+        ),
+    )
 
 
 @main.command()
+@click.option(
+    "--repair",
+    is_flag=True,
+    help="Do what is safe first: retire expired writers, repair sequences behind used IDs.",
+)
 @click.option("--json", "as_json", is_flag=True)
 @_common
 def doctor(
-    as_json: bool, database_url: str | None, redis_url: str | None, prefix: str | None
+    repair: bool, as_json: bool, database_url: str | None, redis_url: str | None, prefix: str | None
 ) -> None:
-    """Check connectivity, schema, sequences and writer leases; exit 1 on any problem."""
+    """Check connectivity, schema, sequences, declared tables, open writing transactions,
+    writer leases and the replication channel; exit 1 on any problem."""
     from .doctor import diagnose
+    from .doctor import repair as do_repair
 
     settings = _settings(database_url, redis_url, prefix)
+    actions = do_repair(settings) if repair else []
     checks = diagnose(settings)
-    _emit(
-        [c.as_dict() for c in checks],
-        as_json,
-        lambda items: iter(
-            f"[{'ok' if c['ok'] else 'FAIL'}] {c['name']}: {c['detail']}" for c in items
-        ),
-    )
+    if as_json:
+        data: Any = [c.as_dict() for c in checks]
+        if repair:
+            data = {"repaired": actions, "checks": data}
+        click.echo(json.dumps(data, sort_keys=True, separators=(",", ":")))
+    else:
+        for action in actions:
+            click.echo(f"[repaired] {action}")
+        for c in checks:
+            click.echo(f"[{'ok' if c.ok else 'FAIL'}] {c.name}: {c.detail}")
     if not all(c.ok for c in checks):
         sys.exit(1)
 

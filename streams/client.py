@@ -35,6 +35,7 @@ from .store import (
     list_groups,
     list_streams,
     load_stream,
+    prune_writers,
     set_fact_tables,
     stream_positions,
 )
@@ -192,6 +193,11 @@ class Client:
         info = run(self._conn, load_stream(stream))
         return run(self._conn, delete_group(info, group))
 
+    def prune_writers(self, stream: str, older_than_ms: int) -> list[str]:
+        """Delete rows of writers of ``stream`` retired longer ago than ``older_than_ms``."""
+        info = run(self._conn, load_stream(stream))
+        return run(self._conn, prune_writers(info, older_than_ms))
+
     def close(self) -> None:
         if self._link is not None:
             self._link.close()
@@ -322,6 +328,10 @@ class AsyncClient:
     async def delete_group(self, stream: str, group: str) -> bool:
         info = await arun(self._conn, load_stream(stream))
         return await arun(self._conn, delete_group(info, group))
+
+    async def prune_writers(self, stream: str, older_than_ms: int) -> list[str]:
+        info = await arun(self._conn, load_stream(stream))
+        return await arun(self._conn, prune_writers(info, older_than_ms))
 
     async def aclose(self) -> None:
         if self._link is not None:

@@ -11,10 +11,13 @@ Secrets never leave this module unredacted: anything that shows a URL uses `reda
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
+from urllib.parse import quote, quote_plus, unquote, unquote_plus, urlsplit
 
 from .errors import ConfigurationError, InvalidStreamName
 
@@ -22,9 +25,14 @@ __all__ = [
     "DEFAULT_LEASE_SECONDS",
     "DEFAULT_MAX_PAYLOAD_BYTES",
     "DEFAULT_PREFIX",
+    "ENCODING_HINT",
     "Settings",
     "redact_url",
+    "scrub_secrets",
+    "url_passwords",
+    "validate_database_url",
     "validate_instance_name",
+    "validate_redis_url",
     "validate_stream_name",
 ]
 
@@ -62,22 +70,224 @@ def validate_instance_name(name: object) -> str:
 
 
 def redact_url(url: str) -> str:
-    """The URL with any password replaced by ``***`` (userinfo and ``password=`` parameters).
+    """The URL (or libpq ``key=value`` string) with every password replaced by ``***``.
 
-    Parsed by hand rather than with `urllib.parse.urlsplit`, which ends the host part at the
-    first ``?`` or ``#`` and would therefore miss (and leak) a password containing one that
-    libpq accepts, and which rewrites empty-host URLs such as ``postgresql:///db``.
+    Conservative on purpose, because a raw password may contain any of ``/ ? # @ : & =``:
+
+    * URL form (``scheme://...``): everything between ``scheme://`` and the *last* ``@`` is
+      userinfo, and everything after its first ``:`` is hidden (``redis://:pw@h``,
+      ``rediss://user:pw@h``, ``unix://:pw@/path``, ``postgresql://u:pa/ss@h/db``); a
+      ``password=`` parameter is hidden up to the end of the string.
+    * ``key=value`` form: a ``password`` value is hidden, quoted (``'a b\\'c'``) or not, up to
+      the next ``key=``.
+
+    A URL whose last ``@`` is in the query (``?application_name=a@b``) loses more than its
+    password; that is the price of never showing part of one. Parsed by hand: `urlsplit` ends
+    the userinfo at the first ``/ ? #`` and would show the rest of such a password.
     """
-    scheme, sep, rest = url.partition("://")
-    if sep:
-        slash = rest.find("/")
-        authority, tail = (rest, "") if slash < 0 else (rest[:slash], rest[slash:])
-        if "@" in authority:
-            userinfo, _, hostport = authority.rpartition("@")
-            user, colon, _ = userinfo.partition(":")
-            authority = f"{user}:***@{hostport}" if colon else f"{user}@{hostport}"
-        url = f"{scheme}{sep}{authority}{tail}"
-    return re.sub(r"(?i)(password=)[^&\s]*", r"\1***", url)
+    match = _SCHEME.match(url)
+    if match is None:
+        return _redact_conninfo(url)
+    head, rest = url[: match.end()], url[match.end() :]
+    hidden: list[tuple[int, int]] = []
+    at = rest.rfind("@")
+    colon = rest.find(":", 0, max(at, 0))
+    if colon >= 0:
+        hidden.append((colon + 1, at))
+    hidden += [(m.end(1), len(rest)) for m in _QUERY_PASSWORD.finditer(rest)]
+    return head + _mask(rest, hidden)
+
+
+def url_passwords(url: str) -> list[str]:
+    """Every string `url` may carry as a password, as written (percent-encoded or not).
+
+    The candidates `redact_url` hides (userinfo after the first ``:``, ``password=`` values to
+    the end and to the next ``&``, ``key=value`` password values, quoted or not), plus what
+    `urllib.parse` would take as the password. Used to scrub driver messages with
+    `scrub_secrets`.
+    """
+    found: list[str] = []
+    match = _SCHEME.match(url)
+    if match is not None:
+        userinfo, at, _ = url[match.end() :].rpartition("@")
+        if at and ":" in userinfo:
+            password = userinfo.partition(":")[2]
+            found += [password, password.partition("@")[0], password.partition("/")[0]]
+        for m in _QUERY_PASSWORD.finditer(url):
+            value = url[m.end(1) :]
+            found += [value, value.partition("&")[0]]
+        with contextlib.suppress(ValueError):
+            found.append(urlsplit(url).password or "")
+    else:
+        for start, end in _conninfo_password_spans(url):
+            raw = url[start:end]
+            found += [raw, _unquote_conninfo(raw)]
+    return [p for p in dict.fromkeys(found) if p]
+
+
+def scrub_secrets(text: str, secrets: Iterable[str]) -> str:
+    """`text` (e.g. a driver's error message) with every form of every secret replaced by ``***``.
+
+    Each secret is scrubbed as given, percent-decoded (``%2F`` -> ``/``, ``+`` -> space) and
+    percent-encoded (upper and lower case hex), and as Python's ``repr`` and JSON would escape
+    it. Forms shorter than 4 characters are only scrubbed where they stand alone (not inside a
+    word), so that a short password does not shred the message.
+    """
+    forms: set[str] = set()
+    for secret in secrets:
+        if not secret:
+            continue
+        for plain in {secret, unquote(secret), unquote_plus(secret)}:
+            encoded = {
+                quote(plain, safe=""),
+                quote(plain, safe=_USERINFO_SAFE),
+                quote_plus(plain, safe=""),
+            }
+            encoded |= {_lower_hex(e) for e in encoded}
+            forms |= {plain, repr(plain)[1:-1], json.dumps(plain)[1:-1], *encoded}
+    for form in sorted((f for f in forms if f), key=len, reverse=True):
+        if len(form) >= 4:
+            text = text.replace(form, "***")
+        else:
+            text = re.sub(rf"(?<![A-Za-z0-9]){re.escape(form)}(?![A-Za-z0-9])", "***", text)
+    return text
+
+
+#: What to tell someone whose URL does not parse the way it reads.
+ENCODING_HINT = (
+    "percent-encode special characters in the user name and password "
+    "(/ as %2F, @ as %40, : as %3A, ? as %3F, # as %23, & as %26, % as %25, space as %20)"
+)
+
+
+def validate_database_url(url: str) -> str:
+    """Reject a ``postgresql://`` URL that libpq would read differently from how it reads.
+
+    libpq takes ``user:password`` up to the first ``@`` or ``/``: with a raw ``/`` or ``@`` in
+    the password, part of it becomes the host, port or database name, where server messages
+    would show it. Such URLs have an ``@`` left in the host or path; they raise
+    `ConfigurationError` (redacted, with `ENCODING_HINT`). Whether libpq can parse the rest is
+    checked when connecting (`streams.dbconnect`), by libpq itself.
+    """
+    match = _SCHEME.match(url)
+    if match is None:
+        return url  # key=value form: libpq's own parser decides
+    rest = url[match.end() :]
+    if any(c.isspace() for c in rest):  # libpq drops some spaces silently, rejects others
+        raise ConfigurationError(
+            f"database URL {redact_url(url)!r} contains white space; {ENCODING_HINT}"
+        )
+    cut = min(i for i in (rest.find("@"), rest.find("/"), len(rest)) if i >= 0)
+    after = rest[cut + 1 :] if rest[cut : cut + 1] == "@" else rest
+    if "@" in after.partition("?")[0]:
+        raise ConfigurationError(
+            f"database URL {redact_url(url)!r} is ambiguous: its password (or user name) seems "
+            f"to contain '/' or '@'; {ENCODING_HINT}"
+        )
+    return url
+
+
+def validate_redis_url(url: str) -> str:
+    """Reject a Redis URL that redis-py's parser (`urllib.parse`) would fail on or misread.
+
+    Mirrors what `redis.connection.parse_url` does with the authority (this module imports no
+    driver): the port must be an integer, brackets must match, and no ``@`` or ``#`` may follow
+    the host (a raw ``/ ? #`` in the password ends the host early). A ``password=`` parameter
+    must come last, because everything after it is hidden as password. Failures raise
+    `ConfigurationError` with the URL redacted, never the parser's message, which quotes the
+    URL.
+    """
+    scheme = _scheme_of(url)
+    if scheme not in ("redis", "rediss", "unix"):
+        raise ConfigurationError(
+            f"Redis URL must be redis://, rediss:// or unix://, got {redact_url(url)!r}"
+        )
+    rest = url[len(scheme) + 3 :]
+    host_end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    after_host = rest[host_end:]
+    query_password = _QUERY_PASSWORD.search(after_host)
+    if query_password and "&" in after_host[query_password.end(1) :]:
+        raise ConfigurationError(
+            f"Redis URL {redact_url(url)!r}: password= must be the last query parameter "
+            "(everything after it is taken as the password); percent-encode '&' in it as %26"
+        )
+    bad = "@" in after_host or "#" in after_host
+    if not bad:
+        try:
+            parts = urlsplit(url)
+            _ = (parts.port, parts.hostname, parts.username, parts.password)
+        except ValueError:
+            bad = True
+    if bad:
+        raise ConfigurationError(
+            f"Redis URL {redact_url(url)!r} does not parse as it reads: {ENCODING_HINT}"
+        )
+    return url
+
+
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://")
+_QUERY_PASSWORD = re.compile(r"(?is)(password=).*\Z")
+_CONNINFO_PASSWORD = re.compile(r"(?i)password\s*=\s*")
+_CONNINFO_NEXT_KEY = re.compile(r"\s+[A-Za-z_][A-Za-z0-9_]*\s*=")
+_USERINFO_SAFE = "!$&'()*+,;=:"
+
+
+def _scheme_of(url: str) -> str:
+    match = _SCHEME.match(url)
+    return url[: match.end() - 3].lower() if match else ""
+
+
+def _conninfo_password_spans(text: str) -> list[tuple[int, int]]:
+    """(start, end) of each ``password`` value in a libpq ``key=value`` string, conservatively:
+    a quoted value runs to its closing quote (``\\'`` does not close it) or the end, and the
+    value then extends to the next ``key=``."""
+    spans = []
+    pos = 0
+    while (m := _CONNINFO_PASSWORD.search(text, pos)) is not None:
+        start = end = m.end()
+        if text[start : start + 1] == "'":
+            end = start + 1
+            while end < len(text) and text[end] != "'":
+                end += 2 if text[end] == "\\" else 1
+            end = min(end + 1, len(text))
+        else:  # unquoted: up to unescaped white space
+            while end < len(text) and not text[end].isspace():
+                end += 2 if text[end] == "\\" else 1
+            end = min(end, len(text))
+        following = _CONNINFO_NEXT_KEY.search(text, end)
+        end = following.start() if following else len(text)
+        spans.append((start, end))
+        pos = max(end, start + 1)
+    return spans
+
+
+def _redact_conninfo(text: str) -> str:
+    return _mask(text, _conninfo_password_spans(text))
+
+
+def _mask(text: str, spans: list[tuple[int, int]]) -> str:
+    """`text` with each maximal run covered by the (possibly overlapping) spans as ``***``."""
+    covered = [False] * len(text)
+    for start, end in spans:
+        covered[start:end] = [True] * (end - start)
+    out: list[str] = []
+    for i, char in enumerate(text):
+        if not covered[i]:
+            out.append(char)
+        elif i == 0 or not covered[i - 1]:
+            out.append("***")
+    return "".join(out)
+
+
+def _unquote_conninfo(raw: str) -> str:
+    value = raw
+    if value.startswith("'"):
+        value = value[1:].rsplit("'", 1)[0] if value.endswith("'") else value[1:]
+    return re.sub(r"\\(.)", r"\1", value)
+
+
+def _lower_hex(text: str) -> str:
+    return re.sub(r"%[0-9A-F]{2}", lambda m: m.group(0).lower(), text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,16 +324,15 @@ class Settings:
             raise ConfigurationError(
                 "no database URL: pass database_url= or set STREAMS_DATABASE_URL"
             )
-        scheme = urlsplit(db).scheme
+        scheme = _scheme_of(db)
         if scheme not in ("postgresql", "postgres") and not scheme.startswith("postgresql+"):
             raise ConfigurationError(
                 f"database URL must be postgresql://..., got {redact_url(db)!r}"
             )
+        validate_database_url(db)
         redis = redis_url or os.environ.get("STREAMS_REDIS_URL") or None
-        if redis is not None and urlsplit(redis).scheme not in ("redis", "rediss", "unix"):
-            raise ConfigurationError(
-                f"Redis URL must be redis://, rediss:// or unix://, got {redact_url(redis)!r}"
-            )
+        if redis is not None:
+            validate_redis_url(redis)
         if require_redis and redis is None:
             raise ConfigurationError("no Redis URL: pass redis_url= or set STREAMS_REDIS_URL")
         chosen_prefix = prefix or os.environ.get("STREAMS_PREFIX") or DEFAULT_PREFIX

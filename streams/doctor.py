@@ -8,9 +8,9 @@ from typing import Any
 import psycopg
 
 from . import dbconnect
-from ._ops import run
+from ._ops import Commit, Gen, Query, run
 from .config import Settings, redact_url
-from .constants import replication_channel
+from .constants import REGISTRATION_LOCK, replication_channel
 from .errors import StreamsError
 from .store import (
     StreamInfo,
@@ -18,7 +18,9 @@ from .store import (
     expired_writer_count,
     list_streams,
     probe,
+    repair_sequence,
     reservation_lock_holders,
+    retire_expired_writers,
     sequence_state,
     unseen_ids,
 )
@@ -26,7 +28,7 @@ from .store import (
 #: A reservation held open longer than this is reported: it holds every reader back.
 HELD_WARNING_SECONDS = 5.0
 
-__all__ = ["Check", "diagnose"]
+__all__ = ["Check", "diagnose", "repair"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +39,29 @@ class Check:
 
     def as_dict(self) -> dict[str, Any]:
         return {"name": self.name, "ok": self.ok, "detail": self.detail}
+
+
+def repair(settings: Settings) -> list[str]:
+    """What is always safe, before the checks: retire writers whose lease expired (only those
+    with no transaction still open; see `streams.store.retire_expired_writers`) and move every
+    sequence past the IDs known to be used (`streams.store.repair_sequence`, under the same
+    registration lock a starting writer takes). Returns what was done."""
+    done: list[str] = []
+    with dbconnect.connect(settings.database_url, autocommit=False, purpose="doctor") as conn:
+        for info in run(conn, list_streams()):
+            for name in run(conn, retire_expired_writers(info)):
+                done.append(f"stream {info.name}: retired writer {name} (lease expired)")
+            target = run(conn, _locked_repair(info))
+            if target is not None:
+                done.append(f"stream {info.name}: sequence moved to {target}")
+    return done
+
+
+def _locked_repair(info: StreamInfo) -> Gen[int | None]:
+    yield Query("SELECT pg_advisory_xact_lock(%s, %s)", (REGISTRATION_LOCK, info.id))
+    target = yield from repair_sequence(info)
+    yield Commit()
+    return target
 
 
 def diagnose(settings: Settings) -> list[Check]:

@@ -42,6 +42,7 @@ import orjson
 import psycopg
 from psycopg.types.json import set_json_loads
 
+from . import dbconnect
 from ._ops import Gen, Pipeline, arun, run
 from .epochs import Epoch, Fact, Row, plan_page
 from .errors import StoreError, UsageError, WaitTimeout
@@ -386,7 +387,7 @@ def _loads(data: bytes | str) -> Any:
 
 def _connect(url: str) -> psycopg.Connection[Any]:
     try:
-        conn = psycopg.connect(url, autocommit=True, connect_timeout=10)
+        conn = dbconnect.connect(url, autocommit=True, connect_timeout=10, purpose="reader")
         for statement in READER_SESSION_SETUP:
             conn.execute(statement)
         set_json_loads(_loads, conn)
@@ -631,8 +632,8 @@ class AsyncReader(_ReaderBase):
         poll_interval: float | None = None,
     ) -> AsyncReader:
         try:
-            conn = await psycopg.AsyncConnection.connect(
-                database_url, autocommit=True, connect_timeout=10
+            conn = await dbconnect.aconnect(
+                database_url, autocommit=True, connect_timeout=10, purpose="reader"
             )
             for statement in READER_SESSION_SETUP:
                 await conn.execute(statement)

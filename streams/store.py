@@ -122,6 +122,7 @@ __all__ = [
     "probe",
     "probe_queries",
     "probes_from_rows",
+    "prune_writers",
     "repair_sequence",
     "reservation_lock_holders",
     "reservation_lock_key_sql",
@@ -134,6 +135,8 @@ __all__ = [
 ]
 
 ALEMBIC_HEAD = "0003_fact_tables"
+
+_NOW_MS_SQL = "(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
 
 #: Session setting (plus the stream's registry id) where `probe` leaves the complete position.
 COMPLETE_SETTING = "streams.complete_"
@@ -220,12 +223,38 @@ class FactTable:
 
 @dataclass(frozen=True, slots=True)
 class WriterRow:
+    """A writer's row: its persisted position, lease and what it last reported."""
+
     instance: str
     generation: int
     position: int
     retired: bool
     lease_expires_in_ms: int
     pending: int = 0
+    #: Milliseconds since its last heartbeat (or registration).
+    heartbeat_age_ms: int = 0
+
+    @property
+    def state(self) -> str:
+        """``retired`` (closed, fenced or pruned from the linear position), ``lease expired``
+        (stopped heartbeating; retired at the next chance), ``active`` (IDs pending at its
+        last heartbeat) or ``idle`` (nothing pending: it holds nobody back)."""
+        if self.retired:
+            return "retired"
+        if self.lease_expires_in_ms < 0:
+            return "lease expired"
+        return "active" if self.pending else "idle"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "position": self.position,
+            "generation": self.generation,
+            "retired": self.retired,
+            "state": self.state,
+            "lease_expires_in_ms": self.lease_expires_in_ms,
+            "heartbeat_age_ms": self.heartbeat_age_ms,
+            "pending": self.pending,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,24 +268,27 @@ class StreamPositions:
     #: The minimum of the writers' persisted positions: trails ``linear`` by a heartbeat.
     persisted_linear: int = 0
     groups: tuple[GroupRow, ...] = ()
+    #: Age in ms of the oldest open writing transaction (the oldest pending ID), if any.
+    oldest_pending_ms: int | None = None
 
-    def as_dict(self) -> dict[str, Any]:
+    @property
+    def scratchpad(self) -> int:
+        """IDs in (linear, max allocated]: pending, or completed behind a pending one."""
+        return self.max_allocated - self.linear
+
+    def as_dict(self, *, retired: bool = True) -> dict[str, Any]:
+        """JSON-ready; ``retired=False`` folds retired writers into ``retired_writers``."""
+        shown = {n: w for n, w in sorted(self.writers.items()) if retired or not w.retired}
         return {
             "stream": self.stream,
             "linear": self.linear,
             "persisted_linear": self.persisted_linear,
             "max_allocated": self.max_allocated,
+            "scratchpad": self.scratchpad,
+            "oldest_pending_ms": self.oldest_pending_ms,
             "groups": {g.group: g.as_dict() for g in self.groups},
-            "writers": {
-                name: {
-                    "position": row.position,
-                    "generation": row.generation,
-                    "retired": row.retired,
-                    "lease_expires_in_ms": row.lease_expires_in_ms,
-                    "pending": row.pending,
-                }
-                for name, row in sorted(self.writers.items())
-            },
+            "writers": {name: row.as_dict() for name, row in shown.items()},
+            "retired_writers": sum(w.retired for w in self.writers.values()),
         }
 
 
@@ -875,12 +907,15 @@ class GroupRow:
     ts_floor: int
     lag: int
     updated_at: str
+    #: Age in ms of the oldest fact the group has not consumed (None when it is caught up).
+    lag_ms: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "group": self.group,
             "position": self.position,
             "lag": self.lag,
+            "lag_ms": self.lag_ms,
             "updated_at": self.updated_at,
         }
 
@@ -930,10 +965,19 @@ def list_groups(info: StreamInfo, linear: int | None = None) -> Gen[list[GroupRo
     if linear is None:
         probes = yield from probe([info])
         linear = probes[info.name].complete
+    # The oldest unconsumed fact: the first one above the group's position (a primary-key
+    # lookup), if it is complete.
     rows = yield Query(
-        "SELECT group_name, position, ts_floor, updated_at FROM streams_reader_groups "
-        "WHERE stream = %s ORDER BY group_name",
-        (info.id,),
+        f"""
+        SELECT g.group_name, g.position, g.ts_floor, g.updated_at,
+               {_NOW_MS_SQL} - (SELECT f.ts FROM streams_facts f
+                                 WHERE f.stream = g.stream AND f.stream_id > g.position
+                                   AND f.stream_id <= %(linear)s
+                                 ORDER BY f.stream_id LIMIT 1)
+        FROM streams_reader_groups g
+        WHERE g.stream = %(stream)s ORDER BY g.group_name
+        """,
+        {"stream": info.id, "linear": linear},
     )
     yield Commit()
     return [
@@ -944,8 +988,9 @@ def list_groups(info: StreamInfo, linear: int | None = None) -> Gen[list[GroupRo
             ts_floor=int(ts_floor),
             lag=max(0, linear - int(position)),
             updated_at=updated_at.isoformat(),
+            lag_ms=None if lag_ms is None else max(0, int(lag_ms)),
         )
-        for name, position, ts_floor, updated_at in rows
+        for name, position, ts_floor, updated_at, lag_ms in rows
     ]
 
 
@@ -960,7 +1005,8 @@ def stream_positions(info: StreamInfo, *, retire: bool = True) -> Gen[StreamPosi
             """
             SELECT {max_allocated}, w.instance, w.generation, w.position, w.retired,
                    (extract(epoch FROM w.lease_expires_at - clock_timestamp()) * 1000)::bigint,
-                   w.pending
+                   w.pending,
+                   (extract(epoch FROM clock_timestamp() - w.heartbeat_at) * 1000)::bigint
             FROM (SELECT 1) AS one
             LEFT JOIN streams_writers w ON w.stream = %s
             ORDER BY w.instance
@@ -978,12 +1024,14 @@ def stream_positions(info: StreamInfo, *, retire: bool = True) -> Gen[StreamPosi
             retired=row[4],
             lease_expires_in_ms=row[5],
             pending=row[6],
+            heartbeat_age_ms=row[7],
         )
         for row in rows
         if row[1] is not None
     }
     probes = yield from probe([info])
     groups = yield from list_groups(info, probes[info.name].complete)
+    holders = yield from reservation_lock_holders(info)
     return StreamPositions(
         stream=info.name,
         linear=probes[info.name].complete,
@@ -993,4 +1041,21 @@ def stream_positions(info: StreamInfo, *, retire: bool = True) -> Gen[StreamPosi
             [w.position for w in writers.values() if not w.retired], max_allocated
         ),
         groups=tuple(groups),
+        oldest_pending_ms=(
+            round(max(h.transaction_seconds for h in holders) * 1000) if holders else None
+        ),
     )
+
+
+def prune_writers(info: StreamInfo, older_than_ms: int) -> Gen[list[str]]:
+    """Delete the rows of writers retired more than ``older_than_ms`` ago (by their last
+    heartbeat). Safe: a retired writer is fenced whether or not its row exists (its
+    transactions find no row at their generation), and a process that registers the same
+    name again starts a new row at the linear position."""
+    rows = yield Query(
+        "DELETE FROM streams_writers WHERE stream = %s AND retired "
+        "AND heartbeat_at < clock_timestamp() - make_interval(secs => %s) RETURNING instance",
+        (info.id, older_than_ms / 1000),
+    )
+    yield Commit()
+    return sorted(row[0] for row in rows)

@@ -26,6 +26,7 @@ from typing import Any
 import psycopg
 from psycopg.pq import TransactionStatus
 
+from . import dbconnect
 from ._ops import arun, run
 from .core import Ack, FactHandle, WriterCore
 from .errors import StoreError, UsageError, WriterFenced
@@ -43,17 +44,11 @@ FLUSH_INTERVAL = 0.02
 
 
 def _connect(url: str) -> psycopg.Connection[Any]:
-    try:
-        return psycopg.connect(url, autocommit=False, connect_timeout=10)
-    except psycopg.Error as exc:
-        raise StoreError(f"cannot connect to PostgreSQL: {type(exc).__name__}") from None
+    return dbconnect.connect(url, autocommit=False, connect_timeout=10, purpose="writer")
 
 
 async def _aconnect(url: str) -> psycopg.AsyncConnection[Any]:
-    try:
-        return await psycopg.AsyncConnection.connect(url, autocommit=False, connect_timeout=10)
-    except psycopg.Error as exc:
-        raise StoreError(f"cannot connect to PostgreSQL: {type(exc).__name__}") from None
+    return await dbconnect.aconnect(url, autocommit=False, connect_timeout=10, purpose="writer")
 
 
 def _check_idle(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:

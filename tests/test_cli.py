@@ -303,7 +303,7 @@ def test_read_json_lines_in_id_order(streams_url: str, timed_stream: str) -> Non
 def test_read_text_output(streams_url: str, timed_stream: str) -> None:
     lines = ok(cli(streams_url, "read", timed_stream)).splitlines()
     assert len(lines) == 4
-    assert lines[0].split()[:2] == ["1", "1000"]
+    assert lines[0].split()[:3] == ["1", "1970-01-01", "00:00:01.000Z"]
 
 
 def test_read_from_id_and_limit(streams_url: str, timed_stream: str) -> None:
@@ -412,15 +412,30 @@ def test_positions_json(streams_url: str, stream: str) -> None:
         "linear",
         "persisted_linear",
         "max_allocated",
+        "scratchpad",
+        "oldest_pending_ms",
         "writers",
+        "retired_writers",
         "groups",
     }
     assert entry["groups"] == {}
     assert (entry["stream"], entry["linear"], entry["max_allocated"]) == (stream, 3, 3)
-    assert isinstance(entry["writers"], dict)
-    assert len(entry["writers"]) == 1
+    assert (entry["scratchpad"], entry["oldest_pending_ms"]) == (0, None)
+    # The CLI's writer retired when `append` ended: folded away unless --all.
+    assert (entry["writers"], entry["retired_writers"]) == ({}, 1)
+    (entry,) = one_json(cli(streams_url, "positions", stream, "--json", "--all"))
     (writer,) = entry["writers"].values()
     assert writer["position"] == 3
+    assert writer["state"] == "retired"
+    assert set(writer) == {
+        "position",
+        "generation",
+        "retired",
+        "state",
+        "lease_expires_in_ms",
+        "heartbeat_age_ms",
+        "pending",
+    }
 
     # Without arguments: every stream, including both of ours.
     other = f"{stream}-2"
@@ -436,8 +451,17 @@ def test_positions_json(streams_url: str, stream: str) -> None:
 def test_positions_text(streams_url: str, stream: str) -> None:
     append(streams_url, stream, "1")
     out = ok(cli(streams_url, "positions", stream))
-    assert f"{stream}: linear 1" in out
-    assert "writer" in out
+    header, row = out.splitlines()[:2]
+    assert header.split() == [
+        "STREAM",
+        "LINEAR",
+        "MAX_ALLOCATED",
+        "SCRATCHPAD",
+        "OLDEST_PENDING_MS",
+    ]
+    assert row.split() == [stream, "1", "1", "0", "-"]
+    out = ok(cli(streams_url, "positions", stream, "--all"))
+    assert "WRITER" in out and "retired" in out
 
 
 def test_positions_unknown_stream(streams_url: str, unique_name: str) -> None:

@@ -113,10 +113,23 @@ def test_instance_name_rejects_non_str(name: object) -> None:
         ("postgresql://user:p@ss@host/db", "postgresql://user:***@host/db"),
         ("postgresql://user:secret@h1:5432,h2:5432/db", "postgresql://user:***@h1:5432,h2:5432/db"),
         ("postgresql://host/db?password=secret", "postgresql://host/db?password=***"),
+        # A raw password may contain '&': everything after password= is hidden.
         (
             "postgresql://host/db?user=u&PASSWORD=secret&sslmode=require",
-            "postgresql://host/db?user=u&PASSWORD=***&sslmode=require",
+            "postgresql://host/db?user=u&PASSWORD=***",
         ),
+        ("postgresql://u:pa/ss@h/db", "postgresql://u:***@h/db"),
+        ("postgresql://u:p@ss:w@h/db", "postgresql://u:***@h/db"),
+        ("postgresql://u:p?s#s@h/db", "postgresql://u:***@h/db"),
+        ("rediss://user:secret@host:6380", "rediss://user:***@host:6380"),
+        ("unix://:secret@/tmp/redis.sock?db=0", "unix://:***@/tmp/redis.sock?db=0"),
+        ("redis://host:6379/0?password=secret", "redis://host:6379/0?password=***"),
+        ("host=h password=secret dbname=d", "host=h password=*** dbname=d"),
+        ("host=h password = 'sec ret' dbname=d", "host=h password = *** dbname=d"),
+        (r"host=h password='se\'c ret' dbname=d", "host=h password=*** dbname=d"),
+        (r"host=h password=se\ cret", "host=h password=***"),
+        ("host=h password='secret", "host=h password=***"),
+        ("password=secret more words dbname=d", "password=*** dbname=d"),
     ],
 )
 def test_redact_url_hides_passwords(url: str, expected: str) -> None:
