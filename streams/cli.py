@@ -227,7 +227,7 @@ def append(
     prefix: str | None,
 ) -> None:
     """Append facts: each PAYLOAD is a JSON document (or read JSON lines from stdin)."""
-    if not payloads and sys.stdin.isatty():
+    if not payloads and _stdin_terminal():
         raise click.UsageError(
             "no payloads: give JSON documents as arguments, or pipe JSON lines into stdin "
             "(e.g. `echo '{\"n\": 1}' | streams append NAME`)"
@@ -383,6 +383,10 @@ def _print_row(fact: Fact, row_no: int, payload: Any, as_json: bool) -> None:
 
 def _terminal() -> bool:
     return sys.stdout.isatty()
+
+
+def _stdin_terminal() -> bool:
+    return sys.stdin.isatty()
 
 
 def _positions_tables(
