@@ -634,6 +634,36 @@ def doctor(
 
 
 @main.group()
+def metrics() -> None:
+    """Prometheus metrics (needs `pip install 'streams[metrics]'`)."""
+
+
+@metrics.command(name="serve")
+@click.option("--port", type=click.IntRange(min=0, max=65535), default=9464, show_default=True)
+@click.option("--addr", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@_common
+def metrics_serve(
+    port: int, addr: str, database_url: str | None, redis_url: str | None, prefix: str | None
+) -> None:
+    """Serve stream-level figures of one database on http://ADDR:PORT/metrics (linear
+    position, max allocated, scratchpad, oldest pending ID, writers, group lag), read at each
+    scrape; runs until Ctrl-C."""
+    from .metrics import serve
+
+    settings = _settings(database_url, redis_url, prefix)
+    server = serve(settings, port, addr)
+    host, bound = server.server_address[:2]
+    click.echo(
+        f"serving metrics of {redact_url(settings.database_url)} on http://{host}:{bound}/metrics"
+    )
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        server.shutdown()
+
+
+@main.group()
 def bench() -> None:
     """Benchmarks that print figures beside a raw baseline measured in the same run."""
 

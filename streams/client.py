@@ -14,6 +14,7 @@ import re
 import secrets
 import socket
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -89,6 +90,9 @@ class Client:
             raise
         self._link: RedisLink | None = None
         self._link_lock = threading.Lock()
+        #: What this client opened, for `streams.metrics` (weak: closing is the caller's job).
+        self.writers: weakref.WeakSet[Writer] = weakref.WeakSet()
+        self.readers: weakref.WeakSet[Reader] = weakref.WeakSet()
 
     def __repr__(self) -> str:
         return f"<Client {self.settings!r}>"
@@ -164,7 +168,9 @@ class Client:
             lease_seconds=self.settings.lease_seconds,
             max_payload_bytes=self.settings.max_payload_bytes,
         )
-        return Writer(self.settings.database_url, core, self.link)
+        writer = Writer(self.settings.database_url, core, self.link)
+        self.writers.add(writer)
+        return writer
 
     def reader(
         self,
@@ -182,7 +188,9 @@ class Client:
         committed position of that group wins over ``start``.
         """
         core = _reader_core(streams, start, group, page_size)
-        return Reader(self.settings.database_url, core, self.link, poll_interval=poll_interval)
+        reader = Reader(self.settings.database_url, core, self.link, poll_interval=poll_interval)
+        self.readers.add(reader)
+        return reader
 
     def groups(self, stream: str) -> list[GroupRow]:
         """Every reader group of ``stream`` with its committed position and lag."""
@@ -218,6 +226,8 @@ class AsyncClient:
         self.settings = settings
         self._conn = conn
         self._link: AsyncRedisLink | None = None
+        self.writers: weakref.WeakSet[AsyncWriter] = weakref.WeakSet()
+        self.readers: weakref.WeakSet[AsyncReader] = weakref.WeakSet()
 
     @property
     def link(self) -> AsyncRedisLink | None:
@@ -304,7 +314,9 @@ class AsyncClient:
             lease_seconds=self.settings.lease_seconds,
             max_payload_bytes=self.settings.max_payload_bytes,
         )
-        return await AsyncWriter.open(self.settings.database_url, core, self.link)
+        writer = await AsyncWriter.open(self.settings.database_url, core, self.link)
+        self.writers.add(writer)
+        return writer
 
     async def reader(
         self,
@@ -317,9 +329,11 @@ class AsyncClient:
     ) -> AsyncReader:
         """The asyncio twin of `Client.reader`."""
         core = _reader_core(streams, start, group, page_size)
-        return await AsyncReader.open(
+        reader = await AsyncReader.open(
             self.settings.database_url, core, self.link, poll_interval=poll_interval
         )
+        self.readers.add(reader)
+        return reader
 
     async def groups(self, stream: str) -> list[GroupRow]:
         info = await arun(self._conn, load_stream(stream))

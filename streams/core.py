@@ -152,6 +152,8 @@ class WriterCore:
         self._reserve_one: sql.Composed | None = None
         self._reserve_many: sql.Composed | None = None
         self._beats = 0
+        #: Facts this writer committed (for metrics).
+        self.appended = 0
 
     # ------------------------------------------------------------------ accessors
 
@@ -380,6 +382,7 @@ class WriterCore:
         finally:
             self._complete(token, ids)
         self._ts_floor = max(self._ts_floor, stamps[-1])
+        self.appended += len(ids)
         return Ack(ids[0], ids[-1], stamps[0], stamps[-1], len(ids), tuple(ids))
 
     def _complete(self, token: ReservationToken, ids: Sequence[int]) -> None:
@@ -434,6 +437,7 @@ class WriterCore:
         self._complete(token, [handle.stream_id] if handle is not None else [])
         if ok and handle is not None:
             self._ts_floor = max(self._ts_floor, handle.timestamp)
+            self.appended += 1
 
     # ------------------------------------------------------------------ heartbeats
 

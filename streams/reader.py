@@ -168,6 +168,8 @@ class ReaderCore:
         self._reconcile = True
         self.probes = 0
         self.pages = 0
+        #: Rows read from PostgreSQL (catch-up and live), for metrics.
+        self.rows = 0
 
     # ---------------------------------------------------------------- initialization
 
@@ -284,6 +286,7 @@ class ReaderCore:
         info = self.infos[name]
         after = self.positions[name]
         self.pages += 1
+        self.rows += len(rows)
         plan = plan_page(
             name, rows, after=after, through=target, limit=self.page_size,
             ts_floor=self.ts_floors[name],

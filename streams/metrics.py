@@ -1,0 +1,237 @@
+"""Prometheus metrics (optional: ``pip install 'streams[metrics]'``).
+
+Two collectors, both *pull*: nothing is computed until Prometheus scrapes, so the hot paths
+(appends, probes) pay nothing for metrics.
+
+* `ClientCollector` reports what one process does: each writer of a `streams.Client`
+  (position, pending and in-flight IDs, facts appended), each reader (position per stream,
+  probes, pages and rows read) and the Redis link (commands received, malformed, foreign,
+  published, dropped, reconnects). `enable(client, port=...)` registers it and, with a port,
+  serves ``/metrics``.
+* `DatabaseCollector` reports stream-level figures of one database, read at scrape time with
+  the same queries as `streams positions`: linear position, max allocated, scratchpad, the age
+  of the oldest pending ID, each writer's position and pending count, each reader group's (and
+  Spark query's) lag in IDs and in time. ``streams metrics serve`` runs it, so a Prometheus can
+  scrape a deployment without touching its services.
+
+What operators of such systems fear most is a silent stall: the linear position not moving
+while max allocated moves (a writer holding an ID open). ``deploy/prometheus/alerts.yml`` has a
+rule for it, ``StreamsLinearPositionStalled``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from ._ops import run
+from .config import Settings
+from .errors import ConfigurationError, StreamsError
+
+if TYPE_CHECKING:
+    from .client import Client
+
+__all__ = ["ClientCollector", "DatabaseCollector", "enable", "serve"]
+
+_PREFIX = "streams"
+
+
+def _prometheus() -> Any:
+    try:
+        import prometheus_client
+    except ImportError:
+        raise ConfigurationError(
+            "metrics need prometheus-client: pip install 'streams[metrics]'"
+        ) from None
+    return prometheus_client
+
+
+def _family(kind: str, name: str, doc: str, labels: list[str]) -> Any:
+    core = _prometheus().metrics_core
+    cls = core.GaugeMetricFamily if kind == "gauge" else core.CounterMetricFamily
+    return cls(f"{_PREFIX}_{name}", doc, labels=labels)
+
+
+class ClientCollector:
+    """The figures of one client's writers, readers and Redis link (see the module doc)."""
+
+    def __init__(self, client: Client) -> None:
+        self._client = client
+
+    def describe(self) -> list[Any]:
+        return []  # unchecked collector: families are built at scrape time
+
+    def collect(self) -> Iterator[Any]:
+        position = _family(
+            "gauge", "writer_position", "Per-writer position.", ["stream", "instance"]
+        )
+        pending = _family(
+            "gauge",
+            "writer_pending_ids",
+            "IDs reserved and not completed, plus reservations in flight.",
+            ["stream", "instance"],
+        )
+        appended = _family(
+            "counter", "writer_appended_facts", "Facts committed.", ["stream", "instance"]
+        )
+        for writer in list(self._client.writers):
+            wcore = writer.core
+            if wcore.fenced:
+                continue
+            tracker = wcore.tracker
+            labels = [wcore.stream_name, wcore.instance]
+            position.add_metric(labels, tracker.local_position)
+            pending.add_metric(labels, tracker.pending_count + tracker.in_flight_count)
+            appended.add_metric(labels, wcore.appended)
+        yield from (position, pending, appended)
+
+        reader_position = _family(
+            "gauge",
+            "reader_position",
+            "Everything at or below it was delivered.",
+            ["stream", "group"],
+        )
+        probes = _family("counter", "reader_probes", "Probes of PostgreSQL.", ["streams", "group"])
+        pages = _family("counter", "reader_pages", "Pages of rows read.", ["streams", "group"])
+        rows = _family(
+            "counter", "reader_rows", "Rows read (catch-up and live).", ["streams", "group"]
+        )
+        for reader in list(self._client.readers):
+            rcore = reader.core
+            group = rcore.group or ""
+            for name, value in rcore.positions.items():
+                reader_position.add_metric([name, group], value)
+            key = [",".join(rcore.names), group]
+            probes.add_metric(key, rcore.probes)
+            pages.add_metric(key, rcore.pages)
+            rows.add_metric(key, rcore.rows)
+        yield from (reader_position, probes, pages, rows)
+
+        link = self._client._link
+        if link is not None:
+            stats = link.stats
+            counters = {
+                "received": stats.received,
+                "malformed": stats.malformed,
+                "foreign": stats.foreign,
+                "hints": stats.hints,
+                "published": stats.published,
+                "suppressed": stats.suppressed,
+                "dropped": link.dropped,
+                "reconnects": stats.reconnects,
+            }
+            family = _family(
+                "counter", "link_commands", "Replication commands by outcome.", ["prefix", "kind"]
+            )
+            for kind, value in counters.items():
+                family.add_metric([link.core.prefix, kind], value)
+            yield family
+            up = _family("gauge", "link_connected", "1 if the Redis fast path is up.", ["prefix"])
+            up.add_metric([link.core.prefix], 1 if link.connected else 0)
+            yield up
+
+
+class DatabaseCollector:
+    """Stream-level figures of one database, read at scrape time (see the module doc)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._lock = threading.Lock()
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        from . import dbconnect
+        from .store import list_streams, stream_positions
+
+        up = _family("gauge", "database_up", "1 if the last scrape could read the database.", [])
+        try:
+            with (
+                self._lock,
+                dbconnect.connect(
+                    self._settings.database_url, autocommit=False, purpose="metrics"
+                ) as conn,
+            ):
+                items = [
+                    run(conn, stream_positions(info, retire=False))
+                    for info in run(conn, list_streams())
+                ]
+        except StreamsError:
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+        linear = _family(
+            "gauge", "linear_position", "Every ID at or below it completed.", ["stream"]
+        )
+        allocated = _family("gauge", "max_allocated", "The sequence's last value.", ["stream"])
+        scratchpad = _family(
+            "gauge", "scratchpad_ids", "IDs in (linear, max allocated].", ["stream"]
+        )
+        oldest = _family(
+            "gauge",
+            "oldest_pending_seconds",
+            "Age of the oldest open writing transaction.",
+            ["stream"],
+        )
+        writer_position = _family(
+            "gauge",
+            "writer_persisted_position",
+            "Per-writer position as persisted.",
+            ["stream", "instance", "state"],
+        )
+        writer_pending = _family(
+            "gauge",
+            "writer_persisted_pending",
+            "Pending IDs at the writer's last heartbeat.",
+            ["stream", "instance", "state"],
+        )
+        lag = _family(
+            "gauge", "group_lag_ids", "Linear position minus the group's.", ["stream", "group"]
+        )
+        lag_seconds = _family(
+            "gauge",
+            "group_lag_seconds",
+            "Age of the oldest fact the group has not consumed.",
+            ["stream", "group"],
+        )
+        for p in items:
+            linear.add_metric([p.stream], p.linear)
+            allocated.add_metric([p.stream], p.max_allocated)
+            scratchpad.add_metric([p.stream], p.scratchpad)
+            oldest.add_metric([p.stream], (p.oldest_pending_ms or 0) / 1000)
+            for name, w in p.writers.items():
+                if w.retired:
+                    continue
+                writer_position.add_metric([p.stream, name, w.state], w.position)
+                writer_pending.add_metric([p.stream, name, w.state], w.pending)
+            for g in p.groups:
+                lag.add_metric([p.stream, g.group], g.lag)
+                lag_seconds.add_metric([p.stream, g.group], (g.lag_ms or 0) / 1000)
+        yield from (linear, allocated, scratchpad, oldest, writer_position, writer_pending)
+        yield from (lag, lag_seconds)
+
+
+def enable(client: Client, *, port: int | None = None, addr: str = "127.0.0.1") -> Any:
+    """Register a `ClientCollector` for ``client`` (in prometheus-client's default registry)
+    and, with ``port``, serve ``/metrics`` there. Returns the collector (unregister it with
+    ``prometheus_client.REGISTRY.unregister``)."""
+    prometheus = _prometheus()
+    collector = ClientCollector(client)
+    prometheus.REGISTRY.register(collector)
+    if port is not None:
+        prometheus.start_http_server(port, addr=addr)
+    return collector
+
+
+def serve(settings: Settings, port: int, addr: str = "127.0.0.1") -> Any:
+    """Serve `DatabaseCollector` figures on ``http://addr:port/metrics`` (a daemon thread);
+    returns the server (``.shutdown()`` stops it)."""
+    prometheus = _prometheus()
+    registry = prometheus.CollectorRegistry()
+    registry.register(DatabaseCollector(settings))
+    server, _thread = prometheus.start_http_server(port, addr=addr, registry=registry)
+    return server
