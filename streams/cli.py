@@ -775,53 +775,57 @@ def bench_latency(
 
 
 @main.command()
-@click.option("--facts", type=click.IntRange(min=1), default=1000, show_default=True)
+@click.option(
+    "--duration", type=click.FloatRange(min=0.5), default=30.0, show_default=True,
+    help="Seconds to run (Ctrl-C stops earlier).",
+)  # fmt: skip
+@click.option("--writers", "writer_count", type=click.IntRange(1, 16), default=3, show_default=True)
+@click.option(
+    "--rate", type=click.FloatRange(min=1), default=50.0, show_default=True,
+    help="Facts/s per writer process.",
+)  # fmt: skip
+@click.option(
+    "--no-spark", is_flag=True, help="Only the Python reader (for a machine without Java)."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @_common
-def demo(facts: int, database_url: str | None, redis_url: str | None, prefix: str | None) -> None:
-    """Migrate, create a stream, write from two writers (one fact held open) while a reader
-    follows, and show positions and epochs."""
+def demo(
+    duration: float,
+    writer_count: int,
+    rate: float,
+    no_spark: bool,
+    as_json: bool,
+    database_url: str | None,
+    redis_url: str | None,
+    prefix: str | None,
+) -> None:
+    """The main job, end to end: writer processes append (single facts, batches, multi-row facts
+    in a user table) while a Python reader group and a Spark query consume epochs; a live view;
+    then a summary that checks every fact was delivered exactly once, whole, in order, to both
+    (exit 1 if not). With no database URL configured, runs on embedded servers (./.streams/)."""
+    from .demo import print_summary, run_demo
     from .migrate import upgrade
 
     settings = _settings(database_url, redis_url, prefix)
     upgrade(settings.database_url)
-    name = f"demo-{int(time.time())}"
-    with connect(settings.database_url, settings.redis_url, settings.prefix) as client:
-        client.create_stream(name)
-        click.echo(f"created stream {name} in {redact_url(settings.database_url)}")
-        with (
-            client.writer(name, instance="demo-a") as a,
-            client.writer(name, instance="demo-b") as b,
-            client.reader(name, group="demo") as reader,
-            psycopg.connect(settings.database_url) as conn,
-        ):
-            started = time.perf_counter()
-            ack = a.append_batch([{"n": n, "by": "demo-a"} for n in range(facts)])
-            click.echo(
-                f"demo-a appended {ack.count} facts (ids {ack.first_id}..{ack.last_id})"
-                f" in {(time.perf_counter() - started) * 1000:.1f} ms"
-            )
-            with b.fact(conn) as held:
-                held.add({"by": "demo-b", "note": "held open"})
-                later = a.append({"n": "after the held one"})
-                a.heartbeat()
-                b.heartbeat()
-                p = client.positions(name)
-                click.echo(
-                    f"demo-b holds id {held.stream_id} open; demo-a wrote {later.first_id}"
-                    f": linear {p.linear} < {held.stream_id} <= max allocated"
-                    f" {p.max_allocated}"
-                )
-                for epoch in reader.epochs():
-                    click.echo(f"reader: {epoch!r}")
-                click.echo(f"reader stops at {reader.position()}: {held.stream_id} may commit")
-            p = client.positions(name)
-            click.echo(f"demo-b committed: linear {p.linear}, max allocated {p.max_allocated}")
-            for epoch in reader.epochs():
-                ids = ", ".join(str(f.id) for f in epoch.facts)
-                click.echo(f"reader: {epoch!r}: ids {ids}")
-            reader.commit()
-            click.echo(f"group 'demo' committed {reader.position()}")
-    click.echo(f"now try: streams read {name} --limit 5   or   streams positions {name}")
+    click.echo(f"database {redact_url(settings.database_url)}", err=True)
+    result = run_demo(
+        settings,
+        duration=duration,
+        writers=writer_count,
+        rate=rate,
+        spark=not no_spark,
+        terminal=_terminal() and not as_json,
+        out=lambda line: click.echo(line, err=True),
+    )
+    if as_json:
+        click.echo(json.dumps(result.as_dict(), sort_keys=True, separators=(",", ":")))
+    else:
+        print_summary(result, lambda line: click.echo(line, err=True), _terminal())
+        name = result.stream
+        click.echo(f"now try: streams positions {name}   or   streams read {name} --limit 5")
+    if not result.ok:
+        sys.exit(1)
 
 
 if __name__ == "__main__":  # pragma: no cover

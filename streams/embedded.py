@@ -37,6 +37,7 @@ import atexit
 import contextlib
 import fcntl
 import glob
+import hashlib
 import importlib.util
 import json
 import logging
@@ -235,13 +236,21 @@ def redis_url(port: int) -> str:
     return f"redis://{HOST}:{port}/0"
 
 
-def announcement(base_dir: Path, urls: EmbeddedURLs, versions: Mapping[str, str]) -> str:
+def announcement(
+    base_dir: Path,
+    urls: EmbeddedURLs,
+    versions: Mapping[str, str],
+    postgres_dir: Path | None = None,
+) -> str:
     """The line shown when the embedded servers are in use: where the data lives, what runs,
     and how to point the same commands at real servers."""
     what = ", ".join(f"{name} {version}".strip() for name, version in versions.items())
+    where = f"data in {base_dir.resolve()}"
+    if postgres_dir is not None and base_dir.resolve() not in postgres_dir.resolve().parents:
+        where += f" (PostgreSQL's files in {postgres_dir}: its account cannot enter {base_dir})"
     return (
         f"streams: no database configured; using embedded servers ({what}) on {HOST}, "
-        f"data in {base_dir.resolve()} (kept across runs, servers stopped on exit). "
+        f"{where} (kept across runs, servers stopped on exit). "
         f"To use your own servers, set STREAMS_DATABASE_URL and STREAMS_REDIS_URL "
         f"(or pass --database-url/--redis-url)."
     )
@@ -928,6 +937,41 @@ def _signals_exit() -> Iterator[None]:
             signal.signal(restored, handler)
 
 
+#: Under root, where PostgreSQL's files go when its account cannot reach ``base_dir``.
+#: A fixed name in a world-writable directory: `postgres_directory` refuses it unless root
+#: owns it and it is a real directory (another local user could have planted a symlink).
+ROOT_FALLBACK_BASE = Path("/var/tmp")  # noqa: S108
+
+
+def postgres_directory(base_dir: Path) -> Path:
+    """Where PostgreSQL's files live: ``base_dir/postgres``. Under root, PostgreSQL runs as an
+    unprivileged account; when that account cannot enter ``base_dir`` (a project under
+    ``/root``), rather than opening up the permissions of the user's directories the files go
+    to a directory of their own under ``/var/tmp`` named after ``base_dir``, and
+    ``base_dir/postgres-location`` says where, so every run finds them again."""
+    local = base_dir / "postgres"
+    if os.geteuid() != 0:
+        return local
+    pointer = base_dir / "postgres-location"
+    if pointer.exists():
+        return Path(pointer.read_text().strip())
+    data = local / "data"
+    account = postgres_account(data.stat().st_uid if data.exists() else None)
+    if account.uid is None or blocked_ancestor(base_dir, account.uid, account.gids()) is None:
+        return local
+    digest = hashlib.sha256(str(base_dir).encode()).hexdigest()[:16]
+    elsewhere = ROOT_FALLBACK_BASE / f"streams-embedded-{digest}" / "postgres"
+    elsewhere.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    st = os.lstat(elsewhere.parent)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
+        raise EmbeddedServerError(
+            f"{elsewhere.parent} exists but is not a directory owned by root and writable only "
+            "by it: remove it, or run streams as a regular user"
+        )
+    pointer.write_text(f"{elsewhere}\n")
+    return elsewhere
+
+
 @contextlib.contextmanager
 def embedded_servers(
     base_dir: Path = DEFAULT_BASE_DIR,
@@ -955,7 +999,8 @@ def embedded_servers(
         gitignore = base_dir / ".gitignore"
         if not gitignore.exists():
             gitignore.write_text("# streams' embedded servers: local data, never committed\n*\n")
-        postgres = stack.enter_context(start_postgres(base_dir / "postgres", durable=durable))
+        postgres_dir = postgres_directory(base_dir)
+        postgres = stack.enter_context(start_postgres(postgres_dir, durable=durable))
         redis_server = stack.enter_context(start_redis(base_dir / "redis"))
         urls = EmbeddedURLs(ensure_database(postgres.url, database), redis_server.url)
         if upgrade_schema:
@@ -965,7 +1010,10 @@ def embedded_servers(
         if announce is not None:
             announce(
                 announcement(
-                    base_dir, urls, {"PostgreSQL": postgres.version, "Redis": redis_server.version}
+                    base_dir,
+                    urls,
+                    {"PostgreSQL": postgres.version, "Redis": redis_server.version},
+                    postgres_dir,
                 )
             )
         yield urls

@@ -571,7 +571,7 @@ def test_no_command_prints_a_wrong_password(streams_url: str, args: tuple[str, .
         ("positions",),
         ("positions", "s1", "--json"),
         ("doctor",),
-        ("demo", "--facts", "1"),
+        ("demo", "--duration", "1", "--no-spark"),
     ],
 )
 def test_dead_database_is_one_line_error(args: tuple[str, ...]) -> None:
@@ -605,11 +605,18 @@ def test_environment_variable_is_used(streams_url: str, stream: str) -> None:
 # demo and bench
 
 
-def test_demo(fresh_url: str) -> None:
-    out = ok(cli(fresh_url, "demo", "--facts", "50"))
-    assert "linear" in out
-    assert "demo-a appended 50 facts" in out
-    assert redact_url(fresh_url) in out
+def test_demo_checks_itself_without_spark(fresh_url: str) -> None:
+    result = cli(
+        fresh_url, "demo", "--duration", "4", "--writers", "2", "--rate", "40", "--no-spark",
+        "--json",
+    )  # fmt: skip
+    summary = one_json(result)
+    assert summary["ok"] is True, summary
+    assert summary["problems"] == []
+    assert summary["committed_facts"] > 100
+    assert summary["python_facts"] == summary["committed_facts"]
+    assert summary["committed_rows"] > summary["committed_facts"]  # multi-row facts
+    assert redact_url(fresh_url) in result.stderr
 
 
 def test_bench_write_small_run(fresh_url: str) -> None:

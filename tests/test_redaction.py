@@ -59,7 +59,7 @@ COMMANDS: tuple[tuple[str, ...], ...] = (
     ("read", "s-redaction"),
     ("positions",),
     ("doctor",),
-    ("demo", "--facts", "1"),
+    ("demo", "--duration", "1", "--no-spark"),
 )
 
 #: redis-py's own URL parser (untyped).
