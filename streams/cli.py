@@ -367,6 +367,9 @@ def read(
         client.reader(stream, start=start, group=group) as reader,
     ):
         epochs = iter(reader) if follow else reader.epochs()
+        progress = contextlib.ExitStack()
+        if not follow and sys.stderr.isatty() and not sys.stdout.isatty():
+            epochs = _with_progress(progress, reader, stream, epochs)
         # The last fact printed whole, when a limit or Ctrl-C stops inside an epoch: --commit
         # commits exactly what was printed, never more (the rest comes again next time).
         printed: Fact | None = None
@@ -390,6 +393,34 @@ def read(
         except KeyboardInterrupt:
             _commit_through(reader, printed, commit_group)
             return
+        finally:
+            progress.close()
+
+
+def _with_progress(
+    stack: contextlib.ExitStack, reader: Reader, stream: str, epochs: Iterator[Any]
+) -> Iterator[Any]:
+    """A progress bar on stderr (a terminal) while the rows go to a pipe or a file: position
+    against the complete position the reader aims at."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+    bar = stack.enter_context(
+        Progress(
+            "[progress.description]{task.description}",
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),
+            transient=True,
+        )
+    )
+    start = reader.position(stream)
+    task = bar.add_task(f"reading {stream}", total=max(1, reader.core.target(stream) - start))
+    for epoch in epochs:
+        total = max(1, reader.core.target(stream) - start)
+        bar.update(task, completed=reader.position(stream) - start, total=total)
+        yield epoch
 
 
 def _commit_through(reader: Reader, printed: Fact | None, commit_group: bool) -> None:
@@ -823,7 +854,16 @@ def demo(
     else:
         print_summary(result, lambda line: click.echo(line, err=True), _terminal())
         name = result.stream
-        click.echo(f"now try: streams positions {name}   or   streams read {name} --limit 5")
+        ctx = click.get_current_context()
+        # The servers stopped with the demo: later commands must ask for them again.
+        again = (
+            " --embedded"
+            if ctx.get_parameter_source("database_url") is ParameterSource.DEFAULT
+            else ""
+        )
+        click.echo(
+            f"now try: streams positions {name}{again}   or   streams read {name} --limit 5{again}"
+        )
     if not result.ok:
         sys.exit(1)
 

@@ -241,6 +241,11 @@ class ReaderCore:
         position = self.positions.get(hint.stream)
         return position is not None and hint.token > position
 
+    def target(self, stream: str) -> int:
+        """The complete position the last probe proved for ``stream`` (what catching up aims
+        at; progress bars use it)."""
+        return self._targets.get(stream, 0)
+
     def behind(self) -> bool:
         return any(self.positions[n] < self._targets.get(n, 0) for n in self.names)
 
