@@ -1,0 +1,80 @@
+"""Offsets of the Spark source: versioned, canonical JSON frontiers. Pure; no I/O.
+
+An offset ``{"v": 1, "streams": {"orders": 1203}}`` means: every fact of ``orders`` with a
+stream ID ``<= 1203`` has been delivered (the reader's frontier there is ``{1204}``). With several
+streams the offset is a vector frontier, compared pointwise. Keys are sorted, so two equal
+frontiers always serialise to the same JSON text (Spark compares offsets as text to decide
+whether a micro-batch has new data).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from streams.errors import ConfigurationError
+
+__all__ = ["OFFSET_VERSION", "frontier_from_json", "frontier_offset", "positions_of"]
+
+OFFSET_VERSION = 1
+
+
+def frontier_offset(positions: Mapping[str, int]) -> dict[str, Any]:
+    """The canonical offset of ``positions`` (keys sorted)."""
+    return {
+        "v": OFFSET_VERSION,
+        "streams": {name: int(positions[name]) for name in sorted(positions)},
+    }
+
+
+def positions_of(offset: Mapping[str, Any], names: tuple[str, ...]) -> dict[str, int]:
+    """The positions of ``names`` in an offset Spark hands back (from this source's own log)."""
+    if not isinstance(offset, Mapping) or offset.get("v") != OFFSET_VERSION:
+        raise ConfigurationError(
+            f"offset {json.dumps(offset)!s} is not a version-{OFFSET_VERSION} streams frontier: "
+            "was the checkpoint written by another source or a newer streams_spark?"
+        )
+    streams = offset.get("streams")
+    if not isinstance(streams, Mapping):
+        raise ConfigurationError(f"offset {json.dumps(offset)} has no 'streams' object")
+    missing = [n for n in names if n not in streams]
+    extra = sorted(set(streams) - set(names))
+    if missing or extra:
+        raise ConfigurationError(
+            f"the checkpoint's offset covers streams {sorted(streams)}, this query reads "
+            f"{sorted(names)}: the set of streams of a query cannot change across restarts "
+            "(start a new checkpoint)"
+        )
+    return {n: _position(streams[n], n) for n in names}
+
+
+def _position(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigurationError(f"position of stream {name!r} must be an integer >= 0")
+    return value
+
+
+def frontier_from_json(text: str, option: str) -> dict[str, int]:
+    """Positions from a user-given frontier JSON (an option value): ``{"v": 1, "streams":
+    {...}}``, or the bare ``{"orders": 1203}`` form."""
+    try:
+        data = json.loads(text)
+    except ValueError:
+        raise ConfigurationError(f"option {option}: {text!r} is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise ConfigurationError(f"option {option}: a frontier must be a JSON object")
+    if "streams" in data or "v" in data:
+        if data.get("v") != OFFSET_VERSION or not isinstance(data.get("streams"), dict):
+            raise ConfigurationError(
+                f'option {option}: expected {{"v": {OFFSET_VERSION}, "streams": {{...}}}}'
+            )
+        data = data["streams"]
+    out: dict[str, int] = {}
+    for name, value in data.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigurationError(
+                f"option {option}: the position of stream {name!r} must be an integer >= 0"
+            )
+        out[str(name)] = value
+    return out

@@ -1,0 +1,758 @@
+"""The ``streams`` Spark data source: micro-batches that are epochs, read as Arrow batches.
+
+Theory of operation
+===================
+
+Driver (one `StreamsStreamReader` per query, in Spark's long-lived Python planner process):
+
+* ``initialOffset`` resolves where a new query starts with the Python reader's own logic
+  (`streams.reader.ReaderCore.open`: a group's committed position, earliest, latest, an ID, a
+  time), or takes a given frontier JSON as is.
+* ``latestOffset(start, limit)`` returns, per stream, at most the position PostgreSQL proved
+  complete (`streams.store.probe`): every ID ``<=`` it has completed, so a fact that commits
+  later always has a higher ID and can never be skipped. ``maxFactsPerTrigger`` cuts the range
+  after the N-th *fact* (`streams.store.count_facts`; gaps and extra rows do not count);
+  ``minFactsPerTrigger`` returns ``start`` (no batch) until N facts are there or
+  ``maxTriggerDelay`` passed. Spark calls this in a tight loop: the source probes only when a
+  Redis hint arrived since the last probe, or once per poll interval (1 s while the Redis link
+  is up, 0.1 s without; option ``pollInterval``); otherwise it answers from the last probe.
+* ``partitions(start, end)`` cuts every stream's epoch ``(start, end]`` at stream IDs into
+  ranges of about equal row counts (`streams.store.split_range`), each carrying the running
+  maximum timestamp at its start (`streams.store.ts_floor_at`). Same offsets, same
+  partitions: a batch replayed after a crash reads exactly the same facts.
+* ``commit(end)`` records ``end`` as the reader group (`streams.store.commit_group`,
+  forward-only, so Spark repeating the last commit after a restart is harmless).
+
+Executors run `read_partition`: everything comes from the pickled `RangePartition`; the query
+text comes from `streams.store.range_rows_sql`; ADBC returns Arrow record batches, the running
+maximum timestamp is computed with pyarrow (or in SQL, ``timestampIn=sql``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceReader,
+    DataSourceStreamReader,
+    InputPartition,
+)
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxRows,
+    ReadMinRows,
+    SupportsTriggerAvailableNow,
+)
+from pyspark.sql.types import (
+    IntegerType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampType,
+)
+
+from streams.config import redact_url
+from streams.errors import ConfigurationError, StoreError
+
+from .offsets import frontier_offset, positions_of
+from .options import Position, SourceOptions, parse_options
+
+if TYPE_CHECKING:
+    import psycopg
+    import pyarrow as pa
+
+    from streams.replication import Hint
+    from streams.store import StreamInfo
+
+__all__ = [
+    "SCHEMA",
+    "RangePartition",
+    "StreamsBatchReader",
+    "StreamsDataSource",
+    "StreamsStreamReader",
+    "read_partition",
+]
+
+log = logging.getLogger("streams.spark")
+
+SCHEMA = StructType(
+    [
+        StructField("stream", StringType()),
+        StructField("stream_id", LongType()),
+        StructField("row_no", IntegerType()),
+        StructField("instance", StringType()),
+        StructField("timestamp", TimestampType()),
+        StructField("payload", StringType()),
+        StructField("epoch_upper", LongType()),
+    ]
+)
+
+#: Seconds between probes while the Redis link is up / without it (the Python reader's).
+LIVE_POLL_INTERVAL = 1.0
+FALLBACK_POLL_INTERVAL = 0.1
+
+
+class StreamsDataSource(DataSource):
+    """``spark.readStream.format("streams")`` / ``spark.read.format("streams")``."""
+
+    def __init__(self, options: Any) -> None:
+        super().__init__(options)
+        # Checked here, when the query is defined: one clear error, never one from an executor.
+        self.config: SourceOptions = parse_options(dict(options))
+
+    @classmethod
+    def name(cls) -> str:
+        return "streams"
+
+    def schema(self) -> StructType:
+        return SCHEMA
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        bad = [
+            name
+            for name, value in (
+                ("maxFactsPerTrigger", self.config.max_facts),
+                ("minFactsPerTrigger", self.config.min_facts),
+            )
+            if value is not None
+        ]
+        if bad:
+            raise ConfigurationError(
+                f"option {bad[0]} applies to streaming reads (spark.readStream) only"
+            )
+        return StreamsBatchReader(self.config)
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        if self.config.end is not None:
+            raise ConfigurationError(
+                "option endingPosition applies to batch reads (spark.read) only; a streaming "
+                "query with an end is trigger(availableNow=True)"
+            )
+        return StreamsStreamReader(self.config)
+
+
+# ------------------------------------------------------------------------------ partitions
+
+
+@dataclass(frozen=True)
+class RangePartition(InputPartition):
+    """Every row of the facts of ``stream`` in ``(after, through]``, for one Spark task."""
+
+    stream: str
+    stream_key: int
+    after: int
+    through: int
+    #: The running maximum timestamp at ``after`` (ms).
+    ts_floor: int
+    #: The batch's end position on this stream (the ``epoch_upper`` column).
+    epoch_upper: int
+    database_url: str
+    timestamp_in: str = "arrow"
+
+    def __repr__(self) -> str:
+        return (
+            f"RangePartition({self.stream!r}, ({self.after}, {self.through}], "
+            f"floor={self.ts_floor}, db={redact_url(self.database_url)!r})"
+        )
+
+
+# ADBC connections cannot be pickled; one per Python worker process, reused across tasks
+# (measured faster than one per task). Workers run one task at a time.
+_ADBC: dict[str, Any] = {}
+_ADBC_LOCK = threading.Lock()
+
+
+def _adbc_connection(url: str, fresh: bool = False) -> Any:
+    import adbc_driver_postgresql.dbapi as adbc
+
+    from streams.store import READER_SESSION_SETUP
+
+    with _ADBC_LOCK:
+        conn = _ADBC.pop(url, None)
+        if conn is not None and fresh:
+            try:
+                conn.close()
+            except Exception:
+                log.debug("closing a stale ADBC connection failed", exc_info=True)
+            conn = None
+        if conn is None:
+            try:
+                conn = adbc.connect(url, autocommit=True)
+                with conn.cursor() as cur:
+                    for statement in READER_SESSION_SETUP:
+                        cur.execute(statement)
+            except Exception as exc:
+                raise StoreError(
+                    f"cannot connect to {redact_url(url)} with ADBC: {type(exc).__name__}"
+                ) from None
+        _ADBC[url] = conn
+        return conn
+
+
+def _convert(
+    batch: pa.RecordBatch, part: RangePartition, floor: int, stream_col: pa.Array | None
+) -> tuple[pa.RecordBatch, int]:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    n = batch.num_rows
+    ts = batch.column(3)
+    if ts.type != pa.int64():
+        ts = ts.cast(pa.int64())
+    if part.timestamp_in == "arrow":
+        ts = pc.max_element_wise(pc.cumulative_max(ts), pa.scalar(floor, pa.int64()))
+    if n:
+        floor = max(floor, int(ts[n - 1].as_py()))
+    stamps = pc.multiply(ts, pa.scalar(1000, pa.int64())).cast(pa.timestamp("us", tz="UTC"))
+    if stream_col is None or len(stream_col) != n:
+        stream_col = pc.fill_null(pa.nulls(n, pa.string()), part.stream)
+    row_no = batch.column(1)
+    if row_no.type != pa.int32():
+        row_no = row_no.cast(pa.int32())
+    payload = batch.column(4)
+    if payload.type != pa.string():
+        payload = payload.cast(pa.string())
+    out = pa.RecordBatch.from_arrays(
+        [
+            stream_col,
+            batch.column(0).cast(pa.int64()),
+            row_no,
+            batch.column(2).cast(pa.string()),
+            stamps,
+            payload,
+            pc.fill_null(pa.nulls(n, pa.int64()), part.epoch_upper),
+        ],
+        schema=_ARROW_SCHEMA(),
+    )
+    return out, floor
+
+
+_SCHEMA_CACHE: list[Any] = []
+
+
+def _ARROW_SCHEMA() -> pa.Schema:
+    if not _SCHEMA_CACHE:
+        import pyarrow as pa
+
+        _SCHEMA_CACHE.append(
+            pa.schema(
+                [
+                    ("stream", pa.string()),
+                    ("stream_id", pa.int64()),
+                    ("row_no", pa.int32()),
+                    ("instance", pa.string()),
+                    ("timestamp", pa.timestamp("us", tz="UTC")),
+                    ("payload", pa.string()),
+                    ("epoch_upper", pa.int64()),
+                ]
+            )
+        )
+    schema: pa.Schema = _SCHEMA_CACHE[0]
+    return schema
+
+
+_PREFETCH = os.environ.get("STREAMS_SPARK_PREFETCH", "1") != "0"
+
+
+def _prefetched(reader: Iterator[pa.RecordBatch], depth: int = 2) -> Iterator[pa.RecordBatch]:
+    """Read the next record batches from PostgreSQL in a thread while Spark ships this one
+    (ADBC releases the GIL while it reads)."""
+    import queue
+
+    slots: queue.Queue[Any] = queue.Queue(depth)
+    done = object()
+    stop = threading.Event()
+
+    def pump() -> None:
+        try:
+            for batch in reader:
+                while not stop.is_set():
+                    try:
+                        slots.put(batch, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            slots.put(done)
+        except BaseException as exc:  # handed to the consumer
+            slots.put(exc)
+
+    thread = threading.Thread(target=pump, name="streams-adbc-prefetch", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = slots.get()
+            if item is done:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        thread.join()
+
+
+def read_partition(part: RangePartition) -> Iterator[pa.RecordBatch]:
+    """The rows of one partition as Arrow record batches in (stream ID, row) order (executors)."""
+    from streams.store import range_rows_sql
+
+    if part.through <= part.after:
+        return
+    query = range_rows_sql(
+        part.stream_key,
+        part.after,
+        part.through,
+        running_ts_floor=part.ts_floor if part.timestamp_in == "sql" else None,
+    )
+    for attempt in (0, 1):
+        conn = _adbc_connection(part.database_url, fresh=attempt > 0)
+        cur = conn.cursor()
+        try:
+            try:
+                cur.execute(query)
+                reader = cur.fetch_record_batch()
+            except Exception as exc:
+                if attempt == 0:
+                    continue  # a stale cached connection: once more on a fresh one
+                raise StoreError(
+                    f"reading stream {part.stream!r} ({part.after}, {part.through}] failed: "
+                    f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                ) from None
+            floor = part.ts_floor
+            stream_col = None
+            batches = _prefetched(reader) if _PREFETCH else iter(reader)
+            try:
+                for batch in batches:
+                    out, floor = _convert(batch, part, floor, stream_col)
+                    stream_col = out.column(0)
+                    yield out
+            finally:
+                close = getattr(batches, "close", None)
+                if close is not None:
+                    close()  # stops and joins the prefetch thread before the cursor closes
+            return
+        finally:
+            cur.close()
+
+
+# ------------------------------------------------------------------------------ the driver
+
+
+class _Driver:
+    """Driver-side state shared by the stream and batch readers: a lazy psycopg connection."""
+
+    def __init__(self, config: SourceOptions) -> None:
+        self.config = config
+        self._conn: psycopg.Connection[Any] | None = None
+        self._infos: dict[str, StreamInfo] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Spark pickles a fresh reader to ship read() to executors: never a connection.
+        state = dict(self.__dict__)
+        for key in list(state):
+            if key in ("_conn", "_link", "_lock", "_hinted"):
+                state[key] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def _connection(self) -> psycopg.Connection[Any]:
+        import psycopg
+
+        from streams.store import READER_SESSION_SETUP
+
+        if self._conn is None or self._conn.closed or self._conn.broken:
+            try:
+                conn = psycopg.connect(
+                    self.config.database_url, autocommit=True, connect_timeout=10
+                )
+                for statement in READER_SESSION_SETUP:
+                    conn.execute(statement)
+            except psycopg.Error as exc:
+                raise StoreError(
+                    f"cannot connect to {redact_url(self.config.database_url)}: "
+                    f"{type(exc).__name__}"
+                ) from None
+            self._conn = conn
+        return self._conn
+
+    def run(self, gen: Any) -> Any:
+        from streams._ops import run
+
+        conn = self._connection()
+        try:
+            return run(conn, gen)
+        except StoreError:
+            if conn.broken or conn.closed:
+                self._conn = None
+            raise
+
+    def infos(self) -> dict[str, StreamInfo]:
+        if not self._infos:
+            from streams.store import load_streams
+
+            loaded = self.run(load_streams(list(self.config.streams)))
+            self._infos = {info.name: info for info in loaded}
+        return self._infos
+
+    def probe(self) -> dict[str, int]:
+        from streams.store import probe
+
+        infos = self.infos()
+        found = self.run(probe([infos[n] for n in self.config.streams]))
+        return {n: found[n].complete for n in self.config.streams}
+
+    def resolve(
+        self, where: Position, complete: dict[str, int], *, start: bool = True
+    ) -> dict[str, int]:
+        """Positions for a start or an end. For a start, an explicit ``group``'s committed
+        position wins over the option, stream by stream, as for Python readers."""
+        from streams.store import group_position
+
+        names = self.config.streams
+        committed: dict[str, int] = {}
+        if start and self.config.group_explicit:
+            infos = self.infos()
+            for n in names:
+                found = self.run(group_position(infos[n], self.config.group))
+                if found is not None:
+                    committed[n] = int(found[0])
+        rest = [n for n in names if n not in committed]
+        if not rest:
+            return committed
+        if where.kind == "frontier":
+            return {**{n: int(where.frontier[n]) for n in rest}, **committed}
+        if where.kind == "latest":
+            return {**{n: complete[n] for n in rest}, **committed}
+        from streams.reader import ReaderCore
+
+        begin: Any
+        if where.kind == "earliest":
+            begin = "earliest"
+        elif where.kind == "id":
+            begin = where.id
+        elif where.kind == "timestamp":
+            begin = dt.datetime(1970, 1, 1, tzinfo=dt.UTC) + dt.timedelta(
+                milliseconds=where.timestamp_ms
+            )
+        else:
+            begin = dt.timedelta(seconds=where.ago_seconds)
+        core = ReaderCore(rest, start=begin)
+        self.run(core.open())
+        return {**{n: int(core.positions[n]) for n in rest}, **committed}
+
+    def plan(self, lower: dict[str, int], upper: dict[str, int]) -> list[RangePartition]:
+        """Partitions of every stream's ``(lower, upper]`` (deterministic for complete ranges)."""
+        from streams.store import split_range, ts_floor_at
+
+        infos = self.infos()
+        parts: list[RangePartition] = []
+        for name in self.config.streams:
+            after, through = lower[name], upper[name]
+            if through <= after:
+                continue
+            info = infos[name]
+            cuts = self.run(split_range(info, after, through, self.config.partitions))
+            bounds = [after, *cuts, through]
+            for low, high in itertools.pairwise(bounds):
+                parts.append(
+                    RangePartition(
+                        stream=name,
+                        stream_key=info.id,
+                        after=low,
+                        through=high,
+                        ts_floor=int(self.run(ts_floor_at(info, low))),
+                        epoch_upper=through,
+                        database_url=self.config.database_url,
+                        timestamp_in=self.config.timestamp_in,
+                    )
+                )
+        return parts
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+class StreamsBatchReader(_Driver, DataSourceReader):
+    """``spark.read.format("streams")``: facts in (startingPosition, endingPosition]."""
+
+    def partitions(self) -> Sequence[InputPartition]:
+        try:
+            complete = self.probe()
+            lower = self.resolve(self.config.start, complete)
+            end = self.config.end or Position("latest")
+            if end.kind == "id":
+                upper = {n: end.id for n in self.config.streams}
+            else:
+                upper = self.resolve(end, complete, start=False)
+            for name in self.config.streams:
+                if upper[name] > complete[name]:
+                    log.warning(
+                        "stream %r: endingPosition %d is beyond the complete position %d; "
+                        "reading up to %d",
+                        name, upper[name], complete[name], complete[name],
+                    )  # fmt: skip
+                    upper[name] = complete[name]
+                upper[name] = max(upper[name], lower[name])
+            parts = self.plan(lower, upper)
+        finally:
+            self.close()
+        return parts or [_EMPTY]
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        if isinstance(partition, RangePartition):
+            yield from read_partition(partition)
+
+
+class _Empty(InputPartition):
+    def __init__(self) -> None:
+        super().__init__(None)
+
+
+_EMPTY = _Empty()
+
+
+class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """``spark.readStream.format("streams")``: one micro-batch = one epoch of every stream."""
+
+    def __init__(self, config: SourceOptions) -> None:
+        super().__init__(config)
+        self._complete: dict[str, int] = {}
+        self._last_probe = 0.0
+        self._probed = False
+        self._hinted: threading.Event | None = None
+        self._link: Any = None
+        self._link_up = False
+        self._target: dict[str, int] | None = None
+        self._last_batch = time.monotonic()
+        self._found: dict[str, int] = {}
+        self.probes = 0
+
+    # ------------------------------------------------------------------ Redis (lazy)
+
+    def _follow_redis(self) -> None:
+        if self._hinted is None:
+            self._hinted = threading.Event()
+        if self._link is not None or self.config.redis_url is None:
+            return
+        from streams.client import default_instance_name
+        from streams.redis_link import RedisLink
+
+        try:
+            self._link = RedisLink(
+                self.config.redis_url, self.config.prefix, f"spark-{default_instance_name()}"
+            )
+            self._link.add_listener(self)
+            # It may have connected before we listened: take its state now (as readers do).
+            self._link_up = bool(self._link.connected)
+        except Exception:
+            log.warning("cannot follow Redis; polling PostgreSQL instead", exc_info=True)
+            self._link = None
+
+    def on_hint(self, hint: Hint) -> None:
+        wanted = hint.stream in self._complete and hint.token > self._complete[hint.stream]
+        if wanted and self._hinted is not None:
+            self._hinted.set()
+
+    def on_link_state(self, connected: bool) -> None:
+        self._link_up = connected
+        if self._hinted is not None:
+            self._hinted.set()  # reconcile with PostgreSQL at the next call
+
+    def _interval(self) -> float:
+        if self.config.poll_interval is not None:
+            return self.config.poll_interval
+        return LIVE_POLL_INTERVAL if self._link_up else FALLBACK_POLL_INTERVAL
+
+    def _refresh(self, force: bool = False) -> dict[str, int]:
+        """The complete positions, probing only when a hint came or the interval passed."""
+        self._follow_redis()
+        assert self._hinted is not None
+        now = time.monotonic()
+        due = now - self._last_probe >= self._interval()
+        if force or not self._probed or due or self._hinted.is_set():
+            self._hinted.clear()
+            self._last_probe = now
+            found = self.probe()
+            self.probes += 1
+            self._probed = True
+            for name, complete in found.items():
+                self._complete[name] = max(self._complete.get(name, 0), complete)
+            self._found = found
+        return dict(self._complete)
+
+    # ------------------------------------------------------------------ offsets
+
+    def initialOffset(self) -> dict[str, Any]:
+        complete = self._refresh(force=True)
+        start = self.resolve(self.config.start, complete)
+        log.info("streams source starts at %s (group %s)", start, self.config.group)
+        return frontier_offset(start)
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        if self.config.max_facts is not None:
+            return ReadMaxRows(self.config.max_facts)
+        if self.config.min_facts is not None:
+            return ReadMinRows(self.config.min_facts)
+        return ReadAllAvailable()
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self._target = self._refresh(force=True)
+
+    def _check_loss(self, start: dict[str, int], found: dict[str, int]) -> dict[str, int]:
+        """A query position above what PostgreSQL proves complete means the stream went
+        backwards (sequence rewound, database restored): fail, or warn and wait there."""
+        for name, position in start.items():
+            if position > found[name]:
+                message = (
+                    f"stream {name!r} went backwards: this query has read through {position}, "
+                    f"but PostgreSQL proves only {found[name]} complete (sequence rewound or "
+                    "database restored from an older backup)"
+                )
+                if self.config.fail_on_data_loss:
+                    raise StoreError(
+                        message + "; set failOnDataLoss=false to continue from the query's "
+                        "position (facts re-issued at or below it are then skipped)"
+                    )
+                log.warning("%s; failOnDataLoss=false: continuing from %d", message, position)
+        return found
+
+    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
+        names = self.config.streams
+        lower = positions_of(start, names)
+        had_probes = self.probes
+        complete = self._refresh()
+        if self.probes != had_probes:
+            self._check_loss(lower, self._found)
+        upper = {n: max(lower[n], complete[n]) for n in names}
+        if self._target is not None:
+            upper = {n: max(lower[n], min(upper[n], self._target[n])) for n in names}
+        use_options = not (
+            isinstance(limit, ReadAllAvailable)
+            and not isinstance(self.getDefaultReadLimit(), ReadAllAvailable)
+        )
+        max_facts = None
+        if isinstance(limit, ReadMaxRows):
+            max_facts = limit.max_rows
+        elif use_options:
+            max_facts = self.config.max_facts
+        min_facts = self.config.min_facts if use_options and self._target is None else None
+        waiting = time.monotonic() - self._last_batch < self.config.max_trigger_delay
+        if min_facts is not None and waiting and any(upper[n] > lower[n] for n in names):
+            have = self._count(lower, upper, min_facts)
+            if sum(c for c, _ in have.values()) < min_facts:
+                return frontier_offset(lower)
+        if max_facts is not None and any(upper[n] > lower[n] for n in names):
+            upper = self._admit(lower, upper, max_facts)
+        if upper != lower:
+            self._last_batch = time.monotonic()
+        return frontier_offset(upper)
+
+    def _count(
+        self, lower: dict[str, int], upper: dict[str, int], limit: int
+    ) -> dict[str, tuple[int, int]]:
+        from streams.store import count_facts
+
+        infos = self.infos()
+        return {
+            n: self.run(count_facts(infos[n], lower[n], upper[n], limit))
+            if upper[n] > lower[n]
+            else (0, lower[n])
+            for n in self.config.streams
+        }
+
+    def _admit(self, lower: dict[str, int], upper: dict[str, int], budget: int) -> dict[str, int]:
+        """At most ``budget`` facts over all streams, shared in proportion to what each has
+        (the rounding remainder first to streams that would get none, so none starves)."""
+        from streams.store import count_facts
+
+        have = self._count(lower, upper, budget)
+        total = sum(c for c, _ in have.values())
+        result = dict(upper)
+        if total <= budget:
+            for n, (count, _last) in have.items():
+                if count == budget:  # exactly budget facts seen: there may be more beyond
+                    result[n] = _last
+            return result
+        shares = {n: budget * c // total for n, (c, _) in have.items()}
+        spare = budget - sum(shares.values())
+        # The rounding remainder goes first to streams that got nothing, so none starves.
+        for n in sorted(have, key=lambda n: (shares[n] > 0, n)):
+            if spare <= 0:
+                break
+            if shares[n] < have[n][0]:
+                shares[n] += 1
+                spare -= 1
+        infos = self.infos()
+        for n, (count, last) in have.items():
+            share = shares[n]
+            if count == 0:
+                result[n] = upper[n]
+            elif share == 0:
+                result[n] = lower[n]
+            elif share == count:
+                result[n] = upper[n] if count < budget else last
+            else:
+                _, result[n] = self.run(count_facts(infos[n], lower[n], upper[n], share))
+        return result
+
+    def reportLatestOffset(self) -> dict[str, Any] | None:
+        if not self._complete:
+            return None
+        return frontier_offset(self._complete)
+
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
+        names = self.config.streams
+        lower, upper = positions_of(start, names), positions_of(end, names)
+        if lower == upper:
+            return []
+        parts = self.plan(lower, upper)
+        return parts or [
+            RangePartition(
+                stream=names[0],
+                stream_key=0,
+                after=0,
+                through=0,
+                ts_floor=0,
+                epoch_upper=0,
+                database_url=self.config.database_url,
+            )
+        ]
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, RangePartition)
+        return read_partition(partition)
+
+    def commit(self, end: dict[str, Any]) -> None:
+        from streams.store import commit_group, ts_floor_at
+
+        positions = positions_of(end, self.config.streams)
+        infos = self.infos()
+        for name, position in positions.items():
+            floor = self.run(ts_floor_at(infos[name], position))
+            self.run(commit_group(infos[name], self.config.group, position, floor))
+
+    def stop(self) -> None:
+        if self._link is not None:
+            try:
+                self._link.remove_listener(self)
+                self._link.close()
+            except Exception:
+                log.debug("closing the Redis link failed", exc_info=True)
+            self._link = None
+        self.close()
