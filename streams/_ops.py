@@ -37,7 +37,18 @@ from psycopg.pq import TransactionStatus
 
 from .errors import StoreError
 
-__all__ = ["Commit", "CopyIn", "Gen", "Op", "Pipeline", "Query", "Row", "arun", "run"]
+__all__ = [
+    "Autocommit",
+    "Commit",
+    "CopyIn",
+    "Gen",
+    "Op",
+    "Pipeline",
+    "Query",
+    "Row",
+    "arun",
+    "run",
+]
 
 T = TypeVar("T")
 Row: TypeAlias = tuple[Any, ...]
@@ -48,6 +59,20 @@ SqlText: TypeAlias = sql.SQL | sql.Composed | str
 @dataclass(frozen=True, slots=True)
 class Query:
     """Execute one statement; the generator receives ``list[Row]`` (empty if no result)."""
+
+    statement: SqlText
+    params: Params = None
+
+
+@dataclass(frozen=True, slots=True)
+class Autocommit:
+    """Execute one statement as a transaction of its own (one round trip, no ``BEGIN``).
+
+    The connection must be idle (no transaction open); the statement commits by itself when
+    it succeeds, or leaves nothing behind when it fails, so nothing needs rolling back. The
+    generator receives ``list[Row]`` (empty if no result). If the connection breaks while the
+    statement runs, the outcome is unknown to the client (as it is for a ``COMMIT``).
+    """
 
     statement: SqlText
     params: Params = None
@@ -79,7 +104,7 @@ class Pipeline:
     queries: Sequence[Query]
 
 
-Op: TypeAlias = Query | CopyIn | Commit | Pipeline
+Op: TypeAlias = Query | Autocommit | CopyIn | Commit | Pipeline
 Gen: TypeAlias = Generator[Op, list[Row], T]
 
 
@@ -100,6 +125,17 @@ def _execute(conn: psycopg.Connection[Any], op: Op) -> list[Row]:
     if isinstance(op, Commit):
         conn.commit()
         return []
+    if isinstance(op, Autocommit):
+        if conn.autocommit:
+            return _execute(conn, Query(op.statement, op.params))
+        # Switching is a client-side flag (no round trip); allowed because the connection is idle.
+        conn.autocommit = True
+        try:
+            return _execute(conn, Query(op.statement, op.params))
+        finally:
+            if not conn.closed:
+                with contextlib.suppress(psycopg.Error):
+                    conn.autocommit = False
     if isinstance(op, Pipeline):
         with conn.pipeline():
             cursors = [conn.execute(q.statement, q.params) for q in op.queries]
@@ -118,6 +154,16 @@ async def _aexecute(conn: psycopg.AsyncConnection[Any], op: Op) -> list[Row]:
     if isinstance(op, Commit):
         await conn.commit()
         return []
+    if isinstance(op, Autocommit):
+        if conn.autocommit:
+            return await _aexecute(conn, Query(op.statement, op.params))
+        await conn.set_autocommit(True)  # a client-side flag, as in `_execute`
+        try:
+            return await _aexecute(conn, Query(op.statement, op.params))
+        finally:
+            if not conn.closed:
+                with contextlib.suppress(psycopg.Error):
+                    await conn.set_autocommit(False)
     if isinstance(op, Pipeline):
         async with conn.pipeline():
             acursors = [await conn.execute(q.statement, q.params) for q in op.queries]

@@ -1,13 +1,18 @@
 """`streams bench write`: append throughput beside a raw psycopg baseline from the same run.
 
-Each configuration runs one OS process per writer. Raw and `streams` rounds alternate, and
-the report gives medians and the ratio streams/raw, because this machine is noisy and only a
-baseline measured in the same run is a fair comparison.
+Each configuration runs one OS process per writer. Raw and `streams` rounds alternate (raw,
+`streams` with Redis off, `streams` with Redis on when a Redis URL is given), and the report
+gives medians and the ratio streams/raw, because this machine is noisy and only a baseline
+measured in the same run is a fair comparison.
 
 * **single**: one fact per transaction. Raw: ``nextval`` + ``INSERT`` + ``COMMIT`` per fact on
   a table of the same shape as ``streams_facts``. Streams: ``Writer.append``.
 * **batch**: 1000 facts per transaction. Raw: the 1000 IDs in one ``nextval`` round trip, the
   rows by ``COPY`` (the fastest raw method), ``COMMIT``. Streams: ``Writer.append_batch``.
+
+Beside each rate it prints the client CPU per append (all threads of the writer processes, from
+``getrusage``) and its split by thread (``pthread_getcpuclockid`` of each live thread: ``main``,
+the heartbeat, the Redis listener), and voluntary context switches per append.
 
 It also shows that a tracker's memory does not grow with completed facts (10^6 of them).
 """
@@ -16,11 +21,14 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
+import resource
 import statistics
+import threading
 import time
 import tracemalloc
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.synchronize import Barrier
 from typing import Any
 
@@ -34,6 +42,32 @@ PAYLOAD = {"kind": "bench", "text": "x" * 160}
 RAW_TABLE = "streams_bench_raw"
 RAW_SEQUENCE = "streams_bench_raw_seq"
 
+#: The configurations of one round, in the order they run: raw first, then `streams`.
+KINDS = ("raw", "redis-off", "redis-on")
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    """One configuration of one (mode, writers), medians over the rounds.
+
+    ``cpu_us``: client CPU per append over all threads; ``threads_us``: per thread name
+    (``main``, ``heartbeat``, ``redis-listen``, ``other``); ``vcsw``: voluntary context switches
+    per append.
+    """
+
+    per_s: float
+    cpu_us: float
+    threads_us: dict[str, float]
+    vcsw: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "per_s": round(self.per_s, 1),
+            "cpu_us": round(self.cpu_us, 1),
+            "threads_us": {k: round(v, 1) for k, v in sorted(self.threads_us.items())},
+            "vcsw": round(self.vcsw, 2),
+        }
+
 
 @dataclass(frozen=True, slots=True)
 class WriteBenchResult:
@@ -41,10 +75,24 @@ class WriteBenchResult:
     writers: int
     raw_per_s: float
     streams_per_s: float
+    #: Per configuration (`KINDS`): what was measured.
+    kinds: dict[str, Measurement] = field(default_factory=dict)
 
     @property
     def ratio(self) -> float:
         return self.streams_per_s / self.raw_per_s if self.raw_per_s else float("nan")
+
+    def ratio_of(self, kind: str) -> float:
+        m = self.kinds.get(kind)
+        return m.per_s / self.raw_per_s if m is not None and self.raw_per_s else float("nan")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "writers": self.writers,
+            "kinds": {k: m.as_dict() for k, m in self.kinds.items()},
+            "ratios": {k: round(self.ratio_of(k), 3) for k in self.kinds if k != "raw"},
+        }
 
 
 def _setup_raw(url: str) -> None:
@@ -100,11 +148,13 @@ def _raw_worker(url: str, mode: str, batch: int, instance: str) -> Callable[[], 
 
 
 def _streams_worker(
-    url: str, mode: str, batch: int, instance: str, stream: str
+    url: str, redis_url: str | None, mode: str, batch: int, instance: str, stream: str
 ) -> Callable[[], int]:
     from .client import connect
 
-    client = connect(url)
+    if redis_url is None:
+        os.environ.pop("STREAMS_REDIS_URL", None)  # this child process only
+    client = connect(url, redis_url)
     writer = client.writer(stream, instance=instance)
     payloads = [PAYLOAD] * batch
 
@@ -118,9 +168,38 @@ def _streams_worker(
     return single if mode == "single" else many
 
 
+def _thread_name(name: str) -> str:
+    if name == "MainThread":
+        return "main"
+    if name.startswith("streams-heartbeat"):
+        return "heartbeat"
+    if name.startswith("streams-redis-listen"):
+        return "redis-listen"
+    if name.startswith("streams-redis-publish"):
+        return "redis-publish"
+    if name.startswith("streams-redis-flush"):
+        return "redis-flush"
+    return "other"
+
+
+def _thread_cpu() -> dict[int, tuple[str, float]]:
+    """CPU seconds of every live thread of this process, by ident (name, seconds)."""
+    out = {}
+    for thread in threading.enumerate():
+        if thread.ident is None:
+            continue
+        try:
+            clock = time.pthread_getcpuclockid(thread.ident)
+            out[thread.ident] = (_thread_name(thread.name), time.clock_gettime(clock))
+        except (OSError, ProcessLookupError):
+            continue
+    return out
+
+
 def _child(
     kind: str,
     url: str,
+    redis_url: str | None,
     mode: str,
     batch: int,
     instance: str,
@@ -132,43 +211,104 @@ def _child(
     step = (
         _raw_worker(url, mode, batch, instance)
         if kind == "raw"
-        else _streams_worker(url, mode, batch, instance, stream)
+        else _streams_worker(
+            url, redis_url if kind == "redis-on" else None, mode, batch, instance, stream
+        )
     )
     for _ in range(3):  # warm up: connections, prepared statements, caches
         step()
     barrier.wait()
     count = 0
+    threads_before = _thread_cpu()
+    usage_before = resource.getrusage(resource.RUSAGE_SELF)
     start = time.perf_counter()
     deadline = start + seconds
     while (now := time.perf_counter()) < deadline:
         count += step()
-    results.put(count / (now - start))
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    threads: dict[str, float] = {}
+    for ident, (name, cpu) in _thread_cpu().items():
+        before = threads_before.get(ident, (name, 0.0))[1]
+        threads[name] = threads.get(name, 0.0) + cpu - before
+    results.put(
+        {
+            "rate": count / (now - start),
+            "count": count,
+            "cpu": usage.ru_utime + usage.ru_stime - usage_before.ru_utime - usage_before.ru_stime,
+            "vcsw": usage.ru_nvcsw - usage_before.ru_nvcsw,
+            "threads": threads,
+        }
+    )
 
 
 def _measure(
-    kind: str, url: str, mode: str, writers: int, batch: int, stream: str, seconds: float
-) -> float:
+    kind: str,
+    url: str,
+    redis_url: str | None,
+    mode: str,
+    writers: int,
+    batch: int,
+    stream: str,
+    seconds: float,
+) -> dict[str, Any]:
     ctx = multiprocessing.get_context("spawn")
     barrier = ctx.Barrier(writers)
     results = ctx.Queue()
     procs = [
         ctx.Process(
             target=_child,
-            args=(kind, url, mode, batch, f"bench-{kind}-{n}", stream, seconds, barrier, results),
+            args=(
+                kind,
+                url,
+                redis_url,
+                mode,
+                batch,
+                f"bench-{kind}-{n}",
+                stream,
+                seconds,
+                barrier,
+                results,
+            ),
         )
         for n in range(writers)
     ]
     for proc in procs:
         proc.start()
-    rates = [results.get(timeout=seconds + 120) for _ in procs]
+    parts = [results.get(timeout=seconds + 120) for _ in procs]
     for proc in procs:
         proc.join()
-    return float(sum(rates))
+    count = sum(p["count"] for p in parts) or 1
+    threads: dict[str, float] = {}
+    for part in parts:
+        for name, cpu in part["threads"].items():
+            threads[name] = threads.get(name, 0.0) + cpu
+    return {
+        "per_s": float(sum(p["rate"] for p in parts)),
+        "cpu_us": sum(p["cpu"] for p in parts) / count * 1e6,
+        "threads_us": {name: cpu / count * 1e6 for name, cpu in threads.items()},
+        "vcsw": sum(p["vcsw"] for p in parts) / count,
+    }
+
+
+def _median(runs: list[dict[str, Any]]) -> Measurement:
+    names = sorted({name for run in runs for name in run["threads_us"]})
+    return Measurement(
+        per_s=statistics.median(r["per_s"] for r in runs),
+        cpu_us=statistics.median(r["cpu_us"] for r in runs),
+        threads_us={n: statistics.median(r["threads_us"].get(n, 0.0) for r in runs) for n in names},
+        vcsw=statistics.median(r["vcsw"] for r in runs),
+    )
+
+
+def _cpu_text(m: Measurement) -> str:
+    split = ", ".join(f"{n} {v:.0f}" for n, v in sorted(m.threads_us.items()) if v >= 0.5)
+    return f"{m.cpu_us:.0f} us ({split}; {m.vcsw:.1f} vcsw)"
 
 
 def run_write_bench(
     url: str,
     *,
+    redis_url: str | None = None,
     writer_counts: tuple[int, ...] = (1, 4),
     modes: tuple[str, ...] = ("single", "batch"),
     batch: int = 1000,
@@ -176,28 +316,37 @@ def run_write_bench(
     rounds: int = 3,
     report: Callable[[str], None] = print,
 ) -> list[WriteBenchResult]:
+    """Medians of `rounds` rounds of raw, Redis off and (with `redis_url`) Redis on."""
     from .client import connect
 
+    kinds = KINDS if redis_url is not None else KINDS[:2]
     stream = f"bench-{int(time.time())}"
-    with connect(url) as client:
+    with connect(url, redis_url) as client:
         client.create_stream(stream)
     _setup_raw(url)
     results = []
     try:
         for mode in modes:
             for writers in writer_counts:
-                raw, ours = [], []
+                runs: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
                 for _ in range(rounds):
-                    raw.append(_measure("raw", url, mode, writers, batch, stream, seconds))
-                    ours.append(_measure("streams", url, mode, writers, batch, stream, seconds))
+                    for kind in kinds:
+                        runs[kind].append(
+                            _measure(kind, url, redis_url, mode, writers, batch, stream, seconds)
+                        )
+                measured = {k: _median(v) for k, v in runs.items()}
+                headline = measured[kinds[-1]]
                 result = WriteBenchResult(
-                    mode, writers, statistics.median(raw), statistics.median(ours)
+                    mode, writers, measured["raw"].per_s, headline.per_s, measured
                 )
                 results.append(result)
-                report(
-                    f"{mode:>6} x{writers} writer(s): streams {result.streams_per_s:>10,.0f}/s"
-                    f"   raw {result.raw_per_s:>10,.0f}/s   ratio {result.ratio:.2f}"
-                )
+                parts = [f"raw {measured['raw'].per_s:>9,.0f}/s"]
+                for kind in kinds[1:]:
+                    rate, ratio = measured[kind].per_s, result.ratio_of(kind)
+                    parts.append(f"{kind} {rate:>9,.0f}/s ratio {ratio:.2f}")
+                report(f"{mode:>6} x{writers} writer(s): " + " | ".join(parts))
+                for kind in kinds:
+                    report(f"{'':>8}client CPU per append, {kind:>9}: {_cpu_text(measured[kind])}")
     finally:
         _drop_raw(url)
     return results

@@ -12,12 +12,32 @@ Life of an append
 3. One statement checks the writer's lease (``FOR KEY SHARE`` on its row, current generation,
    not retired), takes the stream's shared *reservation lock* (which tells readers an ID at or
    above its key may still complete; see `streams.constants`), reserves the IDs with ``nextval``
-   and, for one fact, inserts the row. A batch then ``COPY``s its rows. No row back means this
-   writer was fenced.
-4. ``COMMIT``. Whatever happens (commit, error, rollback, cancellation), the IDs complete in
-   the tracker in a ``finally``: a failure is a permanent gap, never a leaked pending ID.
-5. Positions are persisted by `heartbeat` (forward-only), outside the append's transaction, so
-   appends never wait on the writer's row and the position written is always one that is true.
+   and, for one fact, inserts the row. No row back means this writer was fenced.
+
+   * One fact: that statement runs in autocommit (`streams._ops.Autocommit`): it *is* the
+     transaction, one round trip, and commits by itself. The fencing and probe arguments of
+     `streams.store` hold unchanged, because both locks they rest on are transaction-scoped:
+     the ``FOR KEY SHARE`` row lock and the reservation lock are taken by the statement and
+     released only when its (implicit) transaction has committed or rolled back, exactly as
+     for an explicit ``BEGIN ... COMMIT`` (retirement's ``FOR UPDATE`` waits for it; readers
+     see the reservation lock in ``pg_locks`` until the fact is visible). What `_check_floor`
+     and `PositionTracker.reserved` check before a commit (every ID ``>= L``, and above the
+     max allocated this process knew) is checked *inside* the statement, which fails (and
+     writes nothing) otherwise: nothing can run between that statement and its commit.
+   * A batch: ``BEGIN`` and that statement in one pipeline (one round trip), then ``COPY`` of
+     its rows and ``COMMIT``.
+4. Whatever happens (commit, error, rollback, cancellation), the IDs complete in the tracker in
+   a ``finally``: a failure is a permanent gap, never a leaked pending ID. A connection lost
+   while the one-fact statement (or a ``COMMIT``) runs leaves its outcome unknown to us; the
+   reservation counts as ended here, and if the server still commits it, readers learn the
+   fact from PostgreSQL like any other (its reservation lock is held until then): only this
+   writer's announced or persisted position may briefly pass it, and readers trust neither.
+5. Positions are persisted by `heartbeat` (forward-only), one autocommit statement on the
+   writer's heartbeat connection, outside the append's transaction, so appends never wait on
+   the writer's row and the position written is always one that is true. It runs on schedule
+   and, coalesced, after appends (`streams.writer.FLUSH_INTERVAL`), so the persisted position
+   trails the real one: it is informational (``persisted_linear``) and seeds new writers;
+   readers never rely on it (PostgreSQL proves what is complete, `streams.store.probe`).
 """
 
 from __future__ import annotations
@@ -31,7 +51,7 @@ from typing import Any
 
 from psycopg import sql
 
-from ._ops import Commit, CopyIn, Gen, Query, Row
+from ._ops import Autocommit, Commit, CopyIn, Gen, Pipeline, Query, Row
 from .config import validate_instance_name
 from .constants import REGISTRATION_LOCK, reservation_lock_class
 from .errors import (
@@ -125,6 +145,11 @@ class FactHandle:
 
 #: SQLSTATE of a unique violation: a reserved ID that is already stored.
 UNIQUE_VIOLATION = "23505"
+
+#: SQLSTATE of a failed text-to-number cast: how the one-statement append refuses an ID below
+#: its floor (the message carries `_REWOUND`).
+INVALID_TEXT = "22P02"
+_REWOUND = "streams-sequence-rewound"
 
 #: Retire expired peers every this many heartbeats.
 RETIRE_EVERY = 4
@@ -290,13 +315,23 @@ class WriterCore:
             lock_key=reservation_lock_key_sql(sql.SQL("k.floor")),
         )
         seq = sql.Literal(info.sequence_name)
+        # One fact in one autocommit statement: nothing can run between the reservation and the
+        # commit, so the checks of `_check_floor` and `PositionTracker.reserved` (ID >= L, and
+        # above the max allocated this process knew when it began) are made *in* the statement:
+        # an ID failing them makes the text cast fail, and the statement, hence the
+        # transaction, with it. A CASE with a data-dependent condition evaluates its ELSE only
+        # for such a row.
         self._reserve_one = sql.SQL(
             """{prefix}, r AS (SELECT nextval({seq}) AS id, g.floor FROM g)
             INSERT INTO streams_facts (stream, stream_id, row_no, instance, ts, payload)
-            SELECT %(stream)s, r.id, 0, %(instance)s, %(ts)s, %(payload)s::jsonb FROM r
+            SELECT %(stream)s,
+                   CASE WHEN r.id >= r.floor AND r.id > %(known)s THEN r.id
+                        ELSE ({rewound} || r.id || ' ' || r.floor)::bigint END,
+                   0, %(instance)s, %(ts)s, %(payload)s::jsonb
+            FROM r
             RETURNING stream_id, (SELECT g.floor FROM g)
             """
-        ).format(prefix=prefix, seq=seq)
+        ).format(prefix=prefix, seq=seq, rewound=sql.Literal(_REWOUND + " "))
         self._reserve_many = sql.SQL(
             "{prefix} SELECT nextval({seq}), g.floor FROM g, generate_series(1, %(count)s)"
         ).format(prefix=prefix, seq=seq)
@@ -349,10 +384,19 @@ class WriterCore:
             params = self._lease_params()
             if len(encoded) == 1:
                 assert self._reserve_one is not None
-                params.update(ts=stamps[0], payload=encoded[0])
+                params["ts"] = stamps[0]
+                params["payload"] = encoded[0]
+                params["known"] = token.floor
                 try:
-                    rows = yield Query(self._reserve_one, params)
+                    # The whole append: one statement, its own transaction (see the module doc).
+                    rows = yield Autocommit(self._reserve_one, params)
                 except StoreError as exc:
+                    if exc.sqlstate == INVALID_TEXT and _REWOUND in str(exc):
+                        raise SequenceRewound(
+                            f"stream {self.stream_name!r}: the sequence was set back during the "
+                            "reservation; nothing was written. Open a new writer (it repairs the "
+                            "sequence) or run `streams doctor --repair`"
+                        ) from None
                     if exc.sqlstate == UNIQUE_VIOLATION:  # the new ID is stored already
                         raise SequenceRewound(
                             f"stream {self.stream_name!r}: the sequence handed out an ID that "
@@ -360,16 +404,21 @@ class WriterCore:
                             "new writer (it repairs the sequence) or run `streams doctor --repair`"
                         ) from None
                     raise
+                if not rows:
+                    self.fenced = True
+                    self._check_usable()
+                ids = [int(rows[0][0])]  # committed: it completes, whatever happens next
+                tracker.reserved(token, ids)
             else:
                 assert self._reserve_many is not None
-                params.update(count=len(encoded))
-                rows = yield Query(self._reserve_many, params)
-            if not rows:
-                self.fenced = True
-                self._check_usable()
-            ids = self._check_floor(rows)
-            tracker.reserved(token, ids)
-            if len(encoded) > 1:
+                params["count"] = len(encoded)
+                # BEGIN and the reservation in one round trip.
+                (reserved,) = yield Pipeline([Query(self._reserve_many, params)])
+                if not reserved:
+                    self.fenced = True
+                    self._check_usable()
+                ids = self._check_floor(reserved)
+                tracker.reserved(token, ids)
                 yield CopyIn(
                     "COPY streams_facts (stream, stream_id, row_no, instance, ts, payload) "
                     "FROM STDIN",
@@ -378,7 +427,7 @@ class WriterCore:
                         for stream_id, stamp, text in zip(ids, stamps, encoded, strict=True)
                     ],
                 )
-            yield Commit()
+                yield Commit()
         finally:
             self._complete(token, ids)
         self._ts_floor = max(self._ts_floor, stamps[-1])
@@ -451,19 +500,20 @@ class WriterCore:
         tracker = self.tracker
         position = tracker.local_position
         sent = time.time()
-        # Asynchronous commit: a heartbeat lost in a crash only leaves a lower position or an
-        # earlier lease expiry behind, both safe; waiting for fsync here would double the
-        # fsyncs of a writer that appends one fact per transaction.
-        yield Query("SET LOCAL synchronous_commit = off")
-        rows = yield Query(
+        # One statement in autocommit (one round trip). Asynchronous commit, set for this
+        # statement's own transaction: a heartbeat lost in a crash only leaves a lower position
+        # or an earlier lease expiry behind, both safe; waiting for fsync here is not needed.
+        rows = yield Autocommit(
             sql.SQL(
                 """
+                WITH c AS (SELECT set_config('synchronous_commit', 'off', true) AS v)
                 UPDATE streams_writers
                 SET position = GREATEST(position, %(position)s), pending = %(pending)s,
                     lease_expires_at = clock_timestamp() + make_interval(secs => %(lease)s),
                     heartbeat_at = clock_timestamp()
+                FROM c
                 WHERE stream = %(stream)s AND instance = %(instance)s
-                  AND generation = %(generation)s AND NOT retired
+                  AND generation = %(generation)s AND NOT retired AND c.v IS NOT NULL
                 RETURNING position, {max_allocated}, {now}
                 """
             ).format(max_allocated=max_allocated_sql(self.info), now=sql.SQL(_NOW_MS)),
@@ -476,7 +526,6 @@ class WriterCore:
                 "generation": self.generation,
             },
         )
-        yield Commit()
         if not rows:
             self.fenced = True
             return HeartbeatResult(False, self._persisted, tracker.max_allocated)

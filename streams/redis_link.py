@@ -1,10 +1,26 @@
 """The Redis I/O of one process: `RedisLink` (threads) and `AsyncRedisLink` (asyncio tasks).
 
 Each link keeps two Redis connections: a subscriber (the replication channel and its instance
-channels) and a publisher fed through a bounded queue, so a writer's append never waits on
-Redis. What a message means and what to publish on connect is decided by
-`streams.replication.LinkCore`; the connection discipline below is written once, as generator
-"plans" in `_LinkBase`, and the two classes only drive them on redis-py or redis.asyncio.
+channels), read by a thread (asyncio: a task), and a publisher. `RedisLink` publishes from the
+thread that has something to say (a writer's appending thread, the listener answering
+``REPLICATE``), fire-and-forget: the publisher connection is switched to ``CLIENT REPLY OFF``,
+so a ``PUBLISH`` is one ``send`` with no reply to wait for, no thread handoff and no wakeup.
+While lines come faster than ``publish_window`` (2 ms), a line waits up to that long and goes
+out with the next ones in one ``send`` (a loopback ``send`` costs ~35 us of CPU here; a
+flusher thread sends the tail, and sleeps while the link is quiet), so a busy writer pays one
+``send`` per window, not one per append; a line after a quiet spell goes out at once.
+`AsyncRedisLink` still feeds a publisher task through a bounded queue. What a message means and
+what to publish on connect is decided by `streams.replication.LinkCore`; the connection
+discipline below is written once, as generator "plans" in `_LinkBase`, and the two classes only
+drive them on redis-py or redis.asyncio.
+
+A process with no reader attached (a writer-only process) need not hear data messages: readers
+trust PostgreSQL, and each writer's heartbeat re-announces its position. It still listens (it
+must answer ``REPLICATE`` and notice a foreign deployment on the channel), but in bursts: after
+a message it drains what has arrived and then sleeps ``idle_read_interval`` seconds (messages
+wait in Redis meanwhile), and `LinkCore` discards ``RDATA``/``POSITION`` lines of known streams
+after reading their first two words. So N writer processes no longer each wake up for every
+one of the others' appends. ``idle_read_interval=0`` restores reading every message at once.
 
 Connection discipline, as the issue of record asks and Synapse does:
 
@@ -25,7 +41,12 @@ heard, at most every `streams.replication.REFRESH_INTERVAL` seconds. It should b
 database timeout): the subscriber is not read while it runs.
 
 Publishing is best effort: Redis delivers at most once anyway, so when the queue is full or Redis
-is down, messages are dropped (and counted) rather than blocking writers.
+is down, messages are dropped (and counted in `dropped`) rather than blocking writers. The
+inline publisher never waits to connect on a writer's thread while the subscriber is down: it
+only (re)connects while the subscription is up (which proves Redis reachable), at most once a
+second; a send that fails or times out (`INLINE_SEND_TIMEOUT`) drops the connection, and a lost
+subscription drops it too (a write into a dead socket can succeed unnoticed without replies).
+What is lost is covered by the ``POSITION`` lines every (re)connect and every heartbeat send.
 """
 
 from __future__ import annotations
@@ -33,7 +54,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import queue
 import random
 import threading
 import time
@@ -62,6 +82,16 @@ PUBLISH_QUEUE_LIMIT = 100_000
 PUBLISH_TIMEOUT = 5.0
 #: Most messages sent in one pipeline.
 PUBLISH_BATCH = 256
+#: Seconds an inline publish may block a writer's thread in ``send`` (then it is dropped).
+INLINE_SEND_TIMEOUT = 0.25
+#: Least seconds between two connection attempts of the inline publisher.
+INLINE_RECONNECT_INTERVAL = 1.0
+#: Default `RedisLink` ``publish_window``: a line published within this many seconds of the
+#: previous send waits (at most this long) to go out with the next ones, in one ``send``.
+PUBLISH_WINDOW = 0.002
+#: Default `RedisLink` ``idle_read_interval``: with no reader attached, read the subscription
+#: in bursts this many seconds apart.
+IDLE_READ_INTERVAL = 0.05
 
 _REDIS_ERRORS = (redis.RedisError, OSError)
 
@@ -90,9 +120,20 @@ def _client_options(socket_timeout: float | None = None) -> dict[str, Any]:
 
 class _LinkBase:
     def __init__(
-        self, url: str, prefix: str, name: str, known_streams: KnownStreams | None = None
+        self,
+        url: str,
+        prefix: str,
+        name: str,
+        known_streams: KnownStreams | None = None,
+        idle_read_interval: float = 0.0,
     ) -> None:
-        self.core = LinkCore(prefix, name, check_streams=known_streams is not None)
+        self.core = LinkCore(
+            prefix,
+            name,
+            check_streams=known_streams is not None,
+            skip_data_without_readers=idle_read_interval > 0,
+        )
+        self._idle_read_interval = idle_read_interval
         self._url = url
         self._known_streams = known_streams
         self._listeners: list[LinkListener] = []
@@ -193,6 +234,7 @@ class _LinkBase:
                 channels = self.core.channels()
                 yield _Subscribe(tuple(channels))
                 last_pong = last_ping = time.monotonic()
+                draining = False
                 while not self._stopped.is_set():
                     if self._resubscribe.is_set():
                         self._resubscribe.clear()
@@ -200,23 +242,20 @@ class _LinkBase:
                         if new:
                             yield _Subscribe(tuple(new))
                             channels += new
-                    message = yield _Receive(0.5)
+                    message = yield _Receive(0.0 if draining else 0.5)
                     now = time.monotonic()
                     if message is not None:
                         attempt = 0
                         if message.get("type") == "pong":
                             last_pong = now
                         self._enqueue(self._handle(message))
+                        # No reader here: drain what has arrived, then let more pile up.
+                        draining = self._idle_read_interval > 0 and not self.core.readers
+                    elif draining:
+                        draining = False
+                        yield _Sleep(self._idle_read_interval)
                     if self._known_streams is not None and self.core.refresh_due(now):
-                        # Read after every suspect name was heard: this plan is the only
-                        # consumer of messages, and it waits here.
-                        names = yield _Refresh()
-                        done = time.monotonic()
-                        if isinstance(names, BaseException):
-                            self.core.on_refresh_failed(done, names)
-                        else:
-                            self.core.on_known_streams(names, done)
-                            self._check_foreign()
+                        yield from self._refresh_plan()
                     if now - last_ping >= KEEPALIVE:
                         if now - last_pong > 2 * KEEPALIVE + 1:
                             raise redis.ConnectionError("no reply to keep-alive PING")
@@ -239,6 +278,17 @@ class _LinkBase:
                 yield _Sleep(delay)
         self.core.on_disconnected()
         self._set_connected(False)
+
+    def _refresh_plan(self) -> Generator[_ListenOp, Any, None]:
+        # Read after every suspect name was heard: the listen plan is the only consumer of
+        # messages, and it waits here.
+        names = yield _Refresh()
+        done = time.monotonic()
+        if isinstance(names, BaseException):
+            self.core.on_refresh_failed(done, names)
+        else:
+            self.core.on_known_streams(names, done)
+            self._check_foreign()
 
     def _send_plan(self, batch: list[bytes]) -> Generator[_Publish, Any, None]:
         # Lines queued before the channel was found foreign are dropped here, at the last step.
@@ -329,33 +379,118 @@ async def _aclose_quietly(pubsub: Any, client: redis.asyncio.Redis | None) -> No
             await client.aclose()
 
 
+class _InlinePublisher:
+    """A fire-and-forget ``PUBLISH`` connection (``CLIENT REPLY OFF``), used under a lock.
+
+    `send` returns how many lines went out; it never raises for Redis or socket errors, and it
+    connects only when `may_connect` says so (see the module docstring).
+    """
+
+    def __init__(self, url: str) -> None:
+        self._pool = redis.ConnectionPool.from_url(
+            url, socket_connect_timeout=1, socket_timeout=INLINE_SEND_TIMEOUT
+        )
+        self._lock = threading.Lock()
+        self._conn: Any = None
+        self._next_attempt = 0.0
+
+    def send(self, channel: str, lines: Sequence[bytes], may_connect: bool) -> int:
+        with self._lock:
+            conn: Any = self._conn
+            if conn is None:
+                now = time.monotonic()
+                if not may_connect or now < self._next_attempt:
+                    return 0
+                self._next_attempt = now + INLINE_RECONNECT_INTERVAL
+                try:
+                    conn = self._pool.make_connection()
+                    conn.connect()
+                    # From here on the server sends no replies on this connection at all.
+                    conn.send_command("CLIENT", "REPLY", "OFF", check_health=False)
+                except _REDIS_ERRORS as exc:
+                    log.debug("inline publisher cannot connect: %s", exc)
+                    with contextlib.suppress(Exception):
+                        conn.disconnect()
+                    return 0
+                self._conn = conn
+            try:
+                if len(lines) == 1:
+                    packed = conn.pack_command("PUBLISH", channel, lines[0])
+                else:
+                    packed = conn.pack_commands([("PUBLISH", channel, line) for line in lines])
+                conn.send_packed_command(packed, check_health=False)
+            except _REDIS_ERRORS as exc:
+                log.debug("inline publish failed: %s", exc)
+                self._reset_locked()
+                return 0
+            return len(lines)
+
+    def reset(self) -> None:
+        """Drop the connection (the next send reconnects, when allowed)."""
+        with self._lock:
+            self._reset_locked()
+
+    def _reset_locked(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                self._conn.disconnect()
+            self._conn = None
+
+    def close(self) -> None:
+        self.reset()
+        with contextlib.suppress(Exception):
+            self._pool.disconnect()
+
+
 class RedisLink(_LinkBase):
     """The threaded link of a synchronous `streams.Client`.
 
     ``known_streams``: see the module docstring (foreign-deployment detection, rule (b)).
+    ``idle_read_interval``: with no reader attached, read the subscription in bursts this many
+    seconds apart (0: every message as it arrives; see the module docstring).
+    Publishing is inline and fire-and-forget (`_InlinePublisher`). ``publish_window``: a line
+    published less than this many seconds after the previous send waits up to that long and
+    goes out with the lines after it in one ``send`` (a flusher thread sends it if nothing
+    follows; it only runs while lines come faster than the window). 0 sends every line at once.
     """
 
     def __init__(
-        self, url: str, prefix: str, name: str, *, known_streams: KnownStreams | None = None
+        self,
+        url: str,
+        prefix: str,
+        name: str,
+        *,
+        known_streams: KnownStreams | None = None,
+        idle_read_interval: float = IDLE_READ_INTERVAL,
+        publish_window: float = PUBLISH_WINDOW,
     ) -> None:
-        super().__init__(url, prefix, name, known_streams)
-        self._queue: queue.Queue[bytes | None] = queue.Queue(PUBLISH_QUEUE_LIMIT)
+        super().__init__(url, prefix, name, known_streams, idle_read_interval)
+        self._publisher = _InlinePublisher(url)
+        self._publish_window = publish_window
+        self._pending: list[bytes] = []
+        self._pending_lock = threading.Lock()
+        self._last_send = 0.0
+        self._flush_armed = False
+        self._flush_wake = threading.Event()
         self._stopped = threading.Event()
         self._resubscribe = threading.Event()
         self._listen_thread = threading.Thread(
             target=self._listen_loop, name="streams-redis-listen", daemon=True
         )
-        self._publish_thread = threading.Thread(
-            target=self._publish_loop, name="streams-redis-publish", daemon=True
-        )
         self._listen_thread.start()
-        self._publish_thread.start()
+        self._flush_thread: threading.Thread | None = None
+        if publish_window > 0:
+            self._flush_thread = threading.Thread(
+                target=self._flush_loop, name="streams-redis-flush", daemon=True
+            )
+            self._flush_thread.start()
 
     def publish(self, commands: Sequence[Command]) -> None:
-        """Queue commands of local writers; local readers hear them at once."""
+        """Publish commands of local writers (best effort); local readers hear them at once."""
         if not commands:
             return
-        self._dispatch(LinkCore.hints_for(list(commands)))
+        if self._listeners:
+            self._dispatch(LinkCore.hints_for(list(commands)))
         self._enqueue([serialize(cmd) for cmd in commands])
 
     def add_writer(self, announcer: Announcer) -> None:
@@ -363,11 +498,48 @@ class RedisLink(_LinkBase):
         self._resubscribe.set()  # its instance channel
 
     def _enqueue(self, lines: Sequence[bytes]) -> None:
-        for line in self.core.outgoing(list(lines)):
-            try:
-                self._queue.put_nowait(line)
-            except queue.Full:
-                self.dropped += 1
+        """Send now from the calling thread, or within `publish_window` if the previous send
+        was more recent than that (the name is the base class's)."""
+        batch = self.core.outgoing(list(lines))
+        if not batch or self._stopped.is_set():
+            return
+        with self._pending_lock:
+            self._pending.extend(batch)
+            now = time.monotonic()
+            if now - self._last_send >= self._publish_window or len(self._pending) >= PUBLISH_BATCH:
+                self._send_pending_locked(now)
+            elif not self._flush_armed:
+                self._flush_armed = True
+                self._flush_wake.set()
+
+    def _send_pending_locked(self, now: float) -> None:
+        batch, self._pending = self._pending, []
+        self._last_send = now
+        sent = self._publisher.send(self.core.channel, batch, self._subscribed)
+        if sent:
+            self.core.stats.published += sent
+        else:
+            self.dropped += len(batch)
+
+    def _flush_loop(self) -> None:
+        """Send what waits in the window; runs only while appends outpace the window."""
+        while not self._stopped.is_set():
+            self._flush_wake.wait()
+            self._flush_wake.clear()
+            while not self._stopped.wait(self._publish_window):
+                with self._pending_lock:
+                    if not self._pending:
+                        self._flush_armed = False
+                        break
+                    now = time.monotonic()
+                    if now - self._last_send >= self._publish_window:
+                        self._send_pending_locked(now)
+
+    def _set_connected(self, subscribed: bool) -> None:
+        if not subscribed:
+            # Without replies a write into a dead connection can look fine: start afresh.
+            self._publisher.reset()
+        super()._set_connected(subscribed)
 
     def _listen_loop(self) -> None:
         plan = self._listen_plan()
@@ -410,57 +582,18 @@ class RedisLink(_LinkBase):
         except Exception as exc:  # the client's function: a database error, most likely
             return exc
 
-    def _publish_loop(self) -> None:
-        client = redis.Redis.from_url(self._url, **_client_options(PUBLISH_TIMEOUT))
-        try:
-            while True:
-                line = self._queue.get()
-                if line is None:
-                    return
-                batch = [line]
-                stop = False
-                while len(batch) < PUBLISH_BATCH and not stop:
-                    try:
-                        more = self._queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    stop = more is None
-                    if more is not None:
-                        batch.append(more)
-                self._send(client, batch)
-                if stop:
-                    return
-        finally:
-            client.close()
-
-    def _send(self, client: redis.Redis, batch: list[bytes]) -> None:
-        plan = self._send_plan(batch)
-        error: BaseException | None = None
-        while True:
-            try:
-                op = _step(plan, None, error)
-            except StopIteration:
-                return
-            error = None
-            try:
-                if len(op.lines) == 1:
-                    client.publish(op.channel, op.lines[0])
-                else:
-                    pipe = client.pipeline(transaction=False)
-                    for line in op.lines:
-                        pipe.publish(op.channel, line)
-                    pipe.execute()
-            except _REDIS_ERRORS as exc:
-                error = exc
-
     def close(self) -> None:
         if self._stopped.is_set():
             return
+        with self._pending_lock:
+            if self._pending:
+                self._send_pending_locked(time.monotonic())
         self._stopped.set()
-        with contextlib.suppress(queue.Full):
-            self._queue.put(None, timeout=1)
-        self._publish_thread.join(timeout=5)
+        self._flush_wake.set()
+        if self._flush_thread is not None:
+            self._flush_thread.join(timeout=5)
         self._listen_thread.join(timeout=5)
+        self._publisher.close()
 
 
 class AsyncRedisLink(_LinkBase):

@@ -104,6 +104,8 @@ MAX_EVIDENCE: Final = 8
 #: Most distinct kinds of malformed line one link logs a warning for; later kinds go to debug.
 MAX_WARNINGS: Final = 32
 
+_DATA_PREFIXES: Final = (b"RDATA ", b"POSITION ")
+
 _FIX: Final = "Give streams its own prefix: STREAMS_PREFIX / prefix= / --prefix (default 'streams')"
 
 
@@ -207,6 +209,8 @@ class LinkStats:
     suppressed: int = 0
     refreshes: int = 0
     refresh_errors: int = 0
+    #: Data lines (``RDATA``/``POSITION`` of known streams) discarded unparsed: no reader here.
+    skipped: int = 0
 
 
 ForeignReason = Literal["synapse-commands", "unknown-streams"]
@@ -281,15 +285,26 @@ class LinkCore:
     """The decisions of one process's Redis link (see the module docstring).
 
     ``writers`` maps (stream, instance) to that local writer's `Announcer`; ``readers`` counts
-    attached readers (they need ``REPLICATE`` on connect, and when they attach). With
+    attached readers (they need ``REPLICATE`` on connect, and when they attach; with
+    ``skip_data_without_readers``, a process without them does not parse data lines). With
     ``check_streams`` the driver reads the stream registry when `refresh_due` says so and hands
     the names to `on_known_streams`: rule (b) of foreign-deployment detection.
     """
 
-    def __init__(self, prefix: str, name: str, *, check_streams: bool = False) -> None:
+    def __init__(
+        self,
+        prefix: str,
+        name: str,
+        *,
+        check_streams: bool = False,
+        skip_data_without_readers: bool = False,
+    ) -> None:
         self.prefix = prefix
         self.name = name
         self.check_streams = check_streams
+        #: With no reader attached, discard ``RDATA``/``POSITION`` lines of known streams after
+        #: reading two words (counted in ``stats.skipped``): nobody would use their hints.
+        self.skip_data_without_readers = skip_data_without_readers
         self.stats = LinkStats()
         self._writers: dict[tuple[str, str], Announcer] = {}
         self._readers = 0
@@ -328,6 +343,11 @@ class LinkCore:
     def remove_reader(self) -> None:
         with self._lock:
             self._readers = max(0, self._readers - 1)
+
+    @property
+    def readers(self) -> int:
+        """How many readers are attached (0: a writer-only process)."""
+        return self._readers
 
     @property
     def channel(self) -> str:
@@ -375,6 +395,15 @@ class LinkCore:
         raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
         if self.discard is not None and self.discard(raw):
             return [], []
+        if self.skip_data_without_readers and not self._readers and raw.startswith(_DATA_PREFIXES):
+            # Nobody here to hint: a data line of a stream this deployment knows needs no parse
+            # (an unknown name still goes through, for rule (b) of the foreign check).
+            words = raw.split(b" ", 2)
+            if len(words) == 3 and (
+                not self.check_streams or words[1].decode("utf-8", "replace") in self._known
+            ):
+                self.stats.skipped += 1
+                return [], []
         try:
             cmd = parse(raw)
         except ProtocolError as exc:

@@ -3,12 +3,16 @@
 Each writer owns two connections: one for its appends (one transaction at a time, so
 appends from several threads or tasks queue on a lock), one for its heartbeat, which renews
 the lease, persists the position and re-samples the database clock. The heartbeat runs every
-``lease / 4`` seconds, and sooner (coalesced to at most one per ``flush_interval``) after an
-append moved the position, so the persisted position trails the real one by milliseconds.
+``lease / 4`` seconds; an append that moved the position also wakes it, coalesced to at most
+one such early heartbeat per `FLUSH_INTERVAL` (each is one autocommit statement, without the
+retirement of expired peers that every `streams.core.RETIRE_EVERY`-th scheduled one does), so
+the persisted position trails the real one by at most about `FLUSH_INTERVAL` while a writer is
+busy. It is informational (``persisted_linear``): readers ask PostgreSQL what is complete.
 
-With a Redis link, each writer also has an `Announcer`: after every completion (and every
-heartbeat that moved the position) it publishes ``RDATA``/``POSITION`` through the link's queue,
-so appends never wait on Redis, and every scheduled heartbeat re-announces the position.
+With a Redis link, each writer also has an `Announcer`: after every completion the appending
+thread (or task) publishes ``RDATA``/``POSITION`` through the link, best effort and without
+waiting for Redis (`streams.redis_link`), and every heartbeat re-announces the position
+(``POSITION p p``, the courtesy answer to readers that joined in between).
 
 The logic lives in `streams.core` and `streams.replication`; everything here is connection
 handling and scheduling.
@@ -37,10 +41,10 @@ __all__ = ["AsyncOpenFact", "AsyncWriter", "OpenFact", "Writer"]
 
 log = logging.getLogger("streams.writer")
 
-#: Minimum time between two position flushes triggered by appends. Shorter makes the persisted
-#: position fresher; each flush is a transaction, and at 5 ms four single-fact writers lost
-#: ~25% of their commit throughput to them (measured with `streams bench write`).
-FLUSH_INTERVAL = 0.02
+#: Minimum seconds between two heartbeats woken by appends. At 20 ms (and four round trips a
+#: heartbeat) four single-fact writers lost ~25% of their throughput to them; at 100 ms and one
+#: round trip the heartbeat thread costs 1-5 us of CPU per append (`streams bench write`).
+FLUSH_INTERVAL = 0.1
 
 
 def _connect(url: str) -> psycopg.Connection[Any]:
@@ -137,12 +141,12 @@ class _Announcing:
 
     def _after_completion(self, ids: tuple[int, ...] = (), timestamp: int = 0) -> None:
         """An ID completed: announce what moved, and wake the heartbeat to persist it."""
-        self._announce(ids, timestamp)
-        if self._core.needs_persist:
-            self._request_beat()
+        if self._announcer is not None:
+            self._announce(ids, timestamp)
+        if self._core.needs_persist and not self._wake.is_set():
+            self._wake.set()
 
-    def _request_beat(self) -> None:
-        raise NotImplementedError
+    _wake: Any  # threading.Event or asyncio.Event: only is_set() and set() are used here
 
 
 class Writer(_Announcing):
@@ -161,6 +165,8 @@ class Writer(_Announcing):
             self._conn.close()
             raise
         self._beat_conn = _connect(database_url)
+        # One heartbeat at a time on the heartbeat connection (the thread and `heartbeat()`).
+        self._beat_lock = threading.Lock()
         self._attach(link)
         self._thread = threading.Thread(
             target=self._beat_loop, name=f"streams-heartbeat-{core.instance}", daemon=True
@@ -258,12 +264,10 @@ class Writer(_Announcing):
 
     # ------------------------------------------------------------------ heartbeat
 
-    def _request_beat(self) -> None:
-        self._wake.set()
-
     def heartbeat(self) -> None:
         """Run one heartbeat now (the background thread also runs them)."""
-        run(self._beat_conn, self._core.heartbeat())
+        with self._beat_lock:
+            run(self._beat_conn, self._core.heartbeat())
 
     def _beat_loop(self) -> None:
         interval = self._core.lease_seconds / 4
@@ -273,7 +277,11 @@ class Writer(_Announcing):
             if self._stopped.is_set():
                 break
             try:
-                run(self._beat_conn, self._core.beat())
+                with self._beat_lock:
+                    if woken:  # by an append: persist the position, nothing else
+                        run(self._beat_conn, self._core.heartbeat())
+                    else:
+                        run(self._beat_conn, self._core.beat())
                 self._announce(periodic=not woken)
             except Exception as exc:  # keep beating through transient failures
                 log.warning("heartbeat of %r failed: %s", self, exc)
@@ -281,7 +289,8 @@ class Writer(_Announcing):
             if self._core.fenced:
                 log.error("%r was fenced: its lease expired or its name was taken over", self)
                 break
-            self._stopped.wait(FLUSH_INTERVAL)
+            if woken:
+                self._stopped.wait(FLUSH_INTERVAL)
 
     def _reconnect_beat(self) -> None:
         with contextlib.suppress(Exception):
@@ -326,6 +335,7 @@ class AsyncWriter(_Announcing):
         self._url = database_url
         self._core = core
         self._lock = asyncio.Lock()
+        self._beat_lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._stopped = asyncio.Event()
         self._conn: psycopg.AsyncConnection[Any] | None = None
@@ -425,12 +435,10 @@ class AsyncWriter(_Announcing):
             else:
                 self._after_completion()
 
-    def _request_beat(self) -> None:
-        self._wake.set()
-
     async def heartbeat(self) -> None:
         assert self._beat_conn is not None
-        await arun(self._beat_conn, self._core.heartbeat())
+        async with self._beat_lock:
+            await arun(self._beat_conn, self._core.heartbeat())
 
     async def _beat_loop(self) -> None:
         interval = self._core.lease_seconds / 4
@@ -445,7 +453,11 @@ class AsyncWriter(_Announcing):
                 break
             try:
                 assert self._beat_conn is not None
-                await arun(self._beat_conn, self._core.beat())
+                async with self._beat_lock:
+                    if woken:  # by an append: persist the position, nothing else
+                        await arun(self._beat_conn, self._core.heartbeat())
+                    else:
+                        await arun(self._beat_conn, self._core.beat())
                 self._announce(periodic=not woken)
             except Exception as exc:
                 log.warning("heartbeat of %r failed: %s", self, exc)
@@ -453,7 +465,9 @@ class AsyncWriter(_Announcing):
             if self._core.fenced:
                 log.error("%r was fenced: its lease expired or its name was taken over", self)
                 break
-            await asyncio.sleep(FLUSH_INTERVAL)
+            if woken:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopped.wait(), FLUSH_INTERVAL)
 
     async def _reconnect_beat(self) -> None:
         if self._beat_conn is not None:
