@@ -24,6 +24,8 @@ import psycopg
 from click.core import ParameterSource
 
 from . import __version__
+from .bench_probe import bench_probe_command
+from .bench_spark import bench_spark_command
 from .client import Client, connect
 from .config import Settings, redact_url, scrub_secrets, url_passwords
 from .epochs import Fact
@@ -732,6 +734,11 @@ def bench() -> None:
     """Benchmarks that print figures beside a raw baseline measured in the same run."""
 
 
+# Cheap imports: pyspark and the servers are only touched inside the commands.
+bench.add_command(bench_spark_command, name="spark")
+bench.add_command(bench_probe_command, name="probe")
+
+
 @bench.command(name="write")
 @click.option("--seconds", type=float, default=3.0, show_default=True, help="Per measurement.")
 @click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True)
@@ -739,23 +746,31 @@ def bench() -> None:
     "--writers", "writer_counts", multiple=True, type=int, default=(1, 4), show_default=True
 )
 @click.option("--memory-facts", type=int, default=1_000_000, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Also print the results as JSON.")
 @_common
 def bench_write(
     seconds: float,
     rounds: int,
     writer_counts: tuple[int, ...],
     memory_facts: int,
+    as_json: bool,
     database_url: str | None,
     redis_url: str | None,
     prefix: str | None,
 ) -> None:
-    """Appends/s (single and 1000-per-transaction) for 1 and 4 writer processes vs raw."""
+    """Appends/s (single and 1000-per-transaction) for 1 and 4 writer processes vs raw,
+    with Redis off and (when a Redis URL is configured) on, and client CPU per append."""
     from .bench import run_write_bench, tracker_memory
 
     settings = _settings(database_url, redis_url, prefix)
-    click.echo(f"database {redact_url(settings.database_url)}; medians of {rounds} rounds")
-    run_write_bench(
+    redis_text = redact_url(settings.redis_url) if settings.redis_url else "none (Redis off only)"
+    click.echo(
+        f"database {redact_url(settings.database_url)}; Redis {redis_text}; "
+        f"medians of {rounds} rounds"
+    )
+    results = run_write_bench(
         settings.database_url,
+        redis_url=settings.redis_url,
         writer_counts=writer_counts,
         seconds=seconds,
         rounds=rounds,
@@ -763,6 +778,9 @@ def bench_write(
     )
     if memory_facts:
         tracker_memory(memory_facts, report=click.echo)
+    if as_json:
+        data = [r.as_dict() for r in results]
+        click.echo(json.dumps(data, sort_keys=True, separators=(",", ":")))
 
 
 @bench.command(name="latency")

@@ -32,8 +32,7 @@ def user_table(streams_url: str, unique_name: str) -> Iterator[str]:
     with psycopg.connect(streams_url, autocommit=True) as conn:
         # Streams of the shared test database must stay healthy for other tests' doctors.
         conn.execute(
-            "UPDATE streams_registry SET fact_tables = '[]' "
-            "WHERE fact_tables::text LIKE %s",
+            "UPDATE streams_registry SET fact_tables = '[]' WHERE fact_tables::text LIKE %s",
             (f"%{table}%",),
         )
         conn.execute(f"DROP TABLE IF EXISTS {table}")
@@ -103,7 +102,7 @@ def test_doctor_warns_when_another_deployment_shares_the_channel(
 
     def fake_synapse() -> None:
         r = redis.Redis.from_url(redis_url)
-        pubsub = r.pubsub()
+        pubsub = r.pubsub()  # type: ignore[no-untyped-call]
         pubsub.subscribe(redis_prefix)
         ready.set()
         while not stop.is_set():

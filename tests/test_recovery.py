@@ -33,8 +33,7 @@ def order_lines(streams_url: str, unique_name: str) -> Iterator[str]:
     with psycopg.connect(streams_url, autocommit=True) as conn:
         # Streams of the shared test database must stay healthy for other tests' doctors.
         conn.execute(
-            "UPDATE streams_registry SET fact_tables = '[]' "
-            "WHERE fact_tables::text LIKE %s",
+            "UPDATE streams_registry SET fact_tables = '[]' WHERE fact_tables::text LIKE %s",
             (f"%{table}%",),
         )
         conn.execute(f"DROP TABLE IF EXISTS {table}")
