@@ -519,7 +519,7 @@ class WriterCore:
             ).format(max_allocated=max_allocated_sql(self.info), now=sql.SQL(_NOW_MS)),
             {
                 "position": position,
-                "pending": tracker.pending_count + tracker.in_flight_count,
+                "pending": tracker.take_peak_pending(),
                 "lease": self.lease_seconds,
                 "stream": self.info.id,
                 "instance": self.instance,

@@ -118,6 +118,8 @@ class PositionTracker:
                 self._remote[instance] = position
                 self._max_allocated = max(self._max_allocated, position)
         self._linear = 0
+        #: Most IDs pending plus reservations in flight at once since `take_peak_pending`.
+        self._peak = 0
         # A writer constructed with nothing pending or in flight may announce max allocated
         # at once (e.g. a restarted writer after its predecessor was fenced).
         self._recompute()
@@ -130,6 +132,7 @@ class PositionTracker:
         self._require_local()
         token = ReservationToken(next(self._tokens), self._max_allocated)
         self._in_flight[token.number] = token.floor
+        self._peak = max(self._peak, len(self._pending) + len(self._in_flight))
         return token
 
     @_locked
@@ -231,6 +234,15 @@ class PositionTracker:
         """The local writer's minimal position: its own completed IDs only."""
         self._require_local()
         return self._local_minimal
+
+    @_locked
+    def take_peak_pending(self) -> int:
+        """The most IDs pending plus reservations in flight at any moment since the previous
+        call (for operators: a writer that appended since then shows as busy, even if nothing
+        is pending at the instant of its heartbeat)."""
+        peak = max(self._peak, len(self._pending) + len(self._in_flight))
+        self._peak = len(self._pending) + len(self._in_flight)
+        return peak
 
     @property
     def pending_count(self) -> int:

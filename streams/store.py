@@ -241,8 +241,9 @@ class WriterRow:
     @property
     def state(self) -> str:
         """``retired`` (closed, fenced or pruned from the linear position), ``lease expired``
-        (stopped heartbeating; retired at the next chance), ``active`` (IDs pending at its
-        last heartbeat) or ``idle`` (nothing pending: it holds nobody back)."""
+        (stopped heartbeating; retired at the next chance), ``active`` (it had IDs pending
+        between its last two heartbeats, i.e. it wrote) or ``idle`` (nothing pending in that
+        time: it holds nobody back)."""
         if self.retired:
             return "retired"
         if self.lease_expires_in_ms < 0:

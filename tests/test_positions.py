@@ -537,3 +537,14 @@ def test_thread_safety_smoke() -> None:
     assert tracker.in_flight_count == 0
     assert tracker.local_position == max(drawn) == 8000
     assert tracker.linear_position == 8000
+
+
+def test_peak_pending_counts_what_happened_between_heartbeats() -> None:
+    tracker = PositionTracker(local_instance="w", local_position=0, max_allocated=0)
+    assert tracker.take_peak_pending() == 0
+    token = tracker.begin_reservation()
+    tracker.reserved(token, [1])
+    tracker.complete([1])
+    assert tracker.pending_count == 0
+    assert tracker.take_peak_pending() == 1  # it wrote since the last reading
+    assert tracker.take_peak_pending() == 0  # and nothing since
