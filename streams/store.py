@@ -61,8 +61,9 @@ notices the dropped connection; a wedged one, when its transaction has been idle
 The writer's side (`streams.core`): one statement computes ``L`` from the sequence, takes the
 lock on it and calls ``nextval``. That is the one place where order inside a statement matters,
 and it is a data dependency, not an evaluation-order assumption: ``nextval`` runs in a CTE that
-scans the CTE taking the lock, and returns ``L`` beside every ID, and the writer checks
-``ID >= L`` for every ID before the transaction can commit (`SequenceRewound` otherwise).
+scans the CTE taking the lock, and the writer checks ``ID >= L`` for every ID before the
+transaction can commit (inside the statement itself for a single fact, which then commits by
+itself in autocommit; from the returned ``L`` for a batch): `SequenceRewound` otherwise.
 
 Earlier versions read ``pg_locks`` in a correlated subquery of the statement that read the
 sequences. PostgreSQL evaluated ``pg_lock_status()`` once, at the first stream's row, and reused
