@@ -729,6 +729,29 @@ def metrics_serve(
         server.shutdown()
 
 
+def _bench_report() -> Callable[[str], None]:
+    """Print a benchmark's lines; on a terminal, also keep a spinner on stderr showing the
+    last one and the time spent, so a long run shows it is alive (plain when piped)."""
+    if not sys.stderr.isatty():
+        return click.echo
+    from rich.console import Console
+
+    status = Console(stderr=True).status("starting...")
+    status.start()
+    started = time.monotonic()
+
+    def report(line: str) -> None:
+        status.stop()
+        click.echo(line)
+        status.update(f"{time.monotonic() - started:.0f}s: {line.strip()[:80]}")
+        status.start()
+
+    import atexit
+
+    atexit.register(status.stop)
+    return report
+
+
 @main.group()
 def bench() -> None:
     """Benchmarks that print figures beside a raw baseline measured in the same run."""
@@ -774,10 +797,10 @@ def bench_write(
         writer_counts=writer_counts,
         seconds=seconds,
         rounds=rounds,
-        report=click.echo,
+        report=_bench_report(),
     )
     if memory_facts:
-        tracker_memory(memory_facts, report=click.echo)
+        tracker_memory(memory_facts, report=_bench_report())
     if as_json:
         data = [r.as_dict() for r in results]
         click.echo(json.dumps(data, sort_keys=True, separators=(",", ":")))
@@ -817,7 +840,7 @@ def bench_latency(
         rate=rate,
         seconds=seconds,
         catchup_facts=catchup_facts,
-        report=click.echo,
+        report=_bench_report(),
     )
     if as_json:
         click.echo(json.dumps(result.as_dict(), sort_keys=True, separators=(",", ":")))
