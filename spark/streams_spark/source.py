@@ -30,6 +30,8 @@ maximum timestamp is computed with pyarrow (or in SQL, ``timestampIn=sql``).
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime as dt
 import itertools
 import logging
@@ -171,6 +173,19 @@ class RangePartition(InputPartition):
 # (measured faster than one per task). Workers run one task at a time.
 _ADBC: dict[str, Any] = {}
 _ADBC_LOCK = threading.Lock()
+
+
+def _close_adbc_connections() -> None:
+    """At exit, while the driver manager still exists (its ``__del__`` fails at interpreter
+    shutdown, noisily, when a cached connection is collected that late)."""
+    with _ADBC_LOCK:
+        for conn in _ADBC.values():
+            with contextlib.suppress(Exception):
+                conn.close()
+        _ADBC.clear()
+
+
+atexit.register(_close_adbc_connections)
 
 
 def _adbc_connection(url: str, fresh: bool = False) -> Any:
