@@ -31,7 +31,14 @@ from .config import Settings, redact_url, scrub_secrets, url_passwords
 from .epochs import Fact
 from .errors import StreamsError
 from .reader import Reader, Start
-from .render import Table, age, print_tables, render_plain, rich_renderable, sparkline, timestamp
+from .render import (
+    Table,
+    positions_tables,
+    print_tables,
+    render_plain,
+    rich_renderable,
+    timestamp,
+)
 from .store import StreamPositions
 from .timestamps import TimestampMode
 
@@ -455,44 +462,6 @@ def _stdin_terminal() -> bool:
     return sys.stdin.isatty()
 
 
-def _positions_tables(
-    items: list[StreamPositions], show_all: bool, rates: dict[str, list[float]] | None = None
-) -> list[Table]:
-    streams_table = Table(
-        "streams",
-        ["STREAM", "LINEAR", "MAX_ALLOCATED", "SCRATCHPAD", "OLDEST_PENDING_MS"]
-        + (["RATE"] if rates is not None else []),
-        numeric=frozenset({"LINEAR", "MAX_ALLOCATED", "SCRATCHPAD", "OLDEST_PENDING_MS"}),
-    )
-    writers = Table(
-        "writers",
-        ["STREAM", "WRITER", "POSITION", "PENDING", "STATE", "HEARTBEAT_AGE_MS"],
-        numeric=frozenset({"POSITION", "PENDING", "HEARTBEAT_AGE_MS"}),
-    )
-    groups = Table(
-        "reader groups and Spark queries",
-        ["STREAM", "GROUP", "POSITION", "LAG", "LAG_MS"],
-        numeric=frozenset({"POSITION", "LAG", "LAG_MS"}),
-    )
-    for p in items:
-        row = [p.stream, str(p.linear), str(p.max_allocated), str(p.scratchpad)]
-        row.append(age(p.oldest_pending_ms))
-        if rates is not None:
-            history = rates.get(p.stream, [])
-            now = f"{history[-1]:,.0f}/s" if history else "-"
-            row.append(f"{now} {sparkline(history[-20:])}")
-        streams_table.rows.append(row)
-        for name, w in sorted(p.writers.items()):
-            if w.retired and not show_all:
-                continue
-            writers.rows.append(
-                [p.stream, name, str(w.position), str(w.pending), w.state, age(w.heartbeat_age_ms)]
-            )
-        for g in p.groups:
-            groups.rows.append([p.stream, g.group, str(g.position), str(g.lag), age(g.lag_ms)])
-    return [streams_table, writers, groups]
-
-
 def _read_positions(client: Client, streams: tuple[str, ...]) -> list[StreamPositions]:
     names = list(streams) or [s.name for s in client.streams()]
     return [client.positions(name) for name in names]
@@ -536,7 +505,7 @@ def positions(
                 data = [p.as_dict(retired=show_all) for p in items]
                 click.echo(json.dumps(data, sort_keys=True, separators=(",", ":")))
             else:
-                print_tables(_positions_tables(items, show_all), sys.stdout, terminal=_terminal())
+                print_tables(positions_tables(items, show_all), sys.stdout, terminal=_terminal())
             return
         _watch_positions(client, streams, show_all, interval, count, as_json)
 
@@ -575,11 +544,9 @@ def _watch_positions(
                 ]
                 click.echo(json.dumps(data, sort_keys=True, separators=(",", ":")))
             elif live is not None:
-                live.update(
-                    rich_renderable(_positions_tables(items, show_all, rates)), refresh=True
-                )
+                live.update(rich_renderable(positions_tables(items, show_all, rates)), refresh=True)
             else:
-                click.echo(render_plain(_positions_tables(items, show_all, rates)) + "\n")
+                click.echo(render_plain(positions_tables(items, show_all, rates)) + "\n")
             samples += 1
             if count is not None and samples >= count:
                 return

@@ -62,7 +62,9 @@ def _known_streams(settings: Settings) -> list[str]:
     database does not know means another deployment shares the channel (`streams.replication`).
     Runs on the link's thread (rarely: only when it hears an unknown name), on a connection of
     its own."""
-    with psycopg.connect(settings.database_url, autocommit=True, connect_timeout=3) as conn:
+    with dbconnect.connect(
+        settings.database_url, autocommit=True, connect_timeout=3, purpose="redis link"
+    ) as conn:
         return [info.name for info in run(conn, list_streams())]
 
 

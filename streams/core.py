@@ -53,7 +53,7 @@ from psycopg import sql
 
 from ._ops import Autocommit, Commit, CopyIn, Gen, Pipeline, Query, Row
 from .config import validate_instance_name
-from .constants import REGISTRATION_LOCK, reservation_lock_class
+from .constants import reservation_lock_class
 from .errors import (
     PayloadNotSerializable,
     PayloadTooLarge,
@@ -67,6 +67,7 @@ from .store import (
     StreamInfo,
     load_stream,
     max_allocated_sql,
+    registration_lock,
     repair_sequence,
     reservation_lock_key_sql,
     retire_expired_writers,
@@ -220,7 +221,7 @@ class WriterCore:
         info = yield from load_stream(self.stream_name)
         rows = yield Query(f"SELECT {_NOW_MS}")
         self.clock.sample(rows[0][0], sent, time.time())
-        yield Query("SELECT pg_advisory_xact_lock(%s, %s)", (REGISTRATION_LOCK, info.id))
+        yield from registration_lock(info)
         yield from repair_sequence(info)
         existing = yield Query(
             "SELECT position FROM streams_writers WHERE stream = %s AND instance = %s FOR UPDATE",

@@ -32,7 +32,7 @@ import psycopg
 from .client import Client, connect
 from .config import Settings
 from .epochs import Fact
-from .render import Table, age, print_tables, rich_renderable
+from .render import Table, age, positions_tables, print_tables, rich_renderable
 
 __all__ = ["DemoResult", "run_demo"]
 
@@ -238,14 +238,8 @@ def _view(
             str(query.batches) if query else "-",
         ]
     )
-    writers = Table("writers", ["WRITER", "POSITION", "PENDING", "STATE"])
-    for name, w in sorted(p.writers.items()):
-        if not w.retired:
-            writers.rows.append([name, str(w.position), str(w.pending), w.state])
-    groups = Table("readers", ["GROUP", "POSITION", "LAG", "LAG_MS"])
-    for g in p.groups:
-        groups.rows.append([g.group, str(g.position), str(g.lag), age(g.lag_ms)])
-    return [streams_table, writers, groups]
+    # Writers and readers as `streams positions` shows them.
+    return [streams_table, *positions_tables([p], show_all=False)[1:]]
 
 
 @contextlib.contextmanager

@@ -8,9 +8,9 @@ from typing import Any
 import psycopg
 
 from . import dbconnect
-from ._ops import Commit, Gen, Query, run
+from ._ops import run
 from .config import Settings, redact_url
-from .constants import REGISTRATION_LOCK, replication_channel
+from .constants import replication_channel
 from .errors import StreamsError
 from .store import (
     StreamInfo,
@@ -18,7 +18,7 @@ from .store import (
     expired_writer_count,
     list_streams,
     probe,
-    repair_sequence,
+    repair_sequence_now,
     reservation_lock_holders,
     retire_expired_writers,
     sequence_state,
@@ -51,17 +51,10 @@ def repair(settings: Settings) -> list[str]:
         for info in run(conn, list_streams()):
             for name in run(conn, retire_expired_writers(info)):
                 done.append(f"stream {info.name}: retired writer {name} (lease expired)")
-            target = run(conn, _locked_repair(info))
+            target = run(conn, repair_sequence_now(info))
             if target is not None:
                 done.append(f"stream {info.name}: sequence moved to {target}")
     return done
-
-
-def _locked_repair(info: StreamInfo) -> Gen[int | None]:
-    yield Query("SELECT pg_advisory_xact_lock(%s, %s)", (REGISTRATION_LOCK, info.id))
-    target = yield from repair_sequence(info)
-    yield Commit()
-    return target
 
 
 def diagnose(settings: Settings) -> list[Check]:

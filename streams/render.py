@@ -9,11 +9,22 @@ timestamps; they are pure.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
-__all__ = ["Table", "age", "print_tables", "render_plain", "sparkline", "timestamp"]
+if TYPE_CHECKING:
+    from .store import StreamPositions
+
+__all__ = [
+    "Table",
+    "age",
+    "positions_tables",
+    "print_tables",
+    "render_plain",
+    "sparkline",
+    "timestamp",
+]
 
 _BLOCKS = "▁▂▃▄▅▆▇█"
 
@@ -113,3 +124,45 @@ def print_tables(tables: Sequence[Table], out: IO[str], *, terminal: bool) -> No
         text = render_plain(tables)
         if text:
             out.write(text + "\n")
+
+
+def positions_tables(
+    items: Sequence[StreamPositions],
+    show_all: bool,
+    rates: Mapping[str, Sequence[float]] | None = None,
+) -> list[Table]:
+    """The streams, writers and groups tables of `streams positions` (and the demo's view);
+    ``rates`` (facts/s samples per stream) adds a RATE column with a sparkline."""
+    streams_table = Table(
+        "streams",
+        ["STREAM", "LINEAR", "MAX_ALLOCATED", "SCRATCHPAD", "OLDEST_PENDING_MS"]
+        + (["RATE"] if rates is not None else []),
+        numeric=frozenset({"LINEAR", "MAX_ALLOCATED", "SCRATCHPAD", "OLDEST_PENDING_MS"}),
+    )
+    writers = Table(
+        "writers",
+        ["STREAM", "WRITER", "POSITION", "PENDING", "STATE", "HEARTBEAT_AGE_MS"],
+        numeric=frozenset({"POSITION", "PENDING", "HEARTBEAT_AGE_MS"}),
+    )
+    groups = Table(
+        "reader groups and Spark queries",
+        ["STREAM", "GROUP", "POSITION", "LAG", "LAG_MS"],
+        numeric=frozenset({"POSITION", "LAG", "LAG_MS"}),
+    )
+    for p in items:
+        row = [p.stream, str(p.linear), str(p.max_allocated), str(p.scratchpad)]
+        row.append(age(p.oldest_pending_ms))
+        if rates is not None:
+            history = rates.get(p.stream, [])
+            now = f"{history[-1]:,.0f}/s" if history else "-"
+            row.append(f"{now} {sparkline(history[-20:])}")
+        streams_table.rows.append(row)
+        for name, w in sorted(p.writers.items()):
+            if w.retired and not show_all:
+                continue
+            writers.rows.append(
+                [p.stream, name, str(w.position), str(w.pending), w.state, age(w.heartbeat_age_ms)]
+            )
+        for g in p.groups:
+            groups.rows.append([p.stream, g.group, str(g.position), str(g.lag), age(g.lag_ms)])
+    return [streams_table, writers, groups]

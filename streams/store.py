@@ -88,7 +88,7 @@ from psycopg.types.json import Jsonb
 
 from ._ops import Commit, Gen, Pipeline, Query, Row
 from .config import validate_stream_name
-from .constants import RESERVATION_LOCK_SPAN, reservation_lock_class
+from .constants import REGISTRATION_LOCK, RESERVATION_LOCK_SPAN, reservation_lock_class
 from .errors import InvalidFactTables, SchemaNotReady, StreamExists, UnknownStream
 from .positions import sequence_repair_target
 from .timestamps import TimestampMode
@@ -127,7 +127,9 @@ __all__ = [
     "probes_from_rows",
     "prune_writers",
     "range_rows_sql",
+    "registration_lock",
     "repair_sequence",
+    "repair_sequence_now",
     "reservation_lock_holders",
     "reservation_lock_key_sql",
     "retire_expired_writers",
@@ -217,12 +219,17 @@ class FactTable:
     def as_json(self) -> dict[str, str]:
         return {"table": self.table, "column": self.column}
 
+    def _relation(self) -> sql.Identifier:
+        return sql.Identifier(*self.table.split("."))
+
     def max_sql(self) -> sql.Composed:
-        schema, table = self.table.split(".")
-        return sql.SQL("(SELECT max({column}) FROM {schema}.{table})").format(
-            column=sql.Identifier(self.column),
-            schema=sql.Identifier(schema),
-            table=sql.Identifier(table),
+        return sql.SQL("(SELECT max({column}) FROM {relation})").format(
+            column=sql.Identifier(self.column), relation=self._relation()
+        )
+
+    def ids_sql(self) -> sql.Composed:
+        return sql.SQL("SELECT {column}::bigint FROM {relation}").format(
+            column=sql.Identifier(self.column), relation=self._relation()
         )
 
 
@@ -495,6 +502,19 @@ class SequenceState:
         return sequence_repair_target(self.last_value, self.max_used)
 
 
+def _existing_fact_tables(
+    info: StreamInfo,
+) -> Gen[tuple[list[FactTable], list[FactTable]]]:
+    """The stream's declared tables split into (existing, missing): a dropped table must not
+    fail repair, only be reported."""
+    present: list[FactTable] = []
+    missing: list[FactTable] = []
+    for table in info.fact_tables:
+        rows = yield Query("SELECT to_regclass(%s) IS NOT NULL", (table.table,))
+        (present if rows[0][0] else missing).append(table)
+    return present, missing
+
+
 def sequence_state(info: StreamInfo, *, commit: bool = True) -> Gen[SequenceState]:
     """Read everything sequence repair needs, in one statement: the sequence, the largest ID in
     ``streams_facts`` and in each declared table, and the largest writer and group position (a
@@ -504,11 +524,7 @@ def sequence_state(info: StreamInfo, *, commit: bool = True) -> Gen[SequenceStat
     What stays invisible: facts in a table the stream does not declare. `streams doctor`
     reports how many IDs have no row anywhere it can see (rollbacks, or such a table).
     """
-    missing: list[FactTable] = []
-    present: list[FactTable] = []
-    for table in info.fact_tables:
-        rows = yield Query("SELECT to_regclass(%s) IS NOT NULL", (table.table,))
-        (present if rows[0][0] else missing).append(table)
+    present, missing = yield from _existing_fact_tables(info)
     maxima = [
         sql.SQL("(SELECT max(stream_id) FROM streams_facts WHERE stream = %(stream)s)"),
         *(t.max_sql() for t in present),
@@ -543,20 +559,11 @@ class UnseenIds:
 
 def unseen_ids(info: StreamInfo, window: int) -> Gen[UnseenIds]:
     """Count the most recent ``window`` allocated IDs that no known table holds (`doctor`)."""
+    present, _ = yield from _existing_fact_tables(info)
     tables: list[sql.Composable] = [
-        sql.SQL("SELECT stream_id FROM streams_facts WHERE stream = %(stream)s")
+        sql.SQL("SELECT stream_id FROM streams_facts WHERE stream = %(stream)s"),
+        *(table.ids_sql() for table in present),
     ]
-    for table in info.fact_tables:
-        rows = yield Query("SELECT to_regclass(%s) IS NOT NULL", (table.table,))
-        if rows[0][0]:
-            schema, name = table.table.split(".")
-            tables.append(
-                sql.SQL("SELECT {col}::bigint FROM {schema}.{name}").format(
-                    col=sql.Identifier(table.column),
-                    schema=sql.Identifier(schema),
-                    name=sql.Identifier(name),
-                )
-            )
     rows = yield Query(
         sql.SQL(
             """
@@ -589,6 +596,21 @@ def expired_writer_count(info: StreamInfo) -> Gen[int]:
     )
     yield Commit()
     return int(rows[0][0])
+
+
+def registration_lock(info: StreamInfo) -> Gen[None]:
+    """Take the stream's registration lock for the rest of the transaction: writer registration
+    and sequence repair of one stream run one at a time (`streams.constants`)."""
+    yield Query("SELECT pg_advisory_xact_lock(%s, %s)", (REGISTRATION_LOCK, info.id))
+
+
+def repair_sequence_now(info: StreamInfo) -> Gen[int | None]:
+    """`repair_sequence` in a transaction of its own, under the registration lock (for
+    ``streams doctor --repair``); returns the new value, or None."""
+    yield from registration_lock(info)
+    target = yield from repair_sequence(info)
+    yield Commit()
+    return target
 
 
 def repair_sequence(info: StreamInfo) -> Gen[int | None]:
@@ -759,6 +781,17 @@ def probe(infos: Sequence[StreamInfo]) -> Gen[dict[str, Probe]]:
     return probes_from_rows(results[-1])
 
 
+def _range_literals(info: StreamInfo, after: int, through: int, limit: int) -> dict[str, Any]:
+    """The integer bounds of a range scan as SQL literals (faster than parameters for range
+    scans, measured; ints, so nothing can be injected)."""
+    return {
+        "stream": sql.Literal(int(info.id)),
+        "after": sql.Literal(int(after)),
+        "through": sql.Literal(int(through)),
+        "limit": sql.Literal(int(limit)),
+    }
+
+
 def fetch_rows(info: StreamInfo, after: int, through: int, limit: int) -> Gen[list[Row]]:
     """Rows ``(stream_id, row_no, instance, ts, payload)`` of facts with
     ``after < stream_id <= through``, in (stream ID, row) order.
@@ -771,12 +804,7 @@ def fetch_rows(info: StreamInfo, after: int, through: int, limit: int) -> Gen[li
         "SELECT stream_id, row_no, instance, ts, payload FROM streams_facts "
         "WHERE stream = {stream} AND stream_id > {after} AND stream_id <= {through} "
         "ORDER BY stream_id, row_no LIMIT {limit}"
-    ).format(
-        stream=sql.Literal(int(info.id)),
-        after=sql.Literal(int(after)),
-        through=sql.Literal(int(through)),
-        limit=sql.Literal(int(limit)),
-    )
+    ).format(**_range_literals(info, after, through, limit))
     rows = yield Query(query)
     yield Commit()
     return rows
@@ -1087,12 +1115,7 @@ def count_facts(info: StreamInfo, after: int, through: int, limit: int) -> Gen[t
         "SELECT DISTINCT stream_id FROM streams_facts "
         "WHERE stream = {stream} AND stream_id > {after} AND stream_id <= {through} "
         "ORDER BY stream_id LIMIT {limit}) AS f"
-    ).format(
-        stream=sql.Literal(int(info.id)),
-        after=sql.Literal(int(after)),
-        through=sql.Literal(int(through)),
-        limit=sql.Literal(int(limit)),
-    )
+    ).format(**_range_literals(info, after, through, limit))
     rows = yield Query(query)
     yield Commit()
     count, last = rows[0]
