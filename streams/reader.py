@@ -226,6 +226,12 @@ class ReaderCore:
             self._targets[name] = max(self._targets.get(name, 0), found.complete)
         self._reconcile = False
 
+    def start_times(self) -> dict[str, int]:
+        """For a start by time: the start (ms), by stream, still filtering what comes next
+        (facts whose running-maximum timestamp is earlier are dropped until the first one at
+        or after it, so a fact that was pending at the start cannot sneak in late)."""
+        return dict(self._start_ts)
+
     def set_link_state(self, connected: bool) -> None:
         """The Redis link went up or down: disconnected until the next probe re-establishes."""
         self._link_up = connected

@@ -114,6 +114,7 @@ __all__ = [
     "expired_writer_count",
     "fetch_rows",
     "fetch_rows_after_probe",
+    "first_fact_since",
     "group_position",
     "list_groups",
     "list_streams",
@@ -887,6 +888,21 @@ def position_before_time(info: StreamInfo, ts_ms: int) -> Gen[int | None]:
     )
     yield Commit()
     return None if rows[0][0] is None else int(rows[0][0]) - 1
+
+
+def first_fact_since(info: StreamInfo, ts_ms: int, after: int, through: int) -> Gen[int | None]:
+    """The first fact in ``(after, through]`` with timestamp ``>= ts_ms`` (None if none).
+
+    For a query started by time: once its frontier covers such a fact, every later fact's
+    running maximum is at least ``ts_ms`` and the start time no longer filters anything.
+    """
+    rows = yield Query(
+        "SELECT min(stream_id) FROM streams_facts "
+        "WHERE stream = %s AND stream_id > %s AND stream_id <= %s AND ts >= %s",
+        (info.id, after, through, ts_ms),
+    )
+    yield Commit()
+    return None if rows[0][0] is None else int(rows[0][0])
 
 
 #: How many facts before a mid-stream start are scanned for the running maximum timestamp.

@@ -19,6 +19,7 @@ import psycopg
 import pytest
 from helpers import wait_until
 
+import streams
 from streams import Client
 
 pytestmark = pytest.mark.timeout(240)
@@ -320,6 +321,67 @@ def test_starting_timestamp_and_ago(
     iso = dt.datetime.fromtimestamp(old[1] / 1000, dt.UTC).isoformat()
     got = rows_of(spark.read.format("streams").options(**base, startingTimestamp=iso).load())
     assert sorted({r["stream_id"] for r in got}) == list(range(2, 8))
+
+
+def test_a_start_by_time_drops_a_pending_fact_that_commits_with_an_earlier_time(
+    spark: Any, client: Client, stream: str, streams_url: str, tmp_path: Path
+) -> None:
+    """A fact pending when the query started, committed later with a timestamp before the
+    start, is not the query's: the Python reader drops it, so must Spark, and in a way
+    that a replay repeats (the start time rides in the offset until it stops mattering)."""
+    patient = streams.connect(streams_url, lease_seconds=120.0)  # held across Spark's start
+    early, late = patient.writer(stream, instance="early"), client.writer(stream, instance="late")
+    delivered: list[Row] = []
+
+    def sink(df: Any, batch_id: int) -> None:
+        delivered.extend(rows_of(df))
+
+    query = None
+    try:
+        with psycopg.connect(streams_url) as conn, early.fact(conn) as held:
+            held.add({"pending": True})
+            time.sleep(0.05)
+            ack = late.append({"first": True})
+            assert ack.first_id > held.stream_id and ack.first_timestamp > held.timestamp
+            start = dt.datetime.fromtimestamp(ack.first_timestamp / 1000, dt.UTC)
+            python_reader = client.reader([stream], start=start)  # opens (resolves) now
+            query = (
+                spark.readStream.format("streams")
+                .option("stream", stream)
+                .option("databaseUrl", streams_url)
+                .option("startingTimestamp", start.isoformat())
+                .option("pollInterval", "50ms")
+                .load()
+                .writeStream.foreachBatch(sink)
+                .option("checkpointLocation", str(tmp_path / "c"))
+                .trigger(processingTime="0 seconds")
+                .start()
+            )
+            wait_until(
+                lambda: "Waiting for data" in query.status["message"], 60, "the first trigger"
+            )
+            assert delivered == []
+        later = late.append({"second": True})
+        wait_until(lambda: len(delivered) >= 2, 60, "the facts at or after the start")
+        assert [r["stream_id"] for r in delivered] == [ack.first_id, later.first_id]
+        with python_reader:
+            expected = {
+                (f.stream, f.id): (f.instance, f.timestamp, list(f.payloads))
+                for f in python_reader.facts()
+            }
+        assert facts_of(delivered) == expected
+        # The offsets Spark logged (a batch's start is the previous batch's end).
+        log = sorted((tmp_path / "c" / "offsets").glob("[0-9]*"), key=lambda p: int(p.name))
+        ends = [json.loads(p.read_text().splitlines()[-1]) for p in log]
+        assert ends[-1]["streams"][stream] == later.first_id
+        for end in ends:  # in force exactly until the first fact at the start time is read
+            assert ("since" in end) == (end["streams"][stream] < ack.first_id), ends
+    finally:
+        if query is not None:
+            query.stop()
+        early.close()
+        late.close()
+        patient.close()
 
 
 # ------------------------------------------------------------------------------ groups, lag

@@ -5,6 +5,15 @@ stream ID ``<= 1203`` has been delivered (the reader's frontier there is ``{1204
 streams the offset is a vector frontier, compared pointwise. Keys are sorted, so two equal
 frontiers always serialise to the same JSON text (Spark compares offsets as text to decide
 whether a micro-batch has new data).
+
+A query started by time (``startingTimestamp``/``startingAgo``) may have to start below facts
+that were still pending when it started; those that commit later with an earlier timestamp are
+not the query's (the Python reader drops them too). Until a stream's first fact at or after the
+start time is inside the frontier, its offset carries that time: ``{"v": 1, "streams":
+{"orders": 1203}, "since": {"orders": 1763900000000}}``, and the batches planned from it drop
+facts whose running-maximum timestamp is earlier. The key is fixed when the offset is logged,
+so a replayed batch drops exactly the same facts, and a restart with a relative start
+(``startingAgo``) cannot change what an old batch meant.
 """
 
 from __future__ import annotations
@@ -15,17 +24,39 @@ from typing import Any
 
 from streams.errors import ConfigurationError
 
-__all__ = ["OFFSET_VERSION", "frontier_from_json", "frontier_offset", "positions_of"]
+__all__ = [
+    "OFFSET_VERSION",
+    "frontier_from_json",
+    "frontier_offset",
+    "positions_of",
+    "since_of",
+]
 
 OFFSET_VERSION = 1
 
 
-def frontier_offset(positions: Mapping[str, int]) -> dict[str, Any]:
-    """The canonical offset of ``positions`` (keys sorted)."""
-    return {
+def frontier_offset(
+    positions: Mapping[str, int], since: Mapping[str, int] | None = None
+) -> dict[str, Any]:
+    """The canonical offset of ``positions`` (keys sorted), with the start times ``since``
+    still in force (omitted when there are none, so plain offsets stay as they were)."""
+    offset: dict[str, Any] = {
         "v": OFFSET_VERSION,
         "streams": {name: int(positions[name]) for name in sorted(positions)},
     }
+    if since:
+        offset["since"] = {name: int(since[name]) for name in sorted(since)}
+    return offset
+
+
+def since_of(offset: Mapping[str, Any], names: tuple[str, ...]) -> dict[str, int]:
+    """The start times still in force in an offset (empty for most offsets)."""
+    since = offset.get("since", {})
+    if not isinstance(since, Mapping) or any(n not in names for n in since):
+        raise ConfigurationError(
+            f"offset {json.dumps(offset)}: 'since' must map streams of this query to times"
+        )
+    return {str(n): _position(v, str(n)) for n, v in since.items()}
 
 
 def positions_of(offset: Mapping[str, Any], names: tuple[str, ...]) -> dict[str, int]:

@@ -67,7 +67,7 @@ from pyspark.sql.types import (
 from streams.config import redact_url
 from streams.errors import ConfigurationError, StoreError
 
-from .offsets import frontier_offset, positions_of
+from .offsets import frontier_offset, positions_of, since_of
 from .options import Position, SourceOptions, parse_options
 
 if TYPE_CHECKING:
@@ -161,6 +161,8 @@ class RangePartition(InputPartition):
     epoch_upper: int
     database_url: str
     timestamp_in: str = "arrow"
+    #: A query started by time: drop facts whose running-maximum timestamp is earlier (ms).
+    since_ms: int | None = None
 
     def __repr__(self) -> str:
         return (
@@ -229,6 +231,11 @@ def _convert(
         ts = pc.max_element_wise(pc.cumulative_max(ts), pa.scalar(floor, pa.int64()))
     if n:
         floor = max(floor, int(ts[n - 1].as_py()))
+    if part.since_ms is not None and n:
+        keep = pc.greater_equal(ts, pa.scalar(part.since_ms, pa.int64()))
+        if not pc.all(keep).as_py():
+            batch, ts = batch.filter(keep), ts.filter(keep)
+            n = batch.num_rows
     stamps = pc.multiply(ts, pa.scalar(1000, pa.int64())).cast(pa.timestamp("us", tz="UTC"))
     if stream_col is None or len(stream_col) != n:
         stream_col = pc.fill_null(pa.nulls(n, pa.string()), part.stream)
@@ -432,9 +439,10 @@ class _Driver:
 
     def resolve(
         self, where: Position, complete: dict[str, int], *, start: bool = True
-    ) -> dict[str, int]:
-        """Positions for a start or an end. For a start, an explicit ``group``'s committed
-        position wins over the option, stream by stream, as for Python readers."""
+    ) -> tuple[dict[str, int], dict[str, int]]:
+        """Positions for a start or an end, and the start times in force (see
+        `streams_spark.offsets`). For a start, an explicit ``group``'s committed position wins
+        over the option, stream by stream, as for Python readers."""
         from streams.store import group_position
 
         names = self.config.streams
@@ -447,11 +455,11 @@ class _Driver:
                     committed[n] = int(found[0])
         rest = [n for n in names if n not in committed]
         if not rest:
-            return committed
+            return committed, {}
         if where.kind == "frontier":
-            return {**{n: int(where.frontier[n]) for n in rest}, **committed}
+            return {**{n: int(where.frontier[n]) for n in rest}, **committed}, {}
         if where.kind == "latest":
-            return {**{n: complete[n] for n in rest}, **committed}
+            return {**{n: complete[n] for n in rest}, **committed}, {}
         from streams.reader import ReaderCore
 
         begin: Any
@@ -467,10 +475,15 @@ class _Driver:
             begin = dt.timedelta(seconds=where.ago_seconds)
         core = ReaderCore(rest, start=begin)
         self.run(core.open())
-        return {**{n: int(core.positions[n]) for n in rest}, **committed}
+        positions = {**{n: int(core.positions[n]) for n in rest}, **committed}
+        # The reader core resolved the time on the database's clock: keep exactly its filter.
+        return positions, core.start_times()
 
-    def plan(self, lower: dict[str, int], upper: dict[str, int]) -> list[RangePartition]:
-        """Partitions of every stream's ``(lower, upper]`` (deterministic for complete ranges)."""
+    def plan(
+        self, lower: dict[str, int], upper: dict[str, int], since: dict[str, int] | None = None
+    ) -> list[RangePartition]:
+        """Partitions of every stream's ``(lower, upper]`` (deterministic for complete ranges);
+        ``since``: start times still in force, by stream."""
         from streams.store import split_range, ts_floor_at
 
         infos = self.infos()
@@ -493,6 +506,7 @@ class _Driver:
                         epoch_upper=through,
                         database_url=self.config.database_url,
                         timestamp_in=self.config.timestamp_in,
+                        since_ms=(since or {}).get(name),
                     )
                 )
         return parts
@@ -509,12 +523,12 @@ class StreamsBatchReader(_Driver, DataSourceReader):
     def partitions(self) -> Sequence[InputPartition]:
         try:
             complete = self.probe()
-            lower = self.resolve(self.config.start, complete)
+            lower, since = self.resolve(self.config.start, complete)
             end = self.config.end or Position("latest")
             if end.kind == "id":
                 upper = {n: end.id for n in self.config.streams}
             else:
-                upper = self.resolve(end, complete, start=False)
+                upper, _ = self.resolve(end, complete, start=False)
             for name in self.config.streams:
                 if upper[name] > complete[name]:
                     log.warning(
@@ -524,7 +538,7 @@ class StreamsBatchReader(_Driver, DataSourceReader):
                     )  # fmt: skip
                     upper[name] = complete[name]
                 upper[name] = max(upper[name], lower[name])
-            parts = self.plan(lower, upper)
+            parts = self.plan(lower, upper, since)
         finally:
             self.close()
         return parts or [_EMPTY]
@@ -615,9 +629,9 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
 
     def initialOffset(self) -> dict[str, Any]:
         complete = self._refresh(force=True)
-        start = self.resolve(self.config.start, complete)
+        start, since = self.resolve(self.config.start, complete)
         log.info("streams source starts at %s (group %s)", start, self.config.group)
-        return frontier_offset(start)
+        return frontier_offset(start, since)
 
     def getDefaultReadLimit(self) -> ReadLimit:
         if self.config.max_facts is not None:
@@ -649,7 +663,7 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         names = self.config.streams
-        lower = positions_of(start, names)
+        lower, since = positions_of(start, names), since_of(start, names)
         had_probes = self.probes
         complete = self._refresh()
         if self.probes != had_probes:
@@ -671,12 +685,28 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
         if min_facts is not None and waiting and any(upper[n] > lower[n] for n in names):
             have = self._count(lower, upper, min_facts)
             if sum(c for c, _ in have.values()) < min_facts:
-                return frontier_offset(lower)
+                return frontier_offset(lower, since)
         if max_facts is not None and any(upper[n] > lower[n] for n in names):
             upper = self._admit(lower, upper, max_facts)
         if upper != lower:
             self._last_batch = time.monotonic()
-        return frontier_offset(upper)
+        return frontier_offset(upper, self._since_after(since, lower, upper))
+
+    def _since_after(
+        self, since: dict[str, int], lower: dict[str, int], upper: dict[str, int]
+    ) -> dict[str, int]:
+        """The start times still in force after ``(lower, upper]``: a stream's is dropped
+        once the batch holds a fact at or after it (every later fact's timestamp is then
+        at least as late)."""
+        from streams.store import first_fact_since
+
+        infos = self.infos()
+        return {
+            n: ms
+            for n, ms in since.items()
+            if upper[n] <= lower[n]
+            or self.run(first_fact_since(infos[n], ms, lower[n], upper[n])) is None
+        }
 
     def _count(
         self, lower: dict[str, int], upper: dict[str, int], limit: int
@@ -736,7 +766,7 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
         lower, upper = positions_of(start, names), positions_of(end, names)
         if lower == upper:
             return []
-        parts = self.plan(lower, upper)
+        parts = self.plan(lower, upper, since_of(start, names))
         return parts or [
             RangePartition(
                 stream=names[0],
