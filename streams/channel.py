@@ -22,7 +22,7 @@ from typing import Any
 
 import redis
 
-from .constants import replication_channel
+from .constants import PROOF_INSTANCE_PREFIX, replication_channel
 from .protocol import (
     ForeignCommand,
     PositionCommand,
@@ -141,6 +141,8 @@ class ChannelTally:
             _bump(self.malformed, exc.reason)
             return
         match cmd:
+            case PositionCommand() if cmd.instance_name.startswith(PROOF_INSTANCE_PREFIX):
+                _bump(self.ignored, "POSITION (shared proof)")  # a prober, not a writer
             case PositionCommand():
                 self._raise(cmd.stream_name, cmd.instance_name, cmd.prev_token, cmd.new_token, ms)
             case RdataCommand(token=int(token)):

@@ -24,6 +24,7 @@ import psycopg
 from click.core import ParameterSource
 
 from . import __version__
+from .bench_fanout import bench_fanout_command
 from .bench_probe import bench_probe_command
 from .bench_spark import bench_spark_command
 from .client import Client, connect
@@ -727,6 +728,7 @@ def bench() -> None:
 # Cheap imports: pyspark and the servers are only touched inside the commands.
 bench.add_command(bench_spark_command, name="spark")
 bench.add_command(bench_probe_command, name="probe")
+bench.add_command(bench_fanout_command, name="fanout")
 
 
 @bench.command(name="write")

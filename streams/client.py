@@ -24,6 +24,7 @@ from . import dbconnect
 from ._ops import arun, run
 from .config import Settings
 from .core import WriterCore
+from .proofs import ProofService
 from .reader import AsyncReader, Reader, ReaderCore, Start
 from .redis_link import AsyncRedisLink, RedisLink
 from .store import (
@@ -92,6 +93,7 @@ class Client:
             raise
         self._link: RedisLink | None = None
         self._link_lock = threading.Lock()
+        self._proofs: ProofService | None = None
         #: What this client opened, for `streams.metrics` (weak: closing is the caller's job).
         self.writers: weakref.WeakSet[Writer] = weakref.WeakSet()
         self.readers: weakref.WeakSet[Reader] = weakref.WeakSet()
@@ -182,17 +184,34 @@ class Client:
         group: str | None = None,
         page_size: int | None = None,
         poll_interval: float | None = None,
+        shared_proofs: bool | None = None,
     ) -> Reader:
         """A reader of one or several streams (see `streams.reader`).
 
         ``start``: ``"earliest"`` (default), ``"latest"``, ``"live"`` (only facts that begin
         after joining), a stream ID, a ``datetime`` or a ``timedelta`` ago. With ``group``, a
-        committed position of that group wins over ``start``.
+        committed position of that group wins over ``start``. ``shared_proofs`` (with Redis
+        only; default: the client's setting, ``STREAMS_SHARED_PROOFS``, off): follow the complete
+        positions one elected process proves for all readers of a stream instead of probing
+        PostgreSQL on every hint (`streams.proofs`): for many reader processes per stream.
         """
         core = _reader_core(streams, start, group, page_size)
-        reader = Reader(self.settings.database_url, core, self.link, poll_interval=poll_interval)
+        link = self.link
+        if shared_proofs is None:
+            shared_proofs = self.settings.shared_proofs
+        proofs = self._proof_service() if shared_proofs and link is not None else None
+        reader = Reader(
+            self.settings.database_url, core, link, poll_interval=poll_interval, proofs=proofs
+        )
         self.readers.add(reader)
         return reader
+
+    def _proof_service(self) -> ProofService:
+        with self._link_lock:
+            if self._proofs is None:
+                assert self._link is not None
+                self._proofs = ProofService(self.settings.database_url, self._link, _link_name())
+            return self._proofs
 
     def groups(self, stream: str) -> list[GroupRow]:
         """Every reader group of ``stream`` with its committed position and lag."""
@@ -209,6 +228,9 @@ class Client:
         return run(self._conn, prune_writers(info, older_than_ms))
 
     def close(self) -> None:
+        if self._proofs is not None:
+            self._proofs.close()
+            self._proofs = None
         if self._link is not None:
             self._link.close()
             self._link = None
@@ -370,7 +392,8 @@ def connect(
 ) -> Client:
     """Open a `Client`; URLs default to ``STREAMS_DATABASE_URL`` / ``STREAMS_REDIS_URL``.
 
-    Options: ``max_payload_bytes`` (default 1 MiB), ``lease_seconds`` (default 10).
+    Options: ``max_payload_bytes`` (default 1 MiB), ``lease_seconds`` (default 10),
+    ``shared_proofs`` (default ``STREAMS_SHARED_PROOFS`` or off; see `Client.reader`).
     """
     return Client(Settings.resolve(database_url, redis_url, prefix, **options))
 

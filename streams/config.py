@@ -299,13 +299,15 @@ class Settings:
     prefix: str = DEFAULT_PREFIX
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     lease_seconds: float = DEFAULT_LEASE_SECONDS
+    #: Readers follow one elected prober's proofs by default (`streams.proofs`; Redis only).
+    shared_proofs: bool = False
 
     def __repr__(self) -> str:
         redis = redact_url(self.redis_url) if self.redis_url else None
         return (
             f"Settings(database_url={redact_url(self.database_url)!r}, redis_url={redis!r}, "
             f"prefix={self.prefix!r}, max_payload_bytes={self.max_payload_bytes}, "
-            f"lease_seconds={self.lease_seconds})"
+            f"lease_seconds={self.lease_seconds}, shared_proofs={self.shared_proofs})"
         )
 
     @classmethod
@@ -318,6 +320,7 @@ class Settings:
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
         require_redis: bool = False,
+        shared_proofs: bool | None = None,
     ) -> Settings:
         db = database_url or os.environ.get("STREAMS_DATABASE_URL")
         if not db:
@@ -342,12 +345,18 @@ class Settings:
             raise ConfigurationError("max_payload_bytes must be positive")
         if not 0.5 <= lease_seconds <= 3600:
             raise ConfigurationError("lease_seconds must be between 0.5 and 3600")
+        if shared_proofs is None:
+            flag = os.environ.get("STREAMS_SHARED_PROOFS", "").strip().lower()
+            if flag not in ("", "0", "1", "true", "false", "yes", "no", "on", "off"):
+                raise ConfigurationError(f"STREAMS_SHARED_PROOFS must be 0 or 1, not {flag!r}")
+            shared_proofs = flag in ("1", "true", "yes", "on")
         return cls(
             database_url=_plain_postgres_url(db),
             redis_url=redis,
             prefix=chosen_prefix,
             max_payload_bytes=max_payload_bytes,
             lease_seconds=lease_seconds,
+            shared_proofs=shared_proofs,
         )
 
 

@@ -29,6 +29,15 @@ ours are spelled out here:
   Negative first keys keep them apart from the ``(7314, id)`` lock and from most applications'
   own keys; a foreign lock that happened to collide could only make readers more cautious, never
   make them skip a fact.
+* ``(PROOF_LOCK, <stream id>)``, session-scoped, exclusive: held by the one process that proves
+  a stream's complete position for every reader (see `streams.proofs`). A collision could only
+  make the processes of a deployment stop electing a prober; readers then probe themselves.
+
+Shared proofs on Redis
+----------------------
+The elected prober announces each proven position as a ``POSITION <stream> _proof:<link name>
+<prev> <complete>`` line on the replication channel. Writer instance names start with a letter
+or digit, so ``_proof:`` can never be a writer's; like every command it is only a hint.
 """
 
 from __future__ import annotations
@@ -36,6 +45,8 @@ from __future__ import annotations
 from typing import Final
 
 __all__ = [
+    "PROOF_INSTANCE_PREFIX",
+    "PROOF_LOCK",
     "REGISTRATION_LOCK",
     "RESERVATION_LOCK_SPAN",
     "instance_channel",
@@ -45,6 +56,12 @@ __all__ = [
 
 #: First key of the per-stream registration lock.
 REGISTRATION_LOCK: Final = 7314
+
+#: First key of the per-stream prober election lock (session-scoped).
+PROOF_LOCK: Final = 7315
+
+#: Instance names of the lines that announce a shared proof (never a writer's: see above).
+PROOF_INSTANCE_PREFIX: Final = "_proof:"
 
 #: Reservation locks carry ``L mod 2**32``; readers recover ``L`` as the unique value in
 #: ``(max allocated + 1 - 2**32, max allocated + 1]`` (no transaction stays open for 4e9 IDs).

@@ -47,6 +47,7 @@ from ._ops import Gen, Pipeline, arun, run
 from .epochs import Epoch, Fact, Row, plan_page
 from .errors import StoreError, UsageError, WaitTimeout
 from .frontier import Antichain, FrontierProbe, FrontierSnapshot, LiveFilter, UpperAntichain
+from .proofs import PROOF_GRACE, STALE_AFTER, is_proof_hint
 from .replication import Hint
 from .store import (
     PROBE_STATEMENTS,
@@ -57,6 +58,7 @@ from .store import (
     database_time_ms,
     fetch_rows,
     fetch_rows_after_probe,
+    fetch_rows_after_proof,
     group_position,
     load_streams,
     persisted_writer_position,
@@ -166,7 +168,16 @@ class ReaderCore:
         self._start_ts: dict[str, int] = {}
         self._link_up = False
         self._reconcile = True
+        #: Follow the elected prober's proofs (`streams.proofs`) instead of probing each time.
+        self.shared_proofs = False
+        self._proof_fresh = False
+        # Writers' tokens heard while following proofs, not yet covered by one (link thread
+        # writes, the reader's thread reads; single dict operations under the GIL).
+        self._awaited: dict[str, int] = {}
+        self._awaited_since: float | None = None
+        self.deadline_moved = False
         self.probes = 0
+        self.proof_reads = 0
         self.pages = 0
         #: Rows read from PostgreSQL (catch-up and live), for metrics.
         self.rows = 0
@@ -243,9 +254,28 @@ class ReaderCore:
         return self._link_up and not self._reconcile
 
     def wants(self, hint: Hint) -> bool:
-        """Could this hint mean something new for this reader?"""
+        """Could this hint mean something new for this reader? Following fresh shared proofs,
+        only a prober's line can: a writer's commit is not readable before it is proven."""
         position = self.positions.get(hint.stream)
-        return position is not None and hint.token > position
+        if position is None or hint.token <= position:
+            return False
+        if self.shared_proofs and self._proof_fresh and self.live:
+            if is_proof_hint(hint):
+                return True
+            # A writer committed: the prober should announce it within PROOF_GRACE.
+            if hint.token > self._awaited.get(hint.stream, 0):
+                self._awaited[hint.stream] = hint.token
+            if self._awaited_since is None:
+                self._awaited_since = time.monotonic()
+                self.deadline_moved = True  # the driver's wait must end sooner now
+            return False
+        return True
+
+    def proof_deadline(self) -> float | None:
+        """When (monotonic) to look even without a proof line: `PROOF_GRACE` after the first
+        writer's hint no proof has covered yet (None: no such hint)."""
+        since = self._awaited_since
+        return None if since is None else since + PROOF_GRACE
 
     def target(self, stream: str) -> int:
         """The complete position the last probe proved for ``stream`` (what catching up aims
@@ -268,7 +298,14 @@ class ReaderCore:
         """
         lower = dict(self.positions)
         facts: list[Fact] = []
-        if not self.behind() or self._reconcile:
+        shared = None
+        # Proofs only while the Redis link is live: without it nobody hears writers' commits
+        # in time to prove them, and this reader polls PostgreSQL itself.
+        if self.shared_proofs and self._link_up and (not self.behind() or self._reconcile):
+            shared = yield from self._step_on_proofs(lower)
+        if shared is not None:
+            facts = shared
+        elif not self.behind() or self._reconcile:
             infos = [self.infos[n] for n in self.names]
             queries = probe_queries(infos)
             queries += [fetch_rows_after_probe(i, lower[i.name], self.page_size) for i in infos]
@@ -291,6 +328,38 @@ class ReaderCore:
         if self.positions == lower:
             return None
         return Epoch(lower, dict(self.positions), tuple(facts))
+
+    def _step_on_proofs(self, lower: Mapping[str, int]) -> Gen[list[Fact] | None]:
+        """`step` as a follower: every stream's shared proof and its first page, one statement
+        each, one round trip; None (nothing delivered) when a proof is missing or stale, and
+        the caller probes itself."""
+        infos = [self.infos[n] for n in self.names]
+        results = yield Pipeline(
+            [fetch_rows_after_proof(i, lower[i.name], self.page_size) for i in infos]
+        )
+        self._proof_fresh = all(rows and int(rows[0][1]) <= STALE_AFTER for rows in results)
+        if not self._proof_fresh:
+            self._awaited.clear()
+            self._awaited_since = None
+            return None
+        self.proof_reads += 1
+        proven = {i.name: int(rows[0][0]) for i, rows in zip(infos, results, strict=True)}
+        since = self._awaited_since
+        if since is not None:
+            behind = any(self._awaited.get(n, 0) > proven[n] for n in proven)
+            overdue = time.monotonic() >= since + PROOF_GRACE
+            if not behind or overdue:
+                self._awaited.clear()
+                self._awaited_since = None
+            if behind and overdue:
+                return None  # the prober is late: probe for ourselves this once
+        self._note_probe({n: Probe(n, c, c) for n, c in proven.items()})
+        facts: list[Fact] = []
+        for info, rows in zip(infos, results, strict=True):
+            if proven[info.name] > lower[info.name]:
+                page = [tuple(r[2:]) for r in rows if r[2] is not None]
+                facts.extend((yield from self._plan(info.name, page, proven[info.name])))
+        return facts
 
     def _plan(self, name: str, rows: list[Row], target: int) -> Gen[list[Fact]]:
         """Deliver what a page of rows allows; advance the position."""
@@ -457,7 +526,10 @@ class _ReaderBase:
 
     def on_hint(self, hint: Hint) -> None:
         if self._core.wants(hint):
+            self._hinted = True
             self._wakeup()
+        elif self._core.deadline_moved:
+            self._wakeup()  # not a hint: the wait only recomputes its deadline
 
     def _wakeup(self) -> None:
         raise NotImplementedError
@@ -467,6 +539,7 @@ class _ReaderBase:
     # sends back whether one came), `_Pause` (sleep), or a `ReaderCore` generator to run on the
     # connection (the driver sends back its result). `Reader` and `AsyncReader` only drive them.
     _wake: _Flag
+    _hinted = False  # a hint (not a moved deadline) set `_wake`
     _closed: bool
     _poll: float | None
     _last_probe: float
@@ -478,8 +551,15 @@ class _ReaderBase:
                 raise UsageError("reader is closed")
             if timeout != 0 and self._core.caught_up and not self._wake.is_set():
                 due = self._last_probe + self._poll_interval(self._poll)
+                proof_due = self._core.proof_deadline()
+                if proof_due is not None:
+                    due = min(due, proof_due)
                 until = due if deadline is None else min(due, deadline)
                 hinted = yield _WaitWake(max(0.0, until - time.monotonic()))
+                if hinted and self._core.deadline_moved and not self._hinted:
+                    self._core.deadline_moved = False
+                    self._wake.clear()
+                    continue  # a writer's hint started the proof grace: wait up to it
                 if not hinted and time.monotonic() < due:
                     return None  # the deadline came first
             if self._core.caught_up:  # this step probes: at most one probe per MIN_HINT_GAP
@@ -487,6 +567,8 @@ class _ReaderBase:
                 if gap > 0:
                     yield _Pause(gap)
             self._wake.clear()
+            self._hinted = False
+            self._core.deadline_moved = False
             self._last_probe = time.monotonic()
             epoch: Epoch | None = yield self._core.step()
             if epoch is not None:
@@ -520,6 +602,7 @@ class Reader(_ReaderBase):
         link: Any = None,
         *,
         poll_interval: float | None = None,
+        proofs: Any = None,
     ) -> None:
         self._core = core
         self._conn = _connect(database_url)
@@ -536,6 +619,11 @@ class Reader(_ReaderBase):
         if link is not None:
             core.set_link_state(link.connected)
             link.add_listener(self)
+        # ``proofs``: the process's `streams.proofs.ProofService` (None: probe every time).
+        self._proofs = proofs
+        if proofs is not None:
+            core.shared_proofs = True
+            proofs.follow(core.names)
 
     def __repr__(self) -> str:
         return f"<Reader streams={list(self.streams)!r} group={self.group!r}>"
@@ -610,6 +698,8 @@ class Reader(_ReaderBase):
         self._closed = True
         if self._link is not None:
             self._link.remove_listener(self)
+        if self._proofs is not None:
+            self._proofs.unfollow(self._core.names)
         self._wake.set()
         self._conn.close()
 

@@ -8,6 +8,7 @@ Tables (created by the Alembic migrations in ``migrations/``):
 * ``streams_writers``: one row per (stream, writer instance): its generation, its persisted
   per-writer position (forward-only) and its lease.
 * ``streams_reader_groups``: committed positions of named reader groups.
+* ``streams_proofs``: the complete position the elected prober of each stream last proved.
 
 Why PostgreSQL judges dead writers (the fencing argument)
 ---------------------------------------------------------
@@ -71,6 +72,26 @@ it for the others, whose sequences were therefore read *after* the lock snapshot
 several streams could pass an ID reserved in between (issue 7; `tests/test_probe.py` forces that
 window).
 
+Shared proofs (one prober per stream instead of one per reader)
+---------------------------------------------------------------
+A probe reads ``pg_locks``, which the server copies whole (every lock of every application)
+under all lock-manager partition locks: K readers each probing on every hint cost K such copies
+per fact, and the copy grows with everything else the server does. So the processes that read
+a stream elect one *prober* among themselves (session advisory lock ``(PROOF_LOCK, id)``,
+`try_become_prover`); it runs the probe above and, as one more statement of the same pipeline,
+records ``C[s]`` in ``streams_proofs`` (`prove`: forward-only, with the server's time). Every
+other reader reads that row *and* the rows behind it in **one statement**
+(`fetch_rows_after_proof`), so both come from one snapshot: if the snapshot shows ``C``, the
+prober's transaction had committed before it was taken; that transaction read ``pg_locks``
+before committing, when every transaction holding an ID ``<= C`` had already ended, so all of
+them are visible (committed) or gone (rolled back) in the same snapshot. Nothing depends on the
+order in which the statement's parts are evaluated; only on one statement seeing one snapshot
+(READ COMMITTED). The proof row is a cache of a fact PostgreSQL itself established: a lost,
+stale or missing row only makes a reader probe for itself (`streams.reader`), never skip a fact.
+The choice against the alternatives (coalescing probes per process, sharing one probe inside a
+process) is that this one costs O(streams) ``pg_locks`` reads, not O(reader processes), and a
+reader's read becomes a primary-key lookup plus the range scan it needed anyway.
+
 The alternative (transaction-ID snapshots with ``pg_current_snapshot``) needs every fact to
 record its ``xid`` and readers to reason about snapshots; row locks put the whole proof in one
 place the database already enforces.
@@ -88,12 +109,18 @@ from psycopg.types.json import Jsonb
 
 from ._ops import Commit, Gen, Pipeline, Query, Row
 from .config import validate_stream_name
-from .constants import REGISTRATION_LOCK, RESERVATION_LOCK_SPAN, reservation_lock_class
+from .constants import (
+    PROOF_LOCK,
+    REGISTRATION_LOCK,
+    RESERVATION_LOCK_SPAN,
+    reservation_lock_class,
+)
 from .errors import InvalidFactTables, SchemaNotReady, StreamExists, UnknownStream
 from .positions import sequence_repair_target
 from .timestamps import TimestampMode
 
 __all__ = [
+    "PROVER_SESSION_SETUP",
     "SPLIT_SCAN_LIMIT",
     "FactTable",
     "GroupRow",
@@ -114,6 +141,7 @@ __all__ = [
     "expired_writer_count",
     "fetch_rows",
     "fetch_rows_after_probe",
+    "fetch_rows_after_proof",
     "first_fact_since",
     "group_position",
     "list_groups",
@@ -126,6 +154,7 @@ __all__ = [
     "probe",
     "probe_queries",
     "probes_from_rows",
+    "prove",
     "prune_writers",
     "range_rows_sql",
     "registration_lock",
@@ -133,16 +162,18 @@ __all__ = [
     "repair_sequence_now",
     "reservation_lock_holders",
     "reservation_lock_key_sql",
+    "resign_prover",
     "retire_expired_writers",
     "sequence_state",
     "set_fact_tables",
     "split_range",
     "stream_positions",
+    "try_become_prover",
     "ts_floor_at",
     "unseen_ids",
 ]
 
-ALEMBIC_HEAD = "0003_fact_tables"
+ALEMBIC_HEAD = "0004_proofs"
 
 _NOW_MS_SQL = "(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
 
@@ -780,6 +811,75 @@ def probe(infos: Sequence[StreamInfo]) -> Gen[dict[str, Probe]]:
     results = yield Pipeline(probe_queries(infos))
     yield Commit()
     return probes_from_rows(results[-1])
+
+
+#: Statement 3 of `prove`: record what statement 2 proved (forward-only) for every reader.
+_RECORD_PROOF_SQL = f"""
+INSERT INTO streams_proofs (stream, complete, proven_at)
+SELECT k.id, current_setting('{COMPLETE_SETTING}' || k.id)::bigint, clock_timestamp()
+FROM unnest(%(ids)s::int[]) AS k(id)
+ON CONFLICT (stream) DO UPDATE
+SET complete = GREATEST(streams_proofs.complete, EXCLUDED.complete),
+    proven_at = EXCLUDED.proven_at
+RETURNING stream
+"""
+
+#: Settings of the prober's session, on top of `READER_SESSION_SETUP`: a proof row that a crash
+#: loses is recomputed by the next probe, and the facts it vouches for were durable before their
+#: locks went away, so its commit need not wait for the WAL flush.
+PROVER_SESSION_SETUP = ("SET synchronous_commit = off",)
+
+
+def prove(infos: Sequence[StreamInfo]) -> Gen[dict[str, Probe]]:
+    """`probe` every stream in ``infos`` and record the result in ``streams_proofs`` for the
+    readers of other processes, in one round trip (see "shared proofs")."""
+    queries = probe_queries(infos)
+    queries.append(Query(_RECORD_PROOF_SQL, {"ids": [info.id for info in infos]}))
+    results = yield Pipeline(queries)
+    yield Commit()
+    return probes_from_rows(results[PROBE_STATEMENTS - 1])
+
+
+def try_become_prover(infos: Sequence[StreamInfo]) -> Gen[list[str]]:
+    """Take the prober election lock of each stream that nobody holds (session-scoped: it is
+    kept until `resign_prover` or the session ends); returns the names taken."""
+    by_id = {info.id: info.name for info in infos}
+    rows = yield Query(
+        "SELECT k.id FROM unnest(%s::int[]) AS k(id) WHERE pg_try_advisory_lock(%s, k.id)",
+        (list(by_id), PROOF_LOCK),
+    )
+    yield Commit()
+    return sorted(by_id[int(row[0])] for row in rows)
+
+
+def resign_prover(infos: Sequence[StreamInfo]) -> Gen[None]:
+    """Release the prober election locks of ``infos`` that this session holds."""
+    yield Query(
+        "SELECT pg_advisory_unlock(%s, k.id) FROM unnest(%s::int[]) AS k(id)",
+        (PROOF_LOCK, [info.id for info in infos]),
+    )
+    yield Commit()
+
+
+def fetch_rows_after_proof(info: StreamInfo, after: int, limit: int) -> Query:
+    """One statement: the shared proof of ``info`` and up to ``limit`` rows ``(stream_id,
+    row_no, instance, ts, payload)`` after ``after`` and ``<=`` it, in (stream ID, row) order.
+
+    Its rows are ``(complete, age_ms, *row)`` (``row`` all NULL when there is none); no rows at
+    all when nobody has proven the stream yet. One snapshot serves both reads: see "shared
+    proofs". ``age_ms``: how long ago (server clock) the prober last proved it.
+    """
+    return Query(
+        "SELECT p.complete, "
+        "(extract(epoch FROM clock_timestamp() - p.proven_at) * 1000)::bigint, "
+        "f.stream_id, f.row_no, f.instance, f.ts, f.payload "
+        "FROM streams_proofs p LEFT JOIN LATERAL ("
+        "SELECT stream_id, row_no, instance, ts, payload FROM streams_facts "
+        "WHERE stream = p.stream AND stream_id > %s AND stream_id <= p.complete "
+        "ORDER BY stream_id, row_no LIMIT %s) AS f ON true "
+        "WHERE p.stream = %s",
+        (after, limit, info.id),
+    )
 
 
 def _range_literals(info: StreamInfo, after: int, through: int, limit: int) -> dict[str, Any]:

@@ -54,9 +54,15 @@ IO_MODULES = frozenset(
         "multiprocessing",
     }
 )
-TABLES = ("streams_facts", "streams_reader_groups", "streams_registry", "streams_writers")
+TABLES = (
+    "streams_facts",
+    "streams_proofs",
+    "streams_reader_groups",
+    "streams_registry",
+    "streams_writers",
+)
 VERSION_TABLE = "streams_alembic_version"
-HEAD = "0003_fact_tables"
+HEAD = "0004_proofs"
 
 
 # ---------------------------------------------------------------------------------------------

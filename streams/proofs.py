@@ -1,0 +1,271 @@
+"""Shared proofs: one process per stream proves its complete position for every reader.
+
+Terms: a *probe* (`streams.store.probe`) asks PostgreSQL which IDs of a stream have completed;
+it reads ``pg_locks``, which costs the server more the more locks it holds for anyone. A
+*prober* is the one process, among all those with readers of a stream, that probes it and
+records the result (`streams.store.prove`); every other reader is a *follower* and reads that
+record together with the rows behind it, in one statement. Why this is as safe as probing
+oneself is argued in `streams.store` ("shared proofs").
+
+Theory of operation
+===================
+
+Each `streams.Client` with a Redis link runs one `ProofService` (a thread and a connection of
+its own) once it has a reader. For every stream its readers follow, the service tries, every
+`ELECTION_INTERVAL`, to take the stream's election lock; the process that holds it is the
+stream's prober until it exits or its connection drops (``kill -9``: at once). The prober probes
+when a writer's hint (``RDATA``/``POSITION``) names a token beyond what it last proved, and at
+least every `REFRESH_INTERVAL` anyway, so the record's age tells followers it is alive; probes
+are never closer than `MIN_PROOF_GAP`, so a flood of hints costs a bounded probe rate. After
+each proof that moved, it publishes ``POSITION <stream> _proof:<name> <prev> <complete>``.
+
+Followers (`streams.reader`) wake on those lines, while the record is fresh. A writer's hint
+that no proof covers within `PROOF_GRACE` makes a follower look anyway, and probe for itself if
+the record is still behind. A record older than `STALE_AFTER` (a prober stopped with SIGSTOP, or
+none elected yet) makes a follower probe for itself and wake on writers' hints again, exactly as
+before shared proofs, until a fresh record appears. Redis, as always, only decides *when* to
+look: a forged proof line makes followers read the record early, nothing more.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import psycopg
+
+from . import dbconnect
+from ._ops import run
+from .config import scrub_secrets, url_passwords
+from .constants import PROOF_INSTANCE_PREFIX
+from .protocol import PositionCommand
+from .replication import Hint
+from .store import (
+    PROVER_SESSION_SETUP,
+    READER_SESSION_SETUP,
+    StreamInfo,
+    load_streams,
+    prove,
+    resign_prover,
+    try_become_prover,
+)
+
+__all__ = [
+    "ELECTION_INTERVAL",
+    "MIN_PROOF_GAP",
+    "PROOF_GRACE",
+    "REFRESH_INTERVAL",
+    "STALE_AFTER",
+    "ProofService",
+    "is_proof_hint",
+]
+
+log = logging.getLogger(__name__)
+
+#: Seconds between attempts to become the prober of followed streams nobody proves.
+ELECTION_INTERVAL = 0.5
+#: Seconds between proofs of a quiet stream (so that the record's age shows the prober lives).
+REFRESH_INTERVAL = 1.0
+#: A record older than this (ms, server clock) counts as no proof: followers probe themselves.
+STALE_AFTER = 3000
+#: Least seconds between two proofs (a probe costs about this much anyway).
+MIN_PROOF_GAP = 0.0005
+#: Seconds a follower waits, after a writer's hint, for a proof that covers it before it looks
+#: (and, if the proof is still behind, probes) for itself: a prober that proves but cannot
+#: announce (its Redis publish failing) or is stopped costs followers this, not a poll interval.
+PROOF_GRACE = 0.05
+
+
+def is_proof_hint(hint: Hint) -> bool:
+    """Is this hint a prober's announcement (not a writer's)?"""
+    return hint.instance.startswith(PROOF_INSTANCE_PREFIX)
+
+
+class ProofService:
+    """The prober side of shared proofs for one process (see the module docstring).
+
+    ``link``: the process's `streams.redis_link.RedisLink` (hints in, proof lines out).
+    Thread-safe; the thread starts with the first `follow`.
+    """
+
+    def __init__(self, database_url: str, link: Any, name: str) -> None:
+        self._url = database_url
+        self._link = link
+        self.instance = f"{PROOF_INSTANCE_PREFIX}{name}"
+        self._cond = threading.Condition()
+        self._followed: dict[str, int] = {}  # stream -> number of local readers
+        self._held: set[str] = set()  # streams this process proves
+        self._hinted: set[str] = set()
+        self._proven: dict[str, int] = {}
+        self._infos: dict[str, StreamInfo] = {}
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+        self._last_election = self._last_refresh = self._last_proof = 0.0
+        self.proofs = 0  # probes run as prober (for tests and metrics)
+
+    def __repr__(self) -> str:
+        return f"<ProofService {self.instance} proving {sorted(self._held)}>"
+
+    @property
+    def proving(self) -> frozenset[str]:
+        """The streams this process is the prober of."""
+        with self._cond:
+            return frozenset(self._held)
+
+    def follow(self, names: Iterable[str]) -> None:
+        with self._cond:
+            for name in names:
+                self._followed[name] = self._followed.get(name, 0) + 1
+            if self._thread is None and not self._stopped:
+                self._link.add_listener(self)
+                self._thread = threading.Thread(
+                    target=self._run, name="streams-prover", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify()
+
+    def unfollow(self, names: Iterable[str]) -> None:
+        with self._cond:
+            for name in names:
+                left = self._followed.get(name, 0) - 1
+                if left > 0:
+                    self._followed[name] = left
+                else:
+                    self._followed.pop(name, None)
+            self._cond.notify()
+
+    # LinkListener
+    def on_hint(self, hint: Hint) -> None:
+        if is_proof_hint(hint):
+            return
+        with self._cond:
+            if hint.stream in self._held and hint.token > self._proven.get(hint.stream, 0):
+                self._hinted.add(hint.stream)
+                self._cond.notify()
+
+    def on_link_state(self, connected: bool) -> None:
+        with self._cond:
+            self._hinted.update(self._held)  # prove at once after a reconnect
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None:
+            self._link.remove_listener(self)
+            thread.join(timeout=5)
+
+    # ------------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        conn: psycopg.Connection[Any] | None = None
+        self._last_election = self._last_refresh = self._last_proof = 0.0
+        while True:
+            work = self._wait_for_work()
+            if work is None:
+                break
+            try:
+                if conn is None or conn.closed:
+                    conn = self._connect()
+                    with self._cond:
+                        self._held.clear()  # a new session holds no lock
+                self._work(conn, *work)
+            except Exception as exc:  # the thread must outlive a dropped stream or server
+                message = scrub_secrets(str(exc), url_passwords(self._url))[:300]
+                log.warning("shared prover: %s: %s; retrying in 1s", type(exc).__name__, message)
+                if conn is not None:
+                    conn.close()
+                conn = None
+                with self._cond:
+                    self._held.clear()
+                    self._cond.wait(1.0)
+        if conn is not None:
+            conn.close()  # releases the election locks
+
+    def _wait_for_work(self) -> tuple[set[str], set[str], bool] | None:
+        """Sleep until there is something to do: (hinted streams, followed streams, whether
+        to hold an election), or None once closed."""
+        with self._cond:
+            while not self._stopped and not self._hinted:
+                now = time.monotonic()
+                waits = [5.0]
+                if set(self._followed) ^ self._held:  # to take over, or to resign
+                    waits.append(self._last_election + ELECTION_INTERVAL - now)
+                if self._held:
+                    waits.append(self._last_refresh + REFRESH_INTERVAL - now)
+                if min(waits) <= 0:
+                    break
+                self._cond.wait(min(waits))
+            if self._stopped:
+                return None
+            hinted, self._hinted = self._hinted, set()
+            wanted = set(self._followed)
+            return hinted, wanted, bool(wanted ^ self._held)
+
+    def _work(
+        self, conn: psycopg.Connection[Any], hinted: set[str], wanted: set[str], elect: bool
+    ) -> None:
+        now = time.monotonic()
+        if elect and now - self._last_election >= ELECTION_INTERVAL:
+            self._last_election = now
+            self._elect(conn, wanted)
+        with self._cond:
+            held = set(self._held)
+        if now - self._last_refresh >= REFRESH_INTERVAL:
+            self._last_refresh = now
+            due = held
+        else:
+            due = hinted & held
+        if due:
+            gap = self._last_proof + MIN_PROOF_GAP - time.monotonic()
+            if gap > 0:
+                time.sleep(gap)
+            self._last_proof = time.monotonic()
+            self._prove(conn, due)
+
+    def _connect(self) -> psycopg.Connection[Any]:
+        conn = dbconnect.connect(self._url, autocommit=True, connect_timeout=10, purpose="prober")
+        for statement in (*READER_SESSION_SETUP, *PROVER_SESSION_SETUP):
+            conn.execute(statement)
+        return conn
+
+    def _info_of(self, conn: psycopg.Connection[Any], names: set[str]) -> list[StreamInfo]:
+        missing = sorted(n for n in names if n not in self._infos)
+        if missing:
+            self._infos.update((i.name, i) for i in run(conn, load_streams(missing)))
+        return [self._infos[n] for n in sorted(names)]
+
+    def _elect(self, conn: psycopg.Connection[Any], wanted: set[str]) -> None:
+        with self._cond:
+            resign = self._held - wanted
+            candidates = wanted - self._held
+        if resign:
+            run(conn, resign_prover(self._info_of(conn, resign)))
+            with self._cond:
+                self._held -= resign
+                for name in resign:
+                    self._proven.pop(name, None)
+        if candidates:
+            won = run(conn, try_become_prover(self._info_of(conn, candidates)))
+            if won:
+                log.info("%s now proves %s", self.instance, ", ".join(won))
+                with self._cond:
+                    self._held.update(won)
+
+    def _prove(self, conn: psycopg.Connection[Any], names: set[str]) -> None:
+        probes = run(conn, prove(self._info_of(conn, names)))
+        self.proofs += 1
+        commands = []
+        with self._cond:
+            for name, found in probes.items():
+                prev = self._proven.get(name, 0)
+                if found.complete > prev or name not in self._proven:
+                    self._proven[name] = max(prev, found.complete)
+                    commands.append(PositionCommand(name, self.instance, prev, found.complete))
+        if commands:
+            self._link.publish(commands)
