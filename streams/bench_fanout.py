@@ -34,6 +34,7 @@ import click
 import redis
 
 from ._ops import run
+from .bench_latency import _percentile
 from .config import Settings, redact_url
 
 __all__ = ["bench_fanout_command", "run_fanout_bench"]
@@ -142,13 +143,15 @@ def _results(procs: Sequence[subprocess.Popen[str]], stop: bool) -> list[dict[st
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {"p50_ms": float("nan"), "p99_ms": float("nan")}
     ordered = sorted(values)
-    return {
-        "p50_ms": 1000 * ordered[len(ordered) // 2],
-        "p99_ms": 1000 * ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))],
-    }
+    return {"p50_ms": 1000 * _percentile(ordered, 0.5), "p99_ms": 1000 * _percentile(ordered, 0.99)}
+
+
+def _kill(procs: Sequence[subprocess.Popen[str]]) -> None:
+    """Whatever is still running (after a failure, or a point that ended normally)."""
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
 
 
 def _writers(
@@ -165,9 +168,7 @@ def _writers(
             proc.stdin.flush()
         return sum(r["n"] for r in _results(procs, stop=False))
     finally:
-        for proc in procs:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
+        _kill(procs)
 
 
 def _point(
@@ -192,9 +193,7 @@ def _point(
         time.sleep(0.5)
         got = _results(readers, stop=True)
     finally:
-        for proc in readers:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
+        _kill(readers)
         _drop(settings, stream)
     lat = [x for r in got for x in r["lat"]]
     delivered = [r["n"] for r in got]
@@ -237,9 +236,7 @@ def _redis_baseline(redis_url: str, k: int, seconds: float, rate: float) -> dict
         time.sleep(0.3)
         got = _results(subs, stop=True)
     finally:
-        for proc in subs:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
+        _kill(subs)
     return {"readers": k, "mode": "redis", **_percentiles([x for g in got for x in g["lat"]])}
 
 
