@@ -15,6 +15,7 @@ from .core import Ack
 from .epochs import Epoch, Fact
 from .errors import (
     ConfigurationError,
+    FactsPruned,
     InvalidFact,
     InvalidFactTables,
     InvalidStreamName,
@@ -51,6 +52,7 @@ __all__ = [
     "ConfigurationError",
     "Epoch",
     "Fact",
+    "FactsPruned",
     "FrontierProbe",
     "GroupRow",
     "InvalidFact",

@@ -34,10 +34,11 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 import redis
+from psycopg.types.json import set_json_loads
 
 from ._ops import run
 from .bench import PAYLOAD
-from .reader import DEFAULT_PAGE_SIZE
+from .reader import DEFAULT_PAGE_SIZE, decode_jsonb
 from .store import drop_stream
 
 if TYPE_CHECKING:
@@ -462,6 +463,7 @@ def _catchup_streams(client: Client, stream: str, page_size: int) -> tuple[int, 
 
 def _catchup_raw(database_url: str, stream_key: int, page_size: int) -> tuple[int, float]:
     with psycopg.connect(database_url, autocommit=True) as conn:
+        set_json_loads(decode_jsonb, conn)  # the reader's decoder: compare paging, not parsers
         count = 0
         after = 0
         start = time.perf_counter()

@@ -40,7 +40,7 @@ from .render import (
     rich_renderable,
     timestamp,
 )
-from .store import StreamPositions
+from .store import PRUNE_BATCH, StreamPositions
 from .timestamps import TimestampMode
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -220,6 +220,82 @@ def tables(
         else:
             info = client.stream(name)
     _emit(info.as_dict(), as_json, _stream_text)
+
+
+@main.command()
+@click.argument("name")
+@click.argument("keep", required=False, metavar="[DURATION|forever]")
+@click.option("--json", "as_json", is_flag=True)
+@_common
+def retention(
+    name: str,
+    keep: str | None,
+    as_json: bool,
+    database_url: str | None,
+    redis_url: str | None,
+    prefix: str | None,
+) -> None:
+    """Show or set how long stream NAME keeps its facts: a duration (7d, 12h, 30m) or forever.
+
+    `streams prune` applies it; it never removes facts a reader group has not committed.
+    """
+    with _client(database_url, redis_url, prefix) as client:
+        if keep is None:
+            info = client.stream(name)
+        else:
+            ms = None if keep == "forever" else parse_duration_ms(keep)
+            info = client.set_retention(name, ms)
+    _emit(info.as_dict(), as_json, _stream_text)
+
+
+@main.command(name="prune")
+@click.argument("streams", nargs=-1)
+@click.option(
+    "--batch",
+    type=click.IntRange(min=1),
+    default=PRUNE_BATCH,
+    show_default=True,
+    help="Rows removed per transaction.",
+)
+@click.option("--every", help="Keep pruning at this interval (e.g. 1m) until interrupted.")
+@click.option("--json", "as_json", is_flag=True, help="JSON lines, one per stream and round.")
+@_common
+def prune_(
+    streams: tuple[str, ...],
+    batch: int,
+    every: str | None,
+    as_json: bool,
+    database_url: str | None,
+    redis_url: str | None,
+    prefix: str | None,
+) -> None:
+    """Apply retention: remove facts older than each stream's retention (default: every
+    stream that has one), in short transactions, never past a reader group's position."""
+    interval = None if every is None else parse_duration_ms(every) / 1000
+    with _client(database_url, redis_url, prefix) as client:
+        while True:
+            names = list(streams) or [s.name for s in client.streams() if s.retention_ms]
+            for name in names:
+                _emit(client.prune(name, batch=batch).as_dict(), as_json, _prune_text)
+            if interval is None:
+                return
+            try:
+                time.sleep(interval)
+            except KeyboardInterrupt:
+                return
+
+
+def _prune_text(d: dict[str, Any]) -> Iterator[str]:
+    moved = d["pruned_through"] - d["pruned_through_before"]
+    done = (
+        f"removed {d['rows_deleted']:,} row(s) in {d['transactions']} transaction(s)"
+        if moved
+        else "nothing to remove"
+    )
+    yield (
+        f"{d['stream']}: pruned through {d['pruned_through']} ({done}); "
+        f"retention allows {d['target']}, held by: {d['limited_by']}"
+    )
 
 
 @main.command(name="list")
@@ -773,6 +849,34 @@ def bench_write(
     if as_json:
         data = [r.as_dict() for r in results]
         click.echo(json.dumps(data, sort_keys=True, separators=(",", ":")))
+
+
+@bench.command(name="history")
+@click.option("--facts", type=click.IntRange(min=10), default=10_000_000, show_default=True)
+@click.option("--catchup-facts", type=click.IntRange(min=1), default=1_000_000, show_default=True)
+@click.option("--keep", is_flag=True, help="Keep the long stream (dropped by default).")
+@click.option("--json", "as_json", is_flag=True, help="Also print the results as JSON.")
+@_common
+def bench_history(
+    facts: int,
+    catchup_facts: int,
+    keep: bool,
+    as_json: bool,
+    database_url: str | None,
+    redis_url: str | None,
+    prefix: str | None,
+) -> None:
+    """A long stream: bytes per fact, appends, start by time, positions, catch-up vs raw."""
+    from .bench_history import run_history_bench
+
+    settings = Settings.resolve(database_url, redis_url, prefix)
+    redis = "off" if settings.redis_url is None else redact_url(settings.redis_url)
+    click.echo(f"database {redact_url(settings.database_url)}, Redis {redis}")
+    result = run_history_bench(
+        settings, facts=facts, catchup_facts=catchup_facts, keep=keep, report=_bench_report()
+    )
+    if as_json:
+        click.echo(json.dumps(result.as_dict(), sort_keys=True, separators=(",", ":")))
 
 
 @bench.command(name="latency")

@@ -28,7 +28,9 @@ from .proofs import ProofService
 from .reader import AsyncReader, Reader, ReaderCore, Start
 from .redis_link import AsyncRedisLink, RedisLink
 from .store import (
+    PRUNE_BATCH,
     GroupRow,
+    PruneResult,
     StreamInfo,
     StreamPositions,
     check_schema,
@@ -37,8 +39,10 @@ from .store import (
     list_groups,
     list_streams,
     load_stream,
+    prune,
     prune_writers,
     set_fact_tables,
+    set_retention,
     stream_positions,
 )
 from .timestamps import TimestampMode
@@ -227,6 +231,18 @@ class Client:
         info = run(self._conn, load_stream(stream))
         return run(self._conn, prune_writers(info, older_than_ms))
 
+    def set_retention(self, stream: str, retention_ms: int | None) -> StreamInfo:
+        """Keep the facts of ``stream`` for ``retention_ms`` (None: forever); see `prune`."""
+        return run(self._conn, set_retention(stream, retention_ms))
+
+    def prune(self, stream: str, *, batch: int = PRUNE_BATCH) -> PruneResult:
+        """Apply the retention of ``stream``: remove facts older than its ``retention_ms``, in
+        short transactions of about ``batch`` rows, never past its complete position or a
+        reader group's committed position (``streams prune``; run it on a schedule, or
+        ``streams prune --every``). A reader that needs removed facts gets `FactsPruned`."""
+        info = run(self._conn, load_stream(stream))
+        return run(self._conn, prune(info, batch=batch))
+
     def close(self) -> None:
         if self._proofs is not None:
             self._proofs.close()
@@ -366,6 +382,15 @@ class AsyncClient:
     async def delete_group(self, stream: str, group: str) -> bool:
         info = await arun(self._conn, load_stream(stream))
         return await arun(self._conn, delete_group(info, group))
+
+    async def set_retention(self, stream: str, retention_ms: int | None) -> StreamInfo:
+        """See `Client.set_retention`."""
+        return await arun(self._conn, set_retention(stream, retention_ms))
+
+    async def prune(self, stream: str, *, batch: int = PRUNE_BATCH) -> PruneResult:
+        """See `Client.prune`."""
+        info = await arun(self._conn, load_stream(stream))
+        return await arun(self._conn, prune(info, batch=batch))
 
     async def prune_writers(self, stream: str, older_than_ms: int) -> list[str]:
         info = await arun(self._conn, load_stream(stream))

@@ -24,8 +24,10 @@ decrease in stream-ID order even when clients sent skewed ones (S2's rule).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+import operator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import accumulate, islice, repeat
 from types import MappingProxyType
 from typing import Any, Final, NamedTuple, TypeAlias
 
@@ -102,8 +104,13 @@ def plan_page(
     through: int,
     limit: int,
     ts_floor: int,
+    decode: Callable[[list[Any]], list[Any]] | None = None,
 ) -> PagePlan:
-    """Plan the facts and new position that a page of rows allows (see the module docstring)."""
+    """Plan the facts and new position that a page of rows allows (see the module docstring).
+
+    ``decode``, if given, turns the page's payload column into the payloads (the reader reads
+    them as JSON text and decodes a whole column in one call: cheaper than a loader per value).
+    """
     if limit <= 0:
         raise ValueError("limit must be positive")
     if through < after:
@@ -124,6 +131,11 @@ def plan_page(
         position = rows[-1][_ID]
     else:
         position = through
+    column = [row[_PAYLOAD] for row in rows]
+    payload_column = column if decode is None else decode(column)
+    fast = _single_row_facts(stream, rows, ts_floor, payload_column)
+    if fast is not None:
+        return PagePlan(tuple(fast), position, fast[-1].timestamp if fast else ts_floor)
     facts: list[Fact] = []
     append = facts.append
     floor = ts_floor
@@ -141,13 +153,37 @@ def plan_page(
         if j < n and rows[j][_ID] == stream_id:  # a multi-row fact (rare)
             while j < n and rows[j][_ID] == stream_id:
                 j += 1
-            payloads = tuple(r[_PAYLOAD] for r in rows[i:j])
+            payloads = tuple(payload_column[i:j])
         else:
-            payloads = (row[_PAYLOAD],)
+            payloads = (payload_column[i],)
         append(Fact(stream, stream_id, row[_INSTANCE], floor, payloads))
         previous = stream_id
         i = j
     return PagePlan(tuple(facts), position, floor)
+
+
+def _single_row_facts(
+    stream: str, rows: Sequence[Row], ts_floor: int, payloads: list[Any]
+) -> list[Fact] | None:
+    """`plan_page`'s facts when every fact of ``rows`` has one row (IDs strictly increasing),
+    built column by column in C loops (``map``, ``zip``, ``accumulate``) instead of a Python
+    loop per row: catching up touches every row, and this made planning several times cheaper
+    (measured); None when some fact has several rows (or rows are out of order: the general
+    loop then says which)."""
+    ids = [row[_ID] for row in rows]
+    if not all(map(operator.lt, ids, islice(ids, 1, None))):
+        return None
+    floors = accumulate([row[_TS] for row in rows], max, initial=ts_floor)
+    next(floors)  # the initial value
+    columns = zip(
+        repeat(stream),
+        ids,
+        [row[_INSTANCE] for row in rows],
+        floors,
+        zip(payloads),  # 1-tuples: each fact's payloads
+    )
+    facts: list[Fact] = list(map(tuple.__new__, repeat(Fact), columns))
+    return facts
 
 
 @dataclass(frozen=True, slots=True)

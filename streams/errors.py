@@ -16,6 +16,7 @@ catch everything with one clause and still tell the cases apart::
     │                               it may not reserve or complete IDs any more
     ├── UsageError                  the API was used in a way it cannot honour
     ├── WaitTimeout                 wait_for_position() gave up (also a TimeoutError)
+    ├── FactsPruned                 the facts asked for were removed by the stream's retention
     └── StoreError                  PostgreSQL failed underneath us (down, timed out, ...)
         ├── SchemaNotReady          the schema is missing or older than this library's
         ├── SequenceRewound         a stream's sequence was set back below IDs already used
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 __all__ = [
     "ConfigurationError",
+    "FactsPruned",
     "InvalidFact",
     "InvalidFactTables",
     "InvalidStreamName",
@@ -131,6 +133,27 @@ class SequenceRewound(StoreError):
 
 class InvalidFactTables(StoreError):
     """A table declared to hold a stream's facts does not exist or has no such integer column."""
+
+
+class FactsPruned(StreamsError):
+    """A read needs facts that the stream's retention has removed (``streams prune``).
+
+    ``position``: where the reader stands (it has every fact ``<=`` it); ``pruned_through``:
+    every fact ``<=`` it may be gone. Nothing was delivered past the gap: start again from
+    ``"earliest"`` (the oldest fact kept) or later, knowing that facts in between were lost.
+    Reader groups never lose facts this way: retention stops at their committed positions.
+    """
+
+    def __init__(self, stream: str, position: int, pruned_through: int) -> None:
+        self.stream = stream
+        self.position = position
+        self.pruned_through = pruned_through
+        super().__init__(
+            f"stream {stream!r}: facts {position + 1}..{pruned_through} were removed by "
+            f"retention (every fact <= {pruned_through} may be gone) and this read starts "
+            f"after {position}; start from 'earliest' (the oldest fact kept) or later, or "
+            "commit a reader group so retention waits for it"
+        )
 
 
 class WaitTimeout(StreamsError, TimeoutError):

@@ -62,7 +62,7 @@ TABLES = (
     "streams_writers",
 )
 VERSION_TABLE = "streams_alembic_version"
-HEAD = "0004_proofs"
+HEAD = "0005_retention"
 
 
 # ---------------------------------------------------------------------------------------------

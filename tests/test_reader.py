@@ -182,6 +182,56 @@ def test_start_at_a_datetime(client: Client, stream: str) -> None:
             assert ids(check_epochs(read_until(reader, 1), stream, 4)) == [after.first_id]
 
 
+def test_position_before_time_finds_out_of_order_facts_through_the_time_index(
+    client: Client, stream: str, streams_url: str
+) -> None:
+    """`position_before_time` answers from the time index, then checks the rows before its
+    candidate for facts written out of order; beyond `TIME_START_STEPS` windows it scans. Each
+    answer equals the definition (first ID with ts >= t, minus one), computed by brute force."""
+    import random
+
+    from streams._ops import run
+    from streams.store import TIME_START_STEPS, TS_FLOOR_WINDOW, position_before_time
+
+    info = client.stream(stream)
+    rng = random.Random(7)
+    n = TS_FLOOR_WINDOW * (TIME_START_STEPS + 3)
+    # Mostly ascending timestamps with writers' jitter; some facts far out of order, some
+    # multi-row facts.
+    ts = {i: 1_000_000 + 10 * i + rng.randrange(-40, 40) for i in range(1, n + 1)}
+    for i in rng.sample(range(1, n), 20):
+        ts[i] += 5_000  # written out of order with the 500 facts after it
+    # A chain of out-of-order facts, one window apart, longer than TIME_START_STEPS windows.
+    # Each link is found in the window before the previous one (ts rising as IDs fall).
+    for k in range(TIME_START_STEPS + 2):
+        ts[n - 10 - k * (TS_FLOOR_WINDOW * 9 // 10)] = 5_000_000 + k
+    with psycopg.connect(streams_url, autocommit=True) as conn:
+        with conn.cursor() as cur:
+            cur.executemany(
+                "INSERT INTO streams_facts (stream, stream_id, row_no, instance, ts, payload) "
+                "VALUES (%s, %s, %s, 'w', %s, '{}')",
+                [(info.id, i, r, ts[i]) for i in ts for r in range(1 + (i % 97 == 0))],
+            )
+        conn.execute("SELECT setval(%s::regclass, %s)", (info.sequence_name, n))
+        conn.execute("ANALYZE streams_facts")
+        probes = [rng.choice(list(ts.values())) + d for d in (-1, 0, 1) for _ in range(10)]
+        for t in [0, 5_000_000, 5_000_005, 5_000_100, 1_000_000 + 10 * n, *probes]:
+            matching = [i for i, v in ts.items() if v >= t]
+            expected = min(matching) - 1 if matching else None
+            assert run(conn, position_before_time(info, t)) == expected, t
+        # The documented limit: a lone fact far more than a window before the candidate (a
+        # transaction held open for thousands of facts, or a writer's timestamps skewed far
+        # ahead) is not looked for; a reader started there from earliest would count it.
+        island = 3 * TS_FLOOR_WINDOW
+        for stream_id, late in [(island, 9_000_001), (n, 9_000_000)]:
+            conn.execute(
+                "UPDATE streams_facts SET ts = %s WHERE stream = %s AND stream_id = %s",
+                (late, info.id, stream_id),
+            )
+        assert run(conn, position_before_time(info, 9_000_000)) == n - 1  # exact: island - 1
+        assert run(conn, position_before_time(info, 9_000_001)) == island - 1
+
+
 def test_start_datetime_between_milliseconds_excludes_the_earlier_fact(
     client: Client, stream: str
 ) -> None:

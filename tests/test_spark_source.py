@@ -5,6 +5,7 @@ One SparkSession for the module (starting one costs ~7-10 s). A missing Java fai
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -646,6 +647,60 @@ def test_sequence_going_backwards_fails_or_warns(
     )
     assert lenient.latestOffset(ahead, ReadAllAvailable()) == ahead
     lenient.stop()
+
+
+def test_retention_fails_or_warns_wherever_the_query_would_need_pruned_facts(
+    spark: Any, client: Client, stream: str, streams_url: str
+) -> None:
+    """failOnDataLoss for retention (`streams prune`): a start below what was kept, a
+    checkpoint from before a prune (its group deleted), and an executor that finds its range
+    pruned under it; "earliest" is the oldest fact kept."""
+    from pyspark.sql.streaming.datasource import ReadAllAvailable
+    from streams_spark import RangePartition
+    from streams_spark.options import parse_options
+    from streams_spark.source import StreamsStreamReader, read_partition
+
+    from streams import FactsPruned
+
+    base = int(time.time() * 1000) - 7_200_000
+    with client.writer(stream, instance="w") as writer:
+        old = [writer.append({"old": k}, timestamp=base + k).first_id for k in range(6)]
+        new = [writer.append({"new": k}).first_id for k in range(2)]
+    client.set_retention(stream, 3_600_000)
+    assert client.prune(stream).after == old[-1]
+
+    def reader(**options: str) -> StreamsStreamReader:
+        return StreamsStreamReader(
+            parse_options({"stream": stream, "databaseUrl": streams_url, **options})
+        )
+
+    strict = reader(startingPosition="1")
+    with pytest.raises(FactsPruned, match="failOnDataLoss=false"):
+        strict.initialOffset()
+    strict.stop()
+    before_prune = {"v": 1, "streams": {stream: old[1]}}
+    restarted = reader()  # from a checkpoint: Spark calls latestOffset first
+    with pytest.raises(FactsPruned, match="removed by retention"):
+        restarted.latestOffset(before_prune, ReadAllAvailable())
+    restarted.stop()
+    lenient = reader(startingPosition="1", failOnDataLoss="false")
+    assert lenient.initialOffset() == {"v": 1, "streams": {stream: old[-1]}}
+    lenient.stop()
+    lenient = reader(failOnDataLoss="false")
+    assert lenient.latestOffset(before_prune, ReadAllAvailable()) == {
+        "v": 1,
+        "streams": {stream: new[-1]},
+    }
+    lenient.stop()
+    earliest = spark.read.format("streams").options(stream=stream, databaseUrl=streams_url)
+    assert sorted(r.stream_id for r in earliest.load().collect()) == new
+    # An executor whose range was pruned after planning: the rows it read are not enough.
+    part = RangePartition(stream, client.stream(stream).id, 0, new[-1], 0, new[-1], streams_url)
+    with pytest.raises(FactsPruned, match="failOnDataLoss=false"):
+        list(read_partition(part))
+    lenient_part = dataclasses.replace(part, fail_on_data_loss=False)
+    kept = [i for batch in read_partition(lenient_part) for i in batch.column(1).to_pylist()]
+    assert kept == new
 
 
 def test_commit_is_idempotent(client: Client, stream: str, streams_url: str) -> None:

@@ -65,7 +65,7 @@ from pyspark.sql.types import (
 )
 
 from streams.config import redact_url
-from streams.errors import ConfigurationError, StoreError
+from streams.errors import ConfigurationError, FactsPruned, StoreError
 
 from .offsets import frontier_offset, positions_of, since_of
 from .options import Position, SourceOptions, parse_options
@@ -163,6 +163,8 @@ class RangePartition(InputPartition):
     timestamp_in: str = "arrow"
     #: A query started by time: drop facts whose running-maximum timestamp is earlier (ms).
     since_ms: int | None = None
+    #: Retention removed facts this partition needed: fail the task (else log a warning).
+    fail_on_data_loss: bool = True
 
     def __repr__(self) -> str:
         return (
@@ -326,6 +328,27 @@ def _prefetched(reader: Iterator[pa.RecordBatch], depth: int = 2) -> Iterator[pa
         thread.join()
 
 
+def _check_retained(cur: Any, part: RangePartition) -> None:
+    """After the rows (a later statement: see "retention" in `streams.store`): did retention
+    remove facts of this partition before they were read?"""
+    from streams.errors import FactsPruned
+    from streams.store import pruned_through_sql
+
+    cur.execute(pruned_through_sql(part.stream_key))
+    row = cur.fetchone()
+    pruned = int(row[0]) if row else 0
+    if pruned > part.after:
+        lost = FactsPruned(part.stream, part.after, pruned)
+        if part.fail_on_data_loss:
+            raise _with_hint(lost)
+        log.warning("%s; failOnDataLoss=false: continuing without them", lost)
+
+
+def _with_hint(lost: FactsPruned) -> FactsPruned:
+    lost.args = (f"{lost}; or set failOnDataLoss=false to continue without them",)
+    return lost
+
+
 def read_partition(part: RangePartition) -> Iterator[pa.RecordBatch]:
     """The rows of one partition as Arrow record batches in (stream ID, row) order (executors)."""
     from streams.store import range_rows_sql
@@ -364,6 +387,7 @@ def read_partition(part: RangePartition) -> Iterator[pa.RecordBatch]:
                 close = getattr(batches, "close", None)
                 if close is not None:
                     close()  # stops and joins the prefetch thread before the cursor closes
+            _check_retained(cur, part)
             return
         finally:
             cur.close()
@@ -453,11 +477,13 @@ class _Driver:
                 found = self.run(group_position(infos[n], self.config.group))
                 if found is not None:
                     committed[n] = int(found[0])
+        if committed:
+            committed = self.retained(committed)
         rest = [n for n in names if n not in committed]
         if not rest:
             return committed, {}
         if where.kind == "frontier":
-            return {**{n: int(where.frontier[n]) for n in rest}, **committed}, {}
+            return self.retained({**{n: int(where.frontier[n]) for n in rest}, **committed}), {}
         if where.kind == "latest":
             return {**{n: complete[n] for n in rest}, **committed}, {}
         from streams.reader import ReaderCore
@@ -474,10 +500,33 @@ class _Driver:
         else:
             begin = dt.timedelta(seconds=where.ago_seconds)
         core = ReaderCore(rest, start=begin)
-        self.run(core.open())
+        try:
+            self.run(core.open())
+        except FactsPruned as lost:  # startingPosition below what retention kept
+            self.lost_facts(lost)
+            core = ReaderCore(rest, start="earliest")
+            self.run(core.open())
         positions = {**{n: int(core.positions[n]) for n in rest}, **committed}
         # The reader core resolved the time on the database's clock: keep exactly its filter.
         return positions, core.start_times()
+
+    def lost_facts(self, lost: FactsPruned) -> None:
+        """Retention removed facts this query needed: fail (``failOnDataLoss``, the default),
+        or say so and go on."""
+        if self.config.fail_on_data_loss:
+            raise _with_hint(lost) from None
+        log.warning("%s; failOnDataLoss=false: continuing after them", lost)
+
+    def retained(self, positions: dict[str, int]) -> dict[str, int]:
+        """``positions``, each raised to what retention kept (`lost_facts` for any below)."""
+        from streams.store import pruned_positions
+
+        infos = self.infos()
+        pruned = self.run(pruned_positions([infos[n] for n in positions]))
+        for name, position in positions.items():
+            if pruned[name] > position:
+                self.lost_facts(FactsPruned(name, position, pruned[name]))
+        return {n: max(p, pruned[n]) for n, p in positions.items()}
 
     def plan(
         self, lower: dict[str, int], upper: dict[str, int], since: dict[str, int] | None = None
@@ -507,6 +556,7 @@ class _Driver:
                         database_url=self.config.database_url,
                         timestamp_in=self.config.timestamp_in,
                         since_ms=(since or {}).get(name),
+                        fail_on_data_loss=self.config.fail_on_data_loss,
                     )
                 )
         return parts
@@ -668,6 +718,7 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
         complete = self._refresh()
         if self.probes != had_probes:
             self._check_loss(lower, self._found)
+            self.retained(lower)  # retention passed this query (its group was deleted)
         upper = {n: max(lower[n], complete[n]) for n in names}
         if self._target is not None:
             upper = {n: max(lower[n], min(upper[n], self._target[n])) for n in names}
