@@ -64,7 +64,8 @@ PROOF_LOCK: Final = 7315
 PROOF_INSTANCE_PREFIX: Final = "_proof:"
 
 #: Reservation locks carry ``L mod 2**32``; readers recover ``L`` as the unique value in
-#: ``(max allocated + 1 - 2**32, max allocated + 1]`` (no transaction stays open for 4e9 IDs).
+#: ``[max allocated + 1 - 2**31, max allocated + 1 + 2**31)``: no transaction stays open for
+#: 2e9 IDs, and a lock taken after the reader read max allocated may be above it.
 RESERVATION_LOCK_SPAN: Final = 2**32
 
 

@@ -768,6 +768,8 @@ _RESERVATION_LOCKS = (
 #: (statement 1) and the complete position (statement 2, for `fetch_rows_after_probe`).
 ALLOCATED_SETTING = "streams.allocated_"
 
+_HALF_SPAN = RESERVATION_LOCK_SPAN // 2
+
 #: Statement 1 of a probe: every sequence's last value, before any lock is read.
 _PROBE_ALLOCATED_SQL = f"""
 SELECT r.id,
@@ -788,10 +790,14 @@ CROSS JOIN LATERAL (
     SELECT current_setting('{ALLOCATED_SETTING}' || r.id)::bigint AS allocated
 ) AS a
 CROSS JOIN LATERAL (
-    -- objid holds L mod 2**32; L is the one value in (allocated + 1 - 2**32, allocated + 1].
+    -- objid holds L mod 2**32; L is the one value in [allocated + 1 - 2**31, allocated + 1 +
+    -- 2**31). Not only <= allocated + 1: a writer that took its lock after statement 1 read
+    -- the sequence has an L above it (its IDs are too, so it cannot lower C), and must not
+    -- wrap around to a value 2**32 below (that read C as 0 while writers were busy).
     SELECT min(a.allocated + 1
-               - ((a.allocated + 1 - l.objid::bigint) %% {RESERVATION_LOCK_SPAN}
-                  + {RESERVATION_LOCK_SPAN}) %% {RESERVATION_LOCK_SPAN}) AS min_locked
+               + ((l.objid::bigint - a.allocated - 1 + {_HALF_SPAN}) %% {RESERVATION_LOCK_SPAN}
+                  + {RESERVATION_LOCK_SPAN}) %% {RESERVATION_LOCK_SPAN}
+               - {_HALF_SPAN}) AS min_locked
     FROM pg_locks l
     WHERE {_RESERVATION_LOCKS} AND l.classid = k.lock_class::oid
 ) AS m

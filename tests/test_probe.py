@@ -219,3 +219,43 @@ def test_random_multi_stream_commits_are_delivered_exactly_once(
 
 class _Rollback(Exception):
     pass
+
+
+def test_a_lock_taken_after_the_sequence_was_read_does_not_collapse_the_probe(
+    client: Client, stream: str, streams_url: str
+) -> None:
+    """A writer that locks after statement 1 read the sequence holds an ``L`` above max
+    allocated (other writers advanced the sequence in between). Recovered as ``L - 2**32``, it
+    made the probe report 0 complete while writers were busy (seen as ``complete=0`` beside
+    ``max_allocated=4157`` in ``streams bench history``; the Spark source took it for a
+    sequence going backwards). Locks below max allocated still hold the position back."""
+    from psycopg import sql
+
+    from streams.constants import reservation_lock_class
+    from streams.store import reservation_lock_key_sql
+
+    with client.writer(stream, instance="w") as writer:
+        last = writer.append_batch([{"n": n} for n in range(20)]).last_id
+    info = client.stream(stream)
+
+    def probe_holding(floor: int) -> Probe:
+        with psycopg.connect(streams_url) as holder:
+            holder.execute(
+                sql.SQL("SELECT pg_advisory_xact_lock_shared({cls}, {key})")
+                .format(
+                    cls=sql.Literal(reservation_lock_class(info.id)),
+                    key=reservation_lock_key_sql(sql.Literal(floor)),
+                )
+                .as_string(holder)
+                .replace("%%", "%")
+            )
+            with psycopg.connect(streams_url, autocommit=True) as conn:
+                for statement in READER_SESSION_SETUP:
+                    conn.execute(statement)
+                return run(conn, probe([info]))[stream]
+
+    assert probe_holding(last + 3) == Probe(stream, last, last)  # IDs above max allocated
+    assert probe_holding(last + 1) == Probe(stream, last, last)
+    assert probe_holding(last) == Probe(stream, last, last - 1)
+    assert probe_holding(last - 10) == Probe(stream, last, last - 11)
+    assert probe_holding(1) == Probe(stream, last, 0)
