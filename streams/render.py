@@ -135,9 +135,11 @@ def positions_tables(
     ``rates`` (facts/s samples per stream) adds a RATE column with a sparkline."""
     streams_table = Table(
         "streams",
-        ["STREAM", "LINEAR", "MAX_ALLOCATED", "SCRATCHPAD", "OLDEST_PENDING_MS"]
+        ["STREAM", "LINEAR", "MAX_ALLOCATED", "SCRATCHPAD", "OLDEST_PENDING_MS", "PRUNED_THROUGH"]
         + (["RATE"] if rates is not None else []),
-        numeric=frozenset({"LINEAR", "MAX_ALLOCATED", "SCRATCHPAD", "OLDEST_PENDING_MS"}),
+        numeric=frozenset(
+            {"LINEAR", "MAX_ALLOCATED", "SCRATCHPAD", "OLDEST_PENDING_MS", "PRUNED_THROUGH"}
+        ),
     )
     writers = Table(
         "writers",
@@ -151,7 +153,7 @@ def positions_tables(
     )
     for p in items:
         row = [p.stream, str(p.linear), str(p.max_allocated), str(p.scratchpad)]
-        row.append(age(p.oldest_pending_ms))
+        row += [age(p.oldest_pending_ms), str(p.pruned_through)]
         if rates is not None:
             history = rates.get(p.stream, [])
             now = f"{history[-1]:,.0f}/s" if history else "-"

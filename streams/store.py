@@ -333,6 +333,8 @@ class StreamPositions:
     groups: tuple[GroupRow, ...] = ()
     #: Age in ms of the oldest open writing transaction (the oldest pending ID), if any.
     oldest_pending_ms: int | None = None
+    #: Every fact ``<=`` it may have been removed by retention (`prune`); 0: none was.
+    pruned_through: int = 0
 
     @property
     def scratchpad(self) -> int:
@@ -349,6 +351,7 @@ class StreamPositions:
             "max_allocated": self.max_allocated,
             "scratchpad": self.scratchpad,
             "oldest_pending_ms": self.oldest_pending_ms,
+            "pruned_through": self.pruned_through,
             "groups": {g.group: g.as_dict() for g in self.groups},
             "writers": {name: row.as_dict() for name, row in shown.items()},
             "retired_writers": sum(w.retired for w in self.writers.values()),
@@ -587,7 +590,8 @@ def sequence_state(info: StreamInfo, *, commit: bool = True) -> Gen[SequenceStat
     """Read everything sequence repair needs, in one statement: the sequence, the largest ID in
     ``streams_facts`` and in each declared table, and the largest writer and group position (a
     writer persists positions up to max allocated; a group commits up to the linear position;
-    both mean those IDs were handed out).
+    both mean those IDs were handed out) or ``pruned_through`` (retention removed facts up to
+    it: they existed even when no row is left).
 
     What stays invisible: facts in a table the stream does not declare. `streams doctor`
     reports how many IDs have no row anywhere it can see (rollbacks, or such a table).
@@ -601,7 +605,8 @@ def sequence_state(info: StreamInfo, *, commit: bool = True) -> Gen[SequenceStat
         sql.SQL(
             "SELECT pg_sequence_last_value({seq}::regclass), GREATEST({maxima})::bigint, "
             "GREATEST((SELECT max(position) FROM streams_writers WHERE stream = %(stream)s), "
-            "(SELECT max(position) FROM streams_reader_groups WHERE stream = %(stream)s))"
+            "(SELECT max(position) FROM streams_reader_groups WHERE stream = %(stream)s), "
+            "(SELECT NULLIF(pruned_through, 0) FROM streams_registry WHERE id = %(stream)s))"
         ).format(seq=sql.Literal(info.sequence_name), maxima=sql.SQL(", ").join(maxima)),
         {"stream": info.id},
     )
@@ -1235,13 +1240,14 @@ def stream_positions(info: StreamInfo, *, retire: bool = True) -> Gen[StreamPosi
             SELECT {max_allocated}, w.instance, w.generation, w.position, w.retired,
                    (extract(epoch FROM w.lease_expires_at - clock_timestamp()) * 1000)::bigint,
                    w.pending,
-                   (extract(epoch FROM clock_timestamp() - w.heartbeat_at) * 1000)::bigint
+                   (extract(epoch FROM clock_timestamp() - w.heartbeat_at) * 1000)::bigint,
+                   (SELECT r.pruned_through FROM streams_registry r WHERE r.id = %s)
             FROM (SELECT 1) AS one
             LEFT JOIN streams_writers w ON w.stream = %s
             ORDER BY w.instance
             """
         ).format(max_allocated=max_allocated_sql(info)),
-        (info.id,),
+        (info.id, info.id),
     )
     yield Commit()
     max_allocated = int(rows[0][0])
@@ -1273,6 +1279,7 @@ def stream_positions(info: StreamInfo, *, retire: bool = True) -> Gen[StreamPosi
         oldest_pending_ms=(
             round(max(h.transaction_seconds for h in holders) * 1000) if holders else None
         ),
+        pruned_through=int(rows[0][8] or 0),
     )
 
 

@@ -414,6 +414,7 @@ def test_positions_json(streams_url: str, stream: str) -> None:
         "max_allocated",
         "scratchpad",
         "oldest_pending_ms",
+        "pruned_through",
         "writers",
         "retired_writers",
         "groups",
@@ -458,8 +459,9 @@ def test_positions_text(streams_url: str, stream: str) -> None:
         "MAX_ALLOCATED",
         "SCRATCHPAD",
         "OLDEST_PENDING_MS",
+        "PRUNED_THROUGH",
     ]
-    assert row.split() == [stream, "1", "1", "0", "-"]
+    assert row.split() == [stream, "1", "1", "0", "-", "0"]
     out = ok(cli(streams_url, "positions", stream, "--all"))
     assert "WRITER" in out and "retired" in out
 

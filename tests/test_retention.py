@@ -58,6 +58,7 @@ def test_prune_removes_what_retention_allows_in_batches(client: Client, stream: 
     assert result.rows_deleted == 25 and result.transactions >= 4
     assert result.limited_by == "retention"
     assert stream_ids(client, stream) == news
+    assert client.positions(stream).as_dict()["pruned_through"] == olds[-1]
     # Idempotent: nothing more is old enough.
     again = client.prune(stream)
     assert (again.before, again.after, again.rows_deleted) == (olds[-1], olds[-1], 0)
@@ -167,3 +168,18 @@ def test_cli_retention_and_prune(client: Client, stream: str, streams_url: str) 
     assert cli("retention", stream, "forever", "--json").exit_code == 0
     assert client.stream(stream).retention_ms is None
     assert stream_ids(client, stream) == news
+
+
+def test_sequence_repair_counts_pruned_ids(client: Client, stream: str, streams_url: str) -> None:
+    """Once retention removed every row, only ``pruned_through`` remembers that those IDs were
+    handed out: a sequence set back (a restore) is repaired past it, never below."""
+    client.set_retention(stream, HOUR_MS)
+    olds, _ = fill(client, stream, 5, 0)
+    assert client.prune(stream).after == olds[-1]
+    assert stream_ids(client, stream) == []
+    assert client.prune_writers(stream, 0) == ["w"]  # nor a writer's row
+    info = client.stream(stream)
+    with psycopg.connect(streams_url, autocommit=True) as conn:
+        conn.execute("SELECT setval(%s::regclass, 1)", (info.sequence_name,))
+    with client.writer(stream, instance="after-restore") as writer:
+        assert writer.append({"again": True}).first_id > olds[-1]
