@@ -16,8 +16,10 @@ from .store import (
     StreamInfo,
     check_schema,
     expired_writer_count,
+    list_groups,
     list_streams,
     probe,
+    prune_target,
     repair_sequence_now,
     reservation_lock_holders,
     retire_expired_writers,
@@ -158,6 +160,9 @@ def _stream_checks(conn: psycopg.Connection[Any], info: StreamInfo) -> list[Chec
         )
     checks.append(Check(f"stream {info.name}: fact tables", True, detail))
     checks.append(_held_check(conn, info))
+    retention = _retention_check(conn, info)
+    if retention is not None:
+        checks.append(retention)
     expired = run(conn, expired_writer_count(info))
     checks.append(
         Check(
@@ -192,6 +197,28 @@ def _channel_check(settings: Settings, known: list[str]) -> Check:
         True,
         f"{len(answered)} writer instance(s) answered REPLICATE, no other deployment heard",
     )
+
+
+def _retention_check(conn: psycopg.Connection[Any], info: StreamInfo) -> Check | None:
+    """Retention at a glance: how far it pruned, what waits for `streams prune` and what holds
+    it back; failing when a reader group lost facts (its position is below what was pruned)."""
+    goal = run(conn, prune_target(info))
+    if info.retention_ms is None and goal.pruned_through == 0:
+        return None
+    keeps = "forever" if info.retention_ms is None else f"{info.retention_ms} ms"
+    lost = [g for g in run(conn, list_groups(info)) if g.position < goal.pruned_through]
+    detail = f"keeps {keeps}, pruned through {goal.pruned_through}"
+    if goal.target > goal.pruned_through:
+        detail += f"; IDs up to {goal.target} may go now (`streams prune {info.name}`)"
+    elif info.retention_ms is not None:
+        detail += f"; held by: {goal.limited_by}"
+    if lost:
+        names = ", ".join(f"{g.group} (at {g.position})" for g in lost)
+        detail += (
+            f"; reader group(s) {names} are below what was pruned and lost facts: their "
+            "readers fail with FactsPruned (delete the group, or start it again)"
+        )
+    return Check(f"stream {info.name}: retention", not lost, detail)
 
 
 def _held_check(conn: psycopg.Connection[Any], info: Any) -> Check:

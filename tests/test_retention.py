@@ -183,3 +183,36 @@ def test_sequence_repair_counts_pruned_ids(client: Client, stream: str, streams_
         conn.execute("SELECT setval(%s::regclass, 1)", (info.sequence_name,))
     with client.writer(stream, instance="after-restore") as writer:
         assert writer.append({"again": True}).first_id > olds[-1]
+
+
+def test_doctor_reports_retention_and_groups_that_lost_facts(
+    client: Client, stream: str, streams_url: str
+) -> None:
+    from streams.doctor import diagnose
+
+    olds, _ = fill(client, stream, 6, 1)
+    client.set_retention(stream, HOUR_MS)
+
+    def check() -> Any:
+        (found,) = [c for c in diagnose(client.settings) if c.name == f"stream {stream}: retention"]
+        return found
+
+    waiting = check()
+    assert waiting.ok and f"IDs up to {olds[-1]} may go now" in waiting.detail
+    client.prune(stream)
+    done = check()
+    assert done.ok and f"pruned through {olds[-1]}" in done.detail
+    assert "held by: retention" in done.detail
+    # A group that fell below what was pruned (it committed while its facts were removed).
+    with psycopg.connect(streams_url) as conn:
+        conn.execute(
+            "INSERT INTO streams_reader_groups (stream, group_name, position) "
+            "VALUES (%s, 'late', 2)",
+            (client.stream(stream).id,),
+        )
+    try:
+        lost = check()
+        assert not lost.ok and "late (at 2)" in lost.detail
+    finally:
+        client.delete_group(stream, "late")
+    assert check().ok
