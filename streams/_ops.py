@@ -53,7 +53,7 @@ __all__ = [
 T = TypeVar("T")
 Row: TypeAlias = tuple[Any, ...]
 Params: TypeAlias = dict[str, Any] | Sequence[Any] | None
-SqlText: TypeAlias = sql.SQL | sql.Composed | str
+SqlText: TypeAlias = sql.SQL | sql.Composed | str | bytes
 
 
 @dataclass(frozen=True, slots=True)

@@ -175,8 +175,10 @@ class WriterCore:
         self._tracker: PositionTracker | None = None
         self._ts_floor = 0
         self._persisted = 0
-        self._reserve_one: sql.Composed | None = None
-        self._reserve_many: sql.Composed | None = None
+        # Rendered once to bytes: psycopg then caches their conversion, where a `sql.Composed`
+        # would be re-rendered on every append (about 30 us of a ~400 us append here).
+        self._reserve_one: bytes | None = None
+        self._reserve_many: bytes | None = None
         self._beats = 0
         #: Facts this writer committed (for metrics).
         self.appended = 0
@@ -322,8 +324,9 @@ class WriterCore:
         # an ID failing them makes the text cast fail, and the statement, hence the
         # transaction, with it. A CASE with a data-dependent condition evaluates its ELSE only
         # for such a row.
-        self._reserve_one = sql.SQL(
-            """{prefix}, r AS (SELECT nextval({seq}) AS id, g.floor FROM g)
+        self._reserve_one = (
+            sql.SQL(
+                """{prefix}, r AS (SELECT nextval({seq}) AS id, g.floor FROM g)
             INSERT INTO streams_facts (stream, stream_id, row_no, instance, ts, payload)
             SELECT %(stream)s,
                    CASE WHEN r.id >= r.floor AND r.id > %(known)s THEN r.id
@@ -332,10 +335,15 @@ class WriterCore:
             FROM r
             RETURNING stream_id, (SELECT g.floor FROM g)
             """
-        ).format(prefix=prefix, seq=seq, rewound=sql.Literal(_REWOUND + " "))
-        self._reserve_many = sql.SQL(
-            "{prefix} SELECT nextval({seq}), g.floor FROM g, generate_series(1, %(count)s)"
-        ).format(prefix=prefix, seq=seq)
+            )
+            .format(prefix=prefix, seq=seq, rewound=sql.Literal(_REWOUND + " "))
+            .as_bytes(None)
+        )
+        self._reserve_many = (
+            sql.SQL("{prefix} SELECT nextval({seq}), g.floor FROM g, generate_series(1, %(count)s)")
+            .format(prefix=prefix, seq=seq)
+            .as_bytes(None)
+        )
 
     def _check_floor(self, rows: Sequence[Row]) -> list[int]:
         """The reserved IDs, each checked to be >= the reservation lock's L (see above)."""

@@ -55,6 +55,8 @@ import asyncio
 import contextlib
 import logging
 import random
+import select
+import ssl
 import threading
 import time
 from collections.abc import Callable, Collection, Generator, Sequence
@@ -66,6 +68,7 @@ import redis.asyncio
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from . import resp
 from .config import redact_url
 from .protocol import Command, serialize
 from .replication import Announcer, ForeignDeployment, Hint, LinkCore, LinkStats, backoff_delay
@@ -97,6 +100,10 @@ _REDIS_ERRORS = (redis.RedisError, OSError)
 
 #: A blocking function returning the stream names of this deployment's registry.
 KnownStreams: TypeAlias = Callable[[], Collection[str]]
+
+#: A message read from the subscriber: ``(kind, channel, data)``, e.g. ``(b"message",
+#: b"streams", b"RDATA ...")``, ``(b"subscribe", b"streams", 1)`` or ``(b"pong", b"", b"")``.
+Message: TypeAlias = tuple[bytes, bytes, Any]
 
 
 class LinkListener(Protocol):
@@ -204,16 +211,16 @@ class _LinkBase:
         if self.connected and self.core.foreign is not None:
             self._set_connected(self._subscribed)
 
-    def _handle(self, message: dict[str, Any]) -> list[bytes]:
+    def _handle(self, message: Message) -> list[bytes]:
         """One message from the subscriber connection: dispatch it, return lines to publish."""
-        kind = message.get("type")
-        if kind == "message":
-            hints, replies = self.core.on_message(message["data"])
+        kind, channel, data = message
+        if kind == b"message":
+            hints, replies = self.core.on_message(data)
             self._dispatch(hints)
             self._check_foreign()
             return replies
-        if kind == "subscribe" and _text(message.get("channel")) == self.core.channel:
-            # Confirmed (also after a reconnect that redis-py did on its own): connect step.
+        if kind == b"subscribe" and _text(channel) == self.core.channel:
+            # Confirmed (also after a reconnect): the connect step.
             lines = self.core.on_connected()
             self._set_connected(True)
             return lines
@@ -246,7 +253,7 @@ class _LinkBase:
                     now = time.monotonic()
                     if message is not None:
                         attempt = 0
-                        if message.get("type") == "pong":
+                        if message[0] == b"pong":
                             last_pong = now
                         self._enqueue(self._handle(message))
                         # No reader here: drain what has arrived, then let more pile up.
@@ -357,17 +364,20 @@ def _step(plan: Generator[Any, Any, None], result: Any, error: BaseException | N
     return plan.throw(error) if error is not None else plan.send(result)
 
 
+def _as_message(message: dict[str, Any] | None) -> Message | None:
+    """A redis-py pub/sub message (the asyncio driver reads with redis-py) as a `Message`."""
+    if message is None:
+        return None
+    channel = message.get("channel")
+    return (
+        str(message.get("type")).encode(),
+        channel if isinstance(channel, bytes) else str(channel or "").encode(),
+        message.get("data"),
+    )
+
+
 def _text(value: object) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
-
-
-def _close_quietly(pubsub: Any, client: redis.Redis | None) -> None:
-    with contextlib.suppress(Exception):
-        if pubsub is not None:
-            pubsub.close()
-    with contextlib.suppress(Exception):
-        if client is not None:
-            client.close()
 
 
 async def _aclose_quietly(pubsub: Any, client: redis.asyncio.Redis | None) -> None:
@@ -377,6 +387,75 @@ async def _aclose_quietly(pubsub: Any, client: redis.asyncio.Redis | None) -> No
     with contextlib.suppress(Exception):
         if client is not None:
             await client.aclose()
+
+
+class _Subscriber:
+    """A pub/sub connection that redis-py opens and `streams.resp` then reads in bulk.
+
+    redis-py does what depends on the URL (TLS, AUTH, ``CLIENT SETNAME``, ``protocol=2`` so
+    messages are plain arrays); after that the socket is read here, a ``recv`` of whatever has
+    arrived at a time, parsed by `streams.resp` (see there for why). Errors are redis-py's
+    (``redis.ConnectionError``, ``redis.ResponseError``) so the listen plan treats them alike.
+    """
+
+    def __init__(self, url: str) -> None:
+        pool = redis.ConnectionPool.from_url(url, protocol=2, **_client_options())
+        conn: Any = pool.make_connection()
+        self._conn = conn
+        conn.connect()
+        self._sock: Any = conn._sock  # redis-py's socket (plain or TLS), ours from here
+        self._parser = resp.new_parser()
+
+    def send(self, *args: str | bytes) -> None:
+        try:
+            self._sock.sendall(resp.encode(*args))
+        except OSError as exc:
+            raise redis.ConnectionError(f"send failed: {exc}") from None
+
+    def receive(self, timeout: float) -> Message | None:
+        """The next message, waiting up to ``timeout`` seconds for one (0: only if buffered)."""
+        try:
+            return self._receive(timeout)
+        except resp.ProtocolError as exc:
+            raise redis.ConnectionError(f"not RESP2 from Redis: {exc}") from None
+
+    def _receive(self, timeout: float) -> Message | None:
+        reply = self._parser.gets()
+        if reply is resp.NOT_READY:
+            if not self._readable(timeout):
+                return None
+            try:
+                data = self._sock.recv(65536)
+            except ssl.SSLWantReadError:  # a TLS record not complete yet
+                return None
+            except OSError as exc:
+                raise redis.ConnectionError(f"receive failed: {exc}") from None
+            if not data:
+                raise redis.ConnectionError("Redis closed the connection")
+            self._parser.feed(data)
+            reply = self._parser.gets()
+            if reply is resp.NOT_READY:
+                return None
+        return _message(reply)
+
+    def _readable(self, timeout: float) -> bool:
+        if isinstance(self._sock, ssl.SSLSocket) and self._sock.pending():
+            return True  # decrypted bytes wait inside the TLS layer, invisible to select
+        ready, _, _ = select.select([self._sock], [], [], max(0.0, timeout))
+        return bool(ready)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._conn.disconnect()
+
+
+def _message(reply: Any) -> Message:
+    """A parsed reply as a `Message`, or the error it is raised as."""
+    if isinstance(reply, resp.ReplyError):
+        raise redis.ResponseError(str(reply))
+    if isinstance(reply, list) and len(reply) >= 2 and isinstance(reply[0], bytes):
+        return reply[0], reply[1] if isinstance(reply[1], bytes) else b"", reply[-1]
+    raise redis.ConnectionError(f"unexpected reply on the subscriber: {reply!r:.80}")
 
 
 class _InlinePublisher:
@@ -543,8 +622,7 @@ class RedisLink(_LinkBase):
 
     def _listen_loop(self) -> None:
         plan = self._listen_plan()
-        client: redis.Redis | None = None
-        pubsub: Any = None
+        subscriber: _Subscriber | None = None
         result: Any = None
         error: BaseException | None = None
         try:
@@ -557,15 +635,19 @@ class RedisLink(_LinkBase):
                 try:
                     match op:
                         case _Open():
-                            _close_quietly(pubsub, client)
-                            client = redis.Redis.from_url(self._url, **_client_options())
-                            pubsub = client.pubsub()  # type: ignore[no-untyped-call]
+                            if subscriber is not None:
+                                subscriber.close()
+                                subscriber = None
+                            subscriber = _Subscriber(self._url)
                         case _Subscribe(channels=channels):
-                            pubsub.subscribe(*channels)
+                            assert subscriber is not None
+                            subscriber.send("SUBSCRIBE", *channels)
                         case _Receive(timeout=timeout):
-                            result = pubsub.get_message(timeout=timeout)
+                            assert subscriber is not None
+                            result = subscriber.receive(timeout)
                         case _Ping():
-                            pubsub.ping()
+                            assert subscriber is not None
+                            subscriber.send("PING")
                         case _Sleep(seconds=seconds):
                             self._stopped.wait(seconds)
                         case _Refresh():
@@ -573,7 +655,8 @@ class RedisLink(_LinkBase):
                 except _REDIS_ERRORS as exc:
                     error = exc
         finally:
-            _close_quietly(pubsub, client)
+            if subscriber is not None:
+                subscriber.close()
 
     def _read_known_streams(self) -> frozenset[str] | Exception:
         assert self._known_streams is not None
@@ -653,7 +736,7 @@ class AsyncRedisLink(_LinkBase):
                         case _Subscribe(channels=channels):
                             await pubsub.subscribe(*channels)
                         case _Receive(timeout=timeout):
-                            result = await pubsub.get_message(timeout=timeout)
+                            result = _as_message(await pubsub.get_message(timeout=timeout))
                         case _Ping():
                             await pubsub.ping()
                         case _Sleep(seconds=seconds):

@@ -214,3 +214,46 @@ def test_lines_within_the_publish_window_all_arrive(redis_url: str, redis_prefix
     finally:
         sub.close()
         link.close()
+
+
+class _Hints:
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+
+    def on_hint(self, hint: Any) -> None:
+        self.tokens.append(hint.token)
+
+    def on_link_state(self, connected: bool) -> None:
+        pass
+
+
+@pytest.mark.parametrize("pure", [False, True], ids=["hiredis", "pure-python"])
+def test_the_subscriber_reads_bursts_and_survives_a_killed_connection(
+    redis_url: str, redis_prefix: str, pure: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The link reads its subscription itself (`streams.resp`): many messages per ``recv``,
+    replies split across reads, with or without hiredis; a dropped connection is re-opened."""
+    if pure:
+        monkeypatch.setattr("streams.resp._FAST", None)
+    link = RedisLink(redis_url, redis_prefix, "fastpath-burst")
+    hints = _Hints()
+    publisher = redis.Redis.from_url(redis_url)
+    try:
+        wait_until(lambda: link.connected, 15, "the link to subscribe")
+        link.add_listener(hints)
+        pipe = publisher.pipeline(transaction=False)
+        for n in range(1, 501):
+            pipe.publish(link.core.channel, f'RDATA s w{n % 3} {n} {{"x":"{"y" * n}"}}')
+        pipe.execute()
+        wait_until(lambda: len(hints.tokens) == 500, 10, "500 hints")
+        assert hints.tokens == list(range(1, 501))
+        reconnects = link.core.stats.reconnects
+        killed = publisher.client_kill_filter(_type="pubsub")
+        assert killed >= 1
+        wait_until(lambda: link.core.stats.reconnects > reconnects, 15, "a reconnect")
+        wait_until(lambda: link.connected, 15, "the link to subscribe again")
+        publisher.publish(link.core.channel, b"RDATA s w 501 {}")
+        wait_until(lambda: hints.tokens[-1:] == [501], 10, "the hint after the reconnect")
+    finally:
+        publisher.close()
+        link.close()
