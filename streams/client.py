@@ -8,6 +8,8 @@ writer and reader opens its own PostgreSQL connections.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import os
 import re
@@ -15,7 +17,7 @@ import secrets
 import socket
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import psycopg
@@ -87,14 +89,16 @@ class Client:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self._conn = dbconnect.connect(
+        # The connection of the client's own calls (create_stream, positions, prune...), opened
+        # on first use and re-opened when broken: a process that only reads or only writes then
+        # holds no idle connection for it (32 reader processes with shared proofs would need
+        # 96 connections otherwise, against PostgreSQL's default max_connections of 100).
+        self._conn: psycopg.Connection[Any] | None = None
+        self._conn_lock = threading.Lock()
+        with dbconnect.connect(
             settings.database_url, autocommit=False, connect_timeout=10, purpose="client"
-        )
-        try:
-            run(self._conn, check_schema())
-        except BaseException:
-            self._conn.close()
-            raise
+        ) as conn:
+            run(conn, check_schema())
         self._link: RedisLink | None = None
         self._link_lock = threading.Lock()
         self._proofs: ProofService | None = None
@@ -135,16 +139,17 @@ class Client:
         one, as ``"table.column"`` / ``"schema.table.column"`` / ``(table, column)``: sequence
         repair looks at them (see `set_fact_tables`). None: whatever is declared already.
         """
-        return run(
-            self._conn,
-            create_stream(
-                name,
-                timestamping=timestamping,
-                uncapped=uncapped,
-                retention_ms=retention_ms,
-                fact_tables=fact_tables,
-            ),
-        )
+        with self._db() as conn:
+            return run(
+                conn,
+                create_stream(
+                    name,
+                    timestamping=timestamping,
+                    uncapped=uncapped,
+                    retention_ms=retention_ms,
+                    fact_tables=fact_tables,
+                ),
+            )
 
     def set_fact_tables(
         self, name: str, fact_tables: Sequence[str | tuple[str, str]]
@@ -157,17 +162,21 @@ class Client:
         reader group. IDs in a table that is not declared cannot be seen and could be handed out
         again. Each table and column must exist; index the column (repair reads its maximum).
         """
-        return run(self._conn, set_fact_tables(name, fact_tables))
+        with self._db() as conn:
+            return run(conn, set_fact_tables(name, fact_tables))
 
     def stream(self, name: str) -> StreamInfo:
-        return run(self._conn, load_stream(name))
+        with self._db() as conn:
+            return run(conn, load_stream(name))
 
     def streams(self) -> list[StreamInfo]:
-        return run(self._conn, list_streams())
+        with self._db() as conn:
+            return run(conn, list_streams())
 
     def positions(self, stream: str) -> StreamPositions:
-        info = run(self._conn, load_stream(stream))
-        return run(self._conn, stream_positions(info))
+        with self._db() as conn:
+            info = run(conn, load_stream(stream))
+            return run(conn, stream_positions(info))
 
     def writer(self, stream: str, *, instance: str | None = None) -> Writer:
         core = WriterCore(
@@ -219,29 +228,34 @@ class Client:
 
     def groups(self, stream: str) -> list[GroupRow]:
         """Every reader group of ``stream`` with its committed position and lag."""
-        info = run(self._conn, load_stream(stream))
-        return run(self._conn, list_groups(info))
+        with self._db() as conn:
+            info = run(conn, load_stream(stream))
+            return run(conn, list_groups(info))
 
     def delete_group(self, stream: str, group: str) -> bool:
-        info = run(self._conn, load_stream(stream))
-        return run(self._conn, delete_group(info, group))
+        with self._db() as conn:
+            info = run(conn, load_stream(stream))
+            return run(conn, delete_group(info, group))
 
     def prune_writers(self, stream: str, older_than_ms: int) -> list[str]:
         """Delete rows of writers of ``stream`` retired longer ago than ``older_than_ms``."""
-        info = run(self._conn, load_stream(stream))
-        return run(self._conn, prune_writers(info, older_than_ms))
+        with self._db() as conn:
+            info = run(conn, load_stream(stream))
+            return run(conn, prune_writers(info, older_than_ms))
 
     def set_retention(self, stream: str, retention_ms: int | None) -> StreamInfo:
         """Keep the facts of ``stream`` for ``retention_ms`` (None: forever); see `prune`."""
-        return run(self._conn, set_retention(stream, retention_ms))
+        with self._db() as conn:
+            return run(conn, set_retention(stream, retention_ms))
 
     def prune(self, stream: str, *, batch: int = PRUNE_BATCH) -> PruneResult:
         """Apply the retention of ``stream``: remove facts older than its ``retention_ms``, in
         short transactions of about ``batch`` rows, never past its complete position or a
         reader group's committed position (``streams prune``; run it on a schedule, or
         ``streams prune --every``). A reader that needs removed facts gets `FactsPruned`."""
-        info = run(self._conn, load_stream(stream))
-        return run(self._conn, prune(info, batch=batch))
+        with self._db() as conn:
+            info = run(conn, load_stream(stream))
+            return run(conn, prune(info, batch=batch))
 
     def close(self) -> None:
         if self._proofs is not None:
@@ -250,7 +264,27 @@ class Client:
         if self._link is not None:
             self._link.close()
             self._link = None
-        self._conn.close()
+        with self._conn_lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+    @contextlib.contextmanager
+    def _db(self) -> Iterator[psycopg.Connection[Any]]:
+        """The client's own connection, (re)opened if needed; one call at a time uses it."""
+        with self._conn_lock:
+            conn = self._conn
+            if conn is None or conn.closed or conn.broken:
+                if conn is not None:
+                    conn.close()
+                self._conn = None
+                conn = self._conn = dbconnect.connect(
+                    self.settings.database_url,
+                    autocommit=False,
+                    connect_timeout=10,
+                    purpose="client",
+                )
+            yield conn
 
     def __enter__(self) -> Client:
         return self
@@ -264,7 +298,10 @@ class AsyncClient:
 
     def __init__(self, settings: Settings, conn: psycopg.AsyncConnection[Any]) -> None:
         self.settings = settings
-        self._conn = conn
+        # As in `Client`: re-opened when broken. It stays open (`open` checked the schema on
+        # it), as asyncio services rarely run one process per reader.
+        self._conn: psycopg.AsyncConnection[Any] | None = conn
+        self._conn_lock = asyncio.Lock()
         self._link: AsyncRedisLink | None = None
         self.writers: weakref.WeakSet[AsyncWriter] = weakref.WeakSet()
         self.readers: weakref.WeakSet[AsyncReader] = weakref.WeakSet()
@@ -313,16 +350,17 @@ class AsyncClient:
         one, as ``"table.column"`` / ``"schema.table.column"`` / ``(table, column)``: sequence
         repair looks at them (see `set_fact_tables`). None: whatever is declared already.
         """
-        return await arun(
-            self._conn,
-            create_stream(
-                name,
-                timestamping=timestamping,
-                uncapped=uncapped,
-                retention_ms=retention_ms,
-                fact_tables=fact_tables,
-            ),
-        )
+        async with self._db() as conn:
+            return await arun(
+                conn,
+                create_stream(
+                    name,
+                    timestamping=timestamping,
+                    uncapped=uncapped,
+                    retention_ms=retention_ms,
+                    fact_tables=fact_tables,
+                ),
+            )
 
     async def set_fact_tables(
         self, name: str, fact_tables: Sequence[str | tuple[str, str]]
@@ -335,17 +373,21 @@ class AsyncClient:
         reader group. IDs in a table that is not declared cannot be seen and could be handed out
         again. Each table and column must exist; index the column (repair reads its maximum).
         """
-        return await arun(self._conn, set_fact_tables(name, fact_tables))
+        async with self._db() as conn:
+            return await arun(conn, set_fact_tables(name, fact_tables))
 
     async def stream(self, name: str) -> StreamInfo:
-        return await arun(self._conn, load_stream(name))
+        async with self._db() as conn:
+            return await arun(conn, load_stream(name))
 
     async def streams(self) -> list[StreamInfo]:
-        return await arun(self._conn, list_streams())
+        async with self._db() as conn:
+            return await arun(conn, list_streams())
 
     async def positions(self, stream: str) -> StreamPositions:
-        info = await arun(self._conn, load_stream(stream))
-        return await arun(self._conn, stream_positions(info))
+        async with self._db() as conn:
+            info = await arun(conn, load_stream(stream))
+            return await arun(conn, stream_positions(info))
 
     async def writer(self, stream: str, *, instance: str | None = None) -> AsyncWriter:
         core = WriterCore(
@@ -376,31 +418,56 @@ class AsyncClient:
         return reader
 
     async def groups(self, stream: str) -> list[GroupRow]:
-        info = await arun(self._conn, load_stream(stream))
-        return await arun(self._conn, list_groups(info))
+        async with self._db() as conn:
+            info = await arun(conn, load_stream(stream))
+            return await arun(conn, list_groups(info))
 
     async def delete_group(self, stream: str, group: str) -> bool:
-        info = await arun(self._conn, load_stream(stream))
-        return await arun(self._conn, delete_group(info, group))
+        async with self._db() as conn:
+            info = await arun(conn, load_stream(stream))
+            return await arun(conn, delete_group(info, group))
 
     async def set_retention(self, stream: str, retention_ms: int | None) -> StreamInfo:
         """See `Client.set_retention`."""
-        return await arun(self._conn, set_retention(stream, retention_ms))
+        async with self._db() as conn:
+            return await arun(conn, set_retention(stream, retention_ms))
 
     async def prune(self, stream: str, *, batch: int = PRUNE_BATCH) -> PruneResult:
         """See `Client.prune`."""
-        info = await arun(self._conn, load_stream(stream))
-        return await arun(self._conn, prune(info, batch=batch))
+        async with self._db() as conn:
+            info = await arun(conn, load_stream(stream))
+            return await arun(conn, prune(info, batch=batch))
 
     async def prune_writers(self, stream: str, older_than_ms: int) -> list[str]:
-        info = await arun(self._conn, load_stream(stream))
-        return await arun(self._conn, prune_writers(info, older_than_ms))
+        async with self._db() as conn:
+            info = await arun(conn, load_stream(stream))
+            return await arun(conn, prune_writers(info, older_than_ms))
 
     async def aclose(self) -> None:
         if self._link is not None:
             await self._link.aclose()
             self._link = None
-        await self._conn.close()
+        async with self._conn_lock:
+            if self._conn is not None:
+                await self._conn.close()
+                self._conn = None
+
+    @contextlib.asynccontextmanager
+    async def _db(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        """The client's own connection, (re)opened if needed; one call at a time uses it."""
+        async with self._conn_lock:
+            conn = self._conn
+            if conn is None or conn.closed or conn.broken:
+                if conn is not None:
+                    await conn.close()
+                self._conn = None
+                conn = self._conn = await dbconnect.aconnect(
+                    self.settings.database_url,
+                    autocommit=False,
+                    connect_timeout=10,
+                    purpose="client",
+                )
+            yield conn
 
     async def __aenter__(self) -> AsyncClient:
         return self

@@ -9,6 +9,7 @@ past the lease. Also: no connection of the library may sit idle in a transaction
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 
@@ -16,7 +17,8 @@ import psycopg
 import pytest
 from helpers import wait_until
 
-from streams import Client, InvalidFactTables, SequenceRewound, StreamsError
+import streams
+from streams import Client, InvalidFactTables, SequenceRewound, StoreError, StreamsError
 from streams._ops import run
 from streams.core import WriterCore
 from streams.store import FactTable
@@ -194,6 +196,7 @@ def test_no_connection_of_the_library_sits_idle_in_a_transaction(
         client.groups(stream)
         client.streams()
         client.stream(stream)
+        assert client._conn is not None
         pids = [
             client._conn.info.backend_pid,
             writer._conn.info.backend_pid,
@@ -234,3 +237,26 @@ def test_lock_holders_with_unknown_transaction_start(
         assert [h.pid for h in holders] == [holder.info.backend_pid]
         assert holders[0].transaction_seconds == 0.0
         assert client.positions(stream).linear == 0
+
+
+def test_the_clients_own_connection_opens_on_use_and_comes_back_after_a_kill(
+    client: Client, stream: str, streams_url: str
+) -> None:
+    """A process that only reads or writes holds no idle connection for the client's own
+    calls (32 reader processes must fit in max_connections = 100); one killed by the server
+    (a restart, an operator) is re-opened by the next call instead of failing every call."""
+    with streams.connect(streams_url) as fresh:
+        assert fresh._conn is None  # the schema check's connection is closed again
+        with fresh.reader(stream) as rd:
+            list(rd.facts())
+        assert fresh._conn is None
+        assert fresh.positions(stream).stream == stream
+        assert fresh._conn is not None
+        pid = fresh._conn.info.backend_pid
+        with psycopg.connect(streams_url, autocommit=True) as conn:
+            conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        wait_until(lambda: not _states(streams_url, [pid]), 5, "the backend to exit")
+        with contextlib.suppress(StoreError):
+            fresh.positions(stream)  # the call that finds it dead may fail, as any query
+        assert fresh.positions(stream).stream == stream
+        assert fresh._conn.info.backend_pid != pid
