@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias, TypeVar
 
@@ -80,10 +80,14 @@ class Autocommit:
 
 @dataclass(frozen=True, slots=True)
 class CopyIn:
-    """``COPY ... FROM STDIN`` these rows; the generator receives an empty list."""
+    """``COPY ... FROM STDIN`` these rows; the generator receives an empty list.
+
+    ``rows`` may be a lazy iterable: an exception it raises aborts the COPY (and the transaction
+    is rolled back) before it reaches the generator.
+    """
 
     statement: SqlText
-    rows: Sequence[Row]
+    rows: Iterable[Row]
 
 
 @dataclass(frozen=True, slots=True)

