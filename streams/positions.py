@@ -139,17 +139,22 @@ class PositionTracker:
     def reserved(self, token: ReservationToken, ids: Iterable[int]) -> None:
         """The reservation returned these IDs: they are now pending."""
         self._in_flight.pop(token.number, None)
-        for stream_id in ids:
-            if stream_id <= token.floor:
-                # A sequence never goes back; an ID at or below the floor means the sequence was
-                # set back under us. Refuse rather than corrupt every position derived from it.
-                raise SequenceRewound(
-                    f"stream ID {stream_id} is not above max allocated {token.floor} when the "
-                    "reservation started: the sequence was set back; nothing was written. Open a "
-                    "new writer (it repairs the sequence) or run `streams doctor --repair`"
-                )
-            self._pending.add(stream_id)
-            self._max_allocated = max(self._max_allocated, stream_id)
+        ids = ids if isinstance(ids, (list, tuple)) else list(ids)
+        if not ids:
+            self._recompute()
+            return
+        # Set operations over the whole batch: a per-ID loop cost ~2 us a fact in a batch.
+        lowest = min(ids)
+        if lowest <= token.floor:
+            # A sequence never goes back; an ID at or below the floor means the sequence was
+            # set back under us. Refuse rather than corrupt every position derived from it.
+            raise SequenceRewound(
+                f"stream ID {lowest} is not above max allocated {token.floor} when the "
+                "reservation started: the sequence was set back; nothing was written. Open a "
+                "new writer (it repairs the sequence) or run `streams doctor --repair`"
+            )
+        self._pending.update(ids)
+        self._max_allocated = max(self._max_allocated, *ids)
         self._recompute()
 
     @_locked
@@ -162,9 +167,10 @@ class PositionTracker:
     def complete(self, ids: Iterable[int]) -> bool:
         """The transaction holding these IDs ended. Returns whether the local position moved."""
         before = self._local_position
-        for stream_id in ids:
-            self._pending.discard(stream_id)
-            self._max_own_completed = max(self._max_own_completed, stream_id)
+        ids = ids if isinstance(ids, (list, tuple)) else list(ids)
+        if ids:
+            self._pending.difference_update(ids)
+            self._max_own_completed = max(self._max_own_completed, *ids)
         self._recompute()
         return self._local_position != before
 
