@@ -9,7 +9,9 @@ While lines come faster than ``publish_window`` (2 ms), a line waits up to that 
 out with the next ones in one ``send`` (a loopback ``send`` costs ~35 us of CPU here; a
 flusher thread sends the tail, and sleeps while the link is quiet), so a busy writer pays one
 ``send`` per window, not one per append; a line after a quiet spell goes out at once.
-`AsyncRedisLink` still feeds a publisher task through a bounded queue. What a message means and
+`AsyncRedisLink` still feeds a publisher task through a bounded queue. Both read their
+subscription themselves, in bulk (`_Subscriber`, `_AsyncSubscriber`: redis-py opens the
+connection, `streams.resp` parses what arrives; see there for why). What a message means and
 what to publish on connect is decided by `streams.replication.LinkCore`; the connection
 discipline below is written once, as generator "plans" in `_LinkBase`, and the two classes only
 drive them on redis-py or redis.asyncio.
@@ -55,6 +57,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import re
 import select
 import ssl
 import threading
@@ -97,6 +100,9 @@ PUBLISH_WINDOW = 0.002
 IDLE_READ_INTERVAL = 0.05
 
 _REDIS_ERRORS = (redis.RedisError, OSError)
+
+#: What Redis refuses in a client name (spaces, newlines, quotes), replaced by ``_``.
+_CLIENT_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9._:@/-]")
 
 #: A blocking function returning the stream names of this deployment's registry.
 KnownStreams: TypeAlias = Callable[[], Collection[str]]
@@ -158,6 +164,11 @@ class _LinkBase:
     @property
     def stats(self) -> LinkStats:
         return self.core.stats
+
+    def client_name(self, role: str) -> str:
+        """The Redis ``CLIENT SETNAME`` of this link's ``role`` connection (``sub``/``pub``),
+        so ``CLIENT LIST`` tells operators which process holds which connection."""
+        return f"streams-{role}:" + _CLIENT_NAME_UNSAFE.sub("_", self.core.name)[:100]
 
     def __repr__(self) -> str:
         state = "connected" if self.connected else "disconnected"
@@ -364,29 +375,41 @@ def _step(plan: Generator[Any, Any, None], result: Any, error: BaseException | N
     return plan.throw(error) if error is not None else plan.send(result)
 
 
-def _as_message(message: dict[str, Any] | None) -> Message | None:
-    """A redis-py pub/sub message (the asyncio driver reads with redis-py) as a `Message`."""
-    if message is None:
-        return None
-    channel = message.get("channel")
-    return (
-        str(message.get("type")).encode(),
-        channel if isinstance(channel, bytes) else str(channel or "").encode(),
-        message.get("data"),
-    )
-
-
 def _text(value: object) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
-async def _aclose_quietly(pubsub: Any, client: redis.asyncio.Redis | None) -> None:
-    with contextlib.suppress(Exception):
-        if pubsub is not None:
-            await pubsub.aclose()
-    with contextlib.suppress(Exception):
-        if client is not None:
-            await client.aclose()
+def _message(reply: Any) -> Message:
+    """A parsed reply as a `Message`, or the error it is raised as."""
+    if isinstance(reply, resp.ReplyError):
+        raise redis.ResponseError(str(reply))
+    if isinstance(reply, list) and len(reply) >= 2 and isinstance(reply[0], bytes):
+        return reply[0], reply[1] if isinstance(reply[1], bytes) else b"", reply[-1]
+    raise redis.ConnectionError(f"unexpected reply on the subscriber: {reply!r:.80}")
+
+
+class _Inbox:
+    """What a subscriber connection has received, parsed into `Message`s (both drivers).
+
+    Errors come out as redis-py's (``redis.ConnectionError``, ``redis.ResponseError``), so the
+    listen plan treats them like any other lost link.
+    """
+
+    def __init__(self) -> None:
+        self._parser = resp.new_parser()
+
+    def next(self) -> Message | None:
+        """The next complete message received, or None."""
+        try:
+            reply = self._parser.gets()
+        except resp.ProtocolError as exc:
+            raise redis.ConnectionError(f"not RESP2 from Redis: {exc}") from None
+        return None if reply is resp.NOT_READY else _message(reply)
+
+    def feed(self, data: bytes) -> None:
+        if not data:
+            raise redis.ConnectionError("Redis closed the connection")
+        self._parser.feed(data)
 
 
 class _Subscriber:
@@ -394,17 +417,18 @@ class _Subscriber:
 
     redis-py does what depends on the URL (TLS, AUTH, ``CLIENT SETNAME``, ``protocol=2`` so
     messages are plain arrays); after that the socket is read here, a ``recv`` of whatever has
-    arrived at a time, parsed by `streams.resp` (see there for why). Errors are redis-py's
-    (``redis.ConnectionError``, ``redis.ResponseError``) so the listen plan treats them alike.
+    arrived at a time, parsed by `_Inbox` (see `streams.resp` for why).
     """
 
-    def __init__(self, url: str) -> None:
-        pool = redis.ConnectionPool.from_url(url, protocol=2, **_client_options())
+    def __init__(self, url: str, client_name: str) -> None:
+        pool = redis.ConnectionPool.from_url(
+            url, protocol=2, client_name=client_name, **_client_options()
+        )
         conn: Any = pool.make_connection()
         self._conn = conn
         conn.connect()
         self._sock: Any = conn._sock  # redis-py's socket (plain or TLS), ours from here
-        self._parser = resp.new_parser()
+        self._inbox = _Inbox()
 
     def send(self, *args: str | bytes) -> None:
         try:
@@ -414,29 +438,17 @@ class _Subscriber:
 
     def receive(self, timeout: float) -> Message | None:
         """The next message, waiting up to ``timeout`` seconds for one (0: only if buffered)."""
-        try:
-            return self._receive(timeout)
-        except resp.ProtocolError as exc:
-            raise redis.ConnectionError(f"not RESP2 from Redis: {exc}") from None
-
-    def _receive(self, timeout: float) -> Message | None:
-        reply = self._parser.gets()
-        if reply is resp.NOT_READY:
-            if not self._readable(timeout):
-                return None
+        message = self._inbox.next()
+        if message is None and self._readable(timeout):
             try:
                 data = self._sock.recv(65536)
             except ssl.SSLWantReadError:  # a TLS record not complete yet
                 return None
             except OSError as exc:
                 raise redis.ConnectionError(f"receive failed: {exc}") from None
-            if not data:
-                raise redis.ConnectionError("Redis closed the connection")
-            self._parser.feed(data)
-            reply = self._parser.gets()
-            if reply is resp.NOT_READY:
-                return None
-        return _message(reply)
+            self._inbox.feed(data)
+            message = self._inbox.next()
+        return message
 
     def _readable(self, timeout: float) -> bool:
         if isinstance(self._sock, ssl.SSLSocket) and self._sock.pending():
@@ -449,13 +461,60 @@ class _Subscriber:
             self._conn.disconnect()
 
 
-def _message(reply: Any) -> Message:
-    """A parsed reply as a `Message`, or the error it is raised as."""
-    if isinstance(reply, resp.ReplyError):
-        raise redis.ResponseError(str(reply))
-    if isinstance(reply, list) and len(reply) >= 2 and isinstance(reply[0], bytes):
-        return reply[0], reply[1] if isinstance(reply[1], bytes) else b"", reply[-1]
-    raise redis.ConnectionError(f"unexpected reply on the subscriber: {reply!r:.80}")
+class _AsyncSubscriber:
+    """The asyncio twin of `_Subscriber`: redis.asyncio opens it, its stream is read here.
+
+    A read that outlives a `receive` timeout is kept for the next call rather than cancelled,
+    so no bytes can be lost between the two.
+    """
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+        self._inbox = _Inbox()
+        self._read: asyncio.Future[bytes] | None = None
+
+    @classmethod
+    async def open(cls, url: str, client_name: str) -> _AsyncSubscriber:
+        pool = redis.asyncio.ConnectionPool.from_url(
+            url, protocol=2, client_name=client_name, **_client_options()
+        )
+        conn: Any = pool.make_connection()  # type: ignore[no-untyped-call]
+        await conn.connect()
+        return cls(conn)
+
+    async def send(self, *args: str | bytes) -> None:
+        try:
+            writer = self._conn._writer
+            writer.write(resp.encode(*args))
+            await writer.drain()
+        except (OSError, AttributeError) as exc:  # AttributeError: redis.asyncio disconnected
+            raise redis.ConnectionError(f"send failed: {exc}") from None
+
+    async def receive(self, timeout: float) -> Message | None:
+        message = self._inbox.next()
+        if message is not None:
+            return message
+        if self._read is None:
+            self._read = asyncio.ensure_future(self._conn._reader.read(65536))
+        done, _ = await asyncio.wait({self._read}, timeout=max(0.0, timeout))
+        if not done:
+            return None
+        read, self._read = self._read, None
+        try:
+            data = read.result()
+        except OSError as exc:
+            raise redis.ConnectionError(f"receive failed: {exc}") from None
+        self._inbox.feed(data)
+        return self._inbox.next()
+
+    async def close(self) -> None:
+        if self._read is not None:
+            self._read.cancel()
+            with contextlib.suppress(BaseException):
+                await self._read
+            self._read = None
+        with contextlib.suppress(Exception):
+            await self._conn.disconnect()
 
 
 class _InlinePublisher:
@@ -465,9 +524,12 @@ class _InlinePublisher:
     connects only when `may_connect` says so (see the module docstring).
     """
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, client_name: str) -> None:
         self._pool = redis.ConnectionPool.from_url(
-            url, socket_connect_timeout=1, socket_timeout=INLINE_SEND_TIMEOUT
+            url,
+            socket_connect_timeout=1,
+            socket_timeout=INLINE_SEND_TIMEOUT,
+            client_name=client_name,
         )
         self._lock = threading.Lock()
         self._conn: Any = None
@@ -544,7 +606,7 @@ class RedisLink(_LinkBase):
         publish_window: float = PUBLISH_WINDOW,
     ) -> None:
         super().__init__(url, prefix, name, known_streams, idle_read_interval)
-        self._publisher = _InlinePublisher(url)
+        self._publisher = _InlinePublisher(url, self.client_name("pub"))
         self._publish_window = publish_window
         self._pending: list[bytes] = []
         self._pending_lock = threading.Lock()
@@ -638,7 +700,7 @@ class RedisLink(_LinkBase):
                             if subscriber is not None:
                                 subscriber.close()
                                 subscriber = None
-                            subscriber = _Subscriber(self._url)
+                            subscriber = _Subscriber(self._url, self.client_name("sub"))
                         case _Subscribe(channels=channels):
                             assert subscriber is not None
                             subscriber.send("SUBSCRIBE", *channels)
@@ -716,8 +778,7 @@ class AsyncRedisLink(_LinkBase):
 
     async def _listen_loop(self) -> None:
         plan = self._listen_plan()
-        client: redis.asyncio.Redis | None = None
-        pubsub: Any = None
+        subscriber: _AsyncSubscriber | None = None
         result: Any = None
         error: BaseException | None = None
         try:
@@ -730,15 +791,21 @@ class AsyncRedisLink(_LinkBase):
                 try:
                     match op:
                         case _Open():
-                            await _aclose_quietly(pubsub, client)
-                            client = redis.asyncio.Redis.from_url(self._url, **_client_options())
-                            pubsub = client.pubsub()
+                            if subscriber is not None:
+                                await subscriber.close()
+                                subscriber = None
+                            subscriber = await _AsyncSubscriber.open(
+                                self._url, self.client_name("sub")
+                            )
                         case _Subscribe(channels=channels):
-                            await pubsub.subscribe(*channels)
+                            assert subscriber is not None
+                            await subscriber.send("SUBSCRIBE", *channels)
                         case _Receive(timeout=timeout):
-                            result = _as_message(await pubsub.get_message(timeout=timeout))
+                            assert subscriber is not None
+                            result = await subscriber.receive(timeout)
                         case _Ping():
-                            await pubsub.ping()
+                            assert subscriber is not None
+                            await subscriber.send("PING")
                         case _Sleep(seconds=seconds):
                             with contextlib.suppress(TimeoutError):
                                 await asyncio.wait_for(self._stopped.wait(), seconds)
@@ -747,7 +814,8 @@ class AsyncRedisLink(_LinkBase):
                 except _REDIS_ERRORS as exc:
                     error = exc
         finally:
-            await _aclose_quietly(pubsub, client)
+            if subscriber is not None:
+                await subscriber.close()
 
     async def _read_known_streams(self) -> frozenset[str] | Exception:
         assert self._known_streams is not None
@@ -757,7 +825,9 @@ class AsyncRedisLink(_LinkBase):
             return exc
 
     async def _publish_loop(self) -> None:
-        client = redis.asyncio.Redis.from_url(self._url, **_client_options(PUBLISH_TIMEOUT))
+        client = redis.asyncio.Redis.from_url(
+            self._url, client_name=self.client_name("pub"), **_client_options(PUBLISH_TIMEOUT)
+        )
         try:
             while True:
                 line = await self._queue.get()

@@ -11,19 +11,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
 import psycopg
 import pytest
 import redis
+import redis.asyncio
 from helpers import wait_until
 
 import streams
 from streams import Client
 from streams._ops import Autocommit, Commit, Pipeline, Query
 from streams.protocol import PositionCommand, RdataCommand, ReplicateCommand, serialize
-from streams.redis_link import RedisLink
+from streams.redis_link import AsyncRedisLink, RedisLink
 from streams.replication import Announcer, LinkCore
 
 
@@ -248,8 +250,9 @@ def test_the_subscriber_reads_bursts_and_survives_a_killed_connection(
         wait_until(lambda: len(hints.tokens) == 500, 10, "500 hints")
         assert hints.tokens == list(range(1, 501))
         reconnects = link.core.stats.reconnects
-        killed = publisher.client_kill_filter(_type="pubsub")
-        assert killed >= 1
+        # Only this link's subscriber (by its CLIENT SETNAME): other tests share this Redis.
+        (sub,) = [c for c in publisher.client_list() if c["name"] == link.client_name("sub")]
+        assert publisher.client_kill_filter(_id=sub["id"]) == 1
         wait_until(lambda: link.core.stats.reconnects > reconnects, 15, "a reconnect")
         wait_until(lambda: link.connected, 15, "the link to subscribe again")
         publisher.publish(link.core.channel, b"RDATA s w 501 {}")
@@ -257,3 +260,44 @@ def test_the_subscriber_reads_bursts_and_survives_a_killed_connection(
     finally:
         publisher.close()
         link.close()
+
+
+def test_the_async_subscriber_reads_bursts_and_survives_a_killed_connection(
+    redis_url: str, redis_prefix: str
+) -> None:
+    """The asyncio link reads its subscription the same way (`_AsyncSubscriber`)."""
+
+    async def main() -> None:
+        link = AsyncRedisLink(redis_url, redis_prefix, "fastpath-async")
+        hints = _Hints()
+        publisher = redis.asyncio.Redis.from_url(redis_url)
+
+        async def until(predicate: Any, what: str) -> None:
+            deadline = time.monotonic() + 15
+            while not predicate():
+                assert time.monotonic() < deadline, what
+                await asyncio.sleep(0.01)
+
+        try:
+            await until(lambda: link.connected, "the link to subscribe")
+            link.add_listener(hints)
+            pipe = publisher.pipeline(transaction=False)
+            for n in range(1, 301):
+                pipe.publish(link.core.channel, f'RDATA s w {n} {{"x":"{"y" * n}"}}')
+            await pipe.execute()
+            await until(lambda: len(hints.tokens) == 300, "300 hints")
+            assert hints.tokens == list(range(1, 301))
+            reconnects = link.core.stats.reconnects
+            (sub,) = [
+                c for c in await publisher.client_list() if c["name"] == link.client_name("sub")
+            ]
+            assert await publisher.client_kill_filter(_id=sub["id"]) == 1
+            await until(lambda: link.core.stats.reconnects > reconnects, "a reconnect")
+            await until(lambda: link.connected, "the link to subscribe again")
+            await publisher.publish(link.core.channel, b"RDATA s w 301 {}")
+            await until(lambda: hints.tokens[-1:] == [301], "the hint after the reconnect")
+        finally:
+            await publisher.aclose()
+            await link.aclose()
+
+    asyncio.run(main())
