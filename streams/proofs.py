@@ -55,13 +55,11 @@ from .store import (
 
 __all__ = [
     "ELECTION_INTERVAL",
-    "MAX_BUSY_GAP",
     "MIN_PROOF_GAP",
     "PROOF_GRACE",
     "REFRESH_INTERVAL",
     "STALE_AFTER",
     "ProofService",
-    "busy_gap",
     "is_proof_hint",
 ]
 
@@ -79,21 +77,6 @@ MIN_PROOF_GAP = 0.0005
 #: (and, if the proof is still behind, probes) for itself: a prober that proves but cannot
 #: announce (its Redis publish failing) or is stopped costs followers this, not a poll interval.
 PROOF_GRACE = 0.05
-#: Most seconds a busy reader (or prober) waits between two looks (see `busy_gap`).
-MAX_BUSY_GAP = 0.01
-
-
-def busy_gap(least: float, last_cost: float) -> float:
-    """Seconds to leave between two looks at PostgreSQL (a reader's probes, a prober's proofs).
-
-    At least ``least``; otherwise as long as the last look took (wall clock), up to
-    `MAX_BUSY_GAP`. On an idle machine a look takes ~0.5 ms and this changes nothing; when
-    hints come faster than looks complete (a busy stream), a reader spends at most half its
-    time looking and each look returns more facts; and when the machine is overloaded (many
-    reader processes on few cores) looks take longer, so every process backs off by itself
-    instead of adding to the queue it waits in.
-    """
-    return max(least, min(last_cost, MAX_BUSY_GAP))
 
 
 def is_proof_hint(hint: Hint) -> bool:
@@ -121,7 +104,6 @@ class ProofService:
         self._thread: threading.Thread | None = None
         self._stopped = False
         self._last_election = self._last_refresh = self._last_proof = 0.0
-        self._last_cost = 0.0
         self.proofs = 0  # probes run as prober (for tests and metrics)
 
     def __repr__(self) -> str:
@@ -240,12 +222,11 @@ class ProofService:
         else:
             due = hinted & held
         if due:
-            gap = self._last_proof + busy_gap(MIN_PROOF_GAP, self._last_cost) - time.monotonic()
+            gap = self._last_proof + MIN_PROOF_GAP - time.monotonic()
             if gap > 0:
                 time.sleep(gap)
             self._last_proof = time.monotonic()
             self._prove(conn, due)
-            self._last_cost = time.monotonic() - self._last_proof
 
     def _connect(self) -> psycopg.Connection[Any]:
         conn = dbconnect.connect(self._url, autocommit=True, connect_timeout=10, purpose="prober")

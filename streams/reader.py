@@ -47,7 +47,7 @@ from ._ops import Gen, Pipeline, arun, run
 from .epochs import Epoch, Fact, Row, plan_page
 from .errors import FactsPruned, StoreError, UsageError, WaitTimeout
 from .frontier import Antichain, FrontierProbe, FrontierSnapshot, LiveFilter, UpperAntichain
-from .proofs import PROOF_GRACE, STALE_AFTER, busy_gap, is_proof_hint
+from .proofs import PROOF_GRACE, STALE_AFTER, is_proof_hint
 from .replication import Hint
 from .store import (
     PROBE_STATEMENTS,
@@ -565,7 +565,6 @@ class _ReaderBase:
     _closed: bool
     _poll: float | None
     _last_probe: float
-    _last_cost = 0.0  # seconds the last step took
 
     def _poll_plan(self, timeout: float | None) -> _Plan[Epoch | None]:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -585,8 +584,8 @@ class _ReaderBase:
                     continue  # a writer's hint started the proof grace: wait up to it
                 if not hinted and time.monotonic() < due:
                     return None  # the deadline came first
-            if self._core.caught_up:  # this step probes: see `busy_gap`
-                gap = self._last_probe + busy_gap(MIN_HINT_GAP, self._last_cost) - time.monotonic()
+            if self._core.caught_up:  # this step probes: at most one probe per MIN_HINT_GAP
+                gap = self._last_probe + MIN_HINT_GAP - time.monotonic()
                 if gap > 0:
                     yield _Pause(gap)
             self._wake.clear()
@@ -594,7 +593,6 @@ class _ReaderBase:
             self._core.deadline_moved = False
             self._last_probe = time.monotonic()
             epoch: Epoch | None = yield self._core.step()
-            self._last_cost = time.monotonic() - self._last_probe
             if epoch is not None:
                 return epoch
             if deadline is not None and time.monotonic() >= deadline:
