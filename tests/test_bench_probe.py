@@ -22,19 +22,25 @@ def test_probe_bench_small_run(streams_url: str) -> None:
     for scenario in result.scenarios:
         assert scenario.select1_ms > 0
         assert set(scenario.probe_ms) == {1, 3}
+        assert scenario.follow_ms > 0  # a shared-proof follower's look, measured beside it
     idle = (result.scenarios[0].probe_ms[1] + result.scenarios[3].probe_ms[1]) / 2
     assert abs(result.ratio(result.scenarios[1], 1) * idle - result.scenarios[1].probe_ms[1]) < 1e-9
     assert any(line.startswith("target (issue 10)") for line in lines)
+    assert any(line.startswith("with shared proofs, a reader's look") for line in lines)
     # Nothing is left behind: the bench streams are dropped, the locks released.
     with psycopg.connect(streams_url) as conn:
         (streams,) = conn.execute(
             "SELECT count(*) FROM streams_registry WHERE name LIKE 'bench-probe-%'"
         ).fetchone()  # type: ignore[misc]
+        (proofs,) = conn.execute(
+            "SELECT count(*) FROM streams_proofs p WHERE NOT EXISTS "
+            "(SELECT 1 FROM streams_registry r WHERE r.id = p.stream)"
+        ).fetchone()  # type: ignore[misc]
         (locks,) = conn.execute(
             "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = %s",
             (0x5B0BE,),
         ).fetchone()  # type: ignore[misc]
-    assert (streams, locks) == (0, 0)
+    assert (streams, proofs, locks) == (0, 0, 0)
 
 
 def test_probe_bench_command_json(streams_url: str) -> None:
