@@ -141,9 +141,12 @@ def _mib(sizes: tuple[int, ...]) -> str:
 
 
 def _relation_sizes(conn: psycopg.Connection[Any]) -> tuple[int, int, int]:
+    """Heap, primary key and time index of every stream's partition, summed."""
     row = conn.execute(
-        "SELECT pg_relation_size('streams_facts'), pg_relation_size('streams_facts_pkey'), "
-        "pg_relation_size('streams_facts_by_time')"
+        "SELECT (SELECT sum(pg_relation_size(relid)) FROM pg_partition_tree(%s)), "
+        "(SELECT sum(pg_relation_size(relid)) FROM pg_partition_tree(%s)), "
+        "(SELECT sum(pg_relation_size(relid)) FROM pg_partition_tree(%s))",
+        ("streams_facts", "streams_facts_pkey", "streams_facts_by_time"),
     ).fetchone()
     assert row is not None
     return int(row[0]), int(row[1]), int(row[2])

@@ -33,6 +33,12 @@ ours are spelled out here:
   a stream's complete position for every reader (see `streams.proofs`). A collision could only
   make the processes of a deployment stop electing a prober; readers then probe themselves.
 
+PostgreSQL tables
+-----------------
+Besides the tables of the Alembic revisions, each stream has its own partition of
+``streams_facts``, ``streams_facts_<stream id>`` (`facts_partition`), created by
+`streams.store.create_stream` and dropped by `drop_stream`.
+
 Shared proofs on Redis
 ----------------------
 The elected prober announces each proven position as a ``POSITION <stream> _proof:<link name>
@@ -49,6 +55,7 @@ __all__ = [
     "PROOF_LOCK",
     "REGISTRATION_LOCK",
     "RESERVATION_LOCK_SPAN",
+    "facts_partition",
     "instance_channel",
     "replication_channel",
     "reservation_lock_class",
@@ -77,6 +84,11 @@ def replication_channel(prefix: str) -> str:
 def instance_channel(prefix: str, instance: str) -> str:
     """The channel for messages meant for one instance."""
     return f"{prefix}/{instance}"
+
+
+def facts_partition(stream_key: int) -> str:
+    """The name of a stream's partition of ``streams_facts`` (revision ``0006_partitions``)."""
+    return f"streams_facts_{int(stream_key)}"
 
 
 def reservation_lock_class(stream_key: int) -> int:

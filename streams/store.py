@@ -108,12 +108,13 @@ from typing import Any
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
-from ._ops import Commit, Gen, Pipeline, Query, Row
+from ._ops import Autocommit, Commit, Gen, Pipeline, Query, Row
 from .config import validate_stream_name
 from .constants import (
     PROOF_LOCK,
     REGISTRATION_LOCK,
     RESERVATION_LOCK_SPAN,
+    facts_partition,
     reservation_lock_class,
 )
 from .errors import (
@@ -192,7 +193,7 @@ __all__ = [
     "unseen_ids",
 ]
 
-ALEMBIC_HEAD = "0005_retention"
+ALEMBIC_HEAD = "0006_partitions"
 
 _NOW_MS_SQL = "(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
 
@@ -470,19 +471,53 @@ def create_stream(
             info.sequence
         )
     )
+    # The stream's own partition of streams_facts (revision 0006: appends at the right edge of
+    # its own indexes). Created apart and attached: ATTACH takes SHARE UPDATE EXCLUSIVE on
+    # streams_facts, so other streams' appends and reads go on; CREATE ... PARTITION OF would
+    # take ACCESS EXCLUSIVE and queue every one of them behind any open transaction.
+    partition = sql.Identifier(facts_partition(stream_key))
+    yield Query(
+        sql.SQL(
+            "CREATE TABLE {} (LIKE streams_facts INCLUDING DEFAULTS INCLUDING CONSTRAINTS)"
+        ).format(partition)
+    )
+    yield Query(
+        sql.SQL("ALTER TABLE streams_facts ATTACH PARTITION {} FOR VALUES IN ({})").format(
+            partition, sql.Literal(stream_key)
+        )
+    )
     yield Commit()
     return info
 
 
 def drop_stream(name: str) -> Gen[bool]:
+    """Forget a stream: its registry row, then its facts and sequence.
+
+    Each step is a transaction of its own that holds nothing while it waits, so no cycle of
+    waits can form with readers and writers still finishing with the stream: once the registry
+    row is gone nobody new can open it; the partition is detached concurrently (it waits for
+    transactions that use ``streams_facts``, but stops none of them: other streams go on), then
+    dropped, then the sequence. A crash in between leaves an unused table or sequence of a
+    stream ID that is never handed out again.
+    """
     rows = yield Query(
         "DELETE FROM streams_registry WHERE name = %s RETURNING id, sequence_name", (name,)
     )
-    if rows:
-        yield Query("DELETE FROM streams_facts WHERE stream = %s", (rows[0][0],))
-        yield Query(sql.SQL("DROP SEQUENCE IF EXISTS {}").format(sql.Identifier(rows[0][1])))
     yield Commit()
-    return bool(rows)
+    if not rows:
+        return False
+    key, sequence = int(rows[0][0]), str(rows[0][1])
+    partition = sql.Identifier(facts_partition(key))
+    attached = yield Autocommit(
+        "SELECT 1 FROM pg_inherits WHERE inhrelid = to_regclass(%s)", (facts_partition(key),)
+    )
+    if attached:
+        yield Autocommit(
+            sql.SQL("ALTER TABLE streams_facts DETACH PARTITION {} CONCURRENTLY").format(partition)
+        )
+    yield Autocommit(sql.SQL("DROP TABLE IF EXISTS {}").format(partition))
+    yield Autocommit(sql.SQL("DROP SEQUENCE IF EXISTS {}").format(sql.Identifier(sequence)))
+    return True
 
 
 def max_allocated_sql(info: StreamInfo) -> sql.Composed:
@@ -924,19 +959,26 @@ def fetch_rows_after_proof(info: StreamInfo, after: int, limit: int) -> Query:
 
     Its rows are ``(complete, age_ms, *row)`` (``row`` all NULL when there is none); no rows at
     all when nobody has proven the stream yet. One snapshot serves both reads: see "shared
-    proofs". ``age_ms``: how long ago (server clock) the prober last proved it.
+    proofs". ``age_ms``: how long ago (server clock) the prober last proved it. The stream is
+    a literal, so the planner reads (and locks) only its partition; a value from the join
+    would be pruned at run time, after every partition had been locked.
     """
-    return Query(
+    return Query(_proof_rows_sql(info.id), (after, limit))
+
+
+@functools.lru_cache(maxsize=1024)
+def _proof_rows_sql(stream_key: int) -> bytes:
+    key = int(stream_key)
+    return (
         "SELECT p.complete, "
         "(extract(epoch FROM clock_timestamp() - p.proven_at) * 1000)::bigint, "
         "f.stream_id, f.row_no, f.instance, f.ts, f.payload "
         "FROM streams_proofs p LEFT JOIN LATERAL ("
         "SELECT stream_id, row_no, instance, ts, payload::text AS payload FROM streams_facts "
-        "WHERE stream = p.stream AND stream_id > %s AND stream_id <= p.complete "
+        f"WHERE stream = {key} AND stream_id > %s AND stream_id <= p.complete "
         "ORDER BY stream_id, row_no LIMIT %s) AS f ON true "
-        "WHERE p.stream = %s",
-        (after, limit, info.id),
-    )
+        f"WHERE p.stream = {key}"
+    ).encode()
 
 
 def _range_literals(info: StreamInfo, after: int, through: int, limit: int) -> dict[str, Any]:
@@ -977,16 +1019,23 @@ def fetch_rows_after_probe(info: StreamInfo, after: int, limit: int) -> Query:
     session remembered: pipelined behind it, a caught-up reader needs one round trip, and this
     statement's snapshot is still taken after the probe's pg_locks read, as the argument needs.
 
-    Bound parameters, unlike `fetch_rows`: this runs after every hint with the same text, so
-    psycopg prepares it and the server stops re-planning (a small page is all it reads).
+    The stream is a literal (its partition is known when planning: a generic plan with a
+    parameter would lock every stream's partition), the bounds are parameters: this runs
+    after every hint with the same text, so psycopg prepares it and the server stops
+    re-planning (a small page is all it reads).
     """
-    return Query(
+    return Query(_probe_rows_sql(info.id), (after, limit))
+
+
+@functools.lru_cache(maxsize=1024)
+def _probe_rows_sql(stream_key: int) -> bytes:
+    key = int(stream_key)
+    return (
         "SELECT stream_id, row_no, instance, ts, payload::text FROM streams_facts "
-        "WHERE stream = %s AND stream_id > %s "
-        "AND stream_id <= current_setting(%s)::bigint "
-        "ORDER BY stream_id, row_no LIMIT %s",
-        (info.id, after, f"{COMPLETE_SETTING}{int(info.id)}", limit),
-    )
+        f"WHERE stream = {key} AND stream_id > %s "
+        f"AND stream_id <= current_setting('{COMPLETE_SETTING}{key}')::bigint "
+        "ORDER BY stream_id, row_no LIMIT %s"
+    ).encode()
 
 
 @dataclass(frozen=True, slots=True)

@@ -62,7 +62,7 @@ TABLES = (
     "streams_writers",
 )
 VERSION_TABLE = "streams_alembic_version"
-HEAD = "0005_retention"
+HEAD = "0006_partitions"
 
 
 # ---------------------------------------------------------------------------------------------
