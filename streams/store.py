@@ -1461,11 +1461,13 @@ def range_rows_sql(
 # position (Materialize's AllowCompaction: a group's frontier holds the stream's "since" back).
 # A group already below ``pruned_through`` lost facts and holds nothing back. Readers without a
 # group are not waited for: one that falls behind retention gets `FactsPruned`, as a Kafka
-# consumer gets OffsetOutOfRange. Rows are deleted rather than dropped as partitions: range
-# partitions of one table shared by all streams could only be dropped once every stream had
-# passed them, and per-stream partitions need DDL (and its ACCESS EXCLUSIVE lock on the parent)
-# as streams grow. Deleted space is reused by later appends once vacuumed (``streams bench
-# history`` measures the table's size across prune-and-refill cycles).
+# consumer gets OffsetOutOfRange. Rows are deleted, in short transactions, rather than dropped
+# as time partitions: each stream has its own partition of streams_facts (revision 0006), whose
+# indexes it appends to at the right edge, so the pages a prune empties are recycled by the
+# appends that follow (``streams bench history``: the indexes stop growing after the first
+# prune-and-refill cycle; in one table shared by all streams they grew every cycle, because
+# every stream but the last-created one appended in the middle of the shared indexes). Time
+# partitions within a stream would need DDL as the stream grows.
 
 #: Rows removed per transaction by `prune_step`.
 PRUNE_BATCH = 10_000
