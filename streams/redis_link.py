@@ -388,6 +388,12 @@ def _message(reply: Any) -> Message:
     raise redis.ConnectionError(f"unexpected reply on the subscriber: {reply!r:.80}")
 
 
+def _force_resp2(pool: Any) -> None:
+    """The subscriber speaks RESP2 whatever the URL says (a ``?protocol=3`` in it would win
+    over the keyword): `streams.resp` parses plain arrays, not RESP3 pushes."""
+    pool.connection_kwargs["protocol"] = 2
+
+
 class _Inbox:
     """What a subscriber connection has received, parsed into `Message`s (both drivers).
 
@@ -424,6 +430,7 @@ class _Subscriber:
         pool = redis.ConnectionPool.from_url(
             url, protocol=2, client_name=client_name, **_client_options()
         )
+        _force_resp2(pool)
         conn: Any = pool.make_connection()
         self._conn = conn
         conn.connect()
@@ -478,6 +485,7 @@ class _AsyncSubscriber:
         pool = redis.asyncio.ConnectionPool.from_url(
             url, protocol=2, client_name=client_name, **_client_options()
         )
+        _force_resp2(pool)
         conn: Any = pool.make_connection()  # type: ignore[no-untyped-call]
         await conn.connect()
         return cls(conn)

@@ -301,3 +301,22 @@ def test_the_async_subscriber_reads_bursts_and_survives_a_killed_connection(
             await link.aclose()
 
     asyncio.run(main())
+
+
+def test_the_subscriber_speaks_resp2_whatever_the_url_says(
+    redis_url: str, redis_prefix: str
+) -> None:
+    """A ``?protocol=3`` in the URL must not make the subscriber expect RESP3 pushes."""
+    separator = "&" if "?" in redis_url else "?"
+    link = RedisLink(f"{redis_url}{separator}protocol=3", redis_prefix, "fastpath-resp3")
+    hints = _Hints()
+    publisher = redis.Redis.from_url(redis_url)
+    try:
+        wait_until(lambda: link.connected, 15, "the link to subscribe")
+        link.add_listener(hints)
+        publisher.publish(link.core.channel, b"RDATA s w 7 {}")
+        wait_until(lambda: hints.tokens == [7], 10, "the hint")
+        assert link.core.stats.reconnects == 0
+    finally:
+        publisher.close()
+        link.close()
