@@ -101,14 +101,18 @@ class Scenario:
 class ProbeBenchResult:
     scenarios: list[Scenario] = field(default_factory=list)
 
-    def idle_ms(self, streams: int) -> float:
-        """The idle probe: the mean of the idle runs (first and last, to offset drift)."""
+    def _idle_mean(self, measure: Callable[[Scenario], float]) -> float:
+        """The mean of ``measure`` over the idle runs (first and last, to offset drift)."""
         idle = [
-            s.probe_ms[streams]
+            measure(s)
             for s in self.scenarios
             if s.name.startswith("idle") and not s.name.startswith("idle-in-tx")
         ]
         return sum(idle) / len(idle) if idle else float("nan")
+
+    def idle_ms(self, streams: int) -> float:
+        """The idle probe of ``streams`` streams."""
+        return self._idle_mean(lambda s: s.probe_ms[streams])
 
     def ratio(self, scenario: Scenario, streams: int) -> float:
         idle = self.idle_ms(streams)
@@ -116,12 +120,7 @@ class ProbeBenchResult:
 
     def follow_ratio(self, scenario: Scenario) -> float:
         """A follower's look in ``scenario`` over the mean of the idle ones."""
-        idle = [
-            s.follow_ms
-            for s in self.scenarios
-            if s.name.startswith("idle") and not s.name.startswith("idle-in-tx")
-        ]
-        base = sum(idle) / len(idle) if idle else float("nan")
+        base = self._idle_mean(lambda s: s.follow_ms)
         return scenario.follow_ms / base if base else float("nan")
 
     def as_dict(self) -> dict[str, Any]:

@@ -383,8 +383,9 @@ class WriterCore:
         # A batch encodes its payloads while COPY streams them (the server stores the first
         # rows while the client encodes the next: ~15% of a 1000-fact batch at 1 writer); a
         # bad payload then aborts the COPY, and its transaction with it: nothing is written,
-        # and the reserved IDs complete as gaps.
-        encoded = [encode_payload(payloads[0], limit)] if len(payloads) == 1 else []
+        # and the reserved IDs complete as gaps. A single fact is encoded before anything is
+        # reserved.
+        single = encode_payload(payloads[0], limit) if len(payloads) == 1 else None
         stamps = resolve_timestamps(
             timestamps,
             mode=info.timestamping,
@@ -396,10 +397,10 @@ class WriterCore:
         ids: list[int] = []
         try:
             params = self._lease_params()
-            if encoded:
+            if single is not None:
                 assert self._reserve_one is not None
                 params["ts"] = stamps[0]
-                params["payload"] = encoded[0]
+                params["payload"] = single
                 params["known"] = token.floor
                 try:
                     # The whole append: one statement, its own transaction (see the module doc).

@@ -388,10 +388,15 @@ def _message(reply: Any) -> Message:
     raise redis.ConnectionError(f"unexpected reply on the subscriber: {reply!r:.80}")
 
 
-def _force_resp2(pool: Any) -> None:
-    """The subscriber speaks RESP2 whatever the URL says (a ``?protocol=3`` in it would win
-    over the keyword): `streams.resp` parses plain arrays, not RESP3 pushes."""
+def _subscriber_pool(pool_class: Any, url: str, client_name: str) -> Any:
+    """The connection pool of a subscriber (redis-py's or redis.asyncio's ``ConnectionPool``).
+
+    RESP2 whatever the URL says (a ``?protocol=3`` in it would win over a keyword argument):
+    `streams.resp` parses plain arrays, not RESP3 pushes.
+    """
+    pool = pool_class.from_url(url, client_name=client_name, **_client_options())
     pool.connection_kwargs["protocol"] = 2
+    return pool
 
 
 class _Inbox:
@@ -427,11 +432,7 @@ class _Subscriber:
     """
 
     def __init__(self, url: str, client_name: str) -> None:
-        pool = redis.ConnectionPool.from_url(
-            url, protocol=2, client_name=client_name, **_client_options()
-        )
-        _force_resp2(pool)
-        conn: Any = pool.make_connection()
+        conn: Any = _subscriber_pool(redis.ConnectionPool, url, client_name).make_connection()
         self._conn = conn
         conn.connect()
         self._sock: Any = conn._sock  # redis-py's socket (plain or TLS), ours from here
@@ -482,11 +483,9 @@ class _AsyncSubscriber:
 
     @classmethod
     async def open(cls, url: str, client_name: str) -> _AsyncSubscriber:
-        pool = redis.asyncio.ConnectionPool.from_url(
-            url, protocol=2, client_name=client_name, **_client_options()
-        )
-        _force_resp2(pool)
-        conn: Any = pool.make_connection()  # type: ignore[no-untyped-call]
+        conn: Any = _subscriber_pool(
+            redis.asyncio.ConnectionPool, url, client_name
+        ).make_connection()
         await conn.connect()
         return cls(conn)
 

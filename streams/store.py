@@ -506,10 +506,10 @@ def drop_stream(name: str) -> Gen[bool]:
     yield Commit()
     if not rows:
         return False
-    key, sequence = int(rows[0][0]), str(rows[0][1])
-    partition = sql.Identifier(facts_partition(key))
+    name_of_partition, sequence = facts_partition(int(rows[0][0])), str(rows[0][1])
+    partition = sql.Identifier(name_of_partition)
     attached = yield Autocommit(
-        "SELECT 1 FROM pg_inherits WHERE inhrelid = to_regclass(%s)", (facts_partition(key),)
+        "SELECT 1 FROM pg_inherits WHERE inhrelid = to_regclass(%s)", (name_of_partition,)
     )
     if attached:
         yield Autocommit(
