@@ -65,6 +65,7 @@ import time
 from collections.abc import Callable, Collection, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeAlias
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
 import redis.asyncio
@@ -391,12 +392,17 @@ def _message(reply: Any) -> Message:
 def _subscriber_pool(pool_class: Any, url: str, client_name: str) -> Any:
     """The connection pool of a subscriber (redis-py's or redis.asyncio's ``ConnectionPool``).
 
-    RESP2 whatever the URL says (a ``?protocol=3`` in it would win over a keyword argument):
-    `streams.resp` parses plain arrays, not RESP3 pushes.
+    RESP2 whatever the URL says: `streams.resp` parses plain arrays, not RESP3 pushes. A
+    ``?protocol=3`` in the URL would win over the keyword, and redis-py decides at the pool's
+    creation (RESP3 turns on its maintenance notifications, which its pure-Python RESP2 parser
+    refuses when hiredis is not installed), so it is taken out of the URL first.
     """
-    pool = pool_class.from_url(url, client_name=client_name, **_client_options())
-    pool.connection_kwargs["protocol"] = 2
-    return pool
+    parts = urlsplit(url)
+    options = parse_qsl(parts.query, keep_blank_values=True)
+    if any(key == "protocol" for key, _ in options):
+        query = urlencode([(key, value) for key, value in options if key != "protocol"])
+        url = urlunsplit(parts._replace(query=query))
+    return pool_class.from_url(url, protocol=2, client_name=client_name, **_client_options())
 
 
 class _Inbox:

@@ -22,7 +22,7 @@ import redis.asyncio
 from helpers import wait_until
 
 import streams
-from streams import Client
+from streams import Client, redis_link
 from streams._ops import Autocommit, Commit, Pipeline, Query
 from streams.protocol import PositionCommand, RdataCommand, ReplicateCommand, serialize
 from streams.redis_link import AsyncRedisLink, RedisLink
@@ -218,6 +218,18 @@ def test_lines_within_the_publish_window_all_arrive(redis_url: str, redis_prefix
         link.close()
 
 
+def _as_without_hiredis(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Our RESP2 parser and redis-py's (for the connect step) in pure Python, as on a machine
+    without hiredis."""
+    monkeypatch.setattr("streams.resp._FAST", None)
+    options = redis_link._client_options
+    monkeypatch.setattr(
+        redis_link,
+        "_client_options",
+        lambda *a: {**options(*a), "parser_class": redis._parsers._RESP2Parser},
+    )
+
+
 class _Hints:
     def __init__(self) -> None:
         self.tokens: list[int] = []
@@ -236,7 +248,7 @@ def test_the_subscriber_reads_bursts_and_survives_a_killed_connection(
     """The link reads its subscription itself (`streams.resp`): many messages per ``recv``,
     replies split across reads, with or without hiredis; a dropped connection is re-opened."""
     if pure:
-        monkeypatch.setattr("streams.resp._FAST", None)
+        _as_without_hiredis(monkeypatch)
     link = RedisLink(redis_url, redis_prefix, "fastpath-burst")
     hints = _Hints()
     publisher = redis.Redis.from_url(redis_url)
@@ -303,10 +315,14 @@ def test_the_async_subscriber_reads_bursts_and_survives_a_killed_connection(
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("pure", [False, True], ids=["hiredis", "pure-python"])
 def test_the_subscriber_speaks_resp2_whatever_the_url_says(
-    redis_url: str, redis_prefix: str
+    redis_url: str, redis_prefix: str, pure: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A ``?protocol=3`` in the URL must not make the subscriber expect RESP3 pushes."""
+    """A ``?protocol=3`` in the URL must not make the subscriber expect RESP3 pushes (nor
+    turn on redis-py's RESP3-only maintenance notifications, fatal without hiredis)."""
+    if pure:
+        _as_without_hiredis(monkeypatch)
     separator = "&" if "?" in redis_url else "?"
     link = RedisLink(f"{redis_url}{separator}protocol=3", redis_prefix, "fastpath-resp3")
     hints = _Hints()
