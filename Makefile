@@ -1,5 +1,5 @@
 # One command runs every check: `make check`.
-.PHONY: check lint typecheck test format bench
+.PHONY: check lint typecheck test test-unit docs format bench
 
 check: lint typecheck test
 
@@ -12,6 +12,13 @@ typecheck:
 
 test:
 	python -m pytest
+
+# The fast loop for pure work: no servers, seconds.
+test-unit:
+	python -m pytest tests/unit
+
+docs:
+	mkdocs build --strict
 
 format:
 	ruff format streams tests migrations spark

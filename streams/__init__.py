@@ -11,10 +11,14 @@ from __future__ import annotations
 
 from .client import AsyncClient, Client, aconnect, connect
 from .config import Settings, redact_url
-from .core import Ack
-from .epochs import Epoch, Fact
+from .core.epochs import Epoch, Fact
+from .core.frontier import Antichain, FrontierProbe, MutableAntichain
+from .core.positions import PositionTracker
+from .core.timestamps import TimestampMode
 from .errors import (
+    CommitUnknown,
     ConfigurationError,
+    ConnectionLost,
     FactsPruned,
     InvalidFact,
     InvalidFactTables,
@@ -22,6 +26,7 @@ from .errors import (
     InvalidTimestamp,
     PayloadNotSerializable,
     PayloadTooLarge,
+    RedisUnavailable,
     SchemaNotReady,
     SequenceRewound,
     StoreError,
@@ -32,11 +37,10 @@ from .errors import (
     WaitTimeout,
     WriterFenced,
 )
-from .frontier import Antichain, FrontierProbe, MutableAntichain
-from .positions import PositionTracker
 from .reader import AsyncReader, Reader
-from .store import GroupRow, StreamInfo, StreamPositions
-from .timestamps import TimestampMode
+from .store.groups import GroupRow, StreamPositions
+from .store.registry import FactTable, StreamInfo
+from .store.writing import Ack
 from .writer import AsyncOpenFact, AsyncWriter, OpenFact, Writer
 
 __version__ = "0.1.0"
@@ -49,9 +53,12 @@ __all__ = [
     "AsyncReader",
     "AsyncWriter",
     "Client",
+    "CommitUnknown",
     "ConfigurationError",
+    "ConnectionLost",
     "Epoch",
     "Fact",
+    "FactTable",
     "FactsPruned",
     "FrontierProbe",
     "GroupRow",
@@ -65,6 +72,7 @@ __all__ = [
     "PayloadTooLarge",
     "PositionTracker",
     "Reader",
+    "RedisUnavailable",
     "SchemaNotReady",
     "SequenceRewound",
     "Settings",

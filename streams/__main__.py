@@ -1,5 +1,5 @@
 """``python -m streams`` runs the `streams` command line."""
 
-from .cli import main
+from .ops.cli import main
 
 main()

@@ -2,7 +2,7 @@
 
 A `Client` holds the settings, one connection for administrative work (creating streams,
 reading positions and groups) and, when a Redis URL is configured, the process's Redis link,
-started on first use and shared by all its writers and readers (`streams.redis_link`). Every
+started on first use and shared by all its writers and readers (`streams.transport.link`). Every
 writer and reader opens its own PostgreSQL connections.
 """
 
@@ -22,32 +22,28 @@ from typing import Any
 
 import psycopg
 
-from . import dbconnect
-from ._ops import arun, run
 from .config import Settings
-from .core import WriterCore
+from .core.timestamps import TimestampMode
 from .proofs import ProofService
-from .reader import AsyncReader, Reader, ReaderCore, Start
-from .redis_link import AsyncRedisLink, RedisLink
-from .store import (
-    PRUNE_BATCH,
-    GroupRow,
-    PruneResult,
+from .reader import AsyncReader, Reader
+from .store import connect as dbconnect
+from .store.driver import arun, run
+from .store.groups import GroupRow, StreamPositions, delete_group, list_groups, stream_positions
+from .store.reading import ReaderCore, Start
+from .store.registry import (
+    FactTableSpec,
     StreamInfo,
-    StreamPositions,
     check_schema,
     create_stream,
-    delete_group,
-    list_groups,
     list_streams,
     load_stream,
-    prune,
-    prune_writers,
     set_fact_tables,
     set_retention,
-    stream_positions,
 )
-from .timestamps import TimestampMode
+from .store.retention import PRUNE_BATCH, PruneResult, prune
+from .store.writers import prune_writers
+from .store.writing import WriterCore
+from .transport.link import AsyncRedisLink, RedisLink
 from .writer import AsyncWriter, Writer
 
 __all__ = ["AsyncClient", "Client", "aconnect", "connect", "default_instance_name"]
@@ -66,7 +62,7 @@ def _link_name() -> str:
 
 def _known_streams(settings: Settings) -> list[str]:
     """The registry's stream names, for the Redis link: a POSITION or RDATA for a stream this
-    database does not know means another deployment shares the channel (`streams.replication`).
+    database does not know means another deployment shares the channel (`streams.core.replication`).
     Runs on the link's thread (rarely: only when it hears an unknown name), on a connection of
     its own."""
     with dbconnect.connect(
@@ -131,13 +127,16 @@ class Client:
         timestamping: TimestampMode | str = TimestampMode.CLIENT_PREFER,
         uncapped: bool = False,
         retention_ms: int | None = None,
-        fact_tables: Sequence[str | tuple[str, str]] | None = None,
+        fact_tables: Sequence[FactTableSpec] | None = None,
     ) -> StreamInfo:
         """Create a stream (idempotent when the settings match).
 
         ``fact_tables``: the user tables that hold facts of this stream besides the built-in
-        one, as ``"table.column"`` / ``"schema.table.column"`` / ``(table, column)``: sequence
-        repair looks at them (see `set_fact_tables`). None: whatever is declared already.
+        one, as ``"table.column"`` / ``"schema.table.column"`` / ``(table, column)``, or, for a
+        table shared with other streams, with the column that says which rows are this
+        stream's: ``"order_lines.stream_id WHERE stream = 'orders'"`` / ``(table, column,
+        {"stream": "orders"})`` / a `streams.store.FactTable`: sequence repair looks at them
+        (see `set_fact_tables`). None: whatever is declared already.
         """
         with self._db() as conn:
             return run(
@@ -151,9 +150,7 @@ class Client:
                 ),
             )
 
-    def set_fact_tables(
-        self, name: str, fact_tables: Sequence[str | tuple[str, str]]
-    ) -> StreamInfo:
+    def set_fact_tables(self, name: str, fact_tables: Sequence[FactTableSpec]) -> StreamInfo:
         """Declare (replace) the user tables that hold facts of stream ``name``.
 
         A fact written with ``writer.fact(conn)`` may live only in your own tables; when a
@@ -161,6 +158,15 @@ class Client:
         largest ID of ``streams_facts``, of every declared table, of every writer and of every
         reader group. IDs in a table that is not declared cannot be seen and could be handed out
         again. Each table and column must exist; index the column (repair reads its maximum).
+
+        A table that holds the facts of several streams is declared with the column that says
+        whose a row is, ``"order_lines.stream_id WHERE stream = 'orders'"`` (``WHERE`` in any
+        case, the value a single-quoted SQL string, ``''`` for a quote in it; or
+        ``("order_lines", "stream_id", {"stream": "orders"})``, or a
+        `streams.store.FactTable`): repair then reads ``max(stream_id) FROM order_lines WHERE
+        stream = 'orders'``, only this stream's rows, so another stream's IDs do not move this
+        one's sequence. That column must exist and compare with the value; index ``(stream,
+        stream_id)``. A bad form is `InvalidFactTables`, naming the accepted ones.
         """
         with self._db() as conn:
             return run(conn, set_fact_tables(name, fact_tables))
@@ -342,13 +348,16 @@ class AsyncClient:
         timestamping: TimestampMode | str = TimestampMode.CLIENT_PREFER,
         uncapped: bool = False,
         retention_ms: int | None = None,
-        fact_tables: Sequence[str | tuple[str, str]] | None = None,
+        fact_tables: Sequence[FactTableSpec] | None = None,
     ) -> StreamInfo:
         """Create a stream (idempotent when the settings match).
 
         ``fact_tables``: the user tables that hold facts of this stream besides the built-in
-        one, as ``"table.column"`` / ``"schema.table.column"`` / ``(table, column)``: sequence
-        repair looks at them (see `set_fact_tables`). None: whatever is declared already.
+        one, as ``"table.column"`` / ``"schema.table.column"`` / ``(table, column)``, or, for a
+        table shared with other streams, with the column that says which rows are this
+        stream's: ``"order_lines.stream_id WHERE stream = 'orders'"`` / ``(table, column,
+        {"stream": "orders"})`` / a `streams.store.FactTable`: sequence repair looks at them
+        (see `set_fact_tables`). None: whatever is declared already.
         """
         async with self._db() as conn:
             return await arun(
@@ -362,9 +371,7 @@ class AsyncClient:
                 ),
             )
 
-    async def set_fact_tables(
-        self, name: str, fact_tables: Sequence[str | tuple[str, str]]
-    ) -> StreamInfo:
+    async def set_fact_tables(self, name: str, fact_tables: Sequence[FactTableSpec]) -> StreamInfo:
         """Declare (replace) the user tables that hold facts of stream ``name``.
 
         A fact written with ``writer.fact(conn)`` may live only in your own tables; when a
@@ -372,6 +379,15 @@ class AsyncClient:
         largest ID of ``streams_facts``, of every declared table, of every writer and of every
         reader group. IDs in a table that is not declared cannot be seen and could be handed out
         again. Each table and column must exist; index the column (repair reads its maximum).
+
+        A table that holds the facts of several streams is declared with the column that says
+        whose a row is, ``"order_lines.stream_id WHERE stream = 'orders'"`` (``WHERE`` in any
+        case, the value a single-quoted SQL string, ``''`` for a quote in it; or
+        ``("order_lines", "stream_id", {"stream": "orders"})``, or a
+        `streams.store.FactTable`): repair then reads ``max(stream_id) FROM order_lines WHERE
+        stream = 'orders'``, only this stream's rows, so another stream's IDs do not move this
+        one's sequence. That column must exist and compare with the value; index ``(stream,
+        stream_id)``. A bad form is `InvalidFactTables`, naming the accepted ones.
         """
         async with self._db() as conn:
             return await arun(conn, set_fact_tables(name, fact_tables))

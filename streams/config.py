@@ -32,6 +32,7 @@ __all__ = [
     "url_passwords",
     "validate_database_url",
     "validate_instance_name",
+    "validate_prefix",
     "validate_redis_url",
     "validate_stream_name",
 ]
@@ -57,6 +58,17 @@ def validate_stream_name(name: object) -> str:
             "then lowercase letters, digits, '_', '.' or '-'"
         )
     return name
+
+
+def validate_prefix(prefix: object) -> str:
+    """A Redis channel prefix: 1-200 characters ``[A-Za-z0-9_.:/-]`` (a Synapse deployment's
+    is its server name, such as ``matrix.example.org``)."""
+    if not isinstance(prefix, str) or not re.fullmatch(r"[A-Za-z0-9_.:/\-]{1,200}", prefix):
+        raise ConfigurationError(
+            f"invalid channel prefix {prefix!r}: use 1-200 characters from letters, digits, "
+            "'_', '.', ':', '/' or '-'"
+        )
+    return prefix
 
 
 def validate_instance_name(name: object) -> str:
@@ -167,7 +179,7 @@ def validate_database_url(url: str) -> str:
     the password, part of it becomes the host, port or database name, where server messages
     would show it. Such URLs have an ``@`` left in the host or path; they raise
     `ConfigurationError` (redacted, with `ENCODING_HINT`). Whether libpq can parse the rest is
-    checked when connecting (`streams.dbconnect`), by libpq itself.
+    checked when connecting (`streams.store.connect`), by libpq itself.
     """
     match = _SCHEME.match(url)
     if match is None:
@@ -338,9 +350,9 @@ class Settings:
             validate_redis_url(redis)
         if require_redis and redis is None:
             raise ConfigurationError("no Redis URL: pass redis_url= or set STREAMS_REDIS_URL")
-        chosen_prefix = prefix or os.environ.get("STREAMS_PREFIX") or DEFAULT_PREFIX
-        if not re.fullmatch(r"[A-Za-z0-9_.:/\-]{1,200}", chosen_prefix):
-            raise ConfigurationError(f"invalid channel prefix {chosen_prefix!r}")
+        chosen_prefix = validate_prefix(
+            prefix or os.environ.get("STREAMS_PREFIX") or DEFAULT_PREFIX
+        )
         if max_payload_bytes <= 0:
             raise ConfigurationError("max_payload_bytes must be positive")
         if not 0.5 <= lease_seconds <= 3600:

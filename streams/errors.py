@@ -17,7 +17,10 @@ catch everything with one clause and still tell the cases apart::
     ├── UsageError                  the API was used in a way it cannot honour
     ├── WaitTimeout                 wait_for_position() gave up (also a TimeoutError)
     ├── FactsPruned                 the facts asked for were removed by the stream's retention
+    ├── RedisUnavailable            Redis is needed here and failed (down, refused, bad password)
     └── StoreError                  PostgreSQL failed underneath us (down, timed out, ...)
+        ├── ConnectionLost          the connection broke mid-operation (restart, network)
+        │   └── CommitUnknown       ... while committing: it may or may not have committed
         ├── SchemaNotReady          the schema is missing or older than this library's
         ├── SequenceRewound         a stream's sequence was set back below IDs already used
         └── InvalidFactTables       a declared user table / ID column does not exist or fits not
@@ -28,7 +31,9 @@ Errors never carry passwords: anything that renders a URL goes through `redact_u
 from __future__ import annotations
 
 __all__ = [
+    "CommitUnknown",
     "ConfigurationError",
+    "ConnectionLost",
     "FactsPruned",
     "InvalidFact",
     "InvalidFactTables",
@@ -36,6 +41,7 @@ __all__ = [
     "InvalidTimestamp",
     "PayloadNotSerializable",
     "PayloadTooLarge",
+    "RedisUnavailable",
     "SchemaNotReady",
     "SequenceRewound",
     "StoreError",
@@ -107,6 +113,14 @@ class UsageError(StreamsError):
     """The API was called in a way it cannot honour (e.g. a fact inside an open transaction)."""
 
 
+class RedisUnavailable(StreamsError):
+    """Redis is required by this operation and cannot be used (down, refused, bad password).
+
+    Only operations that need Redis raise it (observing a channel, for one): readers and
+    writers never do, they fall back to PostgreSQL while their link reconnects.
+    """
+
+
 class StoreError(StreamsError):
     """PostgreSQL failed underneath an operation (unreachable, crashed, timed out).
 
@@ -115,6 +129,22 @@ class StoreError(StreamsError):
     """
 
     sqlstate: str | None = None
+
+
+class ConnectionLost(StoreError):
+    """The connection to PostgreSQL broke in the middle of an operation (the server restarted or
+    ended the session, the network failed). A transaction that had not sent its ``COMMIT`` did
+    not commit; readers and the prover retry by themselves, on a new connection."""
+
+
+class CommitUnknown(ConnectionLost):
+    """The connection broke while a ``COMMIT`` (or a single-statement append, which commits by
+    itself) was in flight: it may or may not have committed, and nothing can tell this client.
+
+    Do not retry such an append blindly: it would be written twice if the first one committed.
+    Its ID is counted as complete either way; a reader learns the fact from PostgreSQL if it
+    exists. Check for it (by your own key in the payload, for one) before writing it again.
+    """
 
 
 class SchemaNotReady(StoreError):

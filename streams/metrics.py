@@ -25,9 +25,13 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from ._ops import run
 from .config import Settings
 from .errors import ConfigurationError, StreamsError
+from .store import connect as dbconnect
+from .store.driver import run
+from .store.groups import stream_positions
+from .store.registry import list_streams
+from .store.writers import reservation_lock_holders
 
 if TYPE_CHECKING:
     from .client import Client
@@ -143,9 +147,6 @@ class DatabaseCollector:
         return []
 
     def collect(self) -> Iterator[Any]:
-        from . import dbconnect
-        from .store import list_streams, stream_positions
-
         up = _family("gauge", "database_up", "1 if the last scrape could read the database.", [])
         try:
             with (
@@ -154,10 +155,11 @@ class DatabaseCollector:
                     self._settings.database_url, autocommit=False, purpose="metrics"
                 ) as conn,
             ):
-                items = [
-                    run(conn, stream_positions(info, retire=False))
-                    for info in run(conn, list_streams())
-                ]
+                items = []
+                for info in run(conn, list_streams()):
+                    holders = run(conn, reservation_lock_holders(info))
+                    past = max((h.lease_expired_seconds or 0.0 for h in holders), default=0.0)
+                    items.append((run(conn, stream_positions(info, retire=False)), past))
         except StreamsError:
             up.add_metric([], 0)
             yield up
@@ -175,6 +177,13 @@ class DatabaseCollector:
             "gauge",
             "oldest_pending_seconds",
             "Age of the oldest open writing transaction.",
+            ["stream"],
+        )
+        past_lease = _family(
+            "gauge",
+            "held_past_lease_seconds",
+            "Longest time an open writing transaction has held the stream past its writer's "
+            "lease (0: none; such a session is ended by the next reader or writer that looks).",
             ["stream"],
         )
         writer_position = _family(
@@ -198,7 +207,8 @@ class DatabaseCollector:
             "Age of the oldest fact the group has not consumed.",
             ["stream", "group"],
         )
-        for p in items:
+        for p, past in items:
+            past_lease.add_metric([p.stream], max(0.0, past))
             linear.add_metric([p.stream], p.linear)
             allocated.add_metric([p.stream], p.max_allocated)
             scratchpad.add_metric([p.stream], p.scratchpad)
@@ -211,7 +221,8 @@ class DatabaseCollector:
             for g in p.groups:
                 lag.add_metric([p.stream, g.group], g.lag)
                 lag_seconds.add_metric([p.stream, g.group], (g.lag_ms or 0) / 1000)
-        yield from (linear, allocated, scratchpad, oldest, writer_position, writer_pending)
+        yield from (linear, allocated, scratchpad, oldest, past_lease)
+        yield from (writer_position, writer_pending)
         yield from (lag, lag_seconds)
 
 

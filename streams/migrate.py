@@ -5,7 +5,7 @@ top-level ``migrations/`` folder), so an installed wheel can migrate without a c
 
 SQLAlchemy never sees the database URL: its URL parser raises with the whole URL (password
 included) in the message when the password holds an unencoded ``@`` and ``:``. The engine gets
-connections from `streams.dbconnect.connect` instead, which checks the URL with libpq's parser
+connections from `streams.store.connect.connect` instead, which checks the URL with libpq's parser
 and reports failures redacted.
 """
 
@@ -18,9 +18,9 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine, create_engine, pool
 
-from . import dbconnect
 from .config import redact_url, scrub_secrets
 from .errors import StoreError
+from .store import connect as dbconnect
 
 __all__ = ["current_revision", "upgrade"]
 

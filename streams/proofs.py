@@ -1,9 +1,9 @@
 """Shared proofs: one process per stream proves its complete position for every reader.
 
-Terms: a *probe* (`streams.store.probe`) asks PostgreSQL which IDs of a stream have completed;
+Terms: a *probe* (`streams.store.probe.probe`) asks PostgreSQL which IDs of a stream have completed;
 it reads ``pg_locks``, which costs the server more the more locks it holds for anyone. A
 *prober* is the one process, among all those with readers of a stream, that probes it and
-records the result (`streams.store.prove`); every other reader is a *follower* and reads that
+records the result (`streams.store.probe.prove`); every other reader is a *follower* and reads that
 record together with the rows behind it, in one statement. Why this is as safe as probing
 oneself is argued in `streams.store` ("shared proofs").
 
@@ -37,30 +37,29 @@ from typing import Any
 
 import psycopg
 
-from . import dbconnect
-from ._ops import run
 from .config import scrub_secrets, url_passwords
-from .constants import PROOF_INSTANCE_PREFIX
-from .protocol import PositionCommand
-from .replication import Hint
-from .store import (
+from .core.constants import PROOF_INSTANCE_PREFIX
+from .core.protocol import PositionCommand
+from .core.replication import Hint, is_proof_hint
+from .core.stalls import HeldStreams
+from .store import connect as dbconnect
+from .store.driver import run
+from .store.probe import (
     PROVER_SESSION_SETUP,
     READER_SESSION_SETUP,
-    StreamInfo,
-    load_streams,
+    end_stale_provers,
     prove,
     resign_prover,
     try_become_prover,
 )
+from .store.registry import StreamInfo, load_streams
+from .store.writers import retire_where_held
 
 __all__ = [
     "ELECTION_INTERVAL",
     "MIN_PROOF_GAP",
-    "PROOF_GRACE",
     "REFRESH_INTERVAL",
-    "STALE_AFTER",
     "ProofService",
-    "is_proof_hint",
 ]
 
 log = logging.getLogger(__name__)
@@ -69,25 +68,14 @@ log = logging.getLogger(__name__)
 ELECTION_INTERVAL = 0.5
 #: Seconds between proofs of a quiet stream (so that the record's age shows the prober lives).
 REFRESH_INTERVAL = 1.0
-#: A record older than this (ms, server clock) counts as no proof: followers probe themselves.
-STALE_AFTER = 3000
 #: Least seconds between two proofs (a probe costs about this much anyway).
 MIN_PROOF_GAP = 0.0005
-#: Seconds a follower waits, after a writer's hint, for a proof that covers it before it looks
-#: (and, if the proof is still behind, probes) for itself: a prober that proves but cannot
-#: announce (its Redis publish failing) or is stopped costs followers this, not a poll interval.
-PROOF_GRACE = 0.05
-
-
-def is_proof_hint(hint: Hint) -> bool:
-    """Is this hint a prober's announcement (not a writer's)?"""
-    return hint.instance.startswith(PROOF_INSTANCE_PREFIX)
 
 
 class ProofService:
     """The prober side of shared proofs for one process (see the module docstring).
 
-    ``link``: the process's `streams.redis_link.RedisLink` (hints in, proof lines out).
+    ``link``: the process's `streams.transport.link.RedisLink` (hints in, proof lines out).
     Thread-safe; the thread starts with the first `follow`.
     """
 
@@ -105,6 +93,7 @@ class ProofService:
         self._stopped = False
         self._last_election = self._last_refresh = self._last_proof = 0.0
         self.proofs = 0  # probes run as prober (for tests and metrics)
+        self._stalls = HeldStreams()
 
     def __repr__(self) -> str:
         return f"<ProofService {self.instance} proving {sorted(self._held)}>"
@@ -251,15 +240,27 @@ class ProofService:
                 for name in resign:
                     self._proven.pop(name, None)
         if candidates:
-            won = run(conn, try_become_prover(self._info_of(conn, candidates)))
+            infos = self._info_of(conn, candidates)
+            won = run(conn, try_become_prover(infos))
             if won:
                 log.info("%s now proves %s", self.instance, ", ".join(won))
                 with self._cond:
                     self._held.update(won)
+            lost = [info for info in infos if info.name not in won]
+            if lost:  # someone proves them: unless it stopped proving (frozen, cut off)
+                ended = run(conn, end_stale_provers(lost))
+                if ended:
+                    log.warning("ended the stalled prover of %s", ", ".join(ended))
 
     def _prove(self, conn: psycopg.Connection[Any], names: set[str]) -> None:
-        probes = run(conn, prove(self._info_of(conn, names)))
+        infos = self._info_of(conn, names)
+        probes = run(conn, prove(infos))
         self.proofs += 1
+        # Followers see only proofs: the prover is the reader that notices a stream held back
+        # by an expired writer (streams.store.writers, "the liveness argument").
+        observed = [(name, p.complete, p.max_allocated) for name, p in probes.items()]
+        by_name = {info.name: info for info in infos}
+        run(conn, retire_where_held(by_name, self._stalls, time.monotonic(), observed))
         commands = []
         with self._cond:
             for name, found in probes.items():

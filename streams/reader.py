@@ -1,88 +1,43 @@
-"""Readers: facts in stream-ID order, one whole epoch at a time, with frontiers and probes.
+"""`Reader` and `AsyncReader`: thin shells that drive `ReaderCore` on psycopg connections.
 
-Theory of operation
-===================
-
-A reader follows one or more streams. Its state per stream is a **position** ``p``: it has
-delivered every fact ``<= p``, so its frontier there is ``{p + 1}`` (`streams.epochs`). With
-several streams, its frontier is the one-element antichain of the vector ``(p1 + 1, p2 + 1, ...)``
-in the reader's stream order, compared pointwise (`streams.frontier`).
-
-Stages, after Materialize's compute protocol:
-
-1. **Creation**: attach to the process's Redis link (subscribe; `streams.redis_link`).
-2. **Initialization**: resolve where to start (a reader group's committed position, else
-   ``start``), and ask PostgreSQL what is complete (`streams.store.probe`). The link publishes
-   ``REPLICATE`` once its subscription is confirmed; writers answer with ``POSITION``.
-3. **Computation**: `ReaderCore.step` delivers the next epoch. While behind the last probe it
-   reads pages of rows from PostgreSQL; when caught up it probes again. Between steps the driver
-   sleeps until a *hint* (an ``RDATA``/``POSITION`` naming a token beyond its position, from
-   Redis or from a writer in the same process) or the poll interval.
-
-Nothing from Redis is trusted: a hint only decides *when* to ask PostgreSQL, so forged, lost,
-stale or duplicated commands cannot make a reader skip or invent a fact, and catching up after a
-reconnect is the ordinary path, not a special one. After a (re)connect every stream counts as
-disconnected (`Reader.live` is False, polling is fast) until the next probe re-establishes it.
-
-`ReaderCore` holds all of this as generators (psycopg style); `Reader` and `AsyncReader` only
-drive them on a connection and wait for hints.
+The model, the stages of a reader session and the reads themselves are in
+`streams.store.reading` (`ReaderCore`, written once as generators). What is here: a connection
+per reader (reopened if the server or an interruption closed it), waiting for hints from the
+process's Redis link (`streams.transport.link`) or for the poll interval, and the waiting logic
+of `poll` and `wait_for_position`, also written once as generators that both shells drive.
 """
 
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
-import json
+import logging
+import random
 import threading
 import time
-from collections.abc import AsyncIterator, Generator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from typing import Any, NamedTuple, Protocol, TypeAlias, TypeVar
 
-import orjson
 import psycopg
 from psycopg.types.json import set_json_loads
 
-from . import dbconnect
-from ._ops import Gen, Pipeline, arun, run
-from .epochs import Epoch, Fact, Row, plan_page
-from .errors import FactsPruned, StoreError, UsageError, WaitTimeout
-from .frontier import Antichain, FrontierProbe, FrontierSnapshot, LiveFilter, UpperAntichain
-from .proofs import PROOF_GRACE, STALE_AFTER, is_proof_hint
-from .replication import Hint
-from .store import (
-    PROBE_STATEMENTS,
+from ._aio import wait_event
+from .core.epochs import Epoch, Fact
+from .core.frontier import Antichain, FrontierProbe
+from .core.replication import Hint, backoff_delay
+from .errors import ConnectionLost, StoreError, UsageError, WaitTimeout
+from .store import connect as dbconnect
+from .store.driver import Gen, arun, run
+from .store.probe import (
     READER_SESSION_SETUP,
-    Probe,
-    StreamInfo,
-    check_retained,
-    commit_group,
-    database_time_ms,
-    fetch_rows,
-    fetch_rows_after_probe,
-    fetch_rows_after_proof,
-    group_position,
-    load_streams,
-    persisted_writer_position,
-    position_before_time,
-    probe,
-    probe_queries,
-    probes_from_rows,
-    pruned_positions,
-    retention_query,
-    ts_floor_at,
 )
+from .store.reading import ReaderCore, Start, decode_jsonb
 
 __all__ = ["AsyncReader", "Reader", "ReaderCore", "Start"]
 
-#: Where a reader without a committed group position starts: ``"earliest"``, ``"latest"``,
-#: ``"live"``, a stream ID (the first fact with an ID >= it), a `datetime` (the first fact with a
-#: timestamp >= it) or a `timedelta` (that long ago, on the database's clock).
-Start: TypeAlias = str | int | dt.datetime | dt.timedelta
+log = logging.getLogger("streams.reader")
 
-_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
-
-#: Rows per page when catching up.
-DEFAULT_PAGE_SIZE = 5000
+#: Seconds a group commit is tried again while the connection to PostgreSQL is broken.
+COMMIT_RETRY_SECONDS = 30.0
 #: Seconds between probes while the Redis fast path is up (a safety net for lost messages).
 LIVE_POLL_INTERVAL = 1.0
 #: Seconds between probes without Redis, or while it is reconnecting.
@@ -114,387 +69,26 @@ T = TypeVar("T")
 _Plan: TypeAlias = Generator["_WaitWake | _Pause | Gen[Any]", Any, T]
 
 
-def _check_start(start: object) -> Start:
-    if isinstance(start, bool):
-        raise UsageError(f"invalid start {start!r}")
-    if isinstance(start, str):
-        if start not in ("earliest", "latest", "live"):
-            raise UsageError(
-                f"invalid start {start!r}: use 'earliest', 'latest', 'live', a stream ID, "
-                "a datetime or a timedelta"
-            )
-        return start
-    if isinstance(start, int):
-        if start < 1:
-            raise UsageError("a start stream ID must be >= 1")
-        return start
-    if isinstance(start, dt.datetime):
-        if start.tzinfo is None:
-            raise UsageError("a start datetime must be timezone-aware")
-        return start
-    if isinstance(start, dt.timedelta):
-        if start < dt.timedelta(0):
-            raise UsageError("a start timedelta must not be negative")
-        return start
-    raise UsageError(f"invalid start {start!r}")
-
-
-class ReaderCore:
-    """The logic of one reader, shared by `Reader` and `AsyncReader` (see the module doc)."""
-
-    def __init__(
-        self,
-        streams: Sequence[str],
-        *,
-        start: Start = "earliest",
-        group: str | None = None,
-        page_size: int = DEFAULT_PAGE_SIZE,
-    ) -> None:
-        names = list(streams)
-        if not names:
-            raise UsageError("a reader needs at least one stream")
-        if len(set(names)) != len(names):
-            raise UsageError("a reader cannot follow the same stream twice")
-        if group is not None and (not isinstance(group, str) or not 0 < len(group) <= 200):
-            raise UsageError("a group name is a non-empty string of at most 200 characters")
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-            raise UsageError("page_size must be a positive int")
-        self.names: tuple[str, ...] = tuple(names)
-        self.start = _check_start(start)
-        self.group = group
-        self.page_size = page_size
-        self.infos: dict[str, StreamInfo] = {}
-        self.positions: dict[str, int] = {}
-        self.ts_floors: dict[str, int] = {}
-        self._targets: dict[str, int] = {}
-        self._filters: dict[str, LiveFilter[int]] = {}
-        self._start_ts: dict[str, int] = {}
-        self._link_up = False
-        self._reconcile = True
-        #: Follow the elected prober's proofs (`streams.proofs`) instead of probing each time.
-        self.shared_proofs = False
-        self._proof_fresh = False
-        # Writers' tokens heard while following proofs, not yet covered by one (link thread
-        # writes, the reader's thread reads; single dict operations under the GIL).
-        self._awaited: dict[str, int] = {}
-        self._awaited_since: float | None = None
-        self.deadline_moved = False
-        self.probes = 0
-        self.proof_reads = 0
-        self.pages = 0
-        #: Rows read from PostgreSQL (catch-up and live), for metrics.
-        self.rows = 0
-
-    # ---------------------------------------------------------------- initialization
-
-    def open(self) -> Gen[None]:
-        """Load the streams and resolve every starting position."""
-        infos = yield from load_streams(list(self.names))
-        self.infos = {info.name: info for info in infos}
-        probes = yield from probe(infos)
-        self._note_probe(probes)
-        pruned = yield from pruned_positions(infos)
-        start = self.start
-        start_ms: int | None = None
-        if isinstance(start, dt.timedelta):
-            now_ms = yield from database_time_ms()
-            start_ms = now_ms - start // dt.timedelta(milliseconds=1)
-        elif isinstance(start, dt.datetime):
-            # Exact ceiling in integers: a fact at 12.000 s is before a start at 12.0005 s.
-            start_ms = -((_EPOCH - start) // dt.timedelta(milliseconds=1))
-        for info in infos:
-            found = probes[info.name]
-            committed = None
-            if self.group is not None:
-                committed = yield from group_position(info, self.group)
-            if committed is not None:
-                self.positions[info.name], self.ts_floors[info.name] = committed
-                continue
-            if start == "earliest":
-                position = pruned[info.name]  # the oldest fact retention kept is next
-            elif start in ("latest", "live"):
-                position = found.complete
-            elif isinstance(start, int):
-                position = start - 1
-                if position < pruned[info.name]:
-                    raise FactsPruned(info.name, position, pruned[info.name])
-            else:
-                assert start_ms is not None
-                before = yield from position_before_time(info, start_ms)
-                # Capped at what is complete: a pending fact below the first committed match
-                # may still commit with a timestamp >= start (the filter drops earlier ones).
-                position = found.complete if before is None else min(before, found.complete)
-                self._start_ts[info.name] = start_ms
-            if start == "live" and found.max_allocated > position:
-                # Strymon's late subscriber: epochs active at join (IDs up to max allocated) may
-                # be partly gone for a subscriber without backfill; drop them all.
-                snapshot = FrontierSnapshot(
-                    Antichain([position + 1]), UpperAntichain([found.max_allocated])
-                )
-                self._filters[info.name] = LiveFilter(snapshot)
-            self.positions[info.name] = position
-            self.ts_floors[info.name] = yield from ts_floor_at(info, position)
-
-    # ---------------------------------------------------------------- computation
-
-    def _note_probe(self, probes: Mapping[str, Probe]) -> None:
-        self.probes += 1
-        for name, found in probes.items():
-            self._targets[name] = max(self._targets.get(name, 0), found.complete)
-        self._reconcile = False
-
-    def start_times(self) -> dict[str, int]:
-        """For a start by time: the start (ms), by stream, still filtering what comes next
-        (facts whose running-maximum timestamp is earlier are dropped until the first one at
-        or after it, so a fact that was pending at the start cannot sneak in late)."""
-        return dict(self._start_ts)
-
-    def set_link_state(self, connected: bool) -> None:
-        """The Redis link went up or down: disconnected until the next probe re-establishes."""
-        self._link_up = connected
-        self._reconcile = True
-
-    @property
-    def live(self) -> bool:
-        """The Redis link is up and a probe has re-established the position since."""
-        return self._link_up and not self._reconcile
-
-    def wants(self, hint: Hint) -> bool:
-        """Could this hint mean something new for this reader? Following fresh shared proofs,
-        only a prober's line can: a writer's commit is not readable before it is proven."""
-        position = self.positions.get(hint.stream)
-        if position is None or hint.token <= position:
-            return False
-        if self.shared_proofs and self._proof_fresh and self.live:
-            if is_proof_hint(hint):
-                return True
-            # A writer committed: the prober should announce it within PROOF_GRACE.
-            if hint.token > self._awaited.get(hint.stream, 0):
-                self._awaited[hint.stream] = hint.token
-            if self._awaited_since is None:
-                self._awaited_since = time.monotonic()
-                self.deadline_moved = True  # the driver's wait must end sooner now
-            return False
-        return True
-
-    def proof_deadline(self) -> float | None:
-        """When (monotonic) to look even without a proof line: `PROOF_GRACE` after the first
-        writer's hint no proof has covered yet (None: no such hint)."""
-        since = self._awaited_since
-        return None if since is None else since + PROOF_GRACE
-
-    def target(self, stream: str) -> int:
-        """The complete position the last probe proved for ``stream`` (what catching up aims
-        at; progress bars use it)."""
-        return self._targets.get(stream, 0)
-
-    def behind(self) -> bool:
-        return any(self.positions[n] < self._targets.get(n, 0) for n in self.names)
-
-    @property
-    def caught_up(self) -> bool:
-        """Everything the last probe proved complete is delivered (and no reconnect since)."""
-        return not self._reconcile and not self.behind()
-
-    def step(self) -> Gen[Epoch | None]:
-        """The next epoch, or None if PostgreSQL has nothing complete beyond the positions.
-
-        Caught up (or reconciling), it probes and reads the first page of every stream in one
-        pipelined round trip; behind the last probe, it reads pages only.
-        """
-        lower = dict(self.positions)
-        facts: list[Fact] = []
-        shared = None
-        # Proofs only while the Redis link is live: without it nobody hears writers' commits
-        # in time to prove them, and this reader polls PostgreSQL itself.
-        if self.shared_proofs and self._link_up and (not self.behind() or self._reconcile):
-            shared = yield from self._step_on_proofs(lower)
-        if shared is not None:
-            facts = shared
-        elif not self.behind() or self._reconcile:
-            infos = [self.infos[n] for n in self.names]
-            queries = probe_queries(infos)
-            queries += [fetch_rows_after_probe(i, lower[i.name], self.page_size) for i in infos]
-            queries.append(retention_query(infos))  # after the rows: see "retention" (store)
-            results = yield Pipeline(queries)
-            check_retained(results[-1], lower)
-            probes = probes_from_rows(results[PROBE_STATEMENTS - 1])
-            self._note_probe(probes)
-            for info, raw in zip(infos, results[PROBE_STATEMENTS:-1], strict=True):
-                # The rows were read up to this probe's position, whatever earlier ones said.
-                through = probes[info.name].complete
-                if through > lower[info.name]:
-                    facts.extend((yield from self._plan(info.name, list(raw), through)))
-        else:
-            for name in self.names:
-                target = self._targets.get(name, 0)
-                if self.positions[name] < target:
-                    page = yield from fetch_rows(
-                        self.infos[name], self.positions[name], target, self.page_size
-                    )
-                    facts.extend((yield from self._plan(name, page, target)))
-        if self.positions == lower:
-            return None
-        return Epoch(lower, dict(self.positions), tuple(facts))
-
-    def _step_on_proofs(self, lower: Mapping[str, int]) -> Gen[list[Fact] | None]:
-        """`step` as a follower: every stream's shared proof and its first page, one statement
-        each, one round trip; None (nothing delivered) when a proof is missing or stale, and
-        the caller probes itself."""
-        infos = [self.infos[n] for n in self.names]
-        *results, pruned = yield Pipeline(
-            [
-                *(fetch_rows_after_proof(i, lower[i.name], self.page_size) for i in infos),
-                retention_query(infos),  # after the rows: see "retention" (store)
-            ]
-        )
-        check_retained(pruned, lower)
-        self._proof_fresh = all(rows and int(rows[0][1]) <= STALE_AFTER for rows in results)
-        if not self._proof_fresh:
-            self._awaited.clear()
-            self._awaited_since = None
-            return None
-        self.proof_reads += 1
-        proven = {i.name: int(rows[0][0]) for i, rows in zip(infos, results, strict=True)}
-        since = self._awaited_since
-        if since is not None:
-            behind = any(self._awaited.get(n, 0) > proven[n] for n in proven)
-            overdue = time.monotonic() >= since + PROOF_GRACE
-            if not behind or overdue:
-                self._awaited.clear()
-                self._awaited_since = None
-            if behind and overdue:
-                return None  # the prober is late: probe for ourselves this once
-        self._note_probe({n: Probe(n, c, c) for n, c in proven.items()})
-        facts: list[Fact] = []
-        for info, rows in zip(infos, results, strict=True):
-            if proven[info.name] > lower[info.name]:
-                page = [tuple(r[2:]) for r in rows if r[2] is not None]
-                facts.extend((yield from self._plan(info.name, page, proven[info.name])))
-        return facts
-
-    def _plan(self, name: str, rows: list[Row], target: int) -> Gen[list[Fact]]:
-        """Deliver what a page of rows allows; advance the position."""
-        info = self.infos[name]
-        after = self.positions[name]
-        self.pages += 1
-        self.rows += len(rows)
-        plan = plan_page(
-            name, rows, after=after, through=target, limit=self.page_size,
-            ts_floor=self.ts_floors[name], decode=decode_payloads,
-        )  # fmt: skip
-        if plan.refetch is not None:
-            # One fact has more rows than a page: read it alone, whole.
-            rows = yield from fetch_rows(info, plan.refetch - 1, plan.refetch, 2**31 - 1)
-            plan = plan_page(
-                name, rows, after=after, through=plan.refetch, limit=len(rows) + 1,
-                ts_floor=self.ts_floors[name], decode=decode_payloads,
-            )  # fmt: skip
-        self.positions[name] = plan.position
-        self.ts_floors[name] = plan.ts_floor
-        facts = list(plan.facts)
-        live = self._filters.get(name)
-        if live is not None:
-            facts = [f for f in facts if live.admit(f.id)]
-            live.advance_lower(Antichain([plan.position + 1]))
-            if not live.active:
-                del self._filters[name]
-        start_ms = self._start_ts.get(name)
-        if start_ms is not None:
-            facts = [f for f in facts if f.timestamp >= start_ms]
-            if facts:
-                del self._start_ts[name]
-        return facts
-
-    # ---------------------------------------------------------------- queries
-
-    def reached(self, stream: str, token: int, instance: str | None) -> Gen[bool]:
-        """Has PostgreSQL proven ``stream`` complete through ``token`` (for ``instance``'s
-        facts only, if given: its persisted position counts too)?"""
-        info = self._info(stream)
-        probes = yield from probe([info])
-        self._note_probe(probes)
-        if probes[stream].complete >= token:
-            return True
-        if instance is not None:
-            persisted = yield from persisted_writer_position(info, instance)
-            return persisted is not None and persisted >= token
-        return False
-
-    def commit(self, through: Fact | None = None) -> Gen[dict[str, int]]:
-        """Commit the group's positions (forward-only); returns what is committed now.
-
-        With ``through``, a fact this reader delivered, commit its stream only, up to that fact:
-        for a consumer that stopped in the middle of an epoch (the rest of the epoch is
-        delivered again after a restart of the group; nothing is skipped).
-        """
-        if self.group is None:
-            raise UsageError("this reader has no group: pass group= to commit positions")
-        if through is not None:
-            info = self._info(through.stream)
-            if through.id > self.positions[through.stream]:
-                raise UsageError(f"fact {through.id} of {through.stream!r} was not delivered yet")
-            position = yield from commit_group(info, self.group, through.id, through.timestamp)
-            return {through.stream: position}
-        committed = {}
-        for name in self.names:
-            committed[name] = yield from commit_group(
-                self.infos[name], self.group, self.positions[name], self.ts_floors[name]
-            )
-        return committed
-
-    def _info(self, stream: str) -> StreamInfo:
-        try:
-            return self.infos[stream]
-        except KeyError:
-            raise UsageError(f"this reader does not follow stream {stream!r}") from None
-
-    def position(self, stream: str | None = None) -> int:
-        if stream is None:
-            if len(self.names) != 1:
-                raise UsageError("this reader follows several streams: name one")
-            stream = self.names[0]
-        self._info(stream)
-        return self.positions[stream]
-
-    @property
-    def frontier(self) -> Antichain[tuple[int, ...]]:
-        return Antichain([tuple(self.positions[n] + 1 for n in self.names)])
-
-    def probe(self, stream: str | None = None) -> FrontierProbe[int]:
-        """A probe of one stream's frontier ``{position + 1}`` (the only stream by default)."""
-        return FrontierProbe(Antichain([self.position(stream) + 1]))
-
-    def vector_probe(self) -> FrontierProbe[tuple[int, ...]]:
-        """A probe of the merged frontier over all streams (vectors in the reader's order)."""
-        return FrontierProbe(self.frontier)
-
-
-def decode_jsonb(data: bytes | str) -> Any:
-    """JSONB payloads -> Python: orjson (a quarter faster end to end when catching up,
-    measured), falling back to the standard library for what orjson refuses (integers beyond
-    64 bits, numbers beyond float range) so every stored payload still reads."""
-    try:
-        return orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return json.loads(data)
-
-
-def decode_payloads(texts: list[Any]) -> list[Any]:
-    """A page's payload column, read as JSON text, -> Python values: one ``map`` over orjson
-    (a fifth faster end to end when catching up than psycopg's loader per value, measured);
-    value by value with `decode_jsonb` (and NULL as None) if orjson refuses any of them."""
-    try:
-        return list(map(orjson.loads, texts))
-    except (orjson.JSONDecodeError, TypeError):
-        return [None if text is None else decode_jsonb(text) for text in texts]
-
-
 def _connect(url: str) -> psycopg.Connection[Any]:
     try:
         conn = dbconnect.connect(url, autocommit=True, connect_timeout=10, purpose="reader")
         for statement in READER_SESSION_SETUP:
             conn.execute(statement)
+        set_json_loads(decode_jsonb, conn)
+        return conn
+    except psycopg.Error as exc:
+        raise StoreError(f"cannot connect to PostgreSQL: {type(exc).__name__}") from None
+
+
+async def _aconnect(url: str) -> psycopg.AsyncConnection[Any]:
+    try:
+        conn = await dbconnect.aconnect(url, autocommit=True, connect_timeout=10, purpose="reader")
+        try:
+            for statement in READER_SESSION_SETUP:
+                await conn.execute(statement)
+        except BaseException:
+            await conn.close()
+            raise
         set_json_loads(decode_jsonb, conn)
         return conn
     except psycopg.Error as exc:
@@ -592,19 +186,64 @@ class _ReaderBase:
             self._hinted = False
             self._core.deadline_moved = False
             self._last_probe = time.monotonic()
-            epoch: Epoch | None = yield self._core.step()
+            # The server restarted or the network failed: a step moves nothing until it has
+            # read everything, so trying again (on a new connection) delivers each fact once.
+            # Within the caller's timeout; for ever when there is none.
+            epoch: Epoch | None = yield from self._retried(self._core.step, deadline)
             if epoch is not None:
                 return epoch
             if deadline is not None and time.monotonic() >= deadline:
                 return None
 
+    def _commit_plan(self, through: Fact | None) -> _Plan[dict[str, int]]:
+        """A group commit, tried again for `COMMIT_RETRY_SECONDS` if the connection breaks
+        (forward-only, so committing twice is harmless, even when the first one's outcome is
+        unknown)."""
+        deadline = time.monotonic() + COMMIT_RETRY_SECONDS
+        return (yield from self._retried(lambda: self._core.commit(through), deadline))
+
+    def _retried(self, operation: Callable[[], Gen[T]], deadline: float | None) -> _Plan[T]:
+        """``operation()`` (a store generator, run by the driver), run again from the start on a
+        new connection, with backoff, while the connection breaks (`ConnectionLost`), until
+        ``deadline`` (None: for ever). Only for operations that are safe to repeat."""
+        while True:
+            try:
+                result: T = yield operation()
+            except ConnectionLost as lost:
+                delay = self._lost(lost)
+                if deadline is not None and time.monotonic() + delay >= deadline:
+                    raise
+                yield _Pause(delay)
+                continue
+            self._found()
+            return result
+
+    _lost_attempts = 0
+
+    def _lost(self, lost: ConnectionLost) -> float:
+        """Note a broken connection; the seconds to wait before trying again (backoff)."""
+        if self._lost_attempts == 0:
+            log.warning("%r lost PostgreSQL (%s); trying again", self, lost)
+        delay = backoff_delay(self._lost_attempts, jitter=random.random())
+        self._lost_attempts += 1
+        return delay
+
+    def _found(self) -> None:
+        if self._lost_attempts:
+            log.warning("%r reached PostgreSQL again", self)
+            self._lost_attempts = 0
+
     def _wait_plan(
         self, stream: str, token: int, instance: str | None, timeout: float
     ) -> _Plan[None]:
         deadline = time.monotonic() + timeout
+
+        def check() -> Gen[bool]:
+            return self._core.reached(stream, token, instance)
+
         while True:
             self._wake.clear()
-            if (yield self._core.reached(stream, token, instance)):
+            if (yield from self._retried(check, deadline)):
                 return
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -627,6 +266,7 @@ class Reader(_ReaderBase):
         proofs: Any = None,
     ) -> None:
         self._core = core
+        self._url = database_url
         self._conn = _connect(database_url)
         self._wake = threading.Event()
         self._closed = False
@@ -665,18 +305,37 @@ class Reader(_ReaderBase):
 
     def _drive(self, plan: _Plan[T]) -> T:
         result: Any = None
+        error: ConnectionLost | None = None
         while True:
             try:
-                op = plan.send(result)
+                op = plan.throw(error) if error is not None else plan.send(result)
             except StopIteration as stop:
                 return stop.value  # type: ignore[no-any-return]
+            error = None
             if isinstance(op, _WaitWake):
                 result = self._wake.wait(op.seconds)
             elif isinstance(op, _Pause):
                 time.sleep(op.seconds)
                 result = None
             else:
-                result = run(self._conn, op)
+                try:
+                    result = run(self._connection(), op)
+                except ConnectionLost as lost:  # the plan decides: try again, or give up
+                    result, error = None, lost
+
+    def _connection(self) -> psycopg.Connection[Any]:
+        """The reader's connection, reopened if the server or an interruption closed it (the
+        reader's state lives in its core, so nothing else needs restoring); `ConnectionLost`
+        while the server cannot be reached."""
+        if self._conn.closed or self._conn.broken:
+            if self._closed:
+                raise UsageError("reader is closed")
+            self._conn.close()
+            try:
+                self._conn = _connect(self._url)
+            except StoreError as exc:
+                raise ConnectionLost(str(exc)) from None
+        return self._conn
 
     def __iter__(self) -> Iterator[Epoch]:
         """Epochs forever (blocking); stop by breaking out or closing the reader."""
@@ -711,8 +370,9 @@ class Reader(_ReaderBase):
 
     def commit(self, through: Fact | None = None) -> dict[str, int]:
         """Commit this reader's positions for its group; a restart of the group resumes here.
-        ``through``: only up to that delivered fact (see `ReaderCore.commit`)."""
-        return run(self._conn, self._core.commit(through))
+        ``through``: only up to that delivered fact (see `ReaderCore.commit`). Tried again for
+        `COMMIT_RETRY_SECONDS` if the connection breaks."""
+        return self._drive(self._commit_plan(through))
 
     def close(self) -> None:
         if self._closed:
@@ -738,8 +398,14 @@ class AsyncReader(_ReaderBase):
     _wake: asyncio.Event
 
     def __init__(
-        self, core: ReaderCore, conn: psycopg.AsyncConnection[Any], link: Any, poll: float | None
+        self,
+        url: str,
+        core: ReaderCore,
+        conn: psycopg.AsyncConnection[Any],
+        link: Any,
+        poll: float | None,
     ) -> None:
+        self._url = url
         self._core = core
         self._conn = conn
         self._link = link
@@ -757,21 +423,13 @@ class AsyncReader(_ReaderBase):
         *,
         poll_interval: float | None = None,
     ) -> AsyncReader:
-        try:
-            conn = await dbconnect.aconnect(
-                database_url, autocommit=True, connect_timeout=10, purpose="reader"
-            )
-            for statement in READER_SESSION_SETUP:
-                await conn.execute(statement)
-            set_json_loads(decode_jsonb, conn)
-        except psycopg.Error as exc:
-            raise StoreError(f"cannot connect to PostgreSQL: {type(exc).__name__}") from None
+        conn = await _aconnect(database_url)
         try:
             await arun(conn, core.open())
         except BaseException:
             await conn.close()
             raise
-        self = cls(core, conn, link, poll_interval)
+        self = cls(database_url, core, conn, link, poll_interval)
         if link is not None:
             core.set_link_state(link.connected)
             link.add_listener(self)
@@ -784,11 +442,7 @@ class AsyncReader(_ReaderBase):
         self._wake.set()
 
     async def _wait(self, timeout: float) -> bool:
-        try:
-            await asyncio.wait_for(self._wake.wait(), timeout)
-            return True
-        except TimeoutError:
-            return False
+        return await wait_event(self._wake, timeout)
 
     async def poll(self, timeout: float | None = 0.0) -> Epoch | None:
         """The asyncio twin of `Reader.poll`."""
@@ -796,18 +450,35 @@ class AsyncReader(_ReaderBase):
 
     async def _drive(self, plan: _Plan[T]) -> T:
         result: Any = None
+        error: ConnectionLost | None = None
         while True:
             try:
-                op = plan.send(result)
+                op = plan.throw(error) if error is not None else plan.send(result)
             except StopIteration as stop:
                 return stop.value  # type: ignore[no-any-return]
+            error = None
             if isinstance(op, _WaitWake):
                 result = await self._wait(op.seconds)
             elif isinstance(op, _Pause):
                 await asyncio.sleep(op.seconds)
                 result = None
             else:
-                result = await arun(self._conn, op)
+                try:
+                    result = await arun(await self._connection(), op)
+                except ConnectionLost as lost:
+                    result, error = None, lost
+
+    async def _connection(self) -> psycopg.AsyncConnection[Any]:
+        """The asyncio twin of `Reader._connection`."""
+        if self._conn.closed or self._conn.broken:
+            if self._closed:
+                raise UsageError("reader is closed")
+            await self._conn.close()
+            try:
+                self._conn = await _aconnect(self._url)
+            except StoreError as exc:
+                raise ConnectionLost(str(exc)) from None
+        return self._conn
 
     def __aiter__(self) -> AsyncIterator[Epoch]:
         return self._forever()
@@ -836,7 +507,7 @@ class AsyncReader(_ReaderBase):
         await self._drive(self._wait_plan(stream, token, instance, timeout))
 
     async def commit(self, through: Fact | None = None) -> dict[str, int]:
-        return await arun(self._conn, self._core.commit(through))
+        return await self._drive(self._commit_plan(through))
 
     async def aclose(self) -> None:
         if self._closed:

@@ -5,17 +5,17 @@ appends from several threads or tasks queue on a lock), one for its heartbeat, w
 the lease, persists the position and re-samples the database clock. The heartbeat runs every
 ``lease / 4`` seconds; an append that moved the position also wakes it, coalesced to at most
 one such early heartbeat per `FLUSH_INTERVAL` (each is one autocommit statement, without the
-retirement of expired peers that every `streams.core.RETIRE_EVERY`-th scheduled one does), so
-the persisted position trails the real one by at most about `FLUSH_INTERVAL` while a writer is
+retirement of expired peers that every `streams.store.writing.RETIRE_EVERY`-th scheduled one does),
+so the persisted position trails the real one by at most about `FLUSH_INTERVAL` while a writer is
 busy. It is informational (``persisted_linear``): readers ask PostgreSQL what is complete.
 
 With a Redis link, each writer also has an `Announcer`: after every completion the appending
 thread (or task) publishes ``RDATA``/``POSITION`` through the link, best effort and without
-waiting for Redis (`streams.redis_link`), and every heartbeat re-announces the position
+waiting for Redis (`streams.transport.link`), and every heartbeat re-announces the position
 (``POSITION p p``, the courtesy answer to readers that joined in between).
 
-The logic lives in `streams.core` and `streams.replication`; everything here is connection
-handling and scheduling.
+The logic lives in `streams.store.writing` and `streams.core.replication`; everything here is
+connection handling and scheduling.
 """
 
 from __future__ import annotations
@@ -30,12 +30,13 @@ from typing import Any
 import psycopg
 from psycopg.pq import TransactionStatus
 
-from . import dbconnect
-from ._ops import arun, run
-from .core import Ack, FactHandle, WriterCore
-from .errors import StoreError, UsageError, WriterFenced
-from .replication import Announcer
-from .store import StreamInfo
+from ._aio import wait_event
+from .core.replication import Announcer
+from .errors import CommitUnknown, ConnectionLost, StoreError, UsageError, WriterFenced
+from .store import connect as dbconnect
+from .store.driver import arun, asettle, commit_unknown, gone, run, settle
+from .store.registry import StreamInfo
+from .store.writing import Ack, FactHandle, WriterCore
 
 __all__ = ["AsyncOpenFact", "AsyncWriter", "OpenFact", "Writer"]
 
@@ -47,12 +48,26 @@ log = logging.getLogger("streams.writer")
 FLUSH_INTERVAL = 0.1
 
 
-def _connect(url: str) -> psycopg.Connection[Any]:
-    return dbconnect.connect(url, autocommit=False, connect_timeout=10, purpose="writer")
+def _connect(url: str, core: WriterCore) -> psycopg.Connection[Any]:
+    """One of the writer's own connections, with its session settings (TCP keepalives and
+    checks: `WriterCore.configure_session`)."""
+    conn = dbconnect.connect(url, autocommit=False, connect_timeout=10, purpose="writer")
+    try:
+        run(conn, core.configure_session())
+    except BaseException:
+        conn.close()
+        raise
+    return conn
 
 
-async def _aconnect(url: str) -> psycopg.AsyncConnection[Any]:
-    return await dbconnect.aconnect(url, autocommit=False, connect_timeout=10, purpose="writer")
+async def _aconnect(url: str, core: WriterCore) -> psycopg.AsyncConnection[Any]:
+    conn = await dbconnect.aconnect(url, autocommit=False, connect_timeout=10, purpose="writer")
+    try:
+        await arun(conn, core.configure_session())
+    except BaseException:
+        await conn.close()
+        raise
+    return conn
 
 
 def _check_idle(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
@@ -63,11 +78,37 @@ def _check_idle(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) ->
         )
 
 
+def _check_committable(
+    conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], failed: bool
+) -> None:
+    """Before a fact's ``COMMIT``: is its transaction still the open, healthy one?
+
+    PostgreSQL answers ``COMMIT`` of a failed transaction with a rollback, not an error, so a
+    statement that failed inside the block (and whose exception the block swallowed) would
+    otherwise pass for a written fact; and rows written after a failed `add` (whose failure
+    rolled the transaction back) or after the block ended the transaction itself would
+    commit without their ID's reservation, after readers may have passed that ID.
+    """
+    status = conn.info.transaction_status
+    if failed or status == TransactionStatus.INERROR:
+        raise StoreError(
+            "the fact's transaction failed inside the block (an error was caught there): "
+            "it was rolled back and nothing was written"
+        )
+    if status != TransactionStatus.INTRANS:
+        raise UsageError(
+            "the fact's transaction ended inside the block (commit or rollback on its "
+            "connection): writer.fact() commits it when the block exits"
+        )
+
+
 class OpenFact:
     """A fact being written in the caller's transaction: its ID and timestamp, and `add`."""
 
     def __init__(self, core: WriterCore, conn: psycopg.Connection[Any], handle: FactHandle):
         self._core, self._conn, self._handle = core, conn, handle
+        #: An `add` failed (its transaction was rolled back): the fact can only be abandoned.
+        self.failed = False
 
     @property
     def stream_id(self) -> int:
@@ -79,7 +120,11 @@ class OpenFact:
 
     def add(self, *payloads: Any) -> None:
         """Add rows with this fact's stream ID to the built-in facts table."""
-        run(self._conn, self._core.add_rows(self._handle, payloads))
+        try:
+            run(self._conn, self._core.add_rows(self._handle, payloads))
+        except BaseException:
+            self.failed = True
+            raise
 
 
 class AsyncOpenFact:
@@ -89,6 +134,7 @@ class AsyncOpenFact:
         self, core: WriterCore, conn: psycopg.AsyncConnection[Any], handle: FactHandle
     ) -> None:
         self._core, self._conn, self._handle = core, conn, handle
+        self.failed = False
 
     @property
     def stream_id(self) -> int:
@@ -99,7 +145,11 @@ class AsyncOpenFact:
         return self._handle.timestamp
 
     async def add(self, *payloads: Any) -> None:
-        await arun(self._conn, self._core.add_rows(self._handle, payloads))
+        try:
+            await arun(self._conn, self._core.add_rows(self._handle, payloads))
+        except BaseException:  # a cancellation too: the transaction was rolled back
+            self.failed = True
+            raise
 
 
 class _Announcing:
@@ -155,7 +205,7 @@ class Writer(_Announcing):
     def __init__(self, database_url: str, core: WriterCore, link: Any = None) -> None:
         self._url = database_url
         self._core = core
-        self._conn = _connect(database_url)
+        self._conn = _connect(database_url, self._core)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopped = threading.Event()
@@ -164,7 +214,7 @@ class Writer(_Announcing):
         except BaseException:
             self._conn.close()
             raise
-        self._beat_conn = _connect(database_url)
+        self._beat_conn = _connect(database_url, self._core)
         # One heartbeat at a time on the heartbeat connection (the thread and `heartbeat()`).
         self._beat_lock = threading.Lock()
         self._attach(link)
@@ -214,11 +264,24 @@ class Writer(_Announcing):
         ack: Ack | None = None
         try:
             with self._lock:
-                if self._conn.closed or self._conn.broken:
-                    # The server restarted or dropped us: the failed append was a gap; carry
-                    # on with a new connection (the lease and generation are unchanged).
-                    self._conn = _connect(self._url)
-                ack = run(self._conn, self._core.append(payloads, stamps))
+                for attempt in range(2):
+                    if gone(self._conn):
+                        # The server ended the session (a restart, pg_terminate_backend) or an
+                        # earlier append broke it: carry on with a new connection (the lease
+                        # and the generation are the writer's, not the connection's).
+                        self._conn.close()
+                        self._conn = _connect(self._url, self._core)
+                    try:
+                        ack = run(self._conn, self._core.append(payloads, stamps))
+                        break
+                    except CommitUnknown:
+                        raise  # it may have committed: never written twice by us
+                    except ConnectionLost:
+                        if attempt:
+                            raise
+                        # Lost before its COMMIT: nothing committed; once more, on a new one.
+                        log.warning("%r lost its connection before committing; retrying", self)
+            assert ack is not None
             return ack
         finally:
             if ack is not None:
@@ -242,32 +305,51 @@ class Writer(_Announcing):
         """
         _check_idle(conn)
         core = self._core
+        autocommit = conn.autocommit
         token, stamp = core.begin_fact(timestamp)
         handle: FactHandle | None = None
         ok = False
         try:
-            if conn.autocommit:
+            if autocommit:
                 conn.execute("BEGIN")
             handle = run(conn, core.reserve_fact(token, stamp))
-            yield OpenFact(core, conn, handle)
-            conn.commit()
+            fact = OpenFact(core, conn, handle)
+            yield fact
+            _check_committable(conn, fact.failed)
+            try:
+                conn.commit()
+            except psycopg.Error as exc:
+                unknown = commit_unknown(exc, conn)
+                if unknown is None:
+                    raise
+                raise unknown from exc
             ok = True
         finally:
-            if not ok and not conn.closed:
-                with contextlib.suppress(psycopg.Error):
-                    conn.rollback()
-            core.finish_fact(token, handle, ok)
-            if ok and handle is not None:
-                self._after_completion((handle.stream_id,), handle.timestamp)
-            else:
-                self._after_completion()
+            try:
+                # Roll back (or close a connection left unusable): streams.store.driver.
+                if not ok:
+                    with contextlib.suppress(psycopg.Error):
+                        settle(conn, autocommit)
+            finally:
+                core.finish_fact(token, handle, ok)
+                if ok and handle is not None:
+                    self._after_completion((handle.stream_id,), handle.timestamp)
+                else:
+                    self._after_completion()
 
     # ------------------------------------------------------------------ heartbeat
 
     def heartbeat(self) -> None:
         """Run one heartbeat now (the background thread also runs them)."""
         with self._beat_lock:
-            run(self._beat_conn, self._core.heartbeat())
+            run(self._beat_connection(), self._core.heartbeat())
+
+    def _beat_connection(self) -> psycopg.Connection[Any]:
+        """The heartbeat connection, reopened if an interruption or the server closed it."""
+        if gone(self._beat_conn):
+            self._beat_conn.close()
+            self._beat_conn = _connect(self._url, self._core)
+        return self._beat_conn
 
     def _beat_loop(self) -> None:
         interval = self._core.lease_seconds / 4
@@ -278,10 +360,11 @@ class Writer(_Announcing):
                 break
             try:
                 with self._beat_lock:
+                    conn = self._beat_connection()
                     if woken:  # by an append: persist the position, nothing else
-                        run(self._beat_conn, self._core.heartbeat())
+                        run(conn, self._core.heartbeat())
                     else:
-                        run(self._beat_conn, self._core.beat())
+                        run(conn, self._core.beat())
                 self._announce(periodic=not woken)
             except Exception as exc:  # keep beating through transient failures
                 log.warning("heartbeat of %r failed: %s", self, exc)
@@ -296,7 +379,7 @@ class Writer(_Announcing):
         with contextlib.suppress(Exception):
             self._beat_conn.close()
         try:
-            self._beat_conn = _connect(self._url)
+            self._beat_conn = _connect(self._url, self._core)
         except StoreError:
             self._stopped.wait(min(1.0, self._core.lease_seconds / 4))
 
@@ -313,7 +396,7 @@ class Writer(_Announcing):
         try:
             with self._lock:
                 if self._conn.closed or self._conn.broken:
-                    self._conn = _connect(self._url)
+                    self._conn = _connect(self._url, self._core)
                 run(self._conn, self._core.retire())
         except (StoreError, WriterFenced) as exc:
             log.warning("could not retire %r cleanly: %s", self, exc)
@@ -341,14 +424,15 @@ class AsyncWriter(_Announcing):
         self._conn: psycopg.AsyncConnection[Any] | None = None
         self._beat_conn: psycopg.AsyncConnection[Any] | None = None
         self._task: asyncio.Task[None] | None = None
+        self._closing: asyncio.Future[None] | None = None
 
     @classmethod
     async def open(cls, database_url: str, core: WriterCore, link: Any = None) -> AsyncWriter:
         self = cls(database_url, core)
-        self._conn = await _aconnect(database_url)
+        self._conn = await _aconnect(database_url, self._core)
         try:
             await arun(self._conn, core.register())
-            self._beat_conn = await _aconnect(database_url)
+            self._beat_conn = await _aconnect(database_url, self._core)
         except BaseException:
             await self._conn.close()
             raise
@@ -398,9 +482,20 @@ class AsyncWriter(_Announcing):
         ack: Ack | None = None
         try:
             async with self._lock:
-                if conn.closed or conn.broken:
-                    conn = self._conn = await _aconnect(self._url)
-                ack = await arun(conn, self._core.append(payloads, stamps))
+                for attempt in range(2):
+                    if gone(conn):
+                        await conn.close()
+                        conn = self._conn = await _aconnect(self._url, self._core)
+                    try:
+                        ack = await arun(conn, self._core.append(payloads, stamps))
+                        break
+                    except CommitUnknown:
+                        raise
+                    except ConnectionLost:  # before its COMMIT: see `Writer._append`
+                        if attempt:
+                            raise
+                        log.warning("%r lost its connection before committing; retrying", self)
+            assert ack is not None
             return ack
         finally:
             if ack is not None:
@@ -412,52 +507,74 @@ class AsyncWriter(_Announcing):
     async def fact(
         self, conn: psycopg.AsyncConnection[Any], *, timestamp: int | None = None
     ) -> AsyncIterator[AsyncOpenFact]:
-        """The asyncio twin of `Writer.fact`; a cancellation rolls back and completes the gap."""
+        """The asyncio twin of `Writer.fact`.
+
+        A cancellation anywhere (in the block or in ours) rolls the transaction back before it
+        propagates (`streams.store.driver.asettle`: to the end, even if cancelled again) and
+        completes the ID as a gap. A cancelled ``COMMIT`` has an unknown outcome, as a lost
+        connection has: the ID completes either way, and readers learn the fact from PostgreSQL if
+        it was committed.
+        """
         _check_idle(conn)
         core = self._core
+        autocommit = conn.autocommit
         token, stamp = core.begin_fact(timestamp)
         handle: FactHandle | None = None
         ok = False
         try:
-            if conn.autocommit:
+            if autocommit:
                 await conn.execute("BEGIN")
             handle = await arun(conn, core.reserve_fact(token, stamp))
-            yield AsyncOpenFact(core, conn, handle)
-            await conn.commit()
+            fact = AsyncOpenFact(core, conn, handle)
+            yield fact
+            _check_committable(conn, fact.failed)
+            try:
+                await conn.commit()
+            except psycopg.Error as exc:
+                unknown = commit_unknown(exc, conn)
+                if unknown is None:
+                    raise
+                raise unknown from exc
             ok = True
         finally:
-            if not ok and not conn.closed:
-                with contextlib.suppress(psycopg.Error, asyncio.CancelledError):
-                    await asyncio.shield(conn.rollback())
-            core.finish_fact(token, handle, ok)
-            if ok and handle is not None:
-                self._after_completion((handle.stream_id,), handle.timestamp)
-            else:
-                self._after_completion()
+            try:
+                if not ok:
+                    with contextlib.suppress(psycopg.Error):
+                        await asettle(conn, autocommit)
+            finally:
+                core.finish_fact(token, handle, ok)
+                if ok and handle is not None:
+                    self._after_completion((handle.stream_id,), handle.timestamp)
+                else:
+                    self._after_completion()
 
     async def heartbeat(self) -> None:
-        assert self._beat_conn is not None
         async with self._beat_lock:
-            await arun(self._beat_conn, self._core.heartbeat())
+            await arun(await self._beat_connection(), self._core.heartbeat())
+
+    async def _beat_connection(self) -> psycopg.AsyncConnection[Any]:
+        """The heartbeat connection, reopened if an interruption or the server closed it."""
+        conn = self._beat_conn
+        if conn is None or gone(conn):
+            if conn is not None:
+                await conn.close()
+            conn = self._beat_conn = await _aconnect(self._url, self._core)
+        return conn
 
     async def _beat_loop(self) -> None:
         interval = self._core.lease_seconds / 4
         while not self._stopped.is_set():
-            woken = True
-            try:
-                await asyncio.wait_for(self._wake.wait(), interval)
-            except TimeoutError:
-                woken = False
+            woken = await wait_event(self._wake, interval)
             self._wake.clear()
             if self._stopped.is_set():
                 break
             try:
-                assert self._beat_conn is not None
                 async with self._beat_lock:
+                    conn = await self._beat_connection()
                     if woken:  # by an append: persist the position, nothing else
-                        await arun(self._beat_conn, self._core.heartbeat())
+                        await arun(conn, self._core.heartbeat())
                     else:
-                        await arun(self._beat_conn, self._core.beat())
+                        await arun(conn, self._core.beat())
                 self._announce(periodic=not woken)
             except Exception as exc:
                 log.warning("heartbeat of %r failed: %s", self, exc)
@@ -466,21 +583,28 @@ class AsyncWriter(_Announcing):
                 log.error("%r was fenced: its lease expired or its name was taken over", self)
                 break
             if woken:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stopped.wait(), FLUSH_INTERVAL)
+                await wait_event(self._stopped, FLUSH_INTERVAL)
 
     async def _reconnect_beat(self) -> None:
         if self._beat_conn is not None:
             with contextlib.suppress(Exception):
                 await self._beat_conn.close()
         try:
-            self._beat_conn = await _aconnect(self._url)
+            self._beat_conn = await _aconnect(self._url, self._core)
         except StoreError:
             await asyncio.sleep(min(1.0, self._core.lease_seconds / 4))
 
     async def aclose(self) -> None:
-        if self._stopped.is_set():
-            return
+        """Persist the position and retire this writer (see `Writer.close`).
+
+        Closing runs in a task of its own: cancelling ``aclose()`` stops the wait, not the
+        close, and awaiting ``aclose()`` again waits for the same close to finish.
+        """
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._close())
+        await asyncio.shield(self._closing)
+
+    async def _close(self) -> None:
         self._stopped.set()
         self._wake.set()
         if self._task is not None:
@@ -490,7 +614,7 @@ class AsyncWriter(_Announcing):
         try:
             async with self._lock:
                 if conn is not None and (conn.closed or conn.broken):
-                    conn = self._conn = await _aconnect(self._url)
+                    conn = self._conn = await _aconnect(self._url, self._core)
                 if conn is not None:
                     await arun(conn, self._core.retire())
         except (StoreError, WriterFenced) as exc:

@@ -15,8 +15,12 @@ it, each test uses its own stream names (``unique_name``) and Redis channel pref
 from __future__ import annotations
 
 import os
+import shutil
+import sys
 from collections.abc import Iterator
+from typing import Any
 
+import psycopg
 import pytest
 import redis
 from hypothesis import settings
@@ -171,3 +175,47 @@ def stream(client: Client, unique_name: str) -> str:
     """A freshly created stream (default settings), by name."""
     client.create_stream(unique_name)
     return unique_name
+
+
+@pytest.fixture
+def declared_table(streams_url: str, unique_name: str) -> Iterator[str]:
+    """A user table that can hold facts of a stream: ``(stream_id bigint NOT NULL, item
+    text)``, indexed on ``stream_id``; dropped afterwards, and taken out of every stream's
+    declaration so the shared test database stays healthy for other tests' doctors."""
+    table = f"lines_{unique_name.replace('-', '_')}"
+    with psycopg.connect(streams_url, autocommit=True) as conn:
+        conn.execute(f"CREATE TABLE {table} (stream_id bigint NOT NULL, item text)")
+        conn.execute(f"CREATE INDEX ON {table} (stream_id)")
+    yield table
+    with psycopg.connect(streams_url, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE streams_registry SET fact_tables = '[]' WHERE fact_tables::text LIKE %s",
+            (f"%{table}%",),
+        )
+        conn.execute(f"DROP TABLE IF EXISTS {table}")
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[Any]:
+    """One SparkSession (local[2]) for every Spark test: starting one costs ~7-10 s. A missing
+    Java fails loudly, never skips."""
+    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+        pytest.fail("the Spark tests need Java 17+ (java on PATH or JAVA_HOME)", pytrace=False)
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
+    import streams_spark
+    from pyspark.sql import SparkSession
+
+    session = (
+        SparkSession.builder.master("local[2]")
+        .appName("streams-spark-tests")
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.sql.session.timeZone", "UTC")
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    streams_spark.register(session)
+    yield session
+    session.stop()

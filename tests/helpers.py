@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+import re
+import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+#: The checkout: the repository root, and the folder of the tests and their shared modules.
+TESTS_DIR = Path(__file__).resolve().parent
+REPO_ROOT = TESTS_DIR.parent
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
@@ -13,3 +23,42 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str =
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
         time.sleep(0.01)
+
+
+def fact_rows(url: str, stream: str) -> list[tuple[Any, ...]]:
+    """``(stream_id, row_no, instance, ts, payload)`` of every row of ``stream``, in order."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        return conn.execute(
+            "SELECT f.stream_id, f.row_no, f.instance, f.ts, f.payload FROM streams_facts f "
+            "JOIN streams_registry r ON r.id = f.stream WHERE r.name = %s "
+            "ORDER BY f.stream_id, f.row_no",
+            (stream,),
+        ).fetchall()
+
+
+def write_user_fact(client: Any, url: str, stream: str, table: str, instance: str = "w") -> int:
+    """One fact written only in a user table (``writer.fact``): its stream ID."""
+    with client.writer(stream, instance=instance) as writer, psycopg.connect(url) as conn:
+        with writer.fact(conn) as fact:
+            conn.execute(f"INSERT INTO {table} VALUES (%s, 'apple')", (fact.stream_id,))
+        return int(fact.stream_id)
+
+
+_BLOCK = re.compile(r"^```([^\n]*)\n(.*?)^```$", re.S | re.M)
+
+
+def doc_blocks(path: Path, info: str) -> list[str]:
+    """The fenced blocks of a Markdown file whose info string is exactly ``info``, in order."""
+    return [body for tag, body in _BLOCK.findall(path.read_text()) if tag.strip() == info]
+
+
+def readme_blocks(info: str) -> list[str]:
+    """The fenced blocks of README.md whose info string is exactly ``info``, in order."""
+    return doc_blocks(REPO_ROOT / "README.md", info)
+
+
+def default_sigint() -> None:
+    """``preexec_fn`` for a child that a test stops with SIGINT: a shell that started the suite
+    in the background (``cmd &`` without job control, ``nohup``) makes children inherit SIGINT
+    ignored, and Python then never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -1,8 +1,8 @@
 """Readers prove completeness from PostgreSQL: writers take reservation locks.
 
 From this revision on, every writing transaction takes a shared advisory *reservation lock*
-before its ``nextval`` (see ``streams/constants.py`` and "the probe argument" in
-``streams/store.py``), and readers trust nothing else. A writer of an older library version
+before its ``nextval`` (see ``streams/core/constants.py`` and "the probe argument" in
+``streams/store/probe.py``), and readers trust nothing else. A writer of an older library version
 would not take it, and readers could then pass its pending IDs and skip its facts. This
 revision changes no table: it exists so that older libraries, which insist on the exact schema
 revision they were built for, refuse to write to a database whose readers rely on the locks.
@@ -26,7 +26,7 @@ _COMMENT = (
     "Facts of streams. Writers reserve stream IDs only inside a transaction that holds the "
     "stream''s shared advisory reservation lock, key (-<registry id>, (<sequence value> + 1) "
     "mod 2^32), taken before nextval; readers derive completeness from pg_locks. "
-    "See streams/constants.py."
+    "See streams/core/constants.py."
 )
 
 

@@ -1,9 +1,9 @@
 """Retention: each stream records how far its facts have been pruned.
 
 ``pruned_through`` is the stream's compaction frontier (Materialize's "since"): every fact with
-an ID ``<=`` it may have been removed by retention (`streams.store.prune_step`), and none above
-it has been. It only moves forward, in the same transaction as the rows it removes, so a reader
-that sees it ``<=`` its position after reading a page knows the page lost nothing.
+an ID ``<=`` it may have been removed by retention (`streams.store.retention.prune_step`), and none
+above it has been. It only moves forward, in the same transaction as the rows it removes, so a
+reader that sees it ``<=`` its position after reading a page knows the page lost nothing.
 
 Revision ID: 0005_retention
 Revises: 0004_proofs

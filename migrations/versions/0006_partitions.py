@@ -8,7 +8,7 @@ half-full pages, and pages emptied by retention are not reused by the appends th
 own partition every stream appends at the right edge of its own indexes, and dropping a stream
 drops its tables instead of deleting its rows.
 
-`streams.store.create_stream` creates a stream's partition and attaches it (SHARE UPDATE
+`streams.store.registry.create_stream` creates a stream's partition and attaches it (SHARE UPDATE
 EXCLUSIVE on ``streams_facts``: appends and reads of other streams go on); `drop_stream`
 detaches it concurrently and drops it. There is no default partition: a row for a stream
 without one is an error, never a silent landing place.

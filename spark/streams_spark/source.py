@@ -6,25 +6,25 @@ Theory of operation
 Driver (one `StreamsStreamReader` per query, in Spark's long-lived Python planner process):
 
 * ``initialOffset`` resolves where a new query starts with the Python reader's own logic
-  (`streams.reader.ReaderCore.open`: a group's committed position, earliest, latest, an ID, a
+  (`streams.store.reading.ReaderCore.open`: a group's committed position, earliest, latest, an ID, a
   time), or takes a given frontier JSON as is.
 * ``latestOffset(start, limit)`` returns, per stream, at most the position PostgreSQL proved
-  complete (`streams.store.probe`): every ID ``<=`` it has completed, so a fact that commits
+  complete (`streams.store.probe.probe`): every ID ``<=`` it has completed, so a fact that commits
   later always has a higher ID and can never be skipped. ``maxFactsPerTrigger`` cuts the range
-  after the N-th *fact* (`streams.store.count_facts`; gaps and extra rows do not count);
+  after the N-th *fact* (`streams.store.rows.count_facts`; gaps and extra rows do not count);
   ``minFactsPerTrigger`` returns ``start`` (no batch) until N facts are there or
   ``maxTriggerDelay`` passed. Spark calls this in a tight loop: the source probes only when a
   Redis hint arrived since the last probe, or once per poll interval (1 s while the Redis link
   is up, 0.1 s without; option ``pollInterval``); otherwise it answers from the last probe.
 * ``partitions(start, end)`` cuts every stream's epoch ``(start, end]`` at stream IDs into
-  ranges of about equal row counts (`streams.store.split_range`), each carrying the running
-  maximum timestamp at its start (`streams.store.ts_floor_at`). Same offsets, same
+  ranges of about equal row counts (`streams.store.rows.split_range`), each carrying the running
+  maximum timestamp at its start (`streams.store.rows.ts_floor_at`). Same offsets, same
   partitions: a batch replayed after a crash reads exactly the same facts.
-* ``commit(end)`` records ``end`` as the reader group (`streams.store.commit_group`,
+* ``commit(end)`` records ``end`` as the reader group (`streams.store.groups.commit_group`,
   forward-only, so Spark repeating the last commit after a restart is harmless).
 
 Executors run `read_partition`: everything comes from the pickled `RangePartition`; the query
-text comes from `streams.store.range_rows_sql`; ADBC returns Arrow record batches, the running
+text comes from `streams.store.rows.range_rows_sql`; ADBC returns Arrow record batches, the running
 maximum timestamp is computed with pyarrow (or in SQL, ``timestampIn=sql``).
 """
 
@@ -36,12 +36,14 @@ import datetime as dt
 import itertools
 import logging
 import os
+import random
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import psycopg
 from pyspark.sql.datasource import (
     DataSource,
     DataSourceReader,
@@ -64,18 +66,27 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
+from streams.client import default_instance_name
 from streams.config import redact_url
-from streams.errors import ConfigurationError, FactsPruned, StoreError
+from streams.core.replication import backoff_delay
+from streams.core.stalls import HeldStreams
+from streams.errors import ConfigurationError, ConnectionLost, FactsPruned, StoreError
+from streams.store import connect, driver, groups, reading, registry, rows, writers
+from streams.store import probe as store_probe
+from streams.transport.link import RedisLink
 
 from .offsets import frontier_offset, positions_of, since_of
 from .options import Position, SourceOptions, parse_options
 
 if TYPE_CHECKING:
-    import psycopg
     import pyarrow as pa
 
-    from streams.replication import Hint
-    from streams.store import StreamInfo
+    from streams.core.replication import Hint
+    from streams.store.registry import StreamInfo
+
+
+#: Seconds the driver keeps trying a statement while PostgreSQL cannot be reached.
+RETRY_SECONDS = 60.0
 
 __all__ = [
     "SCHEMA",
@@ -195,8 +206,6 @@ atexit.register(_close_adbc_connections)
 def _adbc_connection(url: str, fresh: bool = False) -> Any:
     import adbc_driver_postgresql.dbapi as adbc
 
-    from streams.store import READER_SESSION_SETUP
-
     with _ADBC_LOCK:
         conn = _ADBC.pop(url, None)
         if conn is not None and fresh:
@@ -207,9 +216,9 @@ def _adbc_connection(url: str, fresh: bool = False) -> Any:
             conn = None
         if conn is None:
             try:
-                conn = adbc.connect(url, autocommit=True)
+                conn = adbc.connect(connect.with_client_tcp_settings(url), autocommit=True)
                 with conn.cursor() as cur:
-                    for statement in READER_SESSION_SETUP:
+                    for statement in store_probe.READER_SESSION_SETUP:
                         cur.execute(statement)
             except Exception as exc:
                 raise StoreError(
@@ -331,10 +340,8 @@ def _prefetched(reader: Iterator[pa.RecordBatch], depth: int = 2) -> Iterator[pa
 def _check_retained(cur: Any, part: RangePartition) -> None:
     """After the rows (a later statement: see "retention" in `streams.store`): did retention
     remove facts of this partition before they were read?"""
-    from streams.errors import FactsPruned
-    from streams.store import pruned_through_sql
 
-    cur.execute(pruned_through_sql(part.stream_key))
+    cur.execute(rows.pruned_through_sql(part.stream_key))
     row = cur.fetchone()
     pruned = int(row[0]) if row else 0
     if pruned > part.after:
@@ -349,39 +356,57 @@ def _with_hint(lost: FactsPruned) -> FactsPruned:
     return lost
 
 
+def _read_errors() -> tuple[type[BaseException], ...]:
+    """What reading over ADBC raises when the connection or the server fails (a statement
+    error, such as a missing table, is a ``ProgrammingError``: no retry mends it)."""
+    import adbc_driver_manager
+
+    return (adbc_driver_manager.OperationalError, OSError)
+
+
 def read_partition(part: RangePartition) -> Iterator[pa.RecordBatch]:
-    """The rows of one partition as Arrow record batches in (stream ID, row) order (executors)."""
-    from streams.store import range_rows_sql
+    """The rows of one partition as Arrow record batches in (stream ID, row) order (executors).
+
+    A read that fails (a stale cached connection, a restarted server, a network failure) goes on
+    from the row after the last one handed to Spark, on a fresh connection, for as long as the
+    failures last no more than `RETRY_SECONDS` in a row: the range is complete, so its rows are
+    the same on every read (`streams.store.rows.range_rows_sql`), and no row is handed twice.
+    """
 
     if part.through <= part.after:
         return
-    query = range_rows_sql(
-        part.stream_key,
-        part.after,
-        part.through,
-        running_ts_floor=part.ts_floor if part.timestamp_in == "sql" else None,
-    )
-    for attempt in (0, 1):
-        conn = _adbc_connection(part.database_url, fresh=attempt > 0)
-        cur = conn.cursor()
+    retryable: tuple[type[BaseException], ...] = (*_read_errors(), StoreError)
+    floor = part.ts_floor  # the running timestamp maximum through the last row handed out
+    resume: tuple[int, int] | None = None  # (stream ID, row) of the last row handed out
+    failures = 0
+    failing_since = 0.0
+    while True:
+        cur = None
         try:
-            try:
-                cur.execute(query)
-                reader = cur.fetch_record_batch()
-            except Exception as exc:
-                if attempt == 0:
-                    continue  # a stale cached connection: once more on a fresh one
-                raise StoreError(
-                    f"reading stream {part.stream!r} ({part.after}, {part.through}] failed: "
-                    f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                ) from None
-            floor = part.ts_floor
+            conn = _adbc_connection(part.database_url, fresh=failures > 0)
+            query = rows.range_rows_sql(
+                part.stream_key,
+                part.after,
+                part.through,
+                running_ts_floor=floor if part.timestamp_in == "sql" else None,
+                resume_after=resume,
+            )
+            cur = conn.cursor()
+            cur.execute(query)
             stream_col = None
+            reader = cur.fetch_record_batch()
             batches = _prefetched(reader) if _PREFETCH else iter(reader)
             try:
                 for batch in batches:
-                    out, floor = _convert(batch, part, floor, stream_col)
-                    stream_col = out.column(0)
+                    out, next_floor = _convert(batch, part, floor, stream_col)
+                    if batch.num_rows:
+                        last = batch.num_rows - 1
+                        resume = (
+                            int(batch.column(0)[last].as_py()),
+                            int(batch.column(1)[last].as_py()),
+                        )
+                    floor, stream_col = next_floor, out.column(0)
+                    failures = 0
                     yield out
             finally:
                 close = getattr(batches, "close", None)
@@ -389,8 +414,24 @@ def read_partition(part: RangePartition) -> Iterator[pa.RecordBatch]:
                     close()  # stops and joins the prefetch thread before the cursor closes
             _check_retained(cur, part)
             return
+        except retryable as exc:  # not FactsPruned: retention is no outage
+            now = time.monotonic()
+            if failures == 0:
+                failing_since = now
+            elif now - failing_since >= RETRY_SECONDS:
+                raise StoreError(
+                    f"reading stream {part.stream!r} ({part.after}, {part.through}] failed for "
+                    f"{RETRY_SECONDS:g}s: {type(exc).__name__}: "
+                    f"{str(exc).splitlines()[0] if str(exc) else ''}"
+                ) from None
+            if failures:  # the first retry is at once: a stale cached connection is common
+                time.sleep(backoff_delay(failures - 1, jitter=random.random()))
+            failures += 1
+            log.info("reading stream %s failed (%s); going on", part.stream, type(exc).__name__)
         finally:
-            cur.close()
+            if cur is not None:
+                with contextlib.suppress(Exception):
+                    cur.close()
 
 
 # ------------------------------------------------------------------------------ the driver
@@ -403,6 +444,7 @@ class _Driver:
         self.config = config
         self._conn: psycopg.Connection[Any] | None = None
         self._infos: dict[str, StreamInfo] = {}
+        self._held = HeldStreams()
 
     def __getstate__(self) -> dict[str, Any]:
         # Spark pickles a fresh reader to ship read() to executors: never a connection.
@@ -416,49 +458,63 @@ class _Driver:
         self.__dict__.update(state)
 
     def _connection(self) -> psycopg.Connection[Any]:
-        import psycopg
-
-        from streams.store import READER_SESSION_SETUP
-
         if self._conn is None or self._conn.closed or self._conn.broken:
+            # The readers' own session (streams.store.probe.READER_SESSION_SETUP): the probe's
+            # argument needs READ COMMITTED whatever the server's default.
             try:
-                conn = psycopg.connect(
-                    self.config.database_url, autocommit=True, connect_timeout=10
+                conn = connect.connect(
+                    self.config.database_url, autocommit=True, purpose="Spark source"
                 )
-                for statement in READER_SESSION_SETUP:
+            except StoreError as exc:
+                if self._infos:  # it was reachable: an outage, which `run` waits out
+                    raise ConnectionLost(str(exc)) from None
+                raise
+            try:
+                for statement in store_probe.READER_SESSION_SETUP:
                     conn.execute(statement)
             except psycopg.Error as exc:
-                raise StoreError(
-                    f"cannot connect to {redact_url(self.config.database_url)}: "
-                    f"{type(exc).__name__}"
-                ) from None
+                conn.close()
+                raise StoreError(f"Spark source session setup failed: {exc}") from None
             self._conn = conn
         return self._conn
 
-    def run(self, gen: Any) -> Any:
-        from streams._ops import run
-
-        conn = self._connection()
-        try:
-            return run(conn, gen)
-        except StoreError:
-            if conn.broken or conn.closed:
+    def run(self, make: Callable[..., Any], *args: Any) -> Any:
+        """``make(*args)`` (a store generator) on the driver's connection. If the connection
+        breaks (a restart, a network failure), it is run again from the start on a new one, for
+        up to `RETRY_SECONDS`: each is a read, or forward-only (a group commit), so running it
+        twice is harmless, and Spark does not fail the query for a passing outage."""
+        deadline = time.monotonic() + RETRY_SECONDS
+        attempt = 0
+        while True:
+            try:
+                return driver.run(self._connection(), make(*args))
+            except ConnectionLost as lost:
+                delay = backoff_delay(attempt, jitter=random.random())
+                if time.monotonic() + delay >= deadline:
+                    raise
+                if attempt == 0:
+                    log.warning("streams source lost PostgreSQL (%s); trying again", lost)
+                attempt += 1
                 self._conn = None
-            raise
+                time.sleep(delay)
+            except StoreError:
+                if self._conn is not None and (self._conn.broken or self._conn.closed):
+                    self._conn = None
+                raise
 
     def infos(self) -> dict[str, StreamInfo]:
         if not self._infos:
-            from streams.store import load_streams
-
-            loaded = self.run(load_streams(list(self.config.streams)))
+            loaded = self.run(registry.load_streams, list(self.config.streams))
             self._infos = {info.name: info for info in loaded}
         return self._infos
 
     def probe(self) -> dict[str, int]:
-        from streams.store import probe
-
+        """What PostgreSQL proves complete, per stream; a stream held back for a while by an
+        expired writer gets that writer's sessions ended (`streams.store.writers`)."""
         infos = self.infos()
-        found = self.run(probe([infos[n] for n in self.config.streams]))
+        found = self.run(store_probe.probe, [infos[n] for n in self.config.streams])
+        observed = [(n, found[n].complete, found[n].max_allocated) for n in self.config.streams]
+        self.run(writers.retire_where_held, infos, self._held, time.monotonic(), observed)
         return {n: found[n].complete for n in self.config.streams}
 
     def resolve(
@@ -467,14 +523,13 @@ class _Driver:
         """Positions for a start or an end, and the start times in force (see
         `streams_spark.offsets`). For a start, an explicit ``group``'s committed position wins
         over the option, stream by stream, as for Python readers."""
-        from streams.store import group_position
 
         names = self.config.streams
         committed: dict[str, int] = {}
         if start and self.config.group_explicit:
             infos = self.infos()
             for n in names:
-                found = self.run(group_position(infos[n], self.config.group))
+                found = self.run(groups.group_position, infos[n], self.config.group)
                 if found is not None:
                     committed[n] = int(found[0])
         if committed:
@@ -486,7 +541,6 @@ class _Driver:
             return self.retained({**{n: int(where.frontier[n]) for n in rest}, **committed}), {}
         if where.kind == "latest":
             return {**{n: complete[n] for n in rest}, **committed}, {}
-        from streams.reader import ReaderCore
 
         begin: Any
         if where.kind == "earliest":
@@ -499,13 +553,13 @@ class _Driver:
             )
         else:
             begin = dt.timedelta(seconds=where.ago_seconds)
-        core = ReaderCore(rest, start=begin)
+        core = reading.ReaderCore(rest, start=begin)
         try:
-            self.run(core.open())
+            self.run(core.open)
         except FactsPruned as lost:  # startingPosition below what retention kept
             self.lost_facts(lost)
-            core = ReaderCore(rest, start="earliest")
-            self.run(core.open())
+            core = reading.ReaderCore(rest, start="earliest")
+            self.run(core.open)
         positions = {**{n: int(core.positions[n]) for n in rest}, **committed}
         # The reader core resolved the time on the database's clock: keep exactly its filter.
         return positions, core.start_times()
@@ -519,10 +573,9 @@ class _Driver:
 
     def retained(self, positions: dict[str, int]) -> dict[str, int]:
         """``positions``, each raised to what retention kept (`lost_facts` for any below)."""
-        from streams.store import pruned_positions
 
         infos = self.infos()
-        pruned = self.run(pruned_positions([infos[n] for n in positions]))
+        pruned = self.run(rows.pruned_positions, [infos[n] for n in positions])
         for name, position in positions.items():
             if pruned[name] > position:
                 self.lost_facts(FactsPruned(name, position, pruned[name]))
@@ -533,7 +586,6 @@ class _Driver:
     ) -> list[RangePartition]:
         """Partitions of every stream's ``(lower, upper]`` (deterministic for complete ranges);
         ``since``: start times still in force, by stream."""
-        from streams.store import split_range, ts_floor_at
 
         infos = self.infos()
         parts: list[RangePartition] = []
@@ -542,7 +594,7 @@ class _Driver:
             if through <= after:
                 continue
             info = infos[name]
-            cuts = self.run(split_range(info, after, through, self.config.partitions))
+            cuts = self.run(rows.split_range, info, after, through, self.config.partitions)
             bounds = [after, *cuts, through]
             for low, high in itertools.pairwise(bounds):
                 parts.append(
@@ -551,7 +603,7 @@ class _Driver:
                         stream_key=info.id,
                         after=low,
                         through=high,
-                        ts_floor=int(self.run(ts_floor_at(info, low))),
+                        ts_floor=int(self.run(rows.ts_floor_at, info, low)),
                         epoch_upper=through,
                         database_url=self.config.database_url,
                         timestamp_in=self.config.timestamp_in,
@@ -629,8 +681,6 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
             self._hinted = threading.Event()
         if self._link is not None or self.config.redis_url is None:
             return
-        from streams.client import default_instance_name
-        from streams.redis_link import RedisLink
 
         try:
             self._link = RedisLink(
@@ -749,24 +799,22 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
         """The start times still in force after ``(lower, upper]``: a stream's is dropped
         once the batch holds a fact at or after it (every later fact's timestamp is then
         at least as late)."""
-        from streams.store import first_fact_since
 
         infos = self.infos()
         return {
             n: ms
             for n, ms in since.items()
             if upper[n] <= lower[n]
-            or self.run(first_fact_since(infos[n], ms, lower[n], upper[n])) is None
+            or self.run(rows.first_fact_since, infos[n], ms, lower[n], upper[n]) is None
         }
 
     def _count(
         self, lower: dict[str, int], upper: dict[str, int], limit: int
     ) -> dict[str, tuple[int, int]]:
-        from streams.store import count_facts
 
         infos = self.infos()
         return {
-            n: self.run(count_facts(infos[n], lower[n], upper[n], limit))
+            n: self.run(rows.count_facts, infos[n], lower[n], upper[n], limit)
             if upper[n] > lower[n]
             else (0, lower[n])
             for n in self.config.streams
@@ -775,7 +823,6 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
     def _admit(self, lower: dict[str, int], upper: dict[str, int], budget: int) -> dict[str, int]:
         """At most ``budget`` facts over all streams, shared in proportion to what each has
         (the rounding remainder first to streams that would get none, so none starves)."""
-        from streams.store import count_facts
 
         have = self._count(lower, upper, budget)
         total = sum(c for c, _ in have.values())
@@ -804,7 +851,7 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
             elif share == count:
                 result[n] = upper[n] if count < budget else last
             else:
-                _, result[n] = self.run(count_facts(infos[n], lower[n], upper[n], share))
+                _, result[n] = self.run(rows.count_facts, infos[n], lower[n], upper[n], share)
         return result
 
     def reportLatestOffset(self) -> dict[str, Any] | None:
@@ -835,13 +882,14 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
         return read_partition(partition)
 
     def commit(self, end: dict[str, Any]) -> None:
-        from streams.store import commit_group, ts_floor_at
 
         positions = positions_of(end, self.config.streams)
         infos = self.infos()
-        for name, position in positions.items():
-            floor = self.run(ts_floor_at(infos[name], position))
-            self.run(commit_group(infos[name], self.config.group, position, floor))
+        commits = [
+            (infos[name], position, self.run(rows.ts_floor_at, infos[name], position))
+            for name, position in positions.items()
+        ]
+        self.run(groups.commit_group, self.config.group, commits)
 
     def stop(self) -> None:
         if self._link is not None:

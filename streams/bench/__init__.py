@@ -1,0 +1,18 @@
+"""Benchmarks: each prints its figures beside a raw baseline measured in the same run.
+
+* `common`: what they share (the payload, percentiles, the raw catch-up loop, the printing of
+  their lines, and `common.scratch_streams`, which sets up and removes what a benchmark
+  creates).
+* `write`: appends per second, single facts and batches, Redis on and off, beside raw psycopg.
+* `latency`: commit-to-delivery latency beside raw Redis pub/sub; catch-up beside raw paging.
+* `fanout`: K reader processes on one stream (`fanout_child` is their program, and the
+  writers' and the plain Redis subscribers').
+* `probe`: the probe's cost under foreign locks and idle sessions.
+* `history`: a long stream: size, appends, starts, catch-up, retention.
+* `spark`: the Spark source beside Spark's JDBC source.
+* `commands`: the ``streams bench`` group; each benchmark module holds its own command.
+
+Every benchmark removes what it created (streams, their partitions, sequences, writer rows,
+groups and proofs, raw tables, child processes), also when it fails or is interrupted.
+Benchmarks are commands (``streams bench ...``), not tests.
+"""

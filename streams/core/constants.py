@@ -1,0 +1,113 @@
+"""Every name `streams` uses outside its own tables: Redis channels and PostgreSQL lock keys.
+
+Kept in one place (like arq's ``constants.py``) so an operator can see at a glance what a
+deployment touches on shared Redis and PostgreSQL servers, and so two modules can never disagree
+on a name.
+
+Redis
+-----
+* ``<prefix>``: the replication channel. Every command (``REPLICATE``, ``POSITION``, ``RDATA``,
+  ``PING``...) is published here, one command per message (see `streams.core.protocol`).
+* ``<prefix>/<instance>``: messages meant for one instance only. Every process subscribes to the
+  channel of each of its instance names; nothing in `streams` needs to send there yet, but tools
+  (and Synapse-style workers) may.
+
+`streams` keeps no Redis keys: pub/sub only. Redis may be flushed or restarted at any time.
+
+PostgreSQL advisory locks
+-------------------------
+Advisory locks live in a namespace shared with every other application of the database, so
+ours are spelled out here:
+
+* ``(REGISTRATION_LOCK, <stream id>)``, transaction-scoped, exclusive: serialises writer
+  registration (sequence repair, seeding positions) per stream.
+* ``(-<stream id>, <low 32 bits of L>)``, transaction-scoped, *shared*: the **reservation
+  lock**. Every writing transaction takes it, in the same statement and *before* ``nextval``,
+  with ``L`` = the stream's sequence value plus one as read just before; so every ID that
+  transaction reserves is ``>= L``. Readers look at ``pg_locks`` for these locks to learn, from
+  PostgreSQL alone, up to which ID every reserved ID has completed (see
+  `streams.store.probe.probe`). Negative first keys keep them apart from the ``(7314, id)`` lock
+  and from most applications' own keys; a foreign lock that happened to collide could only make
+  readers more cautious, never make them skip a fact.
+* ``(PROOF_LOCK, <stream id>)``, session-scoped, exclusive: held by the one process that proves
+  a stream's complete position for every reader (see `streams.proofs`). A collision could only
+  make the processes of a deployment stop electing a prober; readers then probe themselves.
+
+PostgreSQL tables
+-----------------
+Besides the tables of the Alembic revisions, each stream has its own partition of
+``streams_facts``, ``streams_facts_<stream id>`` (`facts_partition`), created by
+`streams.store.registry.create_stream` and dropped by `drop_stream`.
+
+Shared proofs on Redis
+----------------------
+The elected prober announces each proven position as a ``POSITION <stream> _proof:<link name>
+<prev> <complete>`` line on the replication channel. Writer instance names start with a letter
+or digit, so ``_proof:`` can never be a writer's; like every command it is only a hint.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+__all__ = [
+    "PROOF_GRACE",
+    "PROOF_INSTANCE_PREFIX",
+    "PROOF_LOCK",
+    "REGISTRATION_LOCK",
+    "RESERVATION_LOCK_SPAN",
+    "STALE_AFTER",
+    "WRITER_LOCK",
+    "facts_partition",
+    "instance_channel",
+    "replication_channel",
+    "reservation_lock_class",
+]
+
+#: First key of the per-stream registration lock.
+REGISTRATION_LOCK: Final = 7314
+
+#: First key of the per-stream prober election lock (session-scoped).
+PROOF_LOCK: Final = 7315
+
+#: First key of a writer's own lock: every writing transaction of writer ``instance`` on a
+#: stream holds it (shared, transaction-scoped) with the second key ``hashtext(<stream id> || '/'
+#: || instance)`` (int4), so the sessions of a writer whose lease expired can be found in
+#: ``pg_locks`` and ended (`streams.store.writers.end_expired_sessions`), whatever they are doing.
+WRITER_LOCK: Final = 7316
+
+#: Instance names of the lines that announce a shared proof (never a writer's: see above).
+PROOF_INSTANCE_PREFIX: Final = "_proof:"
+
+#: Reservation locks carry ``L mod 2**32``; readers recover ``L`` as the unique value in
+#: ``[max allocated + 1 - 2**31, max allocated + 1 + 2**31)``: no transaction stays open for
+#: 2e9 IDs, and a lock taken after the reader read max allocated may be above it.
+RESERVATION_LOCK_SPAN: Final = 2**32
+
+
+def replication_channel(prefix: str) -> str:
+    """The channel every replication command is published on."""
+    return prefix
+
+
+def instance_channel(prefix: str, instance: str) -> str:
+    """The channel for messages meant for one instance."""
+    return f"{prefix}/{instance}"
+
+
+def facts_partition(stream_key: int) -> str:
+    """The name of a stream's partition of ``streams_facts`` (revision ``0006_partitions``)."""
+    return f"streams_facts_{int(stream_key)}"
+
+
+def reservation_lock_class(stream_key: int) -> int:
+    """First (int4) key of a stream's reservation locks: minus the stream's registry id."""
+    return -stream_key
+
+
+#: A record older than this (ms, server clock) counts as no proof: followers probe themselves.
+STALE_AFTER = 3000
+#: Seconds a follower waits, after a writer's hint, for a proof that covers it before it looks
+#: (and, if the proof is still behind, probes) for itself: a prober that proves but cannot
+#: announce (its Redis publish failing) or is stopped costs followers this, not a poll interval.
+PROOF_GRACE = 0.05

@@ -1,0 +1,534 @@
+"""What each process says and hears on the replication channel. Pure: no I/O, no clocks.
+
+Theory of operation
+===================
+
+Redis pub/sub is the *fast path*: it tells readers within a millisecond that a stream moved, so
+they need not poll. It is never the truth. A reader that hears ``RDATA`` or ``POSITION`` only
+learns "stream S may have moved up to token T"; it then asks PostgreSQL what is complete
+(`streams.store.probe.probe`) and reads the rows itself. So a forged, garbled, duplicated, stale or
+lost message can at worst make a reader look sooner or later than it needed to, never skip or
+invent a fact. Readers also poll on a timer, so a Redis outage costs latency, not correctness.
+
+Two pieces, each a small state machine driven by `streams.transport.link`:
+
+* `Announcer` (one per writer): turns the writer's completions and position changes into the
+  Synapse commands. When its per-writer position moves from ``a`` to ``b`` it sends one
+  ``RDATA`` per fact it committed in ``(a, b]`` (token = the fact's ID; the row identifies the
+  fact, readers fetch it from PostgreSQL), then, if ``b`` is beyond the last such fact,
+  ``POSITION <stream> <instance> <a'> <b>`` (no rows of this writer in ``(a', b]``: rollbacks,
+  or an idle writer catching up with max allocated). ``announce()`` answers ``REPLICATE`` and the
+  periodic announcement with ``POSITION <b> <b>``, as Synapse does.
+* `LinkCore` (one per process): parses what arrives, drops malformed lines (counted, never
+  fatal; each kind of malformation is logged once per link, so a hostile publisher cannot flood
+  the log) and the process's own echoes, and says what to do: answer ``REPLICATE``, or *hint*
+  local readers. On every (re)connect it says what to publish once the subscription is
+  confirmed: ``REPLICATE`` if readers are attached (they re-run initialization), and every local
+  writer's ``POSITION``; a reader attaching to a link that is already connected gets its own
+  ``REPLICATE`` (`LinkCore.add_reader`). Until then every stream is "disconnected" and readers
+  fall back to polling.
+
+Foreign deployments
+-------------------
+
+A `streams` deployment must never share its channel with a Synapse deployment (the default
+prefix ``streams`` is not a server name, but an operator may set the prefix to one): Synapse's
+subscriber raises on a ``POSITION`` for a stream it does not know and drops its Redis
+connection; on reconnect it sends ``REPLICATE``, our writers answer, it drops again, forever.
+So `LinkCore` watches for another deployment on the channel:
+
+(a) any Synapse-only command (`streams.core.protocol.SYNAPSE_ONLY_COMMANDS`: ``LOCK_RELEASED`` on
+    every room message, ``USER_SYNC``, ``FEDERATION_ACK``, ...). `streams` never sends them, so
+    this cannot misfire on our own traffic. ``SERVER`` and ``NAME`` are not evidence: Synapse
+    sends them only over its old TCP protocol, never over Redis;
+(b) with ``check_streams``, a ``POSITION``/``RDATA`` for a stream this deployment's registry
+    does not know. A name heard that is not known yet becomes a *suspect*; the driver then reads
+    the registry (`refresh_due` / `on_known_streams`, at most every `REFRESH_INTERVAL` seconds)
+    and only a name still unknown after a read that happened *after* it was heard convicts, so a
+    stream created after the last read never looks foreign. Known names are never forgotten.
+
+Once foreign, the core says to publish nothing more on the channel, for the life of the link
+(`outgoing` drops and counts everything), logs one error naming the prefix and the fix, and the
+link tells local readers it is not live (they poll PostgreSQL, which is always correct). It
+never goes back: a Synapse deployment is not always chatty, and publishing again after a quiet
+spell would break it again the moment it sends ``REPLICATE``. The cost of detection is at most
+the answers already sent before the first evidence arrived (Synapse reconnects once).
+
+Two `streams` deployments with *different* databases on one prefix also trip (b): each then
+goes quiet and polls, which is correct and tells the operator to separate them.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import threading
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass, field
+from typing import Final, Literal
+
+from .constants import PROOF_INSTANCE_PREFIX, instance_channel, replication_channel
+from .protocol import (
+    SYNAPSE_ONLY_COMMANDS,
+    Command,
+    ErrorCommand,
+    ForeignCommand,
+    PositionCommand,
+    ProtocolError,
+    RdataCommand,
+    ReplicateCommand,
+    parse,
+    serialize,
+)
+
+__all__ = [
+    "REFRESH_INTERVAL",
+    "Announcer",
+    "ForeignDeployment",
+    "Hint",
+    "LinkCore",
+    "LinkStats",
+    "backoff_delay",
+    "foreign_verdict",
+]
+
+log = logging.getLogger("streams.replication")
+
+#: Least seconds between two reads of the stream registry by one link (`LinkCore.refresh_due`).
+REFRESH_INTERVAL: Final = 5.0
+#: Most unknown stream names remembered between two registry reads (a hostile publisher could
+#: send any number of them).
+MAX_SUSPECTS: Final = 64
+#: Most names listed as evidence in a `ForeignDeployment`.
+MAX_EVIDENCE: Final = 8
+#: Most distinct kinds of malformed line one link logs a warning for; later kinds go to debug.
+MAX_WARNINGS: Final = 32
+
+_DATA_PREFIXES: Final = (b"RDATA ", b"POSITION ")
+
+_FIX: Final = "Give streams its own prefix: STREAMS_PREFIX / prefix= / --prefix (default 'streams')"
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class _Committed:
+    last_id: int  # first: the heap orders appends by the token they are announced with
+    first_id: int
+    count: int
+    timestamp: int
+
+
+class Announcer:
+    """The commands one writer sends, from its completions and position (thread-safe).
+
+    If another thread's `update` passes an append's IDs before that append's `committed` call
+    arrives, the append is covered by a ``POSITION`` instead of its own ``RDATA``: tokens never
+    go backwards on the wire, and readers only use either as a hint to ask PostgreSQL.
+    """
+
+    def __init__(self, stream: str, instance: str, position: int) -> None:
+        self.stream = stream
+        self.instance = instance
+        self._announced = position
+        self._committed: list[_Committed] = []
+        self._lock = threading.Lock()
+
+    @property
+    def announced(self) -> int:
+        return self._announced
+
+    def committed(self, ids: tuple[int, ...], timestamp: int) -> None:
+        """Facts with these IDs committed (one append, or one `Writer.fact`)."""
+        if ids:
+            with self._lock:
+                heapq.heappush(
+                    self._committed,
+                    _Committed(
+                        last_id=ids[-1], first_id=ids[0], count=len(ids), timestamp=timestamp
+                    ),
+                )
+
+    def update(self, position: int) -> list[Command]:
+        """The writer's position is now ``position``: the commands that say so (maybe none)."""
+        with self._lock:
+            if position <= self._announced:
+                return []
+            commands: list[Command] = []
+            last_token = self._announced
+            # A heap, not a sorted list: while a transaction of this writer stays open, its
+            # later appends pile up here, and this runs after every one of them.
+            while self._committed and self._committed[0].last_id <= position:
+                fact = heapq.heappop(self._committed)
+                if fact.last_id > self._announced:
+                    commands.append(
+                        RdataCommand(
+                            self.stream,
+                            self.instance,
+                            fact.last_id,
+                            {"first": fact.first_id, "count": fact.count, "ts": fact.timestamp},
+                        )
+                    )
+                    last_token = fact.last_id
+            if position > last_token:
+                commands.append(PositionCommand(self.stream, self.instance, last_token, position))
+            self._announced = position
+            return commands
+
+    def announce(self) -> PositionCommand:
+        """``POSITION <p> <p>``: the answer to ``REPLICATE`` and the periodic announcement."""
+        with self._lock:
+            return PositionCommand(self.stream, self.instance, self._announced, self._announced)
+
+
+@dataclass(frozen=True, slots=True)
+class Hint:
+    """Something on the channel says ``stream`` may have moved up to ``token``."""
+
+    stream: str
+    token: int
+    instance: str
+
+
+@dataclass(slots=True)
+class LinkStats:
+    """Counters an operator may want (exposed by the links).
+
+    ``foreign`` counts Synapse-only commands heard (``foreign_by_name`` per command name);
+    ``suppressed`` the lines not published because the channel is foreign; ``refreshes`` and
+    ``refresh_errors`` the reads of the stream registry (see `LinkCore.on_known_streams`).
+    """
+
+    received: int = 0
+    malformed: int = 0
+    echoes: int = 0
+    hints: int = 0
+    replicate_requests: int = 0
+    published: int = 0
+    reconnects: int = 0
+    foreign: int = 0
+    foreign_by_name: dict[str, int] = field(default_factory=dict)
+    suppressed: int = 0
+    refreshes: int = 0
+    refresh_errors: int = 0
+    #: Data lines (``RDATA``/``POSITION`` of known streams) discarded unparsed: no reader here.
+    skipped: int = 0
+
+
+ForeignReason = Literal["synapse-commands", "unknown-streams"]
+
+
+@dataclass(frozen=True, slots=True)
+class ForeignDeployment:
+    """Another deployment publishes on the channel: why we think so.
+
+    ``reason`` is ``"synapse-commands"`` (``evidence``: the Synapse-only command names heard) or
+    ``"unknown-streams"`` (``evidence``: stream names announced that the registry does not know).
+    ``line`` is a short repr of one line that gave it away (empty if unknown).
+    """
+
+    reason: ForeignReason
+    evidence: tuple[str, ...]
+    line: str = ""
+
+    def describe(self, prefix: str) -> str:
+        """The operator-facing explanation, naming the channel and the fix."""
+        listed = ", ".join(self.evidence)
+        if self.reason == "synapse-commands":
+            who = f"it speaks Synapse's replication: {listed}"
+        else:
+            who = f"it announces streams this database does not have: {listed}"
+        return (
+            f"another deployment ({who}) shares the Redis channel {prefix!r}; streams stopped "
+            f"publishing there so as not to break it. {_FIX}"
+        )
+
+
+def foreign_verdict(
+    *,
+    commands: Iterable[str] = (),
+    streams: Iterable[str] = (),
+    known_streams: Collection[str] | None = None,
+    line: str = "",
+) -> ForeignDeployment | None:
+    """Whether what was heard on a channel shows another deployment there (pure).
+
+    ``commands``: names of the commands heard; any in `SYNAPSE_ONLY_COMMANDS` convicts.
+    ``streams``: stream names heard in ``POSITION``/``RDATA``; with ``known_streams`` (the
+    registry, read *after* they were heard), any not in it convicts. Without ``known_streams``
+    only the commands count.
+    """
+    synapse = sorted(set(commands) & SYNAPSE_ONLY_COMMANDS)
+    if synapse:
+        return ForeignDeployment("synapse-commands", tuple(synapse[:MAX_EVIDENCE]), line)
+    if known_streams is not None:
+        unknown = sorted(set(streams).difference(known_streams))
+        if unknown:
+            return ForeignDeployment("unknown-streams", tuple(unknown[:MAX_EVIDENCE]), line)
+    return None
+
+
+def _short(line: bytes) -> str:
+    return repr(line[:120]) + ("..." if len(line) > 120 else "")
+
+
+def backoff_delay(
+    attempt: int, *, base: float = 0.05, cap: float = 5.0, jitter: float = 0.0
+) -> float:
+    """Capped exponential back-off before reconnect attempt ``attempt`` (0-based).
+
+    ``jitter`` in [0, 1) is supplied by the caller (random), keeping this function pure.
+    """
+    delay: float = min(cap, base * (2 ** min(attempt, 30)))
+    return delay * (0.5 + jitter / 2) if jitter else delay
+
+
+class LinkCore:
+    """The decisions of one process's Redis link (see the module docstring).
+
+    ``writers`` maps (stream, instance) to that local writer's `Announcer`; ``readers`` counts
+    attached readers (they need ``REPLICATE`` on connect, and when they attach; with
+    ``skip_data_without_readers``, a process without them does not parse data lines). With
+    ``check_streams`` the driver reads the stream registry when `refresh_due` says so and hands
+    the names to `on_known_streams`: rule (b) of foreign-deployment detection.
+    """
+
+    def __init__(
+        self,
+        prefix: str,
+        name: str,
+        *,
+        check_streams: bool = False,
+        skip_data_without_readers: bool = False,
+    ) -> None:
+        self.prefix = prefix
+        self.name = name
+        self.check_streams = check_streams
+        #: With no reader attached, discard ``RDATA``/``POSITION`` lines of known streams after
+        #: reading two words (counted in ``stats.skipped``): nobody would use their hints.
+        self.skip_data_without_readers = skip_data_without_readers
+        self.stats = LinkStats()
+        self._writers: dict[tuple[str, str], Announcer] = {}
+        self._readers = 0
+        self._connected = False
+        self._foreign: ForeignDeployment | None = None
+        self._known: set[str] = set()
+        self._suspects: dict[str, str] = {}  # unknown stream name -> a line that named it
+        self._refreshed_at: float | None = None
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()
+        #: Test hook: a predicate that discards incoming messages (simulates loss).
+        self.discard: Callable[[bytes], bool] | None = None
+
+    # ---------------------------------------------------------------- membership
+
+    def add_writer(self, announcer: Announcer) -> None:
+        with self._lock:
+            self._writers[(announcer.stream, announcer.instance)] = announcer
+            self._known.add(announcer.stream)  # a writer's stream is in the registry
+
+    def remove_writer(self, announcer: Announcer) -> None:
+        with self._lock:
+            key = (announcer.stream, announcer.instance)
+            if self._writers.get(key) is announcer:  # not a newer writer under the same name
+                del self._writers[key]
+
+    def add_reader(self) -> list[bytes]:
+        """A reader attached: lines to publish now (``REPLICATE`` if the link is live)."""
+        with self._lock:
+            self._readers += 1
+            live = self._connected and self._foreign is None
+        # The same lock as `on_connected`: a reader attaching while the subscription is being
+        # confirmed is covered by exactly one of the two REPLICATEs.
+        return [serialize(ReplicateCommand())] if live else []
+
+    def remove_reader(self) -> None:
+        with self._lock:
+            self._readers = max(0, self._readers - 1)
+
+    @property
+    def readers(self) -> int:
+        """How many readers are attached (0: a writer-only process)."""
+        return self._readers
+
+    @property
+    def channel(self) -> str:
+        return replication_channel(self.prefix)
+
+    def channels(self) -> list[str]:
+        """Channels to subscribe: the replication channel and one per local instance name."""
+        with self._lock:
+            instances = {instance for _, instance in self._writers} | {self.name}
+        return [self.channel, *(instance_channel(self.prefix, i) for i in sorted(instances))]
+
+    @property
+    def foreign(self) -> ForeignDeployment | None:
+        """Why the channel is held to be another deployment's, or None (see the module doc)."""
+        return self._foreign
+
+    # ---------------------------------------------------------------- events
+
+    def on_connected(self) -> list[bytes]:
+        """The subscription is confirmed: lines to publish now, in order."""
+        with self._lock:
+            self._connected = True
+            announcers = list(self._writers.values())
+            readers = self._readers
+        lines = [serialize(a.announce()) for a in announcers]
+        if readers:
+            lines.append(serialize(ReplicateCommand()))
+        return self.outgoing(lines)
+
+    def on_disconnected(self) -> None:
+        """The subscription is lost (until the next `on_connected`)."""
+        with self._lock:
+            self._connected = False
+
+    def outgoing(self, lines: list[bytes]) -> list[bytes]:
+        """The lines that may be published: none once the channel is foreign (counted)."""
+        if self._foreign is None:
+            return lines
+        self.stats.suppressed += len(lines)
+        return []
+
+    def on_message(self, data: bytes | str) -> tuple[list[Hint], list[bytes]]:
+        """A message arrived: the hints for local readers and the lines to publish in reply."""
+        self.stats.received += 1
+        raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
+        if self.discard is not None and self.discard(raw):
+            return [], []
+        if self.skip_data_without_readers and not self._readers and raw.startswith(_DATA_PREFIXES):
+            # Nobody here to hint: a data line of a stream this deployment knows needs no parse
+            # (an unknown name still goes through, for rule (b) of the foreign check).
+            words = raw.split(b" ", 2)
+            if len(words) == 3 and (
+                not self.check_streams or words[1].decode("utf-8", "replace") in self._known
+            ):
+                self.stats.skipped += 1
+                return [], []
+        try:
+            cmd = parse(raw)
+        except ProtocolError as exc:
+            self.stats.malformed += 1
+            self._warn_once(exc.reason, "ignoring malformed replication line %s: %s", exc.line, exc)
+            return [], []
+        return self.on_command(cmd)
+
+    def on_command(self, cmd: Command) -> tuple[list[Hint], list[bytes]]:
+        match cmd:
+            case ReplicateCommand():
+                self.stats.replicate_requests += 1
+                with self._lock:
+                    announcers = list(self._writers.values())
+                return [], self.outgoing([serialize(a.announce()) for a in announcers])
+            case PositionCommand() | RdataCommand():
+                with self._lock:
+                    local = (cmd.stream_name, cmd.instance_name) in self._writers
+                    if (
+                        not local
+                        and self.check_streams
+                        and self._foreign is None
+                        and cmd.stream_name not in self._known
+                        and len(self._suspects) < MAX_SUSPECTS
+                    ):
+                        self._suspects.setdefault(cmd.stream_name, _short(serialize(cmd)))
+                token = cmd.new_token if isinstance(cmd, PositionCommand) else cmd.token
+                if local:
+                    # Our own echo: local readers were hinted directly when it was published.
+                    self.stats.echoes += 1
+                    return [], []
+                if token is None:  # an RDATA "batch" row: the last row of the fact follows
+                    return [], []
+                self.stats.hints += 1
+                return [Hint(cmd.stream_name, token, cmd.instance_name)], []
+            case ForeignCommand():
+                self.stats.foreign += 1
+                by_name = self.stats.foreign_by_name
+                by_name[cmd.name] = by_name.get(cmd.name, 0) + 1
+                log.debug("ignoring Synapse command %s on channel %r", cmd.name, self.prefix)
+                self._convict(foreign_verdict(commands=[cmd.name], line=_short(serialize(cmd))))
+                return [], []
+            case ErrorCommand():
+                self._warn_once("ERROR", "replication peer reported an error: %.200s", cmd.message)
+                return [], []
+            case _:  # PING, NAME, SERVER: nothing to do
+                return [], []
+
+    # ---------------------------------------------------------------- rule (b): the registry
+
+    def refresh_due(self, now: float) -> bool:
+        """Should the driver read the stream registry now (monotonic seconds ``now``)?
+
+        Only when an unknown stream name was heard, and at most every `REFRESH_INTERVAL`.
+        """
+        with self._lock:
+            return (
+                self.check_streams
+                and self._foreign is None
+                and bool(self._suspects)
+                and (self._refreshed_at is None or now - self._refreshed_at >= REFRESH_INTERVAL)
+            )
+
+    def on_known_streams(self, names: Collection[str], now: float) -> ForeignDeployment | None:
+        """The registry, read at ``now`` after every suspect was heard: convict or clear them.
+
+        Returns the link's verdict (`foreign`) afterwards.
+        """
+        with self._lock:
+            self._refreshed_at = now
+            self.stats.refreshes += 1
+            self._known.update(names)
+            suspects, self._suspects = self._suspects, {}
+            known = frozenset(self._known)
+        if suspects:
+            line = next(iter(suspects.values()))
+            self._convict(foreign_verdict(streams=suspects, known_streams=known, line=line))
+        return self._foreign
+
+    def on_refresh_failed(self, now: float, error: BaseException) -> None:
+        """Reading the registry failed: decide nothing, try again after `REFRESH_INTERVAL`."""
+        with self._lock:
+            self._refreshed_at = now
+            self.stats.refresh_errors += 1
+        self._warn_once(
+            "registry",
+            "cannot read the stream registry to check the replication channel (%s); retrying",
+            type(error).__name__,
+        )
+
+    # ---------------------------------------------------------------- helpers
+
+    def _convict(self, verdict: ForeignDeployment | None) -> None:
+        if verdict is None:
+            return
+        with self._lock:
+            if self._foreign is not None:
+                return
+            self._foreign = verdict
+            self._suspects.clear()
+        log.error("%s", verdict.describe(self.prefix))
+
+    def _warn_once(self, key: str, message: str, *args: object) -> None:
+        """Log a warning the first time ``key`` comes up on this link, then debug only."""
+        with self._lock:
+            first = key not in self._warned and len(self._warned) < MAX_WARNINGS
+            if first:
+                self._warned.add(key)
+        if first:
+            log.warning(message + " (further ones like it are logged at debug level)", *args)
+        else:
+            log.debug(message, *args)
+
+    @staticmethod
+    def hints_for(commands: list[Command]) -> list[Hint]:
+        """Hints for local readers from commands a local writer is about to publish."""
+        hints = []
+        for cmd in commands:
+            if isinstance(cmd, PositionCommand):
+                hints.append(Hint(cmd.stream_name, cmd.new_token, cmd.instance_name))
+            elif isinstance(cmd, RdataCommand) and cmd.token is not None:
+                hints.append(Hint(cmd.stream_name, cmd.token, cmd.instance_name))
+        return hints
+
+
+def is_proof_hint(hint: Hint) -> bool:
+    """Is this hint a prober's announcement (not a writer's)?"""
+    return hint.instance.startswith(PROOF_INSTANCE_PREFIX)

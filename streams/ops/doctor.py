@@ -1,0 +1,250 @@
+"""`streams doctor`: checks an operator runs when something looks wrong."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+
+from ..config import Settings, redact_url
+from ..core.constants import replication_channel
+from ..errors import StreamsError
+from ..store import connect as dbconnect
+from ..store.driver import run
+from ..store.groups import list_groups
+from ..store.probe import probe
+from ..store.registry import StreamInfo, check_schema, list_streams
+from ..store.retention import prune_target
+from ..store.writers import (
+    expired_writer_count,
+    repair_sequence_now,
+    reservation_lock_holders,
+    retire_expired_writers,
+    sequence_state,
+    unseen_ids,
+)
+from ..transport.connect import connection_error
+
+#: A reservation held open longer than this is reported: it holds every reader back.
+HELD_WARNING_SECONDS = 5.0
+
+__all__ = ["Check", "diagnose", "repair"]
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "ok": self.ok, "detail": self.detail}
+
+
+def repair(settings: Settings) -> list[str]:
+    """What is always safe, before the checks: retire writers whose lease expired, ending first
+    the sessions they still hold open (`streams.store.writers.retire_expired_writers`), and move
+    every sequence past the IDs known to be used (`streams.store.writers.repair_sequence`, under
+    the same registration lock a starting writer takes). Returns what was done."""
+    done: list[str] = []
+    with dbconnect.connect(settings.database_url, autocommit=False, purpose="doctor") as conn:
+        for info in run(conn, list_streams()):
+            for name in run(conn, retire_expired_writers(info)):
+                done.append(f"stream {info.name}: retired writer {name} (lease expired)")
+            target = run(conn, repair_sequence_now(info))
+            if target is not None:
+                done.append(f"stream {info.name}: sequence moved to {target}")
+    return done
+
+
+def diagnose(settings: Settings) -> list[Check]:
+    checks: list[Check] = []
+    where = redact_url(settings.database_url)
+    try:
+        conn = dbconnect.connect(
+            settings.database_url, autocommit=True, connect_timeout=5, purpose="doctor"
+        )
+    except StreamsError as exc:  # StoreError (unreachable) or ConfigurationError (bad URL)
+        return [Check("database", False, str(exc))]
+    with conn:
+        version = conn.execute("SHOW server_version").fetchone()
+        checks.append(
+            Check("database", True, f"{where} (PostgreSQL {version[0] if version else '?'})")
+        )
+        try:
+            run(conn, check_schema())
+            checks.append(Check("schema", True, "at head"))
+        except StreamsError as exc:
+            checks.append(Check("schema", False, str(exc)))
+            return checks
+        infos = run(conn, list_streams())
+        for info in infos:
+            checks.extend(_stream_checks(conn, info))
+    if settings.redis_url:
+        import redis
+
+        # A connection failure says why (`streams.transport.connect`, password scrubbed); anything
+        # else, even redis-py's URL parser raising ValueError, shows only the class name:
+        # such messages may quote part of the URL, and so of its password.
+        failure: str | None = None
+        try:
+            client = redis.Redis.from_url(
+                settings.redis_url, socket_timeout=3, socket_connect_timeout=3
+            )
+            try:
+                client.ping()
+                channel = replication_channel(settings.prefix)
+                listeners = dict(client.pubsub_numsub(channel)).get(channel.encode(), 0)
+            finally:
+                client.close()
+        except (redis.RedisError, OSError) as exc:
+            failure = str(connection_error(settings.redis_url, exc, purpose="doctor"))
+        except Exception as exc:
+            failure = f"cannot reach {redact_url(settings.redis_url)}: {type(exc).__name__}"
+        if failure is None:
+            checks.append(
+                Check(
+                    "redis",
+                    True,
+                    f"{redact_url(settings.redis_url)}: {listeners} process(es) listening on "
+                    f"{channel!r}",
+                )
+            )
+        else:
+            checks.append(Check("redis", False, failure))
+    if settings.redis_url:
+        checks.append(_channel_check(settings, [i.name for i in infos]))
+    return checks
+
+
+#: How many of the most recent IDs `streams doctor` looks up in every table it knows.
+UNSEEN_WINDOW = 10_000
+
+
+def _stream_checks(conn: psycopg.Connection[Any], info: StreamInfo) -> list[Check]:
+    state = run(conn, sequence_state(info))
+    allocated = state.last_value or 0
+    behind = state.repair_target is not None
+    checks = [
+        Check(
+            f"stream {info.name}: sequence",
+            not behind,
+            f"sequence at {allocated}, highest ID used {state.max_used} (facts "
+            f"{state.max_stored}, writer and group positions {state.max_position})"
+            + (
+                "; BEHIND: the next writer to start repairs it (or `streams doctor --repair`)"
+                if behind
+                else ""
+            ),
+        )
+    ]
+    declared = ", ".join(str(t) for t in info.fact_tables) or "none"
+    if state.missing_tables:
+        missing = ", ".join(str(t) for t in state.missing_tables)
+        checks.append(
+            Check(
+                f"stream {info.name}: declared tables",
+                False,
+                f"declared tables do not exist: {missing}; their IDs cannot be seen by repair "
+                f"(`streams tables {info.name} ...` to fix the declaration)",
+            )
+        )
+    unseen = run(conn, unseen_ids(info, UNSEEN_WINDOW))
+    detail = f"besides streams_facts: {declared}"
+    if unseen.unseen:
+        detail += (
+            f"; {unseen.unseen} of the last {unseen.ids} IDs have no row in any of them: "
+            "rolled back, or facts in a table this stream does not declare (or in rows a "
+            "declaration's WHERE leaves out), which sequence repair cannot see (`streams "
+            f"tables {info.name} \"TABLE.COLUMN [WHERE KEY = 'VALUE']\"`; index TABLE on "
+            "(COLUMN), or on (KEY, COLUMN) when a WHERE says which rows are this stream's)"
+        )
+    checks.append(Check(f"stream {info.name}: fact tables", True, detail))
+    checks.append(_held_check(conn, info))
+    retention = _retention_check(conn, info)
+    if retention is not None:
+        checks.append(retention)
+    expired = run(conn, expired_writer_count(info))
+    checks.append(
+        Check(
+            f"stream {info.name}: writers",
+            expired == 0,
+            "no expired lease"
+            if expired == 0
+            else f"{expired} writer(s) with an expired lease not yet retired "
+            "(retired by the next positions call or writer heartbeat; if it stays, a "
+            "transaction of theirs is still open)",
+        )
+    )
+    return checks
+
+
+def _channel_check(settings: Settings, known: list[str]) -> Check:
+    """Is another deployment (a Synapse homeserver, another `streams` database) on our
+    replication channel? Publishes only REPLICATE, which is safe on any such channel."""
+    from .channel import observe_channel
+
+    assert settings.redis_url is not None
+    name = f"redis channel {settings.prefix!r}"
+    try:
+        report = observe_channel(settings.redis_url, settings.prefix, known_streams=set(known))
+    except StreamsError as exc:  # says what failed, the password scrubbed
+        return Check(name, False, f"cannot observe: {exc}")
+    except Exception as exc:  # redis-py's messages may quote the URL: class name only
+        return Check(name, False, f"cannot observe: {type(exc).__name__}")
+    if report.foreign is not None:
+        return Check(name, False, report.foreign.describe(settings.prefix))
+    answered = sorted({p.instance for p in report.positions})
+    return Check(
+        name,
+        True,
+        f"{len(answered)} writer instance(s) answered REPLICATE, no other deployment heard",
+    )
+
+
+def _retention_check(conn: psycopg.Connection[Any], info: StreamInfo) -> Check | None:
+    """Retention at a glance: how far it pruned, what waits for `streams prune` and what holds
+    it back; failing when a reader group lost facts (its position is below what was pruned)."""
+    goal = run(conn, prune_target(info))
+    if info.retention_ms is None and goal.pruned_through == 0:
+        return None
+    keeps = "forever" if info.retention_ms is None else f"{info.retention_ms} ms"
+    lost = [g for g in run(conn, list_groups(info)) if g.position < goal.pruned_through]
+    detail = f"keeps {keeps}, pruned through {goal.pruned_through}"
+    if goal.target > goal.pruned_through:
+        detail += f"; IDs up to {goal.target} may go now (`streams prune {info.name}`)"
+    elif info.retention_ms is not None:
+        detail += f"; held by: {goal.limited_by}"
+    if lost:
+        names = ", ".join(f"{g.group} (at {g.position})" for g in lost)
+        detail += (
+            f"; reader group(s) {names} are below what was pruned and lost facts: their "
+            "readers fail with FactsPruned (delete the group, or start it again)"
+        )
+    return Check(f"stream {info.name}: retention", not lost, detail)
+
+
+def _held_check(conn: psycopg.Connection[Any], info: Any) -> Check:
+    """Which transactions hold the stream's linear position back, and for how long."""
+    found = run(conn, probe([info]))[info.name]
+    holders = run(conn, reservation_lock_holders(info))
+    name = f"stream {info.name}: linear position"
+    if not holders:
+        return Check(name, True, f"{found.complete} (max allocated {found.max_allocated})")
+    oldest = holders[0]
+    # Named first: a session whose writer's lease expired (it should have been ended: this
+    # role may not end it, or nobody has looked since), else the oldest.
+    expired = [h for h in holders if (h.lease_expired_seconds or 0) > 0]
+    shown = expired[0] if expired else oldest
+    detail = (
+        f"{found.complete} (max allocated {found.max_allocated}); {len(holders)} writing "
+        f"transaction(s) open; {'expired: ' if expired else 'oldest: '}{shown.describe()}"
+    )
+    if expired:
+        detail += (
+            "; it holds the stream past its writer's lease: `streams doctor --repair` (or any "
+            "reader) ends it if this role may signal that session"
+        )
+    healthy = not expired and oldest.transaction_seconds < HELD_WARNING_SECONDS
+    return Check(name, healthy, detail)

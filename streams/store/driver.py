@@ -1,0 +1,466 @@
+"""Database work as generators, and the two drivers that run them (sync and asyncio).
+
+Theory of operation
+-------------------
+Every piece of logic that talks to PostgreSQL (registering a writer, appending, heartbeats,
+reading positions) is written **once**, as a generator that *yields operations* and receives
+their results, like psycopg's own ``generators.py``::
+
+    def append(...) -> Gen[Ack]:
+        rows = yield Query(sql, params)   # the driver executes it and sends back the rows
+        yield Commit()
+        return Ack(...)
+
+The generator never touches a connection, so it cannot know whether it runs in a thread or on
+an event loop. `run` drives it on a ``psycopg.Connection``, `arun` on a
+``psycopg.AsyncConnection``; they are the only two places that do I/O, and they are small enough
+to check by eye that they do the same thing.
+
+Failure contract (both drivers): if an operation raises, the driver first *settles* the
+connection (below), then throws the exception into the generator so its ``try``/``finally`` can
+complete reserved IDs as gaps. If the generator itself raises, the driver settles the connection
+before propagating. Driver errors from psycopg are wrapped into `StoreError` on the way out
+(never with a password in the message): `ConnectionLost` when the connection broke under the
+operation (a restart, a terminated session, a network failure; nothing uncommitted survives
+that), `CommitUnknown` when the operation was a ``COMMIT`` or an `Autocommit` statement, whose
+outcome the client then cannot know. `gone` tells, before using an idle connection, whether the
+server ended it meanwhile.
+
+Interruptions: what a cancellation may leave behind, and what restores the connection
+-------------------------------------------------------------------------------------
+An asyncio task can be cancelled at every ``await``, and psycopg awaits in more places than
+the network waits: its ``wait_async`` yields to the event loop (``sleep(0)``) *after* a step
+that needed no I/O whenever the loop has been busy for 5 ms, so a cancellation can arrive
+after the step took effect. Measured consequences before this contract existed:
+
+* ``conn.pipeline()`` interrupted right after entering pipeline mode: psycopg's
+  ``AsyncPipeline.__aenter__`` has switched the libpq connection to pipeline mode and counted
+  one level, the ``CancelledError`` skips ``__aexit__``, and ``AsyncConnection.pipeline()``
+  sees a level of 1 in its ``finally`` and leaves both the libpq pipeline mode and
+  ``conn._pipeline`` in place. Every later ``COPY`` on that connection then fails with
+  "COPY cannot be used in pipeline mode" (the random CI failure of the batch append) and every
+  later statement is queued in a pipeline nobody syncs.
+* ``set_autocommit(True)`` interrupted after it took effect: the writer's connection stays in
+  autocommit, and a batch's reservation would commit on its own, before its rows.
+* a statement, ``COPY`` or ``COMMIT`` interrupted in flight: psycopg asks the server to cancel
+  it and waits up to 5 s for the outcome, so the transaction is then failed, open, or (for a
+  ``COMMIT`` that won the race) committed; if it cannot tell, it closes the connection.
+* ``cursor.copy()`` interrupted after the server entered ``COPY ... FROM STDIN`` but before
+  psycopg handed over its copy object: nobody ends the COPY, and the connection stays busy in
+  it (``ACTIVE``). The driver ends it with an error (`_aend_copy`), which fails the
+  transaction; settling then rolls it back, and a caller's connection (``writer.fact``) stays
+  open.
+* a pipeline interrupted or failed part-way: psycopg records a statement it prepares when it
+  queues it, and forgets it only when its result is processed; results abandoned with the
+  pipeline left a name in its cache that the server never created ("prepared statement
+  "_pg3_2" does not exist" on the next read, seen in a loop of the cancellation tests).
+
+So the drivers never trust the state an interruption left. On every failure (an error, a
+``CancelledError``, a ``KeyboardInterrupt``) `run` and `arun` *settle* the connection before
+anything else may use it, and settling ends in exactly one of two states:
+
+1. **clean**: no pipeline (neither libpq's pipeline mode nor psycopg's pipeline object), no
+   transaction (an open or failed one is rolled back; nothing commits without our ``COMMIT``),
+   no command in flight, and ``autocommit`` as it was when the driver was called; or
+2. **closed**: when any of that cannot be established (pipeline state left behind, a command
+   still in flight, a rollback that fails or takes longer than `SETTLE_TIMEOUT`), and always
+   after a pipeline that failed (the drivers close it at once: only the library's own
+   connections run pipelines, never a caller's). Closing is always safe: a transaction only
+   commits when the client sends ``COMMIT``. The owners reopen a closed connection on their
+   next use (writers, readers, the client).
+
+`arun` settles in a task of its own and waits for it even when cancelled again meanwhile (the
+cancellation is re-raised once the connection is settled), so no caller ever resumes beside a
+half-restored connection. The generator learns of the failure only after settling, which is
+why its ``finally`` may rely on the transaction being over: an ID reserved in it is a gap, or
+(a ``COMMIT`` or an autocommit statement whose outcome is unknown) a fact that readers learn
+from PostgreSQL like any other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import select
+from collections.abc import Generator, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeAlias, TypeVar
+
+import psycopg
+from psycopg import sql
+from psycopg.pq import ConnStatus, ExecStatus, PipelineStatus, TransactionStatus
+
+from .._aio import uninterrupted
+from ..errors import CommitUnknown, ConnectionLost, StoreError
+
+__all__ = [
+    "Autocommit",
+    "Commit",
+    "CopyIn",
+    "Gen",
+    "Op",
+    "Pipeline",
+    "Query",
+    "Row",
+    "arun",
+    "asettle",
+    "commit_unknown",
+    "gone",
+    "run",
+    "settle",
+]
+
+T = TypeVar("T")
+Row: TypeAlias = tuple[Any, ...]
+Params: TypeAlias = dict[str, Any] | Sequence[Any] | None
+SqlText: TypeAlias = sql.SQL | sql.Composed | str | bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Query:
+    """Execute one statement; the generator receives ``list[Row]`` (empty if no result)."""
+
+    statement: SqlText
+    params: Params = None
+
+
+@dataclass(frozen=True, slots=True)
+class Autocommit:
+    """Execute one statement as a transaction of its own (one round trip, no ``BEGIN``).
+
+    The connection must be idle (no transaction open); the statement commits by itself when
+    it succeeds, or leaves nothing behind when it fails, so nothing needs rolling back. The
+    generator receives ``list[Row]`` (empty if no result). If the connection breaks while the
+    statement runs, the outcome is unknown to the client (as it is for a ``COMMIT``).
+    """
+
+    statement: SqlText
+    params: Params = None
+
+
+@dataclass(frozen=True, slots=True)
+class CopyIn:
+    """``COPY ... FROM STDIN`` these rows; the generator receives an empty list.
+
+    ``rows`` may be a lazy iterable: an exception it raises aborts the COPY (and the transaction
+    is rolled back) before it reaches the generator.
+    """
+
+    statement: SqlText
+    rows: Iterable[Row]
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    """Commit the current transaction; the generator receives an empty list."""
+
+
+@dataclass(frozen=True, slots=True)
+class Pipeline:
+    """Execute several statements in one network round trip (psycopg's pipeline mode).
+
+    The server still runs them one after the other, each with its own snapshot under READ
+    COMMITTED, so a later statement sees what an earlier one left behind (e.g. ``set_config``).
+    The generator receives ``[Row(rows_of_query_1), Row(rows_of_query_2), ...]``: one tuple of
+    rows per query.
+    """
+
+    queries: Sequence[Query]
+
+
+Op: TypeAlias = Query | Autocommit | CopyIn | Commit | Pipeline
+Gen: TypeAlias = Generator[Op, list[Row], T]
+
+
+def _wrap(
+    error: psycopg.Error,
+    conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any] | None = None,
+    op: Op | None = None,
+) -> StoreError:
+    """The `StoreError` for a driver error: `ConnectionLost` when the connection broke under
+    ``op``, `CommitUnknown` when ``op`` was committing (a ``COMMIT``, or an `Autocommit`
+    statement, which commits by itself)."""
+    # psycopg's messages come from the server and never contain the connection password;
+    # the class name tells operators what kind of failure it was.
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    kind: type[StoreError] = StoreError
+    if conn is not None and _lost(error, conn):
+        if isinstance(op, Commit | Autocommit):
+            kind = CommitUnknown
+            text += "; it may or may not have committed"
+        else:
+            kind = ConnectionLost
+            text += "; nothing of the transaction in flight was committed"
+    wrapped = kind(f"{type(error).__name__}: {text}")
+    wrapped.sqlstate = error.sqlstate
+    return wrapped
+
+
+def _lost(
+    error: psycopg.Error, conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]
+) -> bool:
+    """Did ``error`` come from the connection breaking (rather than a statement failing)?
+
+    libpq marks the connection bad; the server says so when it ends the session (SQLSTATE class
+    ``08``, connection exception; ``57P``, shutdown or termination); psycopg raises without a
+    SQLSTATE when the socket fails. (The driver closes a connection whose pipeline failed for
+    any reason, so a closed connection alone says nothing.)
+    """
+    if conn.broken:
+        return True
+    if not isinstance(error, psycopg.OperationalError | psycopg.InterfaceError):
+        return False
+    return error.sqlstate is None or error.sqlstate.startswith(("08", "57P"))
+
+
+def commit_unknown(
+    error: psycopg.Error, conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]
+) -> CommitUnknown | None:
+    """The `CommitUnknown` for ``error`` raised by a ``COMMIT`` the caller sent itself
+    (``conn.commit()``), if the connection broke under it; None if the server answered (the
+    error is then the transaction's own, e.g. a deferred constraint)."""
+    if not _lost(error, conn):
+        return None
+    wrapped = _wrap(error, conn, Commit())
+    assert isinstance(wrapped, CommitUnknown)
+    return wrapped
+
+
+def gone(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:
+    """Is this idle connection unusable: closed, broken, or ended by the server since its last
+    use (a restart, ``pg_terminate_backend``)?
+
+    A server that ends a session says so first (SQLSTATE 57P01) and closes the socket, so the
+    socket of an idle connection is readable only then (or for a rare notice). Looking costs
+    one ``poll`` and no round trip, and it saves an append on such a connection from failing
+    with an unknown outcome (`CommitUnknown`) when it never reached a server.
+    """
+    if conn.closed or conn.broken:
+        return True
+    if conn.info.transaction_status != TransactionStatus.IDLE:
+        return False  # in use: its next operation will tell
+    try:
+        for _ in range(3):  # the server's last words, then its EOF (which raises)
+            readable, _, _ = select.select([conn.fileno()], [], [], 0)
+            if not readable:
+                break
+            conn.pgconn.consume_input()  # a notice is taken in and the connection stays good
+    except (OSError, ValueError, psycopg.Error):
+        return True
+    return conn.pgconn.status != ConnStatus.OK
+
+
+def _in_transaction(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:
+    return conn.info.transaction_status in (TransactionStatus.INTRANS, TransactionStatus.INERROR)
+
+
+def _execute(conn: psycopg.Connection[Any], op: Op) -> list[Row]:
+    if isinstance(op, Commit):
+        conn.commit()
+        return []
+    if isinstance(op, Autocommit):
+        if conn.autocommit:
+            return _execute(conn, Query(op.statement, op.params))
+        # Switching is a client-side flag (no round trip); allowed because the connection is idle.
+        conn.autocommit = True
+        try:
+            return _execute(conn, Query(op.statement, op.params))
+        finally:
+            if not conn.closed:
+                with contextlib.suppress(psycopg.Error):
+                    conn.autocommit = False
+    if isinstance(op, Pipeline):
+        try:
+            with conn.pipeline():
+                cursors = [conn.execute(q.statement, q.params) for q in op.queries]
+        except BaseException:
+            conn.close()  # see "Interruptions": a pipeline that failed is not reused
+            raise
+        return [tuple(cur.fetchall()) for cur in cursors]
+    with conn.cursor() as cur:
+        if isinstance(op, CopyIn):
+            with cur.copy(op.statement) as copy:
+                for row in op.rows:
+                    copy.write_row(row)
+            return []
+        cur.execute(op.statement, op.params)
+        return cur.fetchall() if cur.description is not None else []
+
+
+async def _aexecute(conn: psycopg.AsyncConnection[Any], op: Op) -> list[Row]:
+    if isinstance(op, Commit):
+        await conn.commit()
+        return []
+    if isinstance(op, Autocommit):
+        if conn.autocommit:
+            return await _aexecute(conn, Query(op.statement, op.params))
+        await conn.set_autocommit(True)  # a client-side flag, as in `_execute`
+        try:
+            return await _aexecute(conn, Query(op.statement, op.params))
+        finally:
+            if not conn.closed:
+                with contextlib.suppress(psycopg.Error):
+                    await conn.set_autocommit(False)
+    if isinstance(op, Pipeline):
+        try:
+            async with conn.pipeline():
+                acursors = [await conn.execute(q.statement, q.params) for q in op.queries]
+        except BaseException:
+            await conn.close()  # see "Interruptions": a pipeline that failed is not reused
+            raise
+        return [tuple(await cur.fetchall()) for cur in acursors]
+    async with conn.cursor() as cur:
+        if isinstance(op, CopyIn):
+            try:
+                async with cur.copy(op.statement) as copy:
+                    for row in op.rows:
+                        await copy.write_row(row)
+            except BaseException as exc:
+                await _aend_copy(cur, exc)
+                raise
+            return []
+        await cur.execute(op.statement, op.params)
+        return await cur.fetchall() if cur.description is not None else []
+
+
+async def _aend_copy(cur: psycopg.AsyncCursor[Any], exc: BaseException) -> None:
+    """End a ``COPY ... FROM STDIN`` that an interruption left running (see "Interruptions").
+
+    When the interruption comes after the server entered the COPY but before psycopg handed
+    over its copy object, nobody ends the COPY, and the connection stays busy in it. Ending it
+    with an error here fails the transaction, which settling then rolls back, and keeps the
+    connection (a caller's, in ``writer.fact``) open.
+    """
+    conn = cur.connection
+    result = cur.pgresult
+    if conn.closed or result is None or result.status != ExecStatus.COPY_IN:
+        return
+    if conn.info.transaction_status != TransactionStatus.ACTIVE:
+        return
+    with contextlib.suppress(Exception):  # already ended: settling closes what is left
+        await uninterrupted(psycopg.AsyncCopy(cur).finish(exc))
+
+
+#: Seconds settling may take (a rollback's round trip, normally well under a millisecond) before
+#: the connection is closed instead.
+SETTLE_TIMEOUT = 5.0
+
+
+def _unsettled(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:
+    """Is something left that only closing can clear (see "Interruptions" above)?
+
+    Pipeline state is checked on both layers: libpq's pipeline mode, and psycopg's pipeline
+    object (private, read defensively: an interrupted ``pipeline()`` leaves it behind).
+    """
+    if conn.pgconn.pipeline_status != PipelineStatus.OFF:
+        return True
+    if getattr(conn, "_pipeline", None) is not None:
+        return True
+    return conn.info.transaction_status not in (
+        TransactionStatus.IDLE,
+        TransactionStatus.INTRANS,
+        TransactionStatus.INERROR,
+    )
+
+
+def settle(conn: psycopg.Connection[Any], autocommit: bool) -> None:
+    """Leave `conn` clean (no pipeline, no transaction, `autocommit` as given) or closed; see
+    "Interruptions" in the module docstring. Also for a caller's connection that an
+    interrupted block of ours used (`streams.writer`'s ``fact``)."""
+    try:
+        if conn.closed:
+            return
+        if not _unsettled(conn):
+            if _in_transaction(conn):
+                conn.rollback()
+            if conn.autocommit != autocommit:
+                conn.autocommit = autocommit
+            return
+    except BaseException:  # a failed rollback, or a second Ctrl-C: close below, then re-raise
+        conn.close()
+        raise
+    conn.close()
+
+
+async def _asettle_now(conn: psycopg.AsyncConnection[Any], autocommit: bool) -> None:
+    try:
+        if conn.closed or _unsettled(conn):
+            await conn.close()
+            return
+        async with asyncio.timeout(SETTLE_TIMEOUT):
+            if _in_transaction(conn):
+                await conn.rollback()
+            if conn.autocommit != autocommit:
+                await conn.set_autocommit(autocommit)
+    except BaseException as exc:  # a failed rollback, the timeout, or the loop closing
+        await conn.close()
+        if not isinstance(exc, Exception):
+            raise
+
+
+async def asettle(conn: psycopg.AsyncConnection[Any], autocommit: bool) -> None:
+    """The asyncio twin of `settle`, run in a task of its own to the end even if cancelled
+    meanwhile; a cancellation received while waiting is raised once `conn` is settled."""
+    await uninterrupted(_asettle_now(conn, autocommit))
+
+
+def _advance(gen: Gen[T], result: list[Row] | None, error: BaseException | None) -> Op:
+    if error is not None:
+        return gen.throw(error)
+    if result is None:
+        return next(gen)
+    return gen.send(result)
+
+
+def run(conn: psycopg.Connection[Any], gen: Gen[T]) -> T:
+    """Drive `gen` on a synchronous connection."""
+    autocommit = conn.autocommit
+    result: list[Row] | None = None
+    error: BaseException | None = None
+    while True:
+        try:
+            op = _advance(gen, result, error)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        except psycopg.Error as exc:
+            settle(conn, autocommit)
+            raise _wrap(exc) from None
+        except BaseException:
+            settle(conn, autocommit)
+            raise
+        error = None
+        try:
+            result = _execute(conn, op)
+        except BaseException as exc:  # includes KeyboardInterrupt: IDs must not leak
+            error = _wrap(exc, conn, op) if isinstance(exc, psycopg.Error) else exc
+            try:
+                settle(conn, autocommit)
+            except BaseException as again:  # interrupted again: the connection is closed
+                error = again
+
+
+async def arun(conn: psycopg.AsyncConnection[Any], gen: Gen[T]) -> T:
+    """Drive `gen` on an asyncio connection; a cancellation completes reserved IDs as gaps."""
+    autocommit = conn.autocommit
+    result: list[Row] | None = None
+    error: BaseException | None = None
+    while True:
+        try:
+            op = _advance(gen, result, error)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        except psycopg.Error as exc:
+            await asettle(conn, autocommit)
+            raise _wrap(exc) from None
+        except BaseException:
+            await asettle(conn, autocommit)
+            raise
+        error = None
+        try:
+            result = await _aexecute(conn, op)
+        except BaseException as exc:
+            error = _wrap(exc, conn, op) if isinstance(exc, psycopg.Error) else exc
+            try:
+                await asettle(conn, autocommit)
+            except asyncio.CancelledError as again:  # cancelled while settling: that wins
+                error = again

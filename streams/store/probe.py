@@ -1,0 +1,274 @@
+"""What is complete: the probe, shared proofs and the prober election.
+
+How readers know what is complete (the probe argument)
+-----------------------------------------------------
+A reader may deliver the facts up to ``C`` only when every ID ``<= C`` has completed: an ID
+still pending could commit later and would then be skipped. `probe` learns ``C`` for every
+stream it is given from PostgreSQL alone, without trusting any writer's announcement (Redis is
+unauthenticated). It sends three kinds of statement in one pipeline (one round trip), and the
+argument rests only on the order of *statements*, which the server runs one after the other,
+never on the order in which PostgreSQL evaluates the parts of one statement (a planner may
+evaluate a function scan such as ``pg_lock_status()`` once and reuse it, or read rows in any
+order):
+
+1. statement 1 reads ``A[s]``, every stream's sequence last value (max allocated), and leaves
+   them in session settings;
+2. statement 2 reads ``pg_locks`` for the streams' reservation locks (`streams.core.constants`) and
+   computes ``C[s] = min(A[s], min(L[s]) - 1)`` from the settings of statement 1; a reservation
+   lock is held by every writing transaction from just *before* its ``nextval`` until it ends,
+   keyed by ``L`` (the sequence value plus one when it started), so every ID it reserves is
+   ``>= L``;
+3. later statements read rows ``<= C[s]``.
+
+For one stream ``s``: any transaction holding an ID ``<= A[s]`` called ``nextval`` before
+statement 1 read ``A[s]``, so it took its lock before statement 1 ended, hence before statement
+2 began. If it is still open when statement 2 reads ``pg_locks``, its lock is seen, with ``L <=``
+its IDs, and ``C[s]`` stays below them. Otherwise it has ended (committed or rolled back for
+good). This holds for each stream separately, whatever the number of streams and whichever
+order statement 1 reads their sequences in: every sequence is read before any lock is. The rows
+are read by a *later* statement, with a newer snapshot, so they include every committed fact
+``<= C[s]``; that needs READ COMMITTED (a pipeline is one implicit transaction, and under
+REPEATABLE READ its first statement's snapshot would serve them all), so reader sessions pin it
+(`READER_SESSION_SETUP`). A writer whose process dies releases its locks when the server
+notices the dropped connection; a wedged one, when its transaction has been idle for the lease
+(``idle_in_transaction_session_timeout``).
+
+The writer's side (`streams.store.writing`): one statement computes ``L`` from the sequence, takes
+the lock on it and calls ``nextval``. That is the one place where order inside a statement matters,
+and it is a data dependency, not an evaluation-order assumption: ``nextval`` runs in a CTE that
+scans the CTE taking the lock, and the writer checks ``ID >= L`` for every ID before the
+transaction can commit (inside the statement itself for a single fact, which then commits by
+itself in autocommit; from the returned ``L`` for a batch): `SequenceRewound` otherwise.
+
+Earlier versions read ``pg_locks`` in a correlated subquery of the statement that read the
+sequences. PostgreSQL evaluated ``pg_lock_status()`` once, at the first stream's row, and reused
+it for the others, whose sequences were therefore read *after* the lock snapshot: a reader of
+several streams could pass an ID reserved in between (issue 7; `tests/test_probe.py` forces that
+window).
+
+Shared proofs (one prober per stream instead of one per reader)
+---------------------------------------------------------------
+A probe reads ``pg_locks``, which the server copies whole (every lock of every application)
+under all lock-manager partition locks: K readers each probing on every hint cost K such copies
+per fact, and the copy grows with everything else the server does. So the processes that read
+a stream elect one *prober* among themselves (session advisory lock ``(PROOF_LOCK, id)``,
+`try_become_prover`); it runs the probe above and, as one more statement of the same pipeline,
+records ``C[s]`` in ``streams_proofs`` (`prove`: forward-only, with the server's time). Every
+other reader reads that row *and* the rows behind it in **one statement**
+(`fetch_rows_after_proof`), so both come from one snapshot: if the snapshot shows ``C``, the
+prober's transaction had committed before it was taken; that transaction read ``pg_locks``
+before committing, when every transaction holding an ID ``<= C`` had already ended, so all of
+them are visible (committed) or gone (rolled back) in the same snapshot. Nothing depends on the
+order in which the statement's parts are evaluated; only on one statement seeing one snapshot
+(READ COMMITTED). The proof row is a cache of a fact PostgreSQL itself established: a lost,
+stale or missing row only makes a reader probe for itself (`streams.reader`), never skip a fact.
+The choice against the alternatives (coalescing probes per process, sharing one probe inside a
+process) is that this one costs O(streams) ``pg_locks`` reads, not O(reader processes), and a
+reader's read becomes a primary-key lookup plus the range scan it needed anyway.
+
+The alternative (transaction-ID snapshots with ``pg_current_snapshot``) needs every fact to
+record its ``xid`` and readers to reason about snapshots; row locks put the whole proof in one
+place the database already enforces.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..core.constants import (
+    PROOF_LOCK,
+    RESERVATION_LOCK_SPAN,
+    STALE_AFTER,
+    reservation_lock_class,
+)
+from ._common import COMPLETE_SETTING, MAY_END_SESSION, RESERVATION_LOCKS, int_array
+from .driver import Commit, Gen, Pipeline, Query, Row
+from .registry import StreamInfo
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """What PostgreSQL proves about a stream at one moment (see "the probe argument").
+
+    ``max_allocated``: the highest ID reserved so far. ``complete``: every ID ``<=`` it has
+    completed, so a reader may deliver everything up to it; this is the stream's linear
+    position as PostgreSQL alone can vouch for it.
+    """
+
+    stream: str
+    max_allocated: int
+    complete: int
+
+
+#: Session settings (plus the stream's registry id) where a probe leaves max allocated
+#: (statement 1) and the complete position (statement 2, for `fetch_rows_after_probe`).
+ALLOCATED_SETTING = "streams.allocated_"
+
+_HALF_SPAN = RESERVATION_LOCK_SPAN // 2
+
+#: Statement 1 of a probe: every sequence's last value, before any lock is read.
+_PROBE_ALLOCATED_SQL = f"""
+SELECT r.id,
+       set_config('{ALLOCATED_SETTING}' || r.id,
+                  COALESCE(pg_sequence_last_value(r.sequence_name::regclass), 0)::text, false)
+FROM streams_registry r
+WHERE r.id = ANY(%(ids)s::int[])
+"""
+
+#: Statement 2 of a probe: pg_locks, then ``C`` from statement 1's values. Nothing here depends
+#: on the order of evaluation: statement 1 has ended before this statement starts.
+_PROBE_COMPLETE_SQL = f"""
+SELECT r.name, a.allocated, c.complete,
+       set_config('{COMPLETE_SETTING}' || r.id, c.complete::text, false)
+FROM unnest(%(ids)s::int[], %(classes)s::bigint[]) AS k(id, lock_class)
+JOIN streams_registry r ON r.id = k.id
+CROSS JOIN LATERAL (
+    SELECT current_setting('{ALLOCATED_SETTING}' || r.id)::bigint AS allocated
+) AS a
+CROSS JOIN LATERAL (
+    -- objid holds L mod 2**32; L is the one value in [allocated + 1 - 2**31, allocated + 1 +
+    -- 2**31). Not only <= allocated + 1: a writer that took its lock after statement 1 read
+    -- the sequence has an L above it (its IDs are too, so it cannot lower C), and must not
+    -- wrap around to a value 2**32 below (that read C as 0 while writers were busy).
+    SELECT min(a.allocated + 1
+               + ((l.objid::bigint - a.allocated - 1 + {_HALF_SPAN}) %% {RESERVATION_LOCK_SPAN}
+                  + {RESERVATION_LOCK_SPAN}) %% {RESERVATION_LOCK_SPAN}
+               - {_HALF_SPAN}) AS min_locked
+    FROM pg_locks l
+    WHERE {RESERVATION_LOCKS} AND l.classid = k.lock_class::oid
+) AS m
+CROSS JOIN LATERAL (
+    SELECT GREATEST(0, LEAST(a.allocated, COALESCE(m.min_locked - 1, a.allocated))) AS complete
+) AS c
+"""
+
+#: Settings of every session that reads facts behind a probe (readers): READ COMMITTED, which the
+#: probe argument needs; the statements that repeat (the probe, the page behind it) are prepared by
+#: psycopg, and generic plans halved a caught-up reader's round trip (688 -> 349 us per probe,
+#: measured); with statistics older than a stream's growth the planner read a page
+#: ``stream_id > a AND stream_id <= b ... LIMIT n`` as a bitmap scan of the whole remaining range
+#: plus a sort (100 ms per 5000-row page instead of 2 ms): the ordered primary-key scan is always
+#: right for these statements.
+READER_SESSION_SETUP = (
+    "SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL READ COMMITTED",
+    "SET plan_cache_mode = force_generic_plan",
+    "SET enable_bitmapscan = off",
+)
+
+
+def probe_queries(infos: Sequence[StreamInfo]) -> list[Query]:
+    """The statements of `probe`, for pipelining (see "the probe argument"): the rows of the
+    *last* one go to `probes_from_rows`; more statements may follow them in the pipeline
+    (`fetch_rows_after_probe`)."""
+    return list(_probe_queries(tuple(info.id for info in infos)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _probe_queries(ids: tuple[int, ...]) -> tuple[Query, ...]:
+    # pg_locks shows the int4 key as an unsigned oid.
+    classes = [reservation_lock_class(i) % RESERVATION_LOCK_SPAN for i in ids]
+    allocated = _PROBE_ALLOCATED_SQL.replace("%(ids)s", int_array(ids))
+    complete = _PROBE_COMPLETE_SQL.replace("%(ids)s", int_array(ids)).replace(
+        "%(classes)s", int_array(classes)
+    )
+    # Rendered to bytes once: psycopg caches the conversion of a bytes query (empty parameters
+    # still turn ``%%`` into ``%``).
+    return (Query(allocated.encode(), ()), Query(complete.encode(), ()))
+
+
+#: How many statements `probe_queries` returns (results before the rows behind a probe).
+PROBE_STATEMENTS = 2
+
+
+def probes_from_rows(rows: Sequence[Row]) -> dict[str, Probe]:
+    return {
+        name: Probe(name, int(allocated), int(complete)) for name, allocated, complete, _ in rows
+    }
+
+
+def probe(infos: Sequence[StreamInfo]) -> Gen[dict[str, Probe]]:
+    """`Probe` every stream in ``infos`` in one round trip (no transaction is left open)."""
+    results = yield Pipeline(probe_queries(infos))
+    yield Commit()
+    return probes_from_rows(results[-1])
+
+
+#: Statement 3 of `prove`: record what statement 2 proved (forward-only) for every reader.
+_RECORD_PROOF_SQL = f"""
+INSERT INTO streams_proofs (stream, complete, proven_at)
+SELECT k.id, current_setting('{COMPLETE_SETTING}' || k.id)::bigint, clock_timestamp()
+FROM unnest(%(ids)s::int[]) AS k(id)
+ON CONFLICT (stream) DO UPDATE
+SET complete = GREATEST(streams_proofs.complete, EXCLUDED.complete),
+    proven_at = EXCLUDED.proven_at
+RETURNING stream
+"""
+
+#: Settings of the prober's session, on top of `READER_SESSION_SETUP`: a proof row that a crash
+#: loses is recomputed by the next probe, and the facts it vouches for were durable before their
+#: locks went away, so its commit need not wait for the WAL flush.
+PROVER_SESSION_SETUP = ("SET synchronous_commit = off",)
+
+
+def prove(infos: Sequence[StreamInfo]) -> Gen[dict[str, Probe]]:
+    """`probe` every stream in ``infos`` and record the result in ``streams_proofs`` for the
+    readers of other processes, in one round trip (see "shared proofs")."""
+    queries = probe_queries(infos)
+    queries.append(Query(_RECORD_PROOF_SQL, {"ids": [info.id for info in infos]}))
+    results = yield Pipeline(queries)
+    yield Commit()
+    return probes_from_rows(results[PROBE_STATEMENTS - 1])
+
+
+def try_become_prover(infos: Sequence[StreamInfo]) -> Gen[list[str]]:
+    """Take the prober election lock of each stream that nobody holds (session-scoped: it is
+    kept until `resign_prover` or the session ends); returns the names taken."""
+    by_id = {info.id: info.name for info in infos}
+    rows = yield Query(
+        "SELECT k.id FROM unnest(%s::int[]) AS k(id) WHERE pg_try_advisory_lock(%s, k.id)",
+        (list(by_id), PROOF_LOCK),
+    )
+    yield Commit()
+    return sorted(by_id[int(row[0])] for row in rows)
+
+
+#: A prover whose proofs are older than this many ms is ended by a process that wants to
+#: prove in its place (readers already probe for themselves past `STALE_AFTER`).
+REPLACE_PROVER_AFTER = 2 * STALE_AFTER
+
+
+def end_stale_provers(infos: Sequence[StreamInfo]) -> Gen[list[str]]:
+    """End the session holding the election lock of each stream in ``infos`` whose last proof
+    is older than `REPLACE_PROVER_AFTER`: a prover frozen or cut off from the database keeps
+    its session-scoped lock until its session ends, and no other process could take over.
+    Returns the streams whose prover was ended (the next election takes them). Skips sessions
+    the caller may not signal, as `streams.store.writers.end_expired_sessions` does."""
+    by_id = {info.id: info.name for info in infos}
+    rows = yield Query(
+        f"""
+        SELECT p.stream, pg_terminate_backend(l.pid, 1000)
+        FROM streams_proofs p
+        JOIN pg_locks l ON l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
+         AND l.classid = %(lock)s::bigint::oid AND l.objid = p.stream::bigint::oid
+         AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+        JOIN pg_stat_activity a ON a.pid = l.pid
+        WHERE p.stream = ANY(%(ids)s::int[])
+          AND p.proven_at < clock_timestamp() - make_interval(secs => %(stale)s)
+          AND l.pid <> pg_backend_pid()
+          AND {MAY_END_SESSION}
+        """,
+        {"lock": PROOF_LOCK, "ids": list(by_id), "stale": REPLACE_PROVER_AFTER / 1000},
+    )
+    yield Commit()
+    return sorted(by_id[int(stream)] for stream, _ in rows)
+
+
+def resign_prover(infos: Sequence[StreamInfo]) -> Gen[None]:
+    """Release the prober election locks of ``infos`` that this session holds."""
+    yield Query(
+        "SELECT pg_advisory_unlock(%s, k.id) FROM unnest(%s::int[]) AS k(id)",
+        (PROOF_LOCK, [info.id for info in infos]),
+    )
+    yield Commit()

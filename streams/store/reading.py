@@ -1,0 +1,485 @@
+"""The reader core: facts in stream-ID order, one whole epoch at a time, with frontiers.
+
+Theory of operation
+===================
+
+A reader follows one or more streams. Its state per stream is a **position** ``p``: it has
+delivered every fact ``<= p``, so its frontier there is ``{p + 1}`` (`streams.core.epochs`). With
+several streams, its frontier is the one-element antichain of the vector ``(p1 + 1, p2 + 1, ...)``
+in the reader's stream order, compared pointwise (`streams.core.frontier`).
+
+Stages, after Materialize's compute protocol:
+
+1. **Creation**: attach to the process's Redis link (subscribe; `streams.transport.link`).
+2. **Initialization**: resolve where to start (a reader group's committed position, else
+   ``start``), and ask PostgreSQL what is complete (`streams.store.probe.probe`). The link publishes
+   ``REPLICATE`` once its subscription is confirmed; writers answer with ``POSITION``.
+3. **Computation**: `ReaderCore.step` delivers the next epoch. While behind the last probe it
+   reads pages of rows from PostgreSQL; when caught up it probes again. Between steps the driver
+   sleeps until a *hint* (an ``RDATA``/``POSITION`` naming a token beyond its position, from
+   Redis or from a writer in the same process) or the poll interval.
+
+Nothing from Redis is trusted: a hint only decides *when* to ask PostgreSQL, so forged, lost,
+stale or duplicated commands cannot make a reader skip or invent a fact, and catching up after a
+reconnect is the ordinary path, not a special one. After a (re)connect every stream counts as
+disconnected (`Reader.live` is False, polling is fast) until the next probe re-establishes it.
+
+`ReaderCore` holds all of this as generators (psycopg style); `Reader` and `AsyncReader` only
+drive them on a connection and wait for hints.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple, TypeAlias
+
+import orjson
+
+from ..core.constants import PROOF_GRACE, STALE_AFTER
+from ..core.epochs import Epoch, Fact, Row, plan_page
+from ..core.frontier import Antichain, FrontierProbe, FrontierSnapshot, LiveFilter, UpperAntichain
+from ..core.replication import Hint, is_proof_hint
+from ..core.stalls import HeldStreams
+from ..errors import FactsPruned, UsageError
+from .driver import Gen, Pipeline
+from .groups import commit_group, group_position
+from .probe import PROBE_STATEMENTS, Probe, probe, probe_queries, probes_from_rows
+from .registry import StreamInfo, load_streams
+from .rows import (
+    check_retained,
+    database_time_ms,
+    fetch_rows,
+    fetch_rows_after_probe,
+    fetch_rows_after_proof,
+    position_before_time,
+    pruned_positions,
+    retention_query,
+    ts_floor_at,
+)
+from .writers import persisted_writer_position, retire_where_held
+
+__all__ = ["DEFAULT_PAGE_SIZE", "ReaderCore", "Start", "decode_jsonb", "decode_payloads"]
+
+#: Where a reader without a committed group position starts: ``"earliest"``, ``"latest"``,
+#: ``"live"``, a stream ID (the first fact with an ID >= it), a `datetime` (the first fact with a
+#: timestamp >= it) or a `timedelta` (that long ago, on the database's clock).
+Start: TypeAlias = str | int | dt.datetime | dt.timedelta
+
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+
+#: Rows per page when catching up.
+DEFAULT_PAGE_SIZE = 5000
+
+
+class _Planned(NamedTuple):
+    """What one step read of one stream: its facts (before the ``live`` and time-start
+    filters) and where the stream's position and timestamp floor go once they are delivered."""
+
+    name: str
+    facts: Sequence[Fact]
+    position: int
+    ts_floor: int
+
+
+def _check_start(start: object) -> Start:
+    if isinstance(start, bool):
+        raise UsageError(f"invalid start {start!r}")
+    if isinstance(start, str):
+        if start not in ("earliest", "latest", "live"):
+            raise UsageError(
+                f"invalid start {start!r}: use 'earliest', 'latest', 'live', a stream ID, "
+                "a datetime or a timedelta"
+            )
+        return start
+    if isinstance(start, int):
+        if start < 1:
+            raise UsageError("a start stream ID must be >= 1")
+        return start
+    if isinstance(start, dt.datetime):
+        if start.tzinfo is None:
+            raise UsageError("a start datetime must be timezone-aware")
+        return start
+    if isinstance(start, dt.timedelta):
+        if start < dt.timedelta(0):
+            raise UsageError("a start timedelta must not be negative")
+        return start
+    raise UsageError(f"invalid start {start!r}")
+
+
+class ReaderCore:
+    """The logic of one reader, shared by `Reader` and `AsyncReader` (see the module doc)."""
+
+    def __init__(
+        self,
+        streams: Sequence[str],
+        *,
+        start: Start = "earliest",
+        group: str | None = None,
+        page_size: int = DEFAULT_PAGE_SIZE,
+    ) -> None:
+        names = list(streams)
+        if not names:
+            raise UsageError("a reader needs at least one stream")
+        if len(set(names)) != len(names):
+            raise UsageError("a reader cannot follow the same stream twice")
+        if group is not None and (not isinstance(group, str) or not 0 < len(group) <= 200):
+            raise UsageError("a group name is a non-empty string of at most 200 characters")
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+            raise UsageError("page_size must be a positive int")
+        self.names: tuple[str, ...] = tuple(names)
+        self.start = _check_start(start)
+        self.group = group
+        self.page_size = page_size
+        self.infos: dict[str, StreamInfo] = {}
+        self.positions: dict[str, int] = {}
+        self.ts_floors: dict[str, int] = {}
+        self._targets: dict[str, int] = {}
+        self._filters: dict[str, LiveFilter[int]] = {}
+        self._start_ts: dict[str, int] = {}
+        self._link_up = False
+        self._reconcile = True
+        #: Follow the elected prober's proofs (`streams.proofs`) instead of probing each time.
+        self.shared_proofs = False
+        self._proof_fresh = False
+        # Writers' tokens heard while following proofs, not yet covered by one (link thread
+        # writes, the reader's thread reads; single dict operations under the GIL).
+        self._awaited: dict[str, int] = {}
+        self._awaited_since: float | None = None
+        self.deadline_moved = False
+        self._held = HeldStreams()
+        self.probes = 0
+        self.proof_reads = 0
+        self.pages = 0
+        #: Rows read from PostgreSQL (catch-up and live), for metrics.
+        self.rows = 0
+
+    # ---------------------------------------------------------------- initialization
+
+    def open(self) -> Gen[None]:
+        """Load the streams and resolve every starting position."""
+        infos = yield from load_streams(list(self.names))
+        self.infos = {info.name: info for info in infos}
+        probes = yield from probe(infos)
+        self._note_probe(probes)
+        pruned = yield from pruned_positions(infos)
+        start = self.start
+        start_ms: int | None = None
+        if isinstance(start, dt.timedelta):
+            now_ms = yield from database_time_ms()
+            start_ms = now_ms - start // dt.timedelta(milliseconds=1)
+        elif isinstance(start, dt.datetime):
+            # Exact ceiling in integers: a fact at 12.000 s is before a start at 12.0005 s.
+            start_ms = -((_EPOCH - start) // dt.timedelta(milliseconds=1))
+        for info in infos:
+            found = probes[info.name]
+            committed = None
+            if self.group is not None:
+                committed = yield from group_position(info, self.group)
+            if committed is not None:
+                self.positions[info.name], self.ts_floors[info.name] = committed
+                continue
+            if start == "earliest":
+                position = pruned[info.name]  # the oldest fact retention kept is next
+            elif start in ("latest", "live"):
+                position = found.complete
+            elif isinstance(start, int):
+                position = start - 1
+                if position < pruned[info.name]:
+                    raise FactsPruned(info.name, position, pruned[info.name])
+            else:
+                assert start_ms is not None
+                before = yield from position_before_time(info, start_ms)
+                # Capped at what is complete: a pending fact below the first committed match
+                # may still commit with a timestamp >= start (the filter drops earlier ones).
+                position = found.complete if before is None else min(before, found.complete)
+                self._start_ts[info.name] = start_ms
+            if start == "live" and found.max_allocated > position:
+                # Strymon's late subscriber: epochs active at join (IDs up to max allocated) may
+                # be partly gone for a subscriber without backfill; drop them all.
+                snapshot = FrontierSnapshot(
+                    Antichain([position + 1]), UpperAntichain([found.max_allocated])
+                )
+                self._filters[info.name] = LiveFilter(snapshot)
+            self.positions[info.name] = position
+            self.ts_floors[info.name] = yield from ts_floor_at(info, position)
+
+    # ---------------------------------------------------------------- computation
+
+    def _note_probe(self, probes: Mapping[str, Probe]) -> None:
+        self.probes += 1
+        for name, found in probes.items():
+            self._targets[name] = max(self._targets.get(name, 0), found.complete)
+        self._reconcile = False
+
+    def start_times(self) -> dict[str, int]:
+        """For a start by time: the start (ms), by stream, still filtering what comes next
+        (facts whose running-maximum timestamp is earlier are dropped until the first one at
+        or after it, so a fact that was pending at the start cannot sneak in late)."""
+        return dict(self._start_ts)
+
+    def set_link_state(self, connected: bool) -> None:
+        """The Redis link went up or down: disconnected until the next probe re-establishes."""
+        self._link_up = connected
+        self._reconcile = True
+
+    @property
+    def live(self) -> bool:
+        """The Redis link is up and a probe has re-established the position since."""
+        return self._link_up and not self._reconcile
+
+    def wants(self, hint: Hint) -> bool:
+        """Could this hint mean something new for this reader? Following fresh shared proofs,
+        only a prober's line can: a writer's commit is not readable before it is proven."""
+        position = self.positions.get(hint.stream)
+        if position is None or hint.token <= position:
+            return False
+        if self.shared_proofs and self._proof_fresh and self.live:
+            if is_proof_hint(hint):
+                return True
+            # A writer committed: the prober should announce it within PROOF_GRACE.
+            if hint.token > self._awaited.get(hint.stream, 0):
+                self._awaited[hint.stream] = hint.token
+            if self._awaited_since is None:
+                self._awaited_since = time.monotonic()
+                self.deadline_moved = True  # the driver's wait must end sooner now
+            return False
+        return True
+
+    def proof_deadline(self) -> float | None:
+        """When (monotonic) to look even without a proof line: `PROOF_GRACE` after the first
+        writer's hint no proof has covered yet (None: no such hint)."""
+        since = self._awaited_since
+        return None if since is None else since + PROOF_GRACE
+
+    def target(self, stream: str) -> int:
+        """The complete position the last probe proved for ``stream`` (what catching up aims
+        at; progress bars use it)."""
+        return self._targets.get(stream, 0)
+
+    def behind(self) -> bool:
+        return any(self.positions[n] < self._targets.get(n, 0) for n in self.names)
+
+    @property
+    def caught_up(self) -> bool:
+        """Everything the last probe proved complete is delivered (and no reconnect since)."""
+        return not self._reconcile and not self.behind()
+
+    def step(self) -> Gen[Epoch | None]:
+        """The next epoch, or None if PostgreSQL has nothing complete beyond the positions.
+
+        Caught up (or reconciling), it probes and reads the first page of every stream in one
+        pipelined round trip; behind the last probe, it reads pages only.
+
+        All or nothing: every read happens before any position moves (`_advance`), so an
+        error or a cancellation at any of its steps leaves the reader where it was, and the
+        next step reads the same facts again; none is skipped.
+        """
+        lower = dict(self.positions)
+        planned: list[_Planned] = []
+        shared = None
+        # Proofs only while the Redis link is live: without it nobody hears writers' commits
+        # in time to prove them, and this reader polls PostgreSQL itself.
+        if self.shared_proofs and self._link_up and (not self.behind() or self._reconcile):
+            shared = yield from self._step_on_proofs(lower)
+        if shared is not None:
+            planned = shared
+        elif not self.behind() or self._reconcile:
+            infos = [self.infos[n] for n in self.names]
+            queries = probe_queries(infos)
+            queries += [fetch_rows_after_probe(i, lower[i.name], self.page_size) for i in infos]
+            queries.append(retention_query(infos))  # after the rows: see "retention" (store)
+            results = yield Pipeline(queries)
+            check_retained(results[-1], lower)
+            probes = probes_from_rows(results[PROBE_STATEMENTS - 1])
+            self._note_probe(probes)
+            # A stream held back for a while: end an expired writer's sessions ("the liveness
+            # argument" in streams.store.writers). Not a read: no position moves here.
+            yield from retire_where_held(
+                self.infos,
+                self._held,
+                time.monotonic(),
+                ((name, p.complete, p.max_allocated) for name, p in probes.items()),
+            )
+            for info, raw in zip(infos, results[PROBE_STATEMENTS:-1], strict=True):
+                # The rows were read up to this probe's position, whatever earlier ones said.
+                through = probes[info.name].complete
+                if through > lower[info.name]:
+                    planned.append((yield from self._plan(info.name, list(raw), through)))
+        else:
+            for name in self.names:
+                target = self._targets.get(name, 0)
+                if lower[name] < target:
+                    page = yield from fetch_rows(
+                        self.infos[name], lower[name], target, self.page_size
+                    )
+                    planned.append((yield from self._plan(name, page, target)))
+        facts = self._advance(planned)  # nothing may be yielded from here on
+        if self.positions == lower:
+            return None
+        return Epoch(lower, dict(self.positions), tuple(facts))
+
+    def _step_on_proofs(self, lower: Mapping[str, int]) -> Gen[list[_Planned] | None]:
+        """`step` as a follower: every stream's shared proof and its first page, one statement
+        each, one round trip; None (nothing delivered) when a proof is missing or stale, and
+        the caller probes itself."""
+        infos = [self.infos[n] for n in self.names]
+        *results, pruned = yield Pipeline(
+            [
+                *(fetch_rows_after_proof(i, lower[i.name], self.page_size) for i in infos),
+                retention_query(infos),  # after the rows: see "retention" (store)
+            ]
+        )
+        check_retained(pruned, lower)
+        self._proof_fresh = all(rows and int(rows[0][1]) <= STALE_AFTER for rows in results)
+        if not self._proof_fresh:
+            self._awaited.clear()
+            self._awaited_since = None
+            return None
+        self.proof_reads += 1
+        proven = {i.name: int(rows[0][0]) for i, rows in zip(infos, results, strict=True)}
+        since = self._awaited_since
+        if since is not None:
+            behind = any(self._awaited.get(n, 0) > proven[n] for n in proven)
+            overdue = time.monotonic() >= since + PROOF_GRACE
+            if not behind or overdue:
+                self._awaited.clear()
+                self._awaited_since = None
+            if behind and overdue:
+                return None  # the prober is late: probe for ourselves this once
+        self._note_probe({n: Probe(n, c, c) for n, c in proven.items()})
+        planned: list[_Planned] = []
+        for info, rows in zip(infos, results, strict=True):
+            if proven[info.name] > lower[info.name]:
+                page = [tuple(r[2:]) for r in rows if r[2] is not None]
+                planned.append((yield from self._plan(info.name, page, proven[info.name])))
+        return planned
+
+    def _plan(self, name: str, rows: list[Row], target: int) -> Gen[_Planned]:
+        """What a page of rows allows to deliver on ``name`` (reads more only for a fact with
+        more rows than a page); changes no position (`_advance` does)."""
+        info = self.infos[name]
+        after = self.positions[name]
+        self.pages += 1
+        self.rows += len(rows)
+        plan = plan_page(
+            name, rows, after=after, through=target, limit=self.page_size,
+            ts_floor=self.ts_floors[name], decode=decode_payloads,
+        )  # fmt: skip
+        if plan.refetch is not None:
+            # One fact has more rows than a page: read it alone, whole.
+            rows = yield from fetch_rows(info, plan.refetch - 1, plan.refetch, 2**31 - 1)
+            plan = plan_page(
+                name, rows, after=after, through=plan.refetch, limit=len(rows) + 1,
+                ts_floor=self.ts_floors[name], decode=decode_payloads,
+            )  # fmt: skip
+        return _Planned(name, plan.facts, plan.position, plan.ts_floor)
+
+    def _advance(self, planned: Sequence[_Planned]) -> list[Fact]:
+        """Move the positions to what `step` read, and filter what a ``live`` or time start
+        drops: the only place a step changes them, after its last read."""
+        delivered: list[Fact] = []
+        for name, planned_facts, position, ts_floor in planned:
+            self.positions[name] = position
+            self.ts_floors[name] = ts_floor
+            facts = list(planned_facts)
+            live = self._filters.get(name)
+            if live is not None:
+                facts = [f for f in facts if live.admit(f.stream_id)]
+                live.advance_lower(Antichain([position + 1]))
+                if not live.active:
+                    del self._filters[name]
+            start_ms = self._start_ts.get(name)
+            if start_ms is not None:
+                facts = [f for f in facts if f.timestamp >= start_ms]
+                if facts:
+                    del self._start_ts[name]
+            delivered.extend(facts)
+        return delivered
+
+    # ---------------------------------------------------------------- queries
+
+    def reached(self, stream: str, token: int, instance: str | None) -> Gen[bool]:
+        """Has PostgreSQL proven ``stream`` complete through ``token`` (for ``instance``'s
+        facts only, if given: its persisted position counts too)?"""
+        info = self._info(stream)
+        probes = yield from probe([info])
+        self._note_probe(probes)
+        if probes[stream].complete >= token:
+            return True
+        if instance is not None:
+            persisted = yield from persisted_writer_position(info, instance)
+            return persisted is not None and persisted >= token
+        return False
+
+    def commit(self, through: Fact | None = None) -> Gen[dict[str, int]]:
+        """Commit the group's positions (forward-only); returns what is committed now.
+
+        With ``through``, a fact this reader delivered, commit its stream only, up to that fact:
+        for a consumer that stopped in the middle of an epoch (the rest of the epoch is
+        delivered again after a restart of the group; nothing is skipped).
+        """
+        if self.group is None:
+            raise UsageError("this reader has no group: pass group= to commit positions")
+        if through is not None:
+            info = self._info(through.stream)
+            if through.stream_id > self.positions[through.stream]:
+                raise UsageError(
+                    f"fact {through.stream_id} of {through.stream!r} was not delivered yet"
+                )
+            commit = (info, through.stream_id, through.timestamp)
+            return (yield from commit_group(self.group, [commit]))
+        return (
+            yield from commit_group(
+                self.group,
+                [(self.infos[n], self.positions[n], self.ts_floors[n]) for n in self.names],
+            )
+        )
+
+    def _info(self, stream: str) -> StreamInfo:
+        try:
+            return self.infos[stream]
+        except KeyError:
+            raise UsageError(f"this reader does not follow stream {stream!r}") from None
+
+    def position(self, stream: str | None = None) -> int:
+        if stream is None:
+            if len(self.names) != 1:
+                raise UsageError("this reader follows several streams: name one")
+            stream = self.names[0]
+        self._info(stream)
+        return self.positions[stream]
+
+    @property
+    def frontier(self) -> Antichain[tuple[int, ...]]:
+        return Antichain([tuple(self.positions[n] + 1 for n in self.names)])
+
+    def probe(self, stream: str | None = None) -> FrontierProbe[int]:
+        """A probe of one stream's frontier ``{position + 1}`` (the only stream by default)."""
+        return FrontierProbe(Antichain([self.position(stream) + 1]))
+
+    def vector_probe(self) -> FrontierProbe[tuple[int, ...]]:
+        """A probe of the merged frontier over all streams (vectors in the reader's order)."""
+        return FrontierProbe(self.frontier)
+
+
+def decode_jsonb(data: bytes | str) -> Any:
+    """JSONB payloads -> Python: orjson (a quarter faster end to end when catching up,
+    measured), falling back to the standard library for what orjson refuses (integers beyond
+    64 bits, numbers beyond float range) so every stored payload still reads."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return json.loads(data)
+
+
+def decode_payloads(texts: list[Any]) -> list[Any]:
+    """A page's payload column, read as JSON text, -> Python values: one ``map`` over orjson
+    (a fifth faster end to end when catching up than psycopg's loader per value, measured);
+    value by value with `decode_jsonb` (and NULL as None) if orjson refuses any of them."""
+    try:
+        return list(map(orjson.loads, texts))
+    except (orjson.JSONDecodeError, TypeError):
+        return [None if text is None else decode_jsonb(text) for text in texts]

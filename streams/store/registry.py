@@ -1,0 +1,514 @@
+"""Streams and their declared tables: the registry (``streams_registry``).
+
+A stream is a row of ``streams_registry``: its name, the sequence its IDs come from (named after
+the registry id, never after the user's name), its timestamping and retention settings, and the
+user tables that hold its facts besides ``streams_facts`` (`FactTable`, "declared tables").
+``create_stream`` makes the row, the sequence and the stream's partition of ``streams_facts``;
+``drop_stream`` takes them away again. Every other module of the store starts from the
+`StreamInfo` these functions return.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+from psycopg import sql
+from psycopg.types.json import Jsonb
+
+from ..config import validate_stream_name
+from ..core.constants import (
+    facts_partition,
+)
+from ..core.timestamps import TimestampMode
+from ..errors import (
+    InvalidFactTables,
+    SchemaNotReady,
+    StoreError,
+    StreamExists,
+    UnknownStream,
+)
+from .driver import Autocommit, Commit, Gen, Query
+
+ALEMBIC_HEAD = "0006_partitions"
+
+
+@dataclass(frozen=True, slots=True)
+class StreamInfo:
+    """A stream's registry row."""
+
+    id: int
+    name: str
+    sequence_name: str
+    timestamping: TimestampMode
+    uncapped: bool
+    retention_ms: int | None
+    #: User tables that hold facts of this stream, besides ``streams_facts``.
+    fact_tables: tuple[FactTable, ...] = ()
+
+    @property
+    def sequence(self) -> sql.Identifier:
+        return sql.Identifier(self.sequence_name)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "timestamping": str(self.timestamping),
+            "uncapped": self.uncapped,
+            "retention_ms": self.retention_ms,
+            "fact_tables": [str(t) for t in self.fact_tables],
+        }
+
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_$]{0,62}")
+#: ``TARGET WHERE COLUMN = 'VALUE'``: the value a single-quoted SQL string literal (``''`` for a
+#: quote inside it); the parts are checked further by `FactTable.parse`.
+_FILTERED = re.compile(
+    r"(?P<target>\S+)\s+WHERE\s+(?P<column>[^\s=]+)\s*=\s*'(?P<value>(?:[^']|'')*)'",
+    re.IGNORECASE,
+)
+_FORMS = (
+    "use 'table.column', 'schema.table.column', \"table.column WHERE column = 'value'\" "
+    "(also with a schema; the value a single-quoted SQL string, '' for a quote in it), "
+    "a (table, column) pair or a (table, column, {column: 'value'}) triple, "
+    "with plain identifiers (letters, digits, '_', '$')"
+)
+
+
+@functools.total_ordering
+@dataclass(frozen=True, slots=True)
+class FactTable:
+    """A user table holding facts of a stream: ``table`` (``schema.table``), the column with the
+    stream ID, and optionally the rows that are this stream's: those whose ``where_column``
+    equals ``where_value`` (a table shared by several streams, each with its own value). Without
+    one, every row of the table is the stream's.
+
+    Written ``"schema.table.column WHERE where_column = 'value'"`` (`parse` reads it, ``str``
+    renders it; ``''`` for a quote inside the value). Sequence repair reads
+    ``max(column) FROM table [WHERE where_column = value]`` (and `streams doctor` that filter's
+    recent IDs), so index ``(column)``, or ``(where_column, column)`` for a declaration with a
+    filter. ``where_column`` may be of any type the value can be compared with as
+    ``where_column = 'value'`` (text, an enum, an integer, ...).
+
+    Stored in ``streams_registry.fact_tables`` as ``{"table": ..., "column": ...}``, with
+    ``"where_column"`` and ``"where_value"`` besides for a filter: the JSON needed no schema
+    migration, and rows written before filters existed mean "the whole table", as before.
+    Ordered (by table, column, then filter) and hashable, like any value.
+    """
+
+    table: str
+    column: str
+    where_column: str | None = None
+    where_value: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.where_column is None) != (self.where_value is None):
+            raise InvalidFactTables(
+                f"invalid fact table {self.table}.{self.column}: give where_column and "
+                "where_value together, or neither"
+            )
+
+    def __str__(self) -> str:
+        if self.where_column is None or self.where_value is None:
+            return f"{self.table}.{self.column}"
+        value = self.where_value.replace("'", "''")
+        return f"{self.table}.{self.column} WHERE {self.where_column} = '{value}'"
+
+    def _key(self) -> tuple[str, str, bool, str, str]:
+        return (
+            self.table,
+            self.column,
+            self.where_column is not None,
+            self.where_column or "",
+            self.where_value or "",
+        )
+
+    def __lt__(self, other: object) -> bool:
+        if not isinstance(other, FactTable):
+            return NotImplemented
+        return self._key() < other._key()
+
+    @classmethod
+    def parse(cls, spec: object) -> FactTable:
+        """One declaration, checked strictly (`InvalidFactTables` shows the accepted forms):
+
+        * ``"table.column"`` or ``"schema.table.column"``: every row of the table;
+        * ``"table.column WHERE where_column = 'value'"`` (also with a schema; ``WHERE`` in
+          any case; the value a single-quoted SQL string literal, ``''`` for a quote in it):
+          only the rows whose ``where_column`` equals the value;
+        * a ``(table, column)`` pair or a ``(table, column, {where_column: "value"})`` triple
+          (``table`` may be ``"schema.table"``);
+        * a `FactTable` (checked the same way).
+
+        The schema defaults to ``public``. Plain identifiers only: they become SQL identifiers;
+        the value is only ever passed as a parameter.
+        """
+        where: tuple[object, object] | None = None
+        if isinstance(spec, FactTable):
+            parts: list[object] = [*spec.table.split("."), spec.column]
+            if spec.where_column is not None:
+                where = (spec.where_column, spec.where_value)
+        elif isinstance(spec, str):
+            target = spec
+            if (found := _FILTERED.fullmatch(spec)) is not None:
+                target = found["target"]
+                where = (found["column"], found["value"].replace("''", "'"))
+            parts = [*target.split(".")]
+        elif (
+            isinstance(spec, tuple | list)
+            and len(spec) in (2, 3)
+            and isinstance(spec[0], str)
+            and (len(spec) == 2 or (isinstance(spec[2], dict) and len(spec[2]) == 1))
+        ):
+            parts = [*spec[0].split("."), spec[1]]
+            if len(spec) == 3:
+                ((column, value),) = spec[2].items()
+                where = (column, value)
+        else:
+            raise InvalidFactTables(f"invalid fact table {spec!r}: {_FORMS}")
+        if len(parts) == 2:
+            parts.insert(0, "public")
+        identifiers = [*parts, *([where[0]] if where is not None else [])]
+        if len(parts) != 3 or not all(
+            isinstance(p, str) and _IDENTIFIER.fullmatch(p) for p in identifiers
+        ):
+            raise InvalidFactTables(f"invalid fact table {spec!r}: {_FORMS}")
+        table, column = f"{parts[0]}.{parts[1]}", str(parts[2])
+        if where is None:
+            return cls(table, column)
+        where_column, where_value = where
+        if not isinstance(where_value, str) or "\x00" in where_value:
+            raise InvalidFactTables(
+                f"invalid fact table {spec!r}: the value of {where_column} must be a string "
+                f"(without NUL characters); {_FORMS}"
+            )
+        return cls(table, column, str(where_column), where_value)
+
+    def as_json(self) -> dict[str, str]:
+        """The object stored in ``streams_registry.fact_tables`` (`from_json` reads it)."""
+        found = {"table": self.table, "column": self.column}
+        if self.where_column is not None and self.where_value is not None:
+            found.update(where_column=self.where_column, where_value=self.where_value)
+        return found
+
+    @classmethod
+    def from_json(cls, found: dict[str, Any]) -> FactTable:
+        """A stored declaration; one without ``where_column`` (older rows too) is the whole
+        table."""
+        return cls(
+            found["table"], found["column"], found.get("where_column"), found.get("where_value")
+        )
+
+    def _relation(self) -> sql.Identifier:
+        return sql.Identifier(*self.table.split("."))
+
+    def _where(self, param: str) -> sql.Composable:
+        """`` WHERE where_column = %(param)s``, or nothing for the whole table. The value is a
+        parameter of the statement (`params`), never SQL text: as a literal, a ``%`` in it
+        would be read as a placeholder by the driver."""
+        if self.where_column is None:
+            return sql.SQL("")
+        return sql.SQL(" WHERE {} = {}").format(
+            sql.Identifier(self.where_column), sql.Placeholder(param)
+        )
+
+    def params(self, param: str) -> dict[str, str]:
+        """The parameters `max_sql` and `ids_sql` with the same ``param`` need."""
+        if self.where_column is None or self.where_value is None:
+            return {}
+        return {param: self.where_value}
+
+    def max_sql(self, param: str) -> sql.Composed:
+        """``(SELECT max(column) FROM table [WHERE where_column = %(param)s])``, for a statement
+        with named parameters that include `params` (an index on ``(where_column, column)``
+        answers it at once)."""
+        return sql.SQL("(SELECT max({column}) FROM {relation}{where})").format(
+            column=sql.Identifier(self.column), relation=self._relation(), where=self._where(param)
+        )
+
+    def ids_sql(self, param: str) -> sql.Composed:
+        """Every stream ID of the table (of this stream's rows), as `max_sql`."""
+        return sql.SQL("SELECT {column}::bigint FROM {relation}{where}").format(
+            column=sql.Identifier(self.column), relation=self._relation(), where=self._where(param)
+        )
+
+
+#: What a declaration of a fact table may be (see `FactTable.parse`).
+FactTableSpec: TypeAlias = "str | tuple[str, str] | tuple[str, str, Mapping[str, str]] | FactTable"
+
+
+_STREAM_COLUMNS = "id, name, sequence_name, timestamping, uncapped, retention_ms, fact_tables"
+
+
+def _stream_from_row(row: tuple[Any, ...]) -> StreamInfo:
+    return StreamInfo(
+        id=row[0],
+        name=row[1],
+        sequence_name=row[2],
+        timestamping=TimestampMode(row[3]),
+        uncapped=row[4],
+        retention_ms=row[5],
+        fact_tables=tuple(FactTable.from_json(t) for t in row[6] or ()),
+    )
+
+
+def check_schema() -> Gen[None]:
+    rows = yield Query("SELECT to_regclass('streams_alembic_version') IS NOT NULL")
+    if not rows[0][0]:
+        raise SchemaNotReady("the streams schema is not installed: run `streams migrate`")
+    rows = yield Query("SELECT version_num FROM streams_alembic_version")
+    if not rows or rows[0][0] != ALEMBIC_HEAD:
+        found = rows[0][0] if rows else "none"
+        raise SchemaNotReady(
+            f"the streams schema is at {found}, this library needs {ALEMBIC_HEAD}: "
+            "run `streams migrate`"
+        )
+    # Never leave a connection idle in a transaction: it would hold AccessShareLock on the
+    # version table (blocking `streams migrate`) for as long as the client lives.
+    yield Commit()
+
+
+def load_stream(name: str) -> Gen[StreamInfo]:
+    validate_stream_name(name)
+    rows = yield Query(
+        f"SELECT {_STREAM_COLUMNS} FROM streams_registry WHERE name = %s",
+        (name,),
+    )
+    yield Commit()
+    if not rows:
+        raise UnknownStream(name)
+    return _stream_from_row(rows[0])
+
+
+def list_streams() -> Gen[list[StreamInfo]]:
+    rows = yield Query(f"SELECT {_STREAM_COLUMNS} FROM streams_registry ORDER BY name")
+    yield Commit()
+    return [_stream_from_row(row) for row in rows]
+
+
+def create_stream(
+    name: str,
+    *,
+    timestamping: TimestampMode | str = TimestampMode.CLIENT_PREFER,
+    uncapped: bool = False,
+    retention_ms: int | None = None,
+    fact_tables: Sequence[object] | None = None,
+    exist_ok: bool = True,
+) -> Gen[StreamInfo]:
+    """Create a stream and its sequence (idempotent when the settings match; ``fact_tables``
+    None means "whatever is declared")."""
+    validate_stream_name(name)
+    mode = TimestampMode(timestamping)
+    if retention_ms is not None and (isinstance(retention_ms, bool) or retention_ms <= 0):
+        raise ValueError("retention_ms must be a positive number of milliseconds or None")
+    tables = None if fact_tables is None else parse_fact_tables(fact_tables)
+    if tables:
+        yield from check_fact_tables(tables)
+    yield Query("SELECT pg_advisory_xact_lock(hashtext('streams_registry'))")
+    rows = yield Query(
+        f"SELECT {_STREAM_COLUMNS} FROM streams_registry WHERE name = %s",
+        (name,),
+    )
+    if rows:
+        existing = _stream_from_row(rows[0])
+        wanted = (mode, uncapped, retention_ms)
+        if (
+            not exist_ok
+            or (existing.timestamping, existing.uncapped, existing.retention_ms) != wanted
+            or (tables is not None and existing.fact_tables != tables)
+        ):
+            raise StreamExists(f"stream {name!r} exists already with settings {existing.as_dict()}")
+        yield Commit()
+        return existing
+    rows = yield Query("SELECT nextval(pg_get_serial_sequence('streams_registry', 'id'))")
+    stream_key = int(rows[0][0])
+    rows = yield Query(
+        f"""
+        INSERT INTO streams_registry
+            (id, name, sequence_name, timestamping, uncapped, retention_ms, fact_tables)
+        OVERRIDING SYSTEM VALUE
+        VALUES (%s, %s, %s, %s, %s, %s, %s)
+        RETURNING {_STREAM_COLUMNS}
+        """,
+        (
+            stream_key,
+            name,
+            f"streams_seq_{stream_key}",
+            str(mode),
+            uncapped,
+            retention_ms,
+            Jsonb([t.as_json() for t in tables or ()]),
+        ),
+    )
+    info = _stream_from_row(rows[0])
+    # Synapse's pitfall: a fresh sequence's START value is not "allocated" until nextval is
+    # called (pg_sequence_last_value() is NULL until then), so nothing may assume ID 1 exists.
+    yield Query(
+        sql.SQL("CREATE SEQUENCE {} AS bigint MINVALUE 1 START WITH 1 NO CYCLE").format(
+            info.sequence
+        )
+    )
+    # The stream's own partition of streams_facts (revision 0006: appends at the right edge of
+    # its own indexes). Created apart and attached: ATTACH takes SHARE UPDATE EXCLUSIVE on
+    # streams_facts, so other streams' appends and reads go on; CREATE ... PARTITION OF would
+    # take ACCESS EXCLUSIVE and queue every one of them behind any open transaction.
+    partition = sql.Identifier(facts_partition(stream_key))
+    yield Query(
+        sql.SQL(
+            "CREATE TABLE {} (LIKE streams_facts INCLUDING DEFAULTS INCLUDING CONSTRAINTS)"
+        ).format(partition)
+    )
+    yield Query(
+        sql.SQL("ALTER TABLE streams_facts ATTACH PARTITION {} FOR VALUES IN ({})").format(
+            partition, sql.Literal(stream_key)
+        )
+    )
+    yield Commit()
+    return info
+
+
+def drop_stream(name: str) -> Gen[bool]:
+    """Forget a stream: its registry row, then its facts and sequence.
+
+    Each step is a transaction of its own that holds nothing while it waits, so no cycle of
+    waits can form with readers and writers still finishing with the stream: once the registry
+    row is gone nobody new can open it; the partition is detached concurrently (it waits for
+    transactions that use ``streams_facts``, but stops none of them: other streams go on), then
+    dropped, then the sequence. A crash in between leaves an unused table or sequence of a
+    stream ID that is never handed out again.
+    """
+    rows = yield Query(
+        "DELETE FROM streams_registry WHERE name = %s RETURNING id, sequence_name", (name,)
+    )
+    yield Commit()
+    if not rows:
+        return False
+    name_of_partition, sequence = facts_partition(int(rows[0][0])), str(rows[0][1])
+    partition = sql.Identifier(name_of_partition)
+    attached = yield Autocommit(
+        "SELECT 1 FROM pg_inherits WHERE inhrelid = to_regclass(%s)", (name_of_partition,)
+    )
+    if attached:
+        yield Autocommit(
+            sql.SQL("ALTER TABLE streams_facts DETACH PARTITION {} CONCURRENTLY").format(partition)
+        )
+    yield Autocommit(sql.SQL("DROP TABLE IF EXISTS {}").format(partition))
+    yield Autocommit(sql.SQL("DROP SEQUENCE IF EXISTS {}").format(sql.Identifier(sequence)))
+    return True
+
+
+def parse_fact_tables(specs: Sequence[object]) -> tuple[FactTable, ...]:
+    """Validate declared fact tables (`FactTable.parse`), sorted and without duplicates."""
+    if isinstance(specs, str | bytes):
+        raise InvalidFactTables(
+            "fact_tables is a list of declarations such as 'table.column' (not a single string)"
+        )
+    tables = sorted({FactTable.parse(spec) for spec in specs})
+    if any(t.table == "public.streams_facts" for t in tables):
+        raise InvalidFactTables("streams_facts is always included; do not declare it")
+    return tuple(tables)
+
+
+def check_fact_tables(tables: Sequence[FactTable]) -> Gen[None]:
+    """Every declared table exists and its column is an integer type (IDs are bigints); a
+    filter's column exists and its value can be compared with it (``where_column = %s``, the
+    value a parameter: the statement a repair runs, which must not fail a starting writer)."""
+    for table in tables:
+        rows = yield Query(
+            "SELECT format_type(a.atttypid, a.atttypmod) FROM pg_attribute a "
+            "WHERE a.attrelid = to_regclass(%s) AND a.attname = %s "
+            "AND a.attnum > 0 AND NOT a.attisdropped",
+            (table.table, table.column),
+        )
+        if not rows:
+            raise InvalidFactTables(f"no table {table.table} with a column {table.column!r}")
+        if rows[0][0] not in ("bigint", "integer", "smallint", "numeric"):
+            raise InvalidFactTables(
+                f"{table}: a stream ID column must be an integer type, not {rows[0][0]}"
+            )
+        if table.where_column is None:
+            continue
+        rows = yield Query(
+            "SELECT 1 FROM pg_attribute a WHERE a.attrelid = to_regclass(%s) "
+            "AND a.attname = %s AND a.attnum > 0 AND NOT a.attisdropped",
+            (table.table, table.where_column),
+        )
+        if not rows:
+            raise InvalidFactTables(
+                f"{table}: no column {table.where_column!r} in {table.table} to say which "
+                "stream a row belongs to"
+            )
+        # LIMIT 0 reads nothing, but the server still plans the comparison and converts the
+        # value to the column's type: an operator that does not exist or a value that does
+        # not fit (e.g. 'x' for an integer column) fails here. The driver has rolled the
+        # failed transaction back when it throws the error in.
+        try:
+            yield Query(
+                sql.SQL("SELECT 1 FROM {relation}{where} LIMIT 0").format(
+                    relation=table._relation(), where=table._where("value")
+                ),
+                table.params("value"),
+            )
+        except StoreError as exc:
+            # Data exceptions (22: a value that does not fit) and rule violations (42: no such
+            # operator, no privilege); anything else (a lost connection) is not the declaration.
+            if exc.sqlstate is None or exc.sqlstate[:2] not in ("22", "42"):
+                raise
+            raise InvalidFactTables(
+                f"{table}: {table.where_column} cannot be compared with "
+                f"{table.where_value!r} ({exc})"
+            ) from None
+    yield Commit()
+
+
+def set_fact_tables(name: str, specs: Sequence[object]) -> Gen[StreamInfo]:
+    """Declare (replace) the user tables that hold facts of stream ``name``."""
+    tables = parse_fact_tables(specs)
+    yield from check_fact_tables(tables)
+    rows = yield Query(
+        f"UPDATE streams_registry SET fact_tables = %s WHERE name = %s RETURNING {_STREAM_COLUMNS}",
+        (Jsonb([t.as_json() for t in tables]), validate_stream_name(name)),
+    )
+    yield Commit()
+    if not rows:
+        raise UnknownStream(name)
+    return _stream_from_row(rows[0])
+
+
+def set_retention(name: str, retention_ms: int | None) -> Gen[StreamInfo]:
+    """Keep the facts of stream ``name`` for ``retention_ms`` (None: forever); `prune` applies
+    it."""
+    if retention_ms is not None and (
+        isinstance(retention_ms, bool) or not isinstance(retention_ms, int) or retention_ms <= 0
+    ):
+        raise ValueError("retention_ms must be a positive number of milliseconds or None")
+    rows = yield Query(
+        "UPDATE streams_registry SET retention_ms = %s WHERE name = %s "
+        f"RETURNING {_STREAM_COLUMNS}",
+        (retention_ms, validate_stream_name(name)),
+    )
+    yield Commit()
+    if not rows:
+        raise UnknownStream(name)
+    return _stream_from_row(rows[0])
+
+
+def load_streams(names: list[str]) -> Gen[list[StreamInfo]]:
+    """Load several streams by name, in the given order; `UnknownStream` names the first missing."""
+    for name in names:
+        validate_stream_name(name)
+    rows = yield Query(
+        f"SELECT {_STREAM_COLUMNS} FROM streams_registry WHERE name = ANY(%s)", (names,)
+    )
+    yield Commit()
+    found = {row[1]: _stream_from_row(row) for row in rows}
+    for name in names:
+        if name not in found:
+            raise UnknownStream(name)
+    return [found[name] for name in names]
+
+
+#: Windows `position_before_time` walks back before scanning the primary key instead.

@@ -1,0 +1,177 @@
+"""Retention: removing facts older than a stream's retention, never past a reader."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import (
+    UnknownStream,
+)
+from ._common import NOW_MS_SQL
+from .driver import Commit, Gen, Query
+from .probe import probe
+from .registry import StreamInfo
+from .rows import position_before_time
+
+# --- retention --------------------------------------------------------------------------------
+#
+# A stream with ``retention_ms`` keeps its facts for that long; `prune` removes older ones in
+# short transactions of about `PRUNE_BATCH` rows (row locks only, no table lock: appends and
+# reads go on). Each transaction moves the stream's ``pruned_through`` (every fact <= it may be
+# gone) forward together with the rows it deletes, so a statement sees both or neither. A read
+# of the rows after ``p`` followed, in a *later* statement, by ``pruned_through <= p`` lost
+# nothing: any prune that deleted from that range had committed a watermark above ``p`` before
+# the read's snapshot, hence before the later statement's (`retention_query`, `check_retained`).
+#
+# Retention never passes: the stream's complete position (a pending ID below it could still
+# commit, into a range readers would never read again), nor any reader group's committed
+# position (Materialize's AllowCompaction: a group's frontier holds the stream's "since" back).
+# A group already below ``pruned_through`` lost facts and holds nothing back. Readers without a
+# group are not waited for: one that falls behind retention gets `FactsPruned`, as a Kafka
+# consumer gets OffsetOutOfRange. Rows are deleted, in short transactions, rather than dropped
+# as time partitions: each stream has its own partition of streams_facts (revision 0006), whose
+# indexes it appends to at the right edge, so the pages a prune empties are recycled by the
+# appends that follow (``streams bench history``: the indexes stop growing after the first
+# prune-and-refill cycle; in one table shared by all streams they grew every cycle, because
+# every stream but the last-created one appended in the middle of the shared indexes). Time
+# partitions within a stream would need DDL as the stream grows.
+
+#: Rows removed per transaction by `prune_step`.
+PRUNE_BATCH = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class PruneTarget:
+    """How far retention lets a stream be pruned now, and what holds it there."""
+
+    stream: str
+    pruned_through: int
+    target: int
+    #: ``retention`` (facts newer than the retention period), ``complete position``,
+    #: ``group <name>``, or ``no retention`` (the stream keeps everything).
+    limited_by: str
+
+
+def prune_target(info: StreamInfo, now_ms: int | None = None) -> Gen[PruneTarget]:
+    """How far `prune` may go now: facts older than the retention period (by the database's
+    clock, or ``now_ms``), capped by the complete position and every reader group that has not
+    already lost facts."""
+    probes = yield from probe([info])
+    complete = probes[info.name].complete
+    rows = yield Query(
+        f"""
+        SELECT r.pruned_through, {NOW_MS_SQL},
+               (SELECT g.position FROM streams_reader_groups g
+                WHERE g.stream = r.id AND g.position >= r.pruned_through
+                ORDER BY g.position, g.group_name LIMIT 1),
+               (SELECT g.group_name FROM streams_reader_groups g
+                WHERE g.stream = r.id AND g.position >= r.pruned_through
+                ORDER BY g.position, g.group_name LIMIT 1)
+        FROM streams_registry r WHERE r.id = %s
+        """,
+        (info.id,),
+    )
+    yield Commit()
+    if not rows:
+        raise UnknownStream(info.name)
+    pruned, db_now, group_position, group_name = rows[0]
+    pruned = int(pruned)
+    if info.retention_ms is None:
+        return PruneTarget(info.name, pruned, pruned, "no retention")
+    cutoff = (int(db_now) if now_ms is None else now_ms) - info.retention_ms
+    before = yield from position_before_time(info, cutoff)
+    limits = [(complete, "complete position")]
+    if before is not None:
+        limits.append((before, "retention"))
+    if group_position is not None:
+        limits.append((int(group_position), f"group {group_name}"))
+    target, limited_by = min(limits, key=lambda limit: limit[0])
+    if before is None and target == complete:
+        limited_by = "complete position (every fact is older than the retention period)"
+    return PruneTarget(info.name, pruned, max(pruned, target), limited_by)
+
+
+def prune_step(info: StreamInfo, target: int, batch: int = PRUNE_BATCH) -> Gen[tuple[int, int]]:
+    """One short transaction: delete about ``batch`` rows after the stream's ``pruned_through``
+    and no further than ``target`` or the lowest group that has not lost facts (read again here:
+    a group may have been created since `prune_target`), moving ``pruned_through`` with them.
+    Returns ``(pruned_through, rows deleted)``."""
+    rows = yield Query(
+        "SELECT pruned_through FROM streams_registry WHERE id = %s FOR NO KEY UPDATE", (info.id,)
+    )
+    if not rows:
+        yield Commit()
+        raise UnknownStream(info.name)
+    old = int(rows[0][0])
+    rows = yield Query(
+        """
+        SELECT LEAST(%(target)s::bigint,
+                     (SELECT min(position) FROM streams_reader_groups
+                      WHERE stream = %(stream)s AND position >= %(old)s),
+                     (SELECT stream_id FROM streams_facts
+                      WHERE stream = %(stream)s AND stream_id > %(old)s
+                      ORDER BY stream_id, row_no OFFSET %(batch)s LIMIT 1))
+        """,
+        {"stream": info.id, "old": old, "target": target, "batch": batch},
+    )
+    new = int(rows[0][0])
+    deleted = 0
+    if new > old:
+        yield Query("UPDATE streams_registry SET pruned_through = %s WHERE id = %s", (new, info.id))
+        rows = yield Query(
+            "WITH d AS (DELETE FROM streams_facts "
+            "WHERE stream = %s AND stream_id > %s AND stream_id <= %s RETURNING 1) "
+            "SELECT count(*) FROM d",
+            (info.id, old, new),
+        )
+        deleted = int(rows[0][0])
+    yield Commit()
+    return max(old, new), deleted
+
+
+@dataclass(frozen=True, slots=True)
+class PruneResult:
+    """What one `prune` of a stream did."""
+
+    stream: str
+    #: ``pruned_through`` before and after.
+    before: int
+    after: int
+    #: How far retention allowed, and what held it there (`PruneTarget`).
+    target: int
+    limited_by: str
+    rows_deleted: int
+    transactions: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "stream": self.stream,
+            "pruned_through_before": self.before,
+            "pruned_through": self.after,
+            "target": self.target,
+            "limited_by": self.limited_by,
+            "rows_deleted": self.rows_deleted,
+            "transactions": self.transactions,
+        }
+
+
+def prune(
+    info: StreamInfo, *, batch: int = PRUNE_BATCH, now_ms: int | None = None
+) -> Gen[PruneResult]:
+    """Apply the stream's retention: `prune_step` after `prune_step` up to `prune_target`."""
+    if batch < 1:
+        raise ValueError("batch must be a positive number of rows")
+    goal = yield from prune_target(info, now_ms)
+    position, deleted, transactions = goal.pruned_through, 0, 0
+    while position < goal.target:
+        reached, rows = yield from prune_step(info, goal.target, batch)
+        transactions += 1
+        deleted += rows
+        if reached <= position:
+            break  # a group holds it (created since the target was computed)
+        position = reached
+    return PruneResult(
+        info.name, goal.pruned_through, position, goal.target, goal.limited_by, deleted,
+        transactions,
+    )  # fmt: skip

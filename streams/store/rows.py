@@ -1,0 +1,336 @@
+"""Reading facts: pages of rows, starts by time, timestamp floors, batch ranges.
+
+Every read names its stream as a literal (each stream is a partition of ``streams_facts``; a
+generic plan with a parameter would plan and lock every partition), and reads only up to a
+position PostgreSQL proved complete (`streams.store.probe.probe`): after a probe in the same
+pipeline (`fetch_rows_after_probe`), with a shared proof in the same statement
+(`fetch_rows_after_proof`), or up to a proven position given by the caller (`fetch_rows`, and
+the batch ranges of the Spark source).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from psycopg import sql
+
+from ..errors import FactsPruned
+from ._common import COMPLETE_SETTING, int_array
+from .driver import Commit, Gen, Pipeline, Query, Row
+from .registry import StreamInfo
+
+
+def fetch_rows_after_proof(info: StreamInfo, after: int, limit: int) -> Query:
+    """One statement: the shared proof of ``info`` and up to ``limit`` rows ``(stream_id,
+    row_no, instance, ts, payload)`` after ``after`` and ``<=`` it, in (stream ID, row) order.
+
+    Its rows are ``(complete, age_ms, *row)`` (``row`` all NULL when there is none); no rows at
+    all when nobody has proven the stream yet. One snapshot serves both reads: see "shared
+    proofs". ``age_ms``: how long ago (server clock) the prober last proved it. The stream is
+    a literal, so the planner reads (and locks) only its partition; a value from the join
+    would be pruned at run time, after every partition had been locked.
+    """
+    return Query(_proof_rows_sql(info.id), (after, limit))
+
+
+@functools.lru_cache(maxsize=1024)
+def _proof_rows_sql(stream_key: int) -> bytes:
+    key = int(stream_key)
+    return (
+        "SELECT p.complete, "
+        "(extract(epoch FROM clock_timestamp() - p.proven_at) * 1000)::bigint, "
+        "f.stream_id, f.row_no, f.instance, f.ts, f.payload "
+        "FROM streams_proofs p LEFT JOIN LATERAL ("
+        "SELECT stream_id, row_no, instance, ts, payload::text AS payload FROM streams_facts "
+        f"WHERE stream = {key} AND stream_id > %s AND stream_id <= p.complete "
+        "ORDER BY stream_id, row_no LIMIT %s) AS f ON true "
+        f"WHERE p.stream = {key}"
+    ).encode()
+
+
+def fetch_rows(info: StreamInfo, after: int, through: int, limit: int) -> Gen[list[Row]]:
+    """Rows ``(stream_id, row_no, instance, ts, payload)`` of facts with
+    ``after < stream_id <= through``, in (stream ID, row) order; ``payload`` as JSON text (the
+    reader decodes a page's payloads in one call, cheaper than psycopg's loader per value).
+
+    At most ``limit`` rows: a page may end in the middle of a fact's rows (see
+    `streams.core.epochs`). `FactsPruned` if retention removed facts after ``after``. Bounds are
+    inlined as literals: measurably faster than parameters for range scans, and they are ints,
+    so nothing can be injected.
+    """
+    query = sql.SQL(
+        "SELECT stream_id, row_no, instance, ts, payload::text FROM streams_facts "
+        "WHERE stream = {stream} AND stream_id > {after} AND stream_id <= {through} "
+        "ORDER BY stream_id, row_no LIMIT {limit}"
+    ).format(**_range_literals(info, after, through, limit))
+    # The stream's retention is read after the rows, in the same round trip (see "retention").
+    rows, pruned = yield Pipeline([Query(query), retention_query([info])])
+    yield Commit()
+    check_retained(pruned, {info.name: after})
+    return list(rows)
+
+
+def fetch_rows_after_probe(info: StreamInfo, after: int, limit: int) -> Query:
+    """Like `fetch_rows` up to the complete position the preceding `probe_query` of the same
+    session remembered: pipelined behind it, a caught-up reader needs one round trip, and this
+    statement's snapshot is still taken after the probe's pg_locks read, as the argument needs.
+
+    The stream is a literal (its partition is known when planning: a generic plan with a
+    parameter would lock every stream's partition), the bounds are parameters: this runs
+    after every hint with the same text, so psycopg prepares it and the server stops
+    re-planning (a small page is all it reads).
+    """
+    return Query(_probe_rows_sql(info.id), (after, limit))
+
+
+@functools.lru_cache(maxsize=1024)
+def _probe_rows_sql(stream_key: int) -> bytes:
+    key = int(stream_key)
+    return (
+        "SELECT stream_id, row_no, instance, ts, payload::text FROM streams_facts "
+        f"WHERE stream = {key} AND stream_id > %s "
+        f"AND stream_id <= current_setting('{COMPLETE_SETTING}{key}')::bigint "
+        "ORDER BY stream_id, row_no LIMIT %s"
+    ).encode()
+
+
+TIME_START_STEPS = 8
+
+
+def position_before_time(info: StreamInfo, ts_ms: int) -> Gen[int | None]:
+    """The position just before the first fact with timestamp ``>= ts_ms`` (None if none yet).
+
+    Timestamps as readers see them are running maxima, and the first fact whose running maximum
+    reaches ``ts_ms`` is the first whose own timestamp does. Found in index lookups, whatever
+    the stream's length: the time index ``(stream, ts, stream_id)`` gives the candidate with
+    the earliest such timestamp. A fact with a lower ID and a timestamp ``>= ts_ms`` was written
+    out of order with it; writers keep their own timestamps non-decreasing, so only facts of
+    other writers in flight at the same time can be, and the `TS_FLOOR_WINDOW` rows before the
+    candidate are checked (the window `ts_floor_at` trusts too), then the window before each
+    earlier fact found, until one holds none. After `TIME_START_STEPS` windows (timestamps far
+    out of order) the primary key is scanned. Scanning it for ``min(stream_id) WHERE ts >= t``
+    from the start reads every fact before ``t``: 290-415 ms at 2M facts.
+    """
+    rows = yield Query(
+        "SELECT stream_id FROM streams_facts WHERE stream = %s AND ts >= %s "
+        "ORDER BY ts, stream_id LIMIT 1",
+        (info.id, ts_ms),
+    )
+    first = None if not rows else int(rows[0][0])
+    for _ in range(TIME_START_STEPS):
+        if first is None:
+            break
+        rows = yield Query(
+            "SELECT min(w.stream_id) FROM (SELECT stream_id, ts FROM streams_facts "
+            "WHERE stream = %s AND stream_id < %s ORDER BY stream_id DESC, row_no DESC "
+            "LIMIT %s) AS w WHERE w.ts >= %s",
+            (info.id, first, TS_FLOOR_WINDOW, ts_ms),
+        )
+        if rows[0][0] is None:
+            break
+        first = int(rows[0][0])
+    else:
+        rows = yield Query(
+            "SELECT min(stream_id) FROM streams_facts "
+            "WHERE stream = %s AND stream_id < %s AND ts >= %s",
+            (info.id, first, ts_ms),
+        )
+        first = first if rows[0][0] is None else int(rows[0][0])
+    yield Commit()
+    return None if first is None else first - 1
+
+
+def first_fact_since(info: StreamInfo, ts_ms: int, after: int, through: int) -> Gen[int | None]:
+    """The first fact in ``(after, through]`` with timestamp ``>= ts_ms`` (None if none).
+
+    For a query started by time: once its frontier covers such a fact, every later fact's
+    running maximum is at least ``ts_ms`` and the start time no longer filters anything.
+    """
+    rows = yield Query(
+        "SELECT min(stream_id) FROM streams_facts "
+        "WHERE stream = %s AND stream_id > %s AND stream_id <= %s AND ts >= %s",
+        (info.id, after, through, ts_ms),
+    )
+    yield Commit()
+    return None if rows[0][0] is None else int(rows[0][0])
+
+
+#: How many facts before a mid-stream start are scanned for the running maximum timestamp.
+TS_FLOOR_WINDOW = 1000
+
+
+def ts_floor_at(info: StreamInfo, position: int) -> Gen[int]:
+    """The running maximum timestamp at ``position``, for a reader starting after it.
+
+    Exact from the start of a stream (0) and for reader groups (they commit it). Elsewhere it is
+    the maximum over the last `TS_FLOOR_WINDOW` facts, not the whole history, so that starting
+    mid-stream stays cheap: writers keep their own timestamps non-decreasing from the stream's
+    maximum at registration, so older facts rarely matter.
+    """
+    if position <= 0:
+        return 0
+    rows = yield Query(
+        "SELECT max(ts) FROM (SELECT ts FROM streams_facts WHERE stream = %s AND stream_id <= %s "
+        "ORDER BY stream_id DESC LIMIT %s) AS recent",
+        (info.id, position, TS_FLOOR_WINDOW),
+    )
+    yield Commit()
+    return int(rows[0][0] or 0)
+
+
+def database_time_ms() -> Gen[int]:
+    rows = yield Query("SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint")
+    yield Commit()
+    return int(rows[0][0])
+
+
+# --- batch ranges (Spark source and other batch readers) ---------------------------------------
+# Readers that plan a whole range of complete positions up front (the Spark source) rather than
+# page by page. Bounds are ints inlined as literals (see `fetch_rows`).
+
+
+def count_facts(info: StreamInfo, after: int, through: int, limit: int) -> Gen[tuple[int, int]]:
+    """``(n, last)`` for the first ``min(limit, all)`` facts in ``(after, through]``: how many
+    there are and the stream ID of the last of them (``after`` if none).
+
+    Counts facts, not rows (a multi-row fact counts once) and skips gaps, so a reader that
+    admits at most ``limit`` facts may advance to ``last`` when ``n == limit`` and to
+    ``through`` when ``n < limit`` (everything up to ``through`` is then within the limit).
+    """
+    if limit <= 0:
+        raise ValueError("limit must be positive")
+    query = sql.SQL(
+        "SELECT count(*), max(stream_id) FROM ("
+        "SELECT DISTINCT stream_id FROM streams_facts "
+        "WHERE stream = {stream} AND stream_id > {after} AND stream_id <= {through} "
+        "ORDER BY stream_id LIMIT {limit}) AS f"
+    ).format(**_range_literals(info, after, through, limit))
+    rows = yield Query(query)
+    yield Commit()
+    count, last = rows[0]
+    return int(count), int(after if last is None else last)
+
+
+#: Ranges wider than this many IDs are cut at equal ID widths instead of row percentiles.
+SPLIT_SCAN_LIMIT = 200_000
+
+
+def split_range(info: StreamInfo, after: int, through: int, parts: int) -> Gen[list[int]]:
+    """Cut points ``b1 < b2 < ...`` (each ``after < b < through``) that split ``(after,
+    through]`` into at most ``parts`` ranges ``(after, b1], (b1, b2], ..., (bk, through]`` of
+    about equal row counts: row percentiles, or equal ID widths beyond `SPLIT_SCAN_LIMIT` IDs.
+    Every cut point is a stream ID, so a fact's rows never straddle two ranges. Deterministic
+    for a complete range (its rows never change)."""
+    if parts <= 1 or through <= after + 1:
+        return []
+    if through - after > SPLIT_SCAN_LIMIT:
+        # Scanning a range this large just to cut it costs a tenth of reading it (measured:
+        # 0.4-0.7 s per 10^6 rows). IDs are dense (gaps are rolled-back reservations), so
+        # equal ID widths are about equal row counts; and free, exact and deterministic.
+        width = (through - after) / parts
+        return sorted({after + round(width * i) for i in range(1, parts)} - {after, through})
+    fractions = [i / parts for i in range(1, parts)]
+    query = sql.SQL(
+        "SELECT percentile_disc({fractions}::float8[]) WITHIN GROUP (ORDER BY stream_id) "
+        "FROM streams_facts "
+        "WHERE stream = {stream} AND stream_id > {after} AND stream_id <= {through}"
+    ).format(
+        fractions=sql.Literal(fractions),
+        stream=sql.Literal(int(info.id)),
+        after=sql.Literal(int(after)),
+        through=sql.Literal(int(through)),
+    )
+    rows = yield Query(query)
+    yield Commit()
+    found = rows[0][0] or []
+    return sorted({int(b) for b in found if b is not None and after < int(b) < through})
+
+
+def range_rows_sql(
+    stream_key: int,
+    after: int,
+    through: int,
+    *,
+    running_ts_floor: int | None = None,
+    resume_after: tuple[int, int] | None = None,
+) -> str:
+    """The text of a query for every row of the facts in ``(after, through]`` of the stream
+    with registry id ``stream_key``, as ``stream_id, row_no, instance, ts, payload`` in (stream
+    ID, row) order, the payload as JSON text.
+
+    For executors that run it with another driver (ADBC returns JSONB as an extension type,
+    hence ``::text``). With ``running_ts_floor``, ``ts`` is the running maximum the readers
+    report (`streams.core.epochs`), starting from that floor: rows of one fact share their writer's
+    timestamp, so the maximum over rows equals the maximum over facts. Plain text, not
+    `psycopg.sql`: every value is an int, so nothing can be injected.
+
+    ``resume_after=(stream_id, row_no)``: only the rows after that one, to go on with a read
+    that broke off (with ``running_ts_floor`` the maximum over the rows already read). The
+    range is complete, so its rows cannot change between the two reads; retention may remove
+    them, which the caller's later retention check reports as for any read.
+    """
+    key, low, high = int(stream_key), int(after), int(through)
+    resume = ""
+    if resume_after is not None:
+        resume = f"AND (stream_id, row_no) > ({int(resume_after[0])}, {int(resume_after[1])}) "
+    if running_ts_floor is None:
+        ts = "ts"
+    else:
+        ts = (
+            f"GREATEST({int(running_ts_floor)}::bigint, max(ts) OVER "
+            "(ORDER BY stream_id, row_no ROWS UNBOUNDED PRECEDING))"
+        )
+    return (
+        f"SELECT stream_id, row_no, instance, {ts} AS ts, payload::text AS payload "
+        f"FROM streams_facts WHERE stream = {key} AND stream_id > {low} "
+        f"AND stream_id <= {high} {resume}ORDER BY stream_id, row_no"
+    )
+
+
+def _range_literals(info: StreamInfo, after: int, through: int, limit: int) -> dict[str, Any]:
+    """The integer bounds of a range scan as SQL literals (faster than parameters for range
+    scans, measured; ints, so nothing can be injected)."""
+    return {
+        "stream": sql.Literal(int(info.id)),
+        "after": sql.Literal(int(after)),
+        "through": sql.Literal(int(through)),
+        "limit": sql.Literal(int(limit)),
+    }
+
+
+def retention_query(infos: Sequence[StreamInfo]) -> Query:
+    """``(name, pruned_through)`` of each stream: pipelined *after* a read of rows, for
+    `check_retained` (see the retention argument above)."""
+    return _retention_query(tuple(info.id for info in infos))
+
+
+@functools.lru_cache(maxsize=1024)
+def _retention_query(ids: tuple[int, ...]) -> Query:
+    where = f"id = ANY({int_array(ids)}::int[])"
+    return Query(f"SELECT name, pruned_through FROM streams_registry WHERE {where}".encode())
+
+
+def check_retained(rows: Sequence[Row], positions: Mapping[str, int]) -> dict[str, int]:
+    """Raise `FactsPruned` if retention removed facts after one of ``positions`` (rows of
+    `retention_query`); returns every stream's ``pruned_through``."""
+    pruned = {str(name): int(through) for name, through in rows}
+    for name, position in positions.items():
+        if pruned.get(name, 0) > position:
+            raise FactsPruned(name, position, pruned[name])
+    return pruned
+
+
+def pruned_through_sql(stream_key: int) -> str:
+    """The text of a query for the ``pruned_through`` of the stream with registry id
+    ``stream_key``: for executors that read rows with another driver and check, in a later
+    statement, that retention removed nothing they needed (see `range_rows_sql`)."""
+    return f"SELECT pruned_through FROM streams_registry WHERE id = {int(stream_key)}"
+
+
+def pruned_positions(infos: Sequence[StreamInfo]) -> Gen[dict[str, int]]:
+    """Every stream's ``pruned_through`` (0: nothing was ever pruned)."""
+    rows = yield retention_query(infos)
+    yield Commit()
+    return check_retained(rows, {})

@@ -1,0 +1,525 @@
+"""Writer rows, sequences and their repair: who may still complete IDs.
+
+``streams_writers`` has one row per (stream, writer instance): its generation, its persisted
+per-writer position (forward-only) and its lease. This module reads and retires those rows,
+compares each stream's sequence with every ID known to be used (and repairs a sequence set
+back by a restore), and finds the sessions that hold a stream's reservation locks. The
+statements of a writer's own transactions are in `streams.store.writing`.
+
+Why PostgreSQL judges dead writers (the fencing argument)
+---------------------------------------------------------
+Every writing transaction starts with one statement that takes ``FOR KEY SHARE`` on its
+writer's row *where the generation is still the writer's own and the row is not retired*, and
+reserves its IDs in the same statement. Retiring a writer takes ``FOR UPDATE`` on that row,
+which conflicts with ``FOR KEY SHARE``: the retirement therefore waits until every open
+transaction of that writer has ended (committed or rolled back), and every later transaction
+of the retired writer finds no row, reserves nothing and stops with `WriterFenced`. So once a
+retirement commits, no ID reserved by that writer can still complete: it is safe to treat the
+writer as caught up and let the linear position pass its pending IDs. A writer killed with
+``kill -9`` loses its connection, the server aborts its transaction, and the retirement goes
+through as soon as the lease has expired. Position heartbeats are plain ``UPDATE``s of
+non-key columns, which do not conflict with ``FOR KEY SHARE``, so they never wait for appends.
+A wedged-but-connected writer cannot hold a transaction open forever either: each writing
+transaction sets ``idle_in_transaction_session_timeout`` to the lease.
+
+Why no stream stalls past a writer's lease (the liveness argument)
+-----------------------------------------------------------------
+Fencing waits for a writer's open transactions; liveness needs each of them to end within a
+bound, whatever the writer's process does. Every writing transaction sets, for itself, the
+server's ``idle_in_transaction_session_timeout`` and ``statement_timeout`` to the lease, so a
+transaction that sits idle, runs a statement (ours or the caller's, inside ``fact()``) or
+waits for a lock longer than that is aborted by the server. What neither timer ends is a
+backend waiting for the client in the middle of a ``COPY ... FROM STDIN``: the server does not
+act on a timeout while it reads from the client. That is what a frozen process (SIGSTOP, a VM
+pause) or a network partition leaves behind during a batch or a ``fact.add``. So every writing
+transaction also holds its writer's own lock (`streams.core.constants.WRITER_LOCK`, keyed by
+stream and instance), and `end_expired_sessions` ends, with ``pg_terminate_backend``, every
+session that holds the lock of a writer whose lease has expired: its transaction aborts (its
+IDs are gaps: nothing of it was committed, since it still held its locks), the retirement that
+follows goes through, and the linear position passes. A live writer renews its lease every
+``lease / 4``, so this only ever ends the sessions of a writer that has not been heard from
+for a whole lease (a frozen process, or one cut off from the database); if it wakes up, its
+connection is gone and its next transaction is fenced.
+
+Who ends them: every writer's heartbeat retires expired peers (every `RETIRE_EVERY` beats),
+and so does every reader, the elected prover and the Spark source when a probe finds the
+stream held below max allocated for `streams.core.stalls.STALL_CHECK_AFTER` (then at most
+once a second). So a stream with a reader stalls behind a frozen or partitioned writer for at
+most the lease (from the writer's last heartbeat), plus about a second to notice, plus the
+time the server takes to end the session (up to a second is waited for). Ending another
+session needs the right to: the sessions of one role may end each other's (PostgreSQL lets a
+role signal its own backends, and members of ``pg_signal_backend`` any non-superuser's);
+sessions the caller may not end are left alone, and doctor names them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from psycopg import sql
+
+from ..core.constants import (
+    REGISTRATION_LOCK,
+    RESERVATION_LOCK_SPAN,
+    WRITER_LOCK,
+    reservation_lock_class,
+)
+from ..core.positions import sequence_repair_target
+from ..core.stalls import HeldStreams
+from ..errors import StoreError
+from ._common import MAY_END_SESSION, RESERVATION_LOCKS
+from .driver import Commit, Gen, Query
+from .registry import FactTable, StreamInfo
+
+
+def max_allocated_sql(info: StreamInfo) -> sql.Composed:
+    """``pg_sequence_last_value`` is NULL before the first nextval: that means 0 allocated."""
+    return sql.SQL("COALESCE(pg_sequence_last_value({}::regclass), 0)").format(
+        sql.Literal(info.sequence_name)
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceState:
+    """A stream's sequence beside every ID known to be used: what repair compares."""
+
+    last_value: int | None
+    #: The largest stream ID found in ``streams_facts`` and every declared table.
+    max_stored: int | None
+    #: The largest position any writer persisted or any reader group committed.
+    max_position: int | None
+    #: Declared tables that do not exist (any more): their IDs cannot be seen.
+    missing_tables: tuple[FactTable, ...] = ()
+
+    @property
+    def max_used(self) -> int | None:
+        known = [v for v in (self.max_stored, self.max_position) if v is not None]
+        return max(known) if known else None
+
+    @property
+    def repair_target(self) -> int | None:
+        return sequence_repair_target(self.last_value, self.max_used)
+
+
+def _existing_fact_tables(
+    info: StreamInfo,
+) -> Gen[tuple[list[FactTable], list[FactTable]]]:
+    """The stream's declared tables split into (existing, missing): a dropped table must not
+    fail repair, only be reported."""
+    present: list[FactTable] = []
+    missing: list[FactTable] = []
+    for table in info.fact_tables:
+        rows = yield Query("SELECT to_regclass(%s) IS NOT NULL", (table.table,))
+        (present if rows[0][0] else missing).append(table)
+    return present, missing
+
+
+def _filter_params(tables: list[FactTable], params: dict[str, object]) -> dict[str, object]:
+    """``params`` and the value of each declared table's filter, as ``where_<i>`` for the
+    ``i``-th table (`FactTable.max_sql`, `FactTable.ids_sql`): a parameter, never SQL text."""
+    for i, table in enumerate(tables):
+        params.update(table.params(f"where_{i}"))
+    return params
+
+
+def sequence_state(info: StreamInfo, *, commit: bool = True) -> Gen[SequenceState]:
+    """Read everything sequence repair needs, in one statement: the sequence, the largest ID in
+    ``streams_facts`` and in each declared table, and the largest writer and group position (a
+    writer persists positions up to max allocated; a group commits up to the linear position;
+    both mean those IDs were handed out) or ``pruned_through`` (retention removed facts up to
+    it: they existed even when no row is left).
+
+    A declared table gives ``max(column) FROM table``, or, declared with a filter (a table
+    shared by several streams), ``max(column) FROM table WHERE where_column = %(where_<i>)s``
+    with the value as a parameter: only this stream's rows, so another stream's IDs in the
+    same table do not move this stream's sequence. Index ``(where_column, column)`` (or
+    ``(column)`` without a filter) so that each is one index probe.
+
+    What stays invisible: facts in a table the stream does not declare (or rows its filter
+    leaves out). `streams doctor` reports how many IDs have no row anywhere it can see
+    (rollbacks, or such a table).
+    """
+    present, missing = yield from _existing_fact_tables(info)
+    params = _filter_params(present, {"stream": info.id})
+    maxima = [
+        sql.SQL("(SELECT max(stream_id) FROM streams_facts WHERE stream = %(stream)s)"),
+        *(t.max_sql(f"where_{i}") for i, t in enumerate(present)),
+    ]
+    rows = yield Query(
+        sql.SQL(
+            "SELECT pg_sequence_last_value({seq}::regclass), GREATEST({maxima})::bigint, "
+            "GREATEST((SELECT max(position) FROM streams_writers WHERE stream = %(stream)s), "
+            "(SELECT max(position) FROM streams_reader_groups WHERE stream = %(stream)s), "
+            "(SELECT NULLIF(pruned_through, 0) FROM streams_registry WHERE id = %(stream)s))"
+        ).format(seq=sql.Literal(info.sequence_name), maxima=sql.SQL(", ").join(maxima)),
+        params,
+    )
+    if commit:
+        yield Commit()
+    last, stored, position = rows[0]
+    return SequenceState(
+        None if last is None else int(last),
+        None if stored is None else int(stored),
+        None if position is None else int(position),
+        tuple(missing),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class UnseenIds:
+    """Of the last ``ids`` allocated IDs, ``unseen`` have no row in ``streams_facts`` nor in any
+    declared table (only its rows of the stream, for a declaration with a filter): rolled back,
+    or facts in a table the stream does not declare."""
+
+    ids: int
+    unseen: int
+
+
+def unseen_ids(info: StreamInfo, window: int) -> Gen[UnseenIds]:
+    """Count the most recent ``window`` allocated IDs that no known table holds (`doctor`)."""
+    present, _ = yield from _existing_fact_tables(info)
+    tables: list[sql.Composable] = [
+        sql.SQL("SELECT stream_id FROM streams_facts WHERE stream = %(stream)s"),
+        *(t.ids_sql(f"where_{i}") for i, t in enumerate(present)),
+    ]
+    rows = yield Query(
+        sql.SQL(
+            """
+            WITH a AS (SELECT {allocated} AS top),
+            seen AS ({union})
+            SELECT LEAST(a.top, %(window)s),
+                   LEAST(a.top, %(window)s) - (
+                       SELECT count(DISTINCT s.stream_id) FROM seen s
+                       WHERE s.stream_id > a.top - %(window)s AND s.stream_id <= a.top)
+            FROM a
+            """
+        ).format(
+            allocated=max_allocated_sql(info),
+            union=sql.SQL(" UNION ALL ").join(
+                sql.SQL("SELECT * FROM ({}) AS t(stream_id)").format(t) for t in tables
+            ),
+        ),
+        _filter_params(present, {"stream": info.id, "window": window}),
+    )
+    yield Commit()
+    return UnseenIds(int(rows[0][0]), int(rows[0][1]))
+
+
+def expired_writer_count(info: StreamInfo) -> Gen[int]:
+    """Writers whose lease expired but that are not retired yet."""
+    rows = yield Query(
+        "SELECT count(*) FROM streams_writers WHERE stream = %s AND NOT retired "
+        "AND lease_expires_at < clock_timestamp()",
+        (info.id,),
+    )
+    yield Commit()
+    return int(rows[0][0])
+
+
+def registration_lock(info: StreamInfo) -> Gen[None]:
+    """Take the stream's registration lock for the rest of the transaction: writer registration
+    and sequence repair of one stream run one at a time (`streams.core.constants`)."""
+    yield Query("SELECT pg_advisory_xact_lock(%s, %s)", (REGISTRATION_LOCK, info.id))
+
+
+def repair_sequence_now(info: StreamInfo) -> Gen[int | None]:
+    """`repair_sequence` in a transaction of its own, under the registration lock (for
+    ``streams doctor --repair``); returns the new value, or None."""
+    yield from registration_lock(info)
+    target = yield from repair_sequence(info)
+    yield Commit()
+    return target
+
+
+def repair_sequence(info: StreamInfo) -> Gen[int | None]:
+    """Move the sequence past every ID known to be used (`sequence_state`) if it is behind;
+    returns the new value.
+
+    Runs in the caller's transaction under the stream's registration lock, so two starting
+    writers do not both repair. ``setval`` is not transactional: the repair stands even if the
+    caller's transaction rolls back, which is what it should do.
+    """
+    state = yield from sequence_state(info, commit=False)
+    target = state.repair_target
+    if target is None:
+        return None
+    yield Query(
+        sql.SQL("SELECT setval({}::regclass, %s)").format(sql.Literal(info.sequence_name)),
+        (target,),
+    )
+    return target
+
+
+def writer_lock_sql(stream: sql.Composable, instance: sql.Composable) -> sql.Composed:
+    """Take the writer's own lock (`WRITER_LOCK`, see "the liveness argument") for the rest of
+    the transaction: ``stream`` and ``instance`` are SQL expressions (parameters, columns)."""
+    return sql.SQL("pg_advisory_xact_lock_shared({cls}, {key})").format(
+        cls=sql.Literal(WRITER_LOCK), key=_writer_lock_key(stream, instance)
+    )
+
+
+def _writer_lock_key(stream: sql.Composable, instance: sql.Composable) -> sql.Composed:
+    return sql.SQL("hashtext(({stream})::text || '/' || ({instance}))").format(
+        stream=stream, instance=instance
+    )
+
+
+#: Milliseconds `end_expired_sessions` waits for each ended session to be gone.
+END_SESSION_WAIT_MS = 1000
+
+
+def end_expired_sessions(
+    info: StreamInfo, instance: str | None = None
+) -> Gen[list[tuple[str, int]]]:
+    """End the sessions still in a transaction of a writer of ``info`` (or of ``instance``
+    only) whose lease has expired, so that its retirement can go through (see "the liveness
+    argument"); returns ``(instance, pid)`` of each session ended.
+
+    Reads ``pg_locks`` only when there is an expired writer that is not retired: a nested loop
+    over the (usually empty) set of such writers. Skips sessions the caller may not signal.
+    """
+    rows = yield Query(
+        sql.SQL(
+            """
+            WITH expired AS (
+                SELECT w.stream, w.instance FROM streams_writers w
+                WHERE w.stream = %(stream)s AND NOT w.retired
+                  AND w.lease_expires_at < clock_timestamp()
+                  AND (%(instance)s::text IS NULL OR w.instance = %(instance)s)
+            )
+            SELECT e.instance, h.pid, pg_terminate_backend(h.pid, {wait})
+            FROM expired e
+            CROSS JOIN LATERAL (
+                SELECT l.pid FROM pg_locks l
+                JOIN pg_stat_activity a ON a.pid = l.pid
+                WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
+                  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+                  AND l.classid = {cls}::bigint::oid
+                  AND l.objid = ({key}::bigint & 4294967295)::oid
+                  AND l.pid <> pg_backend_pid()
+                  AND {may_end}
+            ) h
+            """
+        ).format(
+            wait=sql.Literal(END_SESSION_WAIT_MS),
+            may_end=sql.SQL(MAY_END_SESSION),
+            cls=sql.Literal(WRITER_LOCK),
+            key=_writer_lock_key(sql.SQL("e.stream"), sql.SQL("e.instance")),
+        ),
+        {"stream": info.id, "instance": instance},
+    )
+    yield Commit()
+    return [(str(name), int(pid)) for name, pid, _ in rows]
+
+
+def retire_expired_writers(info: StreamInfo) -> Gen[list[str]]:
+    """Retire writers whose lease has expired, ending first what they still hold open.
+
+    ``FOR UPDATE SKIP LOCKED`` skips a writer whose transaction is still open (it holds
+    ``FOR KEY SHARE`` on its row): that transaction may still commit, so the writer is not
+    caught up yet. The server aborts it when the connection dies, when it has been idle or run
+    a statement for the lease, and otherwise `end_expired_sessions` ends its session first (see
+    "the liveness argument"); a writer whose session could not be ended is retired by a later
+    call.
+    """
+    yield from end_expired_sessions(info)
+    rows = yield Query(
+        """
+        WITH expired AS (
+            SELECT stream, instance FROM streams_writers
+            WHERE stream = %s AND NOT retired AND lease_expires_at < clock_timestamp()
+            FOR UPDATE SKIP LOCKED
+        )
+        UPDATE streams_writers w
+        SET retired = true, generation = w.generation + 1
+        FROM expired e
+        WHERE w.stream = e.stream AND w.instance = e.instance
+        RETURNING w.instance
+        """,
+        (info.id,),
+    )
+    yield Commit()
+    return sorted(row[0] for row in rows)
+
+
+log = logging.getLogger("streams.writer")
+
+#: SQLSTATE of "insufficient privilege": a caller that may not retire writers (a read-only
+#: role) leaves it to others.
+_NOT_ALLOWED = "42501"
+
+
+def retire_where_held(
+    infos: Mapping[str, StreamInfo],
+    held: HeldStreams,
+    now: float,
+    observed: Iterable[tuple[str, int, int]],
+) -> Gen[list[str]]:
+    """After a probe: `retire_expired_writers` on each stream `held` says is due (held below
+    max allocated for a while; see `streams.core.stalls`). ``observed`` is ``(stream,
+    complete, max_allocated)`` per stream. Returns the writers retired.
+
+    For readers, the prover and the Spark source, which only read otherwise: a role that may
+    not retire writers gets one warning per stream and carries on (writers' heartbeats and
+    other readers still retire them).
+    """
+    retired: list[str] = []
+    for name in held.observe(now, observed):
+        info = infos[name]
+        try:
+            retired += yield from retire_expired_writers(info)
+        except StoreError as exc:
+            if exc.sqlstate != _NOT_ALLOWED:
+                raise
+            if name not in _WARNED:
+                _WARNED.add(name)
+                log.warning(
+                    "stream %r is held back and this role may not retire expired writers: %s",
+                    name,
+                    exc,
+                )
+    return retired
+
+
+_WARNED: set[str] = set()
+
+
+def linear_from(live_positions: list[int], max_allocated: int) -> int:
+    """The minimum persisted position over writers that are not retired (or max allocated).
+
+    Persisted positions are values that were true when written, so this is a safe but slightly
+    old reading; `probe` gives the current one.
+    """
+    return min([*live_positions, max_allocated])
+
+
+def reservation_lock_key_sql(floor: sql.Composable) -> sql.Composed:
+    """The int4 second key of a reservation lock on ``L`` (an SQL bigint expression): ``L mod
+    2**32`` as an int4. For statements executed with parameters (``%%`` is psycopg's ``%``)."""
+    return sql.SQL("((({floor} + 2147483648) %% 4294967296) - 2147483648)::int4").format(
+        floor=floor
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class LockHolder:
+    """A session in a writing transaction on a stream (it holds a reservation lock)."""
+
+    pid: int
+    application_name: str
+    #: ``active``, ``idle in transaction``... as the server reports it.
+    state: str
+    transaction_seconds: float
+    #: What it waits for, if anything (``Client``/``ClientRead``: the client; ``Lock``...).
+    wait_event_type: str = ""
+    wait_event: str = ""
+    #: Seconds in its current state (the statement running, or idle).
+    state_seconds: float = 0.0
+    #: The writer instance whose transaction it is (None: not found, e.g. it just ended).
+    instance: str | None = None
+    #: Seconds past that writer's lease expiry (negative: still leased).
+    lease_expired_seconds: float | None = None
+
+    def describe(self) -> str:
+        """One line for operators: who, doing what, for how long, and whether leased."""
+        waiting = f" waiting on {self.wait_event_type}/{self.wait_event}" if self.wait_event else ""
+        who = repr(self.application_name)
+        if self.instance:
+            who = f"writer {self.instance!r}, application {who}"
+        lease = ""
+        if self.lease_expired_seconds is not None:
+            lease = (
+                f", lease expired {self.lease_expired_seconds:.1f} s ago"
+                if self.lease_expired_seconds > 0
+                else f", lease valid {-self.lease_expired_seconds:.1f} s more"
+            )
+        return (
+            f"pid {self.pid} ({who}) {self.state}{waiting} for {self.state_seconds:.1f} s, in "
+            f"its transaction for {self.transaction_seconds:.1f} s{lease}"
+        )
+
+
+def reservation_lock_holders(info: StreamInfo) -> Gen[list[LockHolder]]:
+    """The sessions holding the stream's reservation locks, oldest transaction first: what
+    holds the stream's linear position back (for operators; readers only need `probe`), with
+    what each is doing and, through the writer's own lock, whose transaction it is and whether
+    that writer's lease expired.
+
+    ``pg_locks`` and ``pg_stat_activity`` are read at different instants, and a session may not
+    report its activity (``track_activities = off``): its transaction start may be unknown
+    (reported as 0 seconds, state as the server gives it, e.g. ``disabled``), and a holder that
+    ended in between is left out by the join.
+    """
+    rows = yield Query(
+        sql.SQL(
+            """
+            SELECT a.pid, COALESCE(a.application_name, ''), COALESCE(a.state, ''),
+                   COALESCE(extract(epoch FROM clock_timestamp() - a.xact_start), 0)::float8,
+                   COALESCE(a.wait_event_type, ''), COALESCE(a.wait_event, ''),
+                   COALESCE(extract(epoch FROM clock_timestamp() - a.state_change), 0)::float8,
+                   w.instance,
+                   extract(epoch FROM clock_timestamp() - w.lease_expires_at)::float8
+            FROM pg_locks l
+            JOIN pg_stat_activity a ON a.pid = l.pid
+            LEFT JOIN LATERAL (
+                SELECT w.instance, w.lease_expires_at
+                FROM pg_locks o JOIN streams_writers w ON w.stream = %(stream)s
+                 AND o.objid = ({key}::bigint & 4294967295)::oid
+                WHERE o.pid = a.pid AND o.locktype = 'advisory' AND o.objsubid = 2
+                  AND o.classid = {cls}::bigint::oid
+                LIMIT 1
+            ) w ON true
+            WHERE {reservation} AND l.classid = %(reservation_class)s::bigint::oid
+            ORDER BY a.xact_start NULLS LAST, a.pid
+            """
+        ).format(
+            key=_writer_lock_key(sql.SQL("w.stream"), sql.SQL("w.instance")),
+            cls=sql.Literal(WRITER_LOCK),
+            reservation=sql.SQL(RESERVATION_LOCKS),
+        ),
+        {
+            "stream": info.id,
+            "reservation_class": reservation_lock_class(info.id) % RESERVATION_LOCK_SPAN,
+        },
+    )
+    yield Commit()
+    return [
+        LockHolder(
+            int(pid),
+            app,
+            state,
+            float(age),
+            wait_type,
+            wait,
+            float(in_state),
+            instance,
+            None if expired is None else float(expired),
+        )
+        for pid, app, state, age, wait_type, wait, in_state, instance, expired in rows
+    ]
+
+
+def persisted_writer_position(info: StreamInfo, instance: str) -> Gen[int | None]:
+    """The position writer ``instance`` persisted (None if it never registered)."""
+    rows = yield Query(
+        "SELECT position FROM streams_writers WHERE stream = %s AND instance = %s",
+        (info.id, instance),
+    )
+    yield Commit()
+    return int(rows[0][0]) if rows else None
+
+
+def prune_writers(info: StreamInfo, older_than_ms: int) -> Gen[list[str]]:
+    """Delete the rows of writers retired more than ``older_than_ms`` ago (by their last
+    heartbeat). Safe: a retired writer is fenced whether or not its row exists (its
+    transactions find no row at their generation), and a process that registers the same
+    name again starts a new row at the linear position."""
+    rows = yield Query(
+        "DELETE FROM streams_writers WHERE stream = %s AND retired "
+        "AND heartbeat_at < clock_timestamp() - make_interval(secs => %s) RETURNING instance",
+        (info.id, older_than_ms / 1000),
+    )
+    yield Commit()
+    return sorted(row[0] for row in rows)

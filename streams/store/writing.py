@@ -1,0 +1,647 @@
+"""What a writer does, written once as generators (run by `streams.store.driver.run` / `arun`).
+
+Terms are those of `streams.core.positions` (reserve, pending, in flight, per-writer position) and
+`streams.store` (writer rows, generations, leases, fencing). A `WriterCore` is one writer
+instance on one stream: it owns the `PositionTracker` of its process and produces the SQL of
+each step; the sync `Writer` and the asyncio `AsyncWriter` only drive these generators.
+
+Life of an append
+-----------------
+1. Validate and encode the payloads and resolve timestamps (pure; raises before any I/O).
+2. ``begin_reservation`` in the tracker (the reservation is now *in flight*).
+3. One statement checks the writer's lease (``FOR KEY SHARE`` on its row, current generation,
+   not retired), takes the stream's shared *reservation lock* (which tells readers an ID at or
+   above its key may still complete; see `streams.core.constants`), reserves the IDs with
+   ``nextval`` and, for one fact, inserts the row. No row back means this writer was fenced.
+
+   * One fact: that statement runs in autocommit (`streams.store.driver.Autocommit`): it *is* the
+     transaction, one round trip, and commits by itself. The fencing and probe arguments of
+     `streams.store` hold unchanged, because both locks they rest on are transaction-scoped:
+     the ``FOR KEY SHARE`` row lock and the reservation lock are taken by the statement and
+     released only when its (implicit) transaction has committed or rolled back, exactly as
+     for an explicit ``BEGIN ... COMMIT`` (retirement's ``FOR UPDATE`` waits for it; readers
+     see the reservation lock in ``pg_locks`` until the fact is visible). What `_check_floor`
+     and `PositionTracker.reserved` check before a commit (every ID ``>= L``, and above the
+     max allocated this process knew) is checked *inside* the statement, which fails (and
+     writes nothing) otherwise: nothing can run between that statement and its commit.
+   * A batch: ``BEGIN`` and that statement in one pipeline (one round trip), then ``COPY`` of
+     its rows and ``COMMIT``.
+4. Whatever happens (commit, error, rollback, cancellation), the IDs complete in the tracker in
+   a ``finally``: a failure is a permanent gap, never a leaked pending ID. A connection lost
+   while the one-fact statement (or a ``COMMIT``) runs leaves its outcome unknown to us; the
+   reservation counts as ended here, and if the server still commits it, readers learn the
+   fact from PostgreSQL like any other (its reservation lock is held until then): only this
+   writer's announced or persisted position may briefly pass it, and readers trust neither.
+5. Positions are persisted by `heartbeat` (forward-only), one autocommit statement on the
+   writer's heartbeat connection, outside the append's transaction, so appends never wait on
+   the writer's row and the position written is always one that is true. It runs on schedule
+   and, coalesced, after appends (`streams.writer.FLUSH_INTERVAL`), so the persisted position
+   trails the real one: it is informational (``persisted_linear``) and seeds new writers;
+   readers never rely on it (PostgreSQL proves what is complete, `streams.store.probe.probe`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from psycopg import sql
+
+from ..config import validate_instance_name
+from ..core.constants import reservation_lock_class
+from ..core.positions import PositionTracker, ReservationToken
+from ..core.timestamps import resolve_timestamps, validate_client_timestamp
+from ..errors import (
+    PayloadNotSerializable,
+    PayloadTooLarge,
+    SequenceRewound,
+    StoreError,
+    UsageError,
+    WriterFenced,
+)
+from .driver import Autocommit, Commit, CopyIn, Gen, Pipeline, Query, Row
+from .registry import StreamInfo, load_stream
+from .writers import (
+    end_expired_sessions,
+    max_allocated_sql,
+    registration_lock,
+    repair_sequence,
+    reservation_lock_key_sql,
+    retire_expired_writers,
+    writer_lock_sql,
+)
+
+__all__ = ["Ack", "DatabaseClock", "FactHandle", "HeartbeatResult", "WriterCore", "encode_payload"]
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """Acknowledgement of an append: IDs (ascending, not necessarily contiguous) and times."""
+
+    first_id: int
+    last_id: int
+    first_timestamp: int
+    last_timestamp: int
+    count: int
+    ids: tuple[int, ...] = field(repr=False)
+
+
+# One encoder for every payload: json.dumps with options builds a new encoder per call.
+_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+
+
+def encode_payload(payload: Any, limit: int) -> str:
+    """Strict compact JSON text for a payload, or a typed error (nothing is written)."""
+    try:
+        text = _ENCODER.encode(payload)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise PayloadNotSerializable(f"payload is not JSON-serialisable: {exc}") from None
+    if "\\u0000" in text:
+        # PostgreSQL's jsonb cannot store NUL characters; fail here, not half-way in a batch.
+        raise PayloadNotSerializable("payload contains a NUL character (\\u0000)")
+    if text.isascii():
+        size = len(text)
+    else:
+        try:
+            size = len(text.encode("utf-8"))
+        except UnicodeEncodeError:
+            # A lone surrogate ("\ud800"): valid in a Python str, not in UTF-8 or PostgreSQL.
+            raise PayloadNotSerializable(
+                "payload contains a lone surrogate character: not valid Unicode"
+            ) from None
+    if size > limit:
+        raise PayloadTooLarge(size, limit)
+    return text
+
+
+class DatabaseClock:
+    """Arrival time in ms on the database's clock, estimated locally between samples.
+
+    Every writer timestamps with the same clock (PostgreSQL's ``clock_timestamp()``), so hosts
+    with skewed clocks cannot reorder time. The offset is re-sampled at every heartbeat; the
+    estimate uses the round trip's midpoint.
+    """
+
+    def __init__(self) -> None:
+        self._offset_ms = 0.0
+
+    def sample(self, db_ms: int, sent: float, received: float) -> None:
+        self._offset_ms = db_ms - (sent + received) / 2 * 1000
+
+    def now_ms(self) -> int:
+        return math.floor(time.time() * 1000 + self._offset_ms)
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatResult:
+    alive: bool
+    persisted_position: int
+    max_allocated: int
+
+
+@dataclass(slots=True)
+class FactHandle:
+    """A fact being written in the caller's own transaction (see `Writer.fact`)."""
+
+    stream_id: int
+    timestamp: int
+    rows: int = 0
+
+
+#: SQLSTATE of a unique violation: a reserved ID that is already stored.
+UNIQUE_VIOLATION = "23505"
+
+#: SQLSTATE of a failed text-to-number cast: how the one-statement append refuses an ID below
+#: its floor (the message carries `_REWOUND`).
+INVALID_TEXT = "22P02"
+_REWOUND = "streams-sequence-rewound"
+
+#: Retire expired peers every this many heartbeats.
+RETIRE_EVERY = 4
+
+_NOW_MS = "(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
+
+
+class WriterCore:
+    """One writer instance on one stream: the shared logic of `Writer` and `AsyncWriter`."""
+
+    def __init__(
+        self, stream: str, instance: str, *, lease_seconds: float, max_payload_bytes: int
+    ) -> None:
+        self.stream_name = stream
+        self.instance = validate_instance_name(instance)
+        self.lease_seconds = lease_seconds
+        self.max_payload_bytes = max_payload_bytes
+        self.clock = DatabaseClock()
+        self.generation = 0
+        self.fenced = False
+        self._info: StreamInfo | None = None
+        self._tracker: PositionTracker | None = None
+        self._ts_floor = 0
+        self._persisted = 0
+        # Rendered once to bytes: psycopg then caches their conversion, where a `sql.Composed`
+        # would be re-rendered on every append (about 30 us of a ~400 us append here).
+        self._reserve_one: bytes | None = None
+        self._reserve_many: bytes | None = None
+        self._reserve_fact: bytes | None = None
+        self._beats = 0
+        #: Facts this writer committed (for metrics).
+        self.appended = 0
+
+    # ------------------------------------------------------------------ accessors
+
+    @property
+    def info(self) -> StreamInfo:
+        if self._info is None:
+            raise UsageError("writer is not registered yet")
+        return self._info
+
+    @property
+    def tracker(self) -> PositionTracker:
+        if self._tracker is None:
+            raise UsageError("writer is not registered yet")
+        return self._tracker
+
+    @property
+    def needs_persist(self) -> bool:
+        return self._tracker is not None and self._tracker.local_position > self._persisted
+
+    # ------------------------------------------------------------------ registration
+
+    def register(self) -> Gen[None]:
+        """Register (or take over) this instance name, recovering its position.
+
+        Steps, in one transaction under the stream's registration lock:
+
+        1. repair a sequence that is behind any ID known to be used: ``streams_facts``, every
+           declared user table, every persisted writer position and committed group position
+           (`streams.store.writers.sequence_state`);
+        2. lock this instance's row ``FOR UPDATE``: that waits for every open transaction of a
+           previous process with the same name (they hold ``FOR KEY SHARE`` on it; if that
+           process's lease has expired, its sessions were ended just before), and the
+           generation bump below fences all its later ones;
+        3. read max allocated *after* that lock. Nothing reserved under this name can still be
+           pending now, so this writer's position is max allocated (the definition allows it):
+           a restarted name never pins the linear position below IDs it no longer holds, however
+           often it restarts within its lease. A new name is seeded at the linear position.
+        """
+        info = yield from load_stream(self.stream_name)
+        # A previous process of this name that froze in a transaction would make step 2 wait
+        # for ever: once its lease has expired, its sessions are ended first.
+        yield from end_expired_sessions(info, self.instance)
+        sent = time.time()
+        rows = yield Query(f"SELECT {_NOW_MS}")
+        self.clock.sample(rows[0][0], sent, time.time())
+        yield from registration_lock(info)
+        yield from repair_sequence(info)
+        existing = yield Query(
+            "SELECT position FROM streams_writers WHERE stream = %s AND instance = %s FOR UPDATE",
+            (info.id, self.instance),
+        )
+        rows = yield Query(
+            sql.SQL(
+                """
+                SELECT {max_allocated},
+                       (SELECT max(ts) FROM streams_facts WHERE stream = %(stream)s),
+                       (SELECT min(position) FROM streams_writers
+                        WHERE stream = %(stream)s AND NOT retired AND instance <> %(instance)s)
+                """
+            ).format(max_allocated=max_allocated_sql(info)),
+            {"stream": info.id, "instance": self.instance},
+        )
+        max_allocated, ts_floor, others_min = int(rows[0][0]), rows[0][1] or 0, rows[0][2]
+        if existing:
+            recovered = max(int(existing[0][0]), max_allocated)
+            rows = yield Query(
+                """
+                UPDATE streams_writers
+                SET generation = generation + 1, retired = false,
+                    position = GREATEST(position, %s), pending = 0,
+                    lease_expires_at = clock_timestamp() + make_interval(secs => %s),
+                    registered_at = clock_timestamp(), heartbeat_at = clock_timestamp()
+                WHERE stream = %s AND instance = %s
+                RETURNING generation
+                """,
+                (recovered, self.lease_seconds, info.id, self.instance),
+            )
+        else:
+            # A new writer is seeded at the linear position: never above any pending ID.
+            recovered = max_allocated if others_min is None else min(others_min, max_allocated)
+            rows = yield Query(
+                """
+                INSERT INTO streams_writers
+                    (stream, instance, generation, position, lease_expires_at)
+                VALUES (%s, %s, 1, %s, clock_timestamp() + make_interval(secs => %s))
+                RETURNING generation
+                """,
+                (info.id, self.instance, recovered, self.lease_seconds),
+            )
+        others = yield Query(
+            "SELECT instance, position FROM streams_writers "
+            "WHERE stream = %s AND NOT retired AND instance <> %s",
+            (info.id, self.instance),
+        )
+        yield Commit()
+        self.generation = int(rows[0][0])
+        self._info = info
+        self._ts_floor = int(ts_floor)
+        self._persisted = recovered
+        # Any transaction of an earlier process under this name has ended (we waited for its
+        # row lock), so nothing of ours is pending or in flight: the tracker may announce max
+        # allocated straight away.
+        self._tracker = PositionTracker(
+            local_instance=self.instance,
+            local_position=recovered,
+            max_allocated=max_allocated,
+            writers={name: int(pos) for name, pos in others},
+        )
+        self.fenced = False
+        self._prepare_statements(info)
+
+    def _prepare_statements(self, info: StreamInfo) -> None:
+        # w: the lease check (see streams.store); k: L = last value + 1, read once; g: the shared
+        # reservation lock on L, taken before nextval, so every ID this transaction reserves is
+        # >= L and readers see in pg_locks that it may still complete (streams.core.constants,
+        # "the probe argument" in streams.store). r scans g and returns L beside each ID: the
+        # lock is taken before nextval by data dependency, and `_check_floor` verifies ID >= L
+        # before anything commits, rather than trusting the order of evaluation.
+        # w also bounds the transaction by the lease ("the liveness argument" in
+        # streams.store.writers): the server aborts it if it sits idle or runs a statement for
+        # longer, and it holds the writer's own lock, by which the sessions of an expired writer
+        # are found and ended. A caller's connection (``fact()``) also gets, for this
+        # transaction, the TCP settings our own connections have for their whole session.
+        def prefix_with(guards: sql.Composable) -> sql.Composed:
+            return sql.SQL(
+                """
+                WITH w AS (
+                    SELECT set_config('idle_in_transaction_session_timeout', %(lease_ms)s, true)
+                           || set_config('statement_timeout', %(lease_ms)s, true) {guards}
+                           AS bounded,
+                           {writer_lock} AS held
+                    FROM streams_writers
+                    WHERE stream = %(stream)s AND instance = %(instance)s
+                      AND generation = %(generation)s AND NOT retired
+                    FOR KEY SHARE
+                ), k AS (
+                    SELECT {allocated} + 1 AS floor FROM w
+                ), g AS (
+                    SELECT k.floor,
+                           pg_advisory_xact_lock_shared({lock_class}, {lock_key}) AS locked
+                    FROM k
+                )
+                """
+            ).format(
+                guards=guards,
+                writer_lock=writer_lock_sql(sql.SQL("%(stream)s"), sql.SQL("%(instance)s")),
+                allocated=max_allocated_sql(info),
+                lock_class=sql.Literal(reservation_lock_class(info.id)),
+                lock_key=reservation_lock_key_sql(sql.SQL("k.floor")),
+            )
+
+        prefix = prefix_with(sql.SQL(""))
+        seq = sql.Literal(info.sequence_name)
+        # One fact in one autocommit statement: nothing can run between the reservation and the
+        # commit, so the checks of `_check_floor` and `PositionTracker.reserved` (ID >= L, and
+        # above the max allocated this process knew when it began) are made *in* the statement:
+        # an ID failing them makes the text cast fail, and the statement, hence the
+        # transaction, with it. A CASE with a data-dependent condition evaluates its ELSE only
+        # for such a row.
+        self._reserve_one = (
+            sql.SQL(
+                """{prefix}, r AS (SELECT nextval({seq}) AS id, g.floor FROM g)
+            INSERT INTO streams_facts (stream, stream_id, row_no, instance, ts, payload)
+            SELECT %(stream)s,
+                   CASE WHEN r.id >= r.floor AND r.id > %(known)s THEN r.id
+                        ELSE ({rewound} || r.id || ' ' || r.floor)::bigint END,
+                   0, %(instance)s, %(ts)s, %(payload)s::jsonb
+            FROM r
+            RETURNING stream_id, (SELECT g.floor FROM g)
+            """
+            )
+            .format(prefix=prefix, seq=seq, rewound=sql.Literal(_REWOUND + " "))
+            .as_bytes(None)
+        )
+        many = sql.SQL(
+            "{prefix} SELECT nextval({seq}), g.floor FROM g, generate_series(1, %(count)s)"
+        )
+        self._reserve_many = many.format(prefix=prefix, seq=seq).as_bytes(None)
+        guards = sql.SQL(" || ").join(
+            sql.SQL("set_config({}, {}, true)").format(sql.Literal(name), sql.Placeholder(name))
+            for name in self._tcp_settings()
+        )
+        self._reserve_fact = many.format(
+            prefix=prefix_with(sql.SQL("|| ") + guards), seq=seq
+        ).as_bytes(None)
+
+    def _tcp_settings(self) -> dict[str, str]:
+        """Server-side settings that find a client that is gone or cut off within about the
+        lease: TCP keepalives (idle lease/2, then 4 probes lease/8 apart) and a limit on
+        unacknowledged data. They do not find a frozen process (its kernel still answers):
+        ending an expired writer's sessions does ("the liveness argument")."""
+        lease = self.lease_seconds
+        return {
+            "tcp_keepalives_idle": str(max(1, int(lease / 2))),
+            "tcp_keepalives_interval": str(max(1, int(lease / 8))),
+            "tcp_keepalives_count": "4",
+            "tcp_user_timeout": str(int(lease * 1000)),
+        }
+
+    def configure_session(self) -> Gen[None]:
+        """The writer's own connections (appends, heartbeats): the TCP settings of
+        `_tcp_settings` for the whole session, and, where the server has it (PostgreSQL 14+),
+        a check every second that the client is still connected while a statement runs."""
+        settings = self._tcp_settings()
+        yield Query(
+            sql.SQL(
+                "SELECT {settings}, CASE WHEN current_setting('server_version_num')::int >= 140000"
+                " THEN set_config('client_connection_check_interval', '1000', false) END"
+            ).format(
+                settings=sql.SQL(", ").join(
+                    sql.SQL("set_config({}, {}, false)").format(
+                        sql.Literal(name), sql.Placeholder(name)
+                    )
+                    for name in settings
+                )
+            ),
+            settings,
+        )
+        yield Commit()
+
+    def _check_floor(self, rows: Sequence[Row]) -> list[int]:
+        """The reserved IDs, each checked to be >= the reservation lock's L (see above)."""
+        ids = sorted(int(row[0]) for row in rows)
+        floor = int(rows[0][1])
+        if ids[0] < floor:
+            raise SequenceRewound(
+                f"stream {self.stream_name!r}: ID {ids[0]} below the reservation floor {floor}: "
+                "the sequence was set back during the reservation; nothing was written"
+            )
+        return ids
+
+    def _lease_params(self) -> dict[str, Any]:
+        return {
+            "lease_ms": str(int(self.lease_seconds * 1000)),
+            "stream": self.info.id,
+            "instance": self.instance,
+            "generation": self.generation,
+        }
+
+    def _check_usable(self) -> None:
+        if self.fenced:
+            raise WriterFenced(
+                f"writer {self.instance!r} on stream {self.stream_name!r} was retired "
+                "(lease expired or name taken over); create a new writer"
+            )
+
+    # ------------------------------------------------------------------ appends
+
+    def append(self, payloads: Sequence[Any], timestamps: Sequence[int | None]) -> Gen[Ack]:
+        """Append facts (one row each) in one transaction."""
+        if not payloads:
+            raise UsageError("append_batch needs at least one payload")
+        self._check_usable()
+        info, tracker = self.info, self.tracker
+        limit = self.max_payload_bytes
+        # A batch encodes its payloads while COPY streams them (the server stores the first
+        # rows while the client encodes the next: ~15% of a 1000-fact batch at 1 writer); a
+        # bad payload then aborts the COPY, and its transaction with it: nothing is written,
+        # and the reserved IDs complete as gaps. A single fact is encoded before anything is
+        # reserved.
+        single = encode_payload(payloads[0], limit) if len(payloads) == 1 else None
+        stamps = resolve_timestamps(
+            timestamps,
+            mode=info.timestamping,
+            uncapped=info.uncapped,
+            arrival_ms=self.clock.now_ms(),
+            floor=self._ts_floor,
+        )
+        token = tracker.begin_reservation()
+        ids: list[int] = []
+        try:
+            params = self._lease_params()
+            if single is not None:
+                assert self._reserve_one is not None
+                params["ts"] = stamps[0]
+                params["payload"] = single
+                params["known"] = token.floor
+                try:
+                    # The whole append: one statement, its own transaction (see the module doc).
+                    rows = yield Autocommit(self._reserve_one, params)
+                except StoreError as exc:
+                    if exc.sqlstate == INVALID_TEXT and _REWOUND in str(exc):
+                        raise SequenceRewound(
+                            f"stream {self.stream_name!r}: the sequence was set back during the "
+                            "reservation; nothing was written. Open a new writer (it repairs the "
+                            "sequence) or run `streams doctor --repair`"
+                        ) from None
+                    if exc.sqlstate == UNIQUE_VIOLATION:  # the new ID is stored already
+                        raise SequenceRewound(
+                            f"stream {self.stream_name!r}: the sequence handed out an ID that "
+                            "is stored already: it was set back; nothing was written. Open a "
+                            "new writer (it repairs the sequence) or run `streams doctor --repair`"
+                        ) from None
+                    raise
+                if not rows:
+                    self.fenced = True
+                    self._check_usable()
+                ids = [int(rows[0][0])]  # committed: it completes, whatever happens next
+                tracker.reserved(token, ids)
+            else:
+                assert self._reserve_many is not None
+                params["count"] = len(payloads)
+                # BEGIN and the reservation in one round trip.
+                (reserved,) = yield Pipeline([Query(self._reserve_many, params)])
+                if not reserved:
+                    self.fenced = True
+                    self._check_usable()
+                ids = self._check_floor(reserved)
+                tracker.reserved(token, ids)
+                yield CopyIn(
+                    "COPY streams_facts (stream, stream_id, row_no, instance, ts, payload) "
+                    "FROM STDIN",
+                    (
+                        (info.id, stream_id, 0, self.instance, stamp, encode_payload(p, limit))
+                        for stream_id, stamp, p in zip(ids, stamps, payloads, strict=True)
+                    ),
+                )
+                yield Commit()
+        finally:
+            self._complete(token, ids)
+        self._ts_floor = max(self._ts_floor, stamps[-1])
+        self.appended += len(ids)
+        return Ack(ids[0], ids[-1], stamps[0], stamps[-1], len(ids), tuple(ids))
+
+    def _complete(self, token: ReservationToken, ids: Sequence[int]) -> None:
+        if ids:
+            self.tracker.complete(ids)
+        else:
+            self.tracker.abandon(token)
+
+    # ------------------------------------------------------------ facts in the caller's transaction
+
+    def begin_fact(self, timestamp: int | None) -> tuple[ReservationToken, int]:
+        """Pure first half of `reserve_fact`: validate, resolve the timestamp, go in flight."""
+        self._check_usable()
+        validate_client_timestamp(timestamp)
+        (stamp,) = resolve_timestamps(
+            [timestamp],
+            mode=self.info.timestamping,
+            uncapped=self.info.uncapped,
+            arrival_ms=self.clock.now_ms(),
+            floor=self._ts_floor,
+        )
+        return self.tracker.begin_reservation(), stamp
+
+    def reserve_fact(self, token: ReservationToken, stamp: int) -> Gen[FactHandle]:
+        """Reserve one ID inside the caller's (already open) transaction."""
+        assert self._reserve_fact is not None
+        params = {**self._lease_params(), **self._tcp_settings(), "count": 1}
+        rows = yield Query(self._reserve_fact, params)
+        if not rows:
+            self.fenced = True
+            self._check_usable()
+        (stream_id,) = self._check_floor(rows)
+        self.tracker.reserved(token, [stream_id])
+        return FactHandle(stream_id=stream_id, timestamp=stamp)
+
+    def add_rows(self, handle: FactHandle, payloads: Sequence[Any]) -> Gen[None]:
+        """Add rows of the fact to the built-in facts table (same transaction)."""
+        encoded = [encode_payload(p, self.max_payload_bytes) for p in payloads]
+        if not encoded:
+            return
+        first = handle.rows
+        handle.rows += len(encoded)
+        yield CopyIn(
+            "COPY streams_facts (stream, stream_id, row_no, instance, ts, payload) FROM STDIN",
+            [
+                (self.info.id, handle.stream_id, first + n, self.instance, handle.timestamp, text)
+                for n, text in enumerate(encoded)
+            ],
+        )
+
+    def finish_fact(self, token: ReservationToken, handle: FactHandle | None, ok: bool) -> None:
+        """The caller's transaction ended (committed if `ok`): complete the ID either way."""
+        self._complete(token, [handle.stream_id] if handle is not None else [])
+        if ok and handle is not None:
+            self._ts_floor = max(self._ts_floor, handle.timestamp)
+            self.appended += 1
+
+    # ------------------------------------------------------------------ heartbeats
+
+    def heartbeat(self) -> Gen[HeartbeatResult]:
+        """Renew the lease, persist the position (forward-only), read max allocated and time.
+
+        Reading max allocated lets an idle writer's announceable position climb to it (see
+        `PositionTracker`); the next heartbeat persists that, so an idle writer never pins
+        the linear position.
+        """
+        tracker = self.tracker
+        position = tracker.local_position
+        sent = time.time()
+        # One statement in autocommit (one round trip). Asynchronous commit, set for this
+        # statement's own transaction: a heartbeat lost in a crash only leaves a lower position
+        # or an earlier lease expiry behind, both safe; waiting for fsync here is not needed.
+        rows = yield Autocommit(
+            sql.SQL(
+                """
+                WITH c AS (SELECT set_config('synchronous_commit', 'off', true) AS v)
+                UPDATE streams_writers
+                SET position = GREATEST(position, %(position)s), pending = %(pending)s,
+                    lease_expires_at = clock_timestamp() + make_interval(secs => %(lease)s),
+                    heartbeat_at = clock_timestamp()
+                FROM c
+                WHERE stream = %(stream)s AND instance = %(instance)s
+                  AND generation = %(generation)s AND NOT retired AND c.v IS NOT NULL
+                RETURNING position, {max_allocated}, {now}
+                """
+            ).format(max_allocated=max_allocated_sql(self.info), now=sql.SQL(_NOW_MS)),
+            {
+                "position": position,
+                "pending": tracker.take_peak_pending(),
+                "lease": self.lease_seconds,
+                "stream": self.info.id,
+                "instance": self.instance,
+                "generation": self.generation,
+            },
+        )
+        if not rows:
+            self.fenced = True
+            return HeartbeatResult(False, self._persisted, tracker.max_allocated)
+        persisted, max_allocated, db_ms = (int(v) for v in rows[0])
+        self.clock.sample(db_ms, sent, time.time())
+        self._persisted = max(self._persisted, persisted)
+        tracker.note_allocated(max_allocated)
+        return HeartbeatResult(True, self._persisted, max_allocated)
+
+    def beat(self) -> Gen[HeartbeatResult]:
+        """One scheduled heartbeat; every `RETIRE_EVERY`-th also retires expired peers, so a
+        dead writer stops pinning the linear position even when nobody reads positions."""
+        result = yield from self.heartbeat()
+        self._beats += 1
+        if result.alive and self._beats % RETIRE_EVERY == 0:
+            yield from retire_expired_writers(self.info)
+        return result
+
+    def retire(self) -> Gen[None]:
+        """Graceful close: persist the position, then retire (treated as caught up)."""
+        if self._tracker is None or self.fenced:
+            return
+        if self.tracker.pending_count or self.tracker.in_flight_count:
+            # Facts are still being written through this writer: leave the row to its lease.
+            yield from self.heartbeat()
+            return
+        yield Query(
+            """
+            UPDATE streams_writers
+            SET position = GREATEST(position, %s), retired = true, generation = generation + 1,
+                pending = 0
+            WHERE stream = %s AND instance = %s AND generation = %s AND NOT retired
+            """,
+            (self.tracker.local_position, self.info.id, self.instance, self.generation),
+        )
+        yield Commit()
+        self.fenced = True

@@ -1,0 +1,706 @@
+"""The Redis I/O of one process: `RedisLink` (threads) and `AsyncRedisLink` (asyncio tasks).
+
+Each link keeps two Redis connections: a subscriber (the replication channel and its instance
+channels), read by a thread (asyncio: a task), and a publisher. `RedisLink` publishes from the
+thread that has something to say (a writer's appending thread, the listener answering
+``REPLICATE``), fire-and-forget: the publisher connection is switched to ``CLIENT REPLY OFF``,
+so a ``PUBLISH`` is one ``send`` with no reply to wait for, no thread handoff and no wakeup.
+While lines come faster than ``publish_window`` (2 ms), a line waits up to that long and goes
+out with the next ones in one ``send`` (a loopback ``send`` costs ~35 us of CPU here; a
+flusher thread sends the tail, and sleeps while the link is quiet), so a busy writer pays one
+``send`` per window, not one per append; a line after a quiet spell goes out at once.
+`AsyncRedisLink` still feeds a publisher task through a bounded queue. Both read their
+subscription themselves, in bulk (`streams.transport.connections`: redis-py opens the
+connection, `streams.core.resp` parses what arrives). What a message means and
+what to publish on connect is decided by `streams.core.replication.LinkCore`; the connection
+discipline below is written once, as generator "plans" in `_LinkBase`, and the two classes only
+drive them on redis-py or redis.asyncio.
+
+A process with no reader attached (a writer-only process) need not hear data messages: readers
+trust PostgreSQL, and each writer's heartbeat re-announces its position. It still listens (it
+must answer ``REPLICATE`` and notice a foreign deployment on the channel), but in bursts: after
+a message it drains what has arrived and then sleeps ``idle_read_interval`` seconds (messages
+wait in Redis meanwhile), and `LinkCore` discards ``RDATA``/``POSITION`` lines of known streams
+after reading their first two words. So N writer processes no longer each wake up for every
+one of the others' appends. ``idle_read_interval=0`` restores reading every message at once.
+
+Connection discipline, as the issue of record asks and Synapse does:
+
+* subscribe, wait until Redis confirms every channel, *then* publish ``REPLICATE`` and the local
+  writers' positions (a reply published before we listen would be lost);
+* a ``PING`` every `KEEPALIVE` seconds; no reply within two intervals counts as a dead link;
+* on any error: mark disconnected (readers fall back to polling PostgreSQL), back off
+  exponentially up to 5 s, reconnect, and run the connect step again;
+* a reader attaching to a connected link publishes ``REPLICATE`` (writers answer ``POSITION``).
+
+Foreign deployments (see `streams.core.replication`): when the core decides the channel belongs to
+another deployment (Synapse), the link publishes nothing more there for its whole life, and
+reports itself not connected (`connected` is False, listeners get ``on_link_state(False)``), so
+readers poll PostgreSQL. With ``known_streams`` (a blocking function returning the stream names
+of this deployment's registry) the link also checks announced stream names against it; it is
+called from the listener thread (asyncio: `asyncio.to_thread`), only when an unknown name was
+heard, at most every `streams.core.replication.REFRESH_INTERVAL` seconds. It should be quick (a
+short database timeout): the subscriber is not read while it runs.
+
+Publishing is best effort: Redis delivers at most once anyway, so when the queue is full or Redis
+is down, messages are dropped (and counted in `dropped`) rather than blocking writers. The
+inline publisher never waits to connect on a writer's thread while the subscriber is down: it
+only (re)connects while the subscription is up (which proves Redis reachable), at most once a
+second; a send that fails or times out (`INLINE_SEND_TIMEOUT`) drops the connection, and a lost
+subscription drops it too (a write into a dead socket can succeed unnoticed without replies).
+What is lost is covered by the ``POSITION`` lines every (re)connect and every heartbeat send.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import re
+import threading
+import time
+from collections.abc import Callable, Collection, Generator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeAlias
+
+import redis
+import redis.asyncio
+
+from .._aio import wait_event
+from ..config import redact_url
+from ..core.protocol import Command, serialize
+from ..core.replication import (
+    Announcer,
+    ForeignDeployment,
+    Hint,
+    LinkCore,
+    LinkStats,
+    backoff_delay,
+)
+from .connections import (
+    REDIS_ERRORS,
+    AsyncSubscriber,
+    InlinePublisher,
+    Message,
+    Subscriber,
+    client_options,
+)
+
+__all__ = ["KEEPALIVE", "AsyncRedisLink", "KnownStreams", "LinkListener", "RedisLink"]
+
+log = logging.getLogger("streams.redis")
+
+#: Seconds between keep-alive PINGs on the subscriber connection.
+KEEPALIVE = 5.0
+#: Most messages waiting to be published; beyond that new ones are dropped.
+PUBLISH_QUEUE_LIMIT = 100_000
+#: Seconds a publish may wait on Redis before the batch is given up.
+PUBLISH_TIMEOUT = 5.0
+#: Most messages sent in one pipeline.
+PUBLISH_BATCH = 256
+#: Default `RedisLink` ``publish_window``: a line published within this many seconds of the
+#: previous send waits (at most this long) to go out with the next ones, in one ``send``.
+PUBLISH_WINDOW = 0.002
+#: Default `RedisLink` ``idle_read_interval``: with no reader attached, read the subscription
+#: in bursts this many seconds apart.
+IDLE_READ_INTERVAL = 0.05
+
+#: What Redis refuses in a client name (spaces, newlines, quotes), replaced by ``_``.
+_CLIENT_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9._:@/-]")
+
+#: A blocking function returning the stream names of this deployment's registry.
+KnownStreams: TypeAlias = Callable[[], Collection[str]]
+
+
+class LinkListener(Protocol):
+    """What a link tells a reader. Called on the link's thread (or event loop): be quick."""
+
+    def on_hint(self, hint: Hint) -> None: ...
+    def on_link_state(self, connected: bool) -> None: ...
+
+
+class _LinkBase:
+    def __init__(
+        self,
+        url: str,
+        prefix: str,
+        name: str,
+        known_streams: KnownStreams | None = None,
+        idle_read_interval: float = 0.0,
+    ) -> None:
+        self.core = LinkCore(
+            prefix,
+            name,
+            check_streams=known_streams is not None,
+            skip_data_without_readers=idle_read_interval > 0,
+        )
+        self._idle_read_interval = idle_read_interval
+        self._url = url
+        self._known_streams = known_streams
+        self._listeners: list[LinkListener] = []
+        self._listeners_lock = threading.Lock()
+        self._state_lock = threading.Lock()
+        self._subscribed = False  # Redis confirmed the subscription (whatever `foreign` says)
+        self.connected = False  # live: subscribed and the channel is not foreign
+        self.dropped = 0
+
+    @property
+    def foreign(self) -> ForeignDeployment | None:
+        """Why the link went quiet for good (another deployment shares the channel), or None."""
+        return self.core.foreign
+
+    @property
+    def stats(self) -> LinkStats:
+        return self.core.stats
+
+    def client_name(self, role: str) -> str:
+        """The Redis ``CLIENT SETNAME`` of this link's ``role`` connection (``sub``/``pub``),
+        so ``CLIENT LIST`` tells operators which process holds which connection."""
+        return f"streams-{role}:" + _CLIENT_NAME_UNSAFE.sub("_", self.core.name)[:100]
+
+    def __repr__(self) -> str:
+        state = "connected" if self.connected else "disconnected"
+        return (
+            f"<{type(self).__name__} {redact_url(self._url)} prefix={self.core.prefix!r} {state}>"
+        )
+
+    def add_listener(self, listener: LinkListener) -> None:
+        with self._listeners_lock:
+            self._listeners.append(listener)
+        # If the link is already connected, the core says to publish REPLICATE now: the
+        # connect step's REPLICATE went out before this reader was there.
+        self._enqueue(self.core.add_reader())
+
+    def remove_listener(self, listener: LinkListener) -> None:
+        with self._listeners_lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+                self.core.remove_reader()
+
+    def add_writer(self, announcer: Announcer) -> None:
+        self.core.add_writer(announcer)
+
+    def remove_writer(self, announcer: Announcer) -> None:
+        self.core.remove_writer(announcer)
+
+    def _dispatch(self, hints: Sequence[Hint]) -> None:
+        if not hints:
+            return
+        with self._listeners_lock:
+            listeners = list(self._listeners)
+        for listener in listeners:
+            for hint in hints:
+                listener.on_hint(hint)
+
+    def _set_connected(self, subscribed: bool) -> None:
+        """Redis subscription up or down; listeners hear when the link's liveness changes."""
+        with self._state_lock:
+            self._subscribed = subscribed
+            live = subscribed and self.core.foreign is None
+            if live == self.connected:
+                return
+            self.connected = live
+        with self._listeners_lock:
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener.on_link_state(live)
+
+    def _check_foreign(self) -> None:
+        """After anything that may have made the channel foreign: tell the readers."""
+        if self.connected and self.core.foreign is not None:
+            self._set_connected(self._subscribed)
+
+    def _handle(self, message: Message) -> list[bytes]:
+        """One message from the subscriber connection: dispatch it, return lines to publish."""
+        kind, channel, data = message
+        if kind == b"message":
+            hints, replies = self.core.on_message(data)
+            self._dispatch(hints)
+            self._check_foreign()
+            return replies
+        if kind == b"subscribe" and _text(channel) == self.core.channel:
+            # Confirmed (also after a reconnect): the connect step.
+            lines = self.core.on_connected()
+            self._set_connected(True)
+            return lines
+        return []
+
+    # The connection discipline, written once as generators (psycopg style): the listen plan
+    # yields `_Open`, `_Subscribe`, `_Receive`, `_Ping` and `_Sleep`, the send plan `_Publish`;
+    # a driver performs each on redis-py (threads) or redis.asyncio (tasks) and sends back the
+    # result, or throws the Redis error into the plan.
+    _stopped: Any  # threading.Event or asyncio.Event: only is_set() is used here
+    _resubscribe: Any
+
+    def _listen_plan(self) -> Generator[_ListenOp, Any, None]:
+        attempt = 0
+        while not self._stopped.is_set():
+            try:
+                yield _Open()
+                channels = self.core.channels()
+                yield _Subscribe(tuple(channels))
+                last_pong = last_ping = time.monotonic()
+                draining = False
+                while not self._stopped.is_set():
+                    if self._resubscribe.is_set():
+                        self._resubscribe.clear()
+                        new = [c for c in self.core.channels() if c not in channels]
+                        if new:
+                            yield _Subscribe(tuple(new))
+                            channels += new
+                    message = yield _Receive(0.0 if draining else 0.5)
+                    now = time.monotonic()
+                    if message is not None:
+                        attempt = 0
+                        if message[0] == b"pong":
+                            last_pong = now
+                        self._enqueue(self._handle(message))
+                        # No reader here: drain what has arrived, then let more pile up.
+                        draining = self._idle_read_interval > 0 and not self.core.readers
+                    elif draining:
+                        draining = False
+                        yield _Sleep(self._idle_read_interval)
+                    if self._known_streams is not None and self.core.refresh_due(now):
+                        yield from self._refresh_plan()
+                    if now - last_ping >= KEEPALIVE:
+                        if now - last_pong > 2 * KEEPALIVE + 1:
+                            raise redis.ConnectionError("no reply to keep-alive PING")
+                        yield _Ping()
+                        last_ping = now
+            except REDIS_ERRORS as exc:
+                if self._stopped.is_set():
+                    break
+                self.core.on_disconnected()
+                self._set_connected(False)
+                self.core.stats.reconnects += 1
+                delay = backoff_delay(attempt, jitter=random.random())
+                attempt += 1
+                log.warning(
+                    "Redis link %s lost (%s); reconnecting in %.2fs",
+                    redact_url(self._url),
+                    type(exc).__name__,
+                    delay,
+                )
+                yield _Sleep(delay)
+        self.core.on_disconnected()
+        self._set_connected(False)
+
+    def _refresh_plan(self) -> Generator[_ListenOp, Any, None]:
+        # Read after every suspect name was heard: the listen plan is the only consumer of
+        # messages, and it waits here.
+        names = yield _Refresh()
+        done = time.monotonic()
+        if isinstance(names, BaseException):
+            self.core.on_refresh_failed(done, names)
+        else:
+            self.core.on_known_streams(names, done)
+            self._check_foreign()
+
+    def _send_plan(self, batch: list[bytes]) -> Generator[_Publish, Any, None]:
+        # Lines queued before the channel was found foreign are dropped here, at the last step.
+        batch = self.core.outgoing(batch)
+        if not batch:
+            return
+        for attempt in range(2):  # one retry (redis-py reconnects), then drop: best effort
+            try:
+                yield _Publish(self.core.channel, tuple(batch))
+                self.core.stats.published += len(batch)
+                return
+            except REDIS_ERRORS as exc:
+                if attempt:
+                    self.dropped += len(batch)
+                    log.debug("dropped %d replication messages: %s", len(batch), exc)
+
+    def _enqueue(self, lines: Sequence[bytes]) -> None:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, slots=True)
+class _Open:
+    """(Re)connect the subscriber: close the previous connection, open a new one."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Subscribe:
+    channels: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _Receive:
+    """The next message or None after ``timeout`` seconds."""
+
+    timeout: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Ping:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class _Sleep:
+    """Sleep, but wake up early when the link is closed."""
+
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Refresh:
+    """Call ``known_streams``; the result is its names as a frozenset, or the exception."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Publish:
+    channel: str
+    lines: tuple[bytes, ...]
+
+
+_ListenOp: TypeAlias = _Open | _Subscribe | _Receive | _Ping | _Sleep | _Refresh
+
+
+def _step(plan: Generator[Any, Any, None], result: Any, error: BaseException | None) -> Any:
+    """Advance a plan; raises StopIteration when it is done."""
+    return plan.throw(error) if error is not None else plan.send(result)
+
+
+def _text(value: object) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+class RedisLink(_LinkBase):
+    """The threaded link of a synchronous `streams.Client`.
+
+    ``known_streams``: see the module docstring (foreign-deployment detection, rule (b)).
+    ``idle_read_interval``: with no reader attached, read the subscription in bursts this many
+    seconds apart (0: every message as it arrives; see the module docstring).
+    Publishing is inline and fire-and-forget (`InlinePublisher`). ``publish_window``: a line
+    published less than this many seconds after the previous send waits up to that long and
+    goes out with the lines after it in one ``send`` (a flusher thread sends it if nothing
+    follows; it only runs while lines come faster than the window). 0 sends every line at once.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        prefix: str,
+        name: str,
+        *,
+        known_streams: KnownStreams | None = None,
+        idle_read_interval: float = IDLE_READ_INTERVAL,
+        publish_window: float = PUBLISH_WINDOW,
+    ) -> None:
+        super().__init__(url, prefix, name, known_streams, idle_read_interval)
+        self._publisher = InlinePublisher(url, self.client_name("pub"))
+        self._publish_window = publish_window
+        self._pending: list[bytes] = []
+        self._pending_lock = threading.Lock()
+        self._last_send = 0.0
+        self._flush_armed = False
+        self._flush_wake = threading.Event()
+        self._stopped = threading.Event()
+        self._resubscribe = threading.Event()
+        self._listen_thread = threading.Thread(
+            target=self._listen_loop, name="streams-redis-listen", daemon=True
+        )
+        self._listen_thread.start()
+        self._flush_thread: threading.Thread | None = None
+        if publish_window > 0:
+            self._flush_thread = threading.Thread(
+                target=self._flush_loop, name="streams-redis-flush", daemon=True
+            )
+            self._flush_thread.start()
+
+    def publish(self, commands: Sequence[Command]) -> None:
+        """Publish commands of local writers (best effort); local readers hear them at once."""
+        if not commands:
+            return
+        if self._listeners:
+            self._dispatch(LinkCore.hints_for(list(commands)))
+        self._enqueue([serialize(cmd) for cmd in commands])
+
+    def add_writer(self, announcer: Announcer) -> None:
+        super().add_writer(announcer)
+        self._resubscribe.set()  # its instance channel
+
+    def _enqueue(self, lines: Sequence[bytes]) -> None:
+        """Send now from the calling thread, or within `publish_window` if the previous send
+        was more recent than that (the name is the base class's)."""
+        batch = self.core.outgoing(list(lines))
+        if not batch or self._stopped.is_set():
+            return
+        with self._pending_lock:
+            self._pending.extend(batch)
+            now = time.monotonic()
+            if now - self._last_send >= self._publish_window or len(self._pending) >= PUBLISH_BATCH:
+                self._send_pending_locked(now)
+            elif not self._flush_armed:
+                self._flush_armed = True
+                self._flush_wake.set()
+
+    def _send_pending_locked(self, now: float) -> None:
+        batch, self._pending = self._pending, []
+        self._last_send = now
+        sent = self._publisher.send(self.core.channel, batch, self._subscribed)
+        if sent:
+            self.core.stats.published += sent
+        else:
+            self.dropped += len(batch)
+
+    def _flush_loop(self) -> None:
+        """Send what waits in the window; runs only while appends outpace the window."""
+        while not self._stopped.is_set():
+            self._flush_wake.wait()
+            self._flush_wake.clear()
+            while not self._stopped.wait(self._publish_window):
+                with self._pending_lock:
+                    if not self._pending:
+                        self._flush_armed = False
+                        break
+                    now = time.monotonic()
+                    if now - self._last_send >= self._publish_window:
+                        self._send_pending_locked(now)
+
+    def _set_connected(self, subscribed: bool) -> None:
+        if not subscribed:
+            # Without replies a write into a dead connection can look fine: start afresh.
+            self._publisher.reset()
+        super()._set_connected(subscribed)
+
+    def _listen_loop(self) -> None:
+        plan = self._listen_plan()
+        subscriber: Subscriber | None = None
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            while True:
+                try:
+                    op = _step(plan, result, error)
+                except StopIteration:
+                    return
+                result, error = None, None
+                try:
+                    match op:
+                        case _Open():
+                            if subscriber is not None:
+                                subscriber.close()
+                                subscriber = None
+                            subscriber = Subscriber(self._url, self.client_name("sub"))
+                        case _Subscribe(channels=channels):
+                            assert subscriber is not None
+                            subscriber.send("SUBSCRIBE", *channels)
+                        case _Receive(timeout=timeout):
+                            assert subscriber is not None
+                            result = subscriber.receive(timeout)
+                        case _Ping():
+                            assert subscriber is not None
+                            subscriber.send("PING")
+                        case _Sleep(seconds=seconds):
+                            self._stopped.wait(seconds)
+                        case _Refresh():
+                            result = self._read_known_streams()
+                except REDIS_ERRORS as exc:
+                    error = exc
+        finally:
+            if subscriber is not None:
+                subscriber.close()
+
+    def _read_known_streams(self) -> frozenset[str] | Exception:
+        assert self._known_streams is not None
+        try:
+            return frozenset(self._known_streams())
+        except Exception as exc:  # the client's function: a database error, most likely
+            return exc
+
+    def close(self) -> None:
+        if self._stopped.is_set():
+            return
+        with self._pending_lock:
+            if self._pending:
+                self._send_pending_locked(time.monotonic())
+        self._stopped.set()
+        self._flush_wake.set()
+        if self._flush_thread is not None:
+            self._flush_thread.join(timeout=5)
+        self._listen_thread.join(timeout=5)
+        self._publisher.close()
+
+
+class AsyncRedisLink(_LinkBase):
+    """The asyncio link of a `streams.AsyncClient` (tasks on the loop that started it).
+
+    ``known_streams`` is a *blocking* function, run with `asyncio.to_thread`.
+    """
+
+    def __init__(
+        self, url: str, prefix: str, name: str, *, known_streams: KnownStreams | None = None
+    ) -> None:
+        super().__init__(url, prefix, name, known_streams)
+        self._queue: asyncio.Queue[bytes | None] = asyncio.Queue(PUBLISH_QUEUE_LIMIT)
+        self._stopped = asyncio.Event()
+        self._resubscribe = asyncio.Event()
+        self._closing: asyncio.Future[None] | None = None
+        self._listen_task = asyncio.create_task(self._listen_loop(), name="streams-redis-listen")
+        self._publish_task = asyncio.create_task(self._publish_loop(), name="streams-redis-publish")
+
+    def _ensure_running(self) -> None:
+        """Restart a task of the link that ended while the link is open.
+
+        Only a cancellation from outside ends one (a service's shutdown code cancelling every
+        task, say; Redis errors are retried inside): each closes its connection on the way
+        out, so a restarted one starts clean, with the connect step, like a reconnect.
+        Checked whenever the link is used, not from a callback, so a loop that is shutting
+        down is left alone.
+        """
+        if self._stopped.is_set():
+            return
+        if self._listen_task.done():
+            log.warning("Redis link %s: its listener had stopped; restarting it", self)
+            self._listen_task = asyncio.create_task(
+                self._listen_loop(), name="streams-redis-listen"
+            )
+        if self._publish_task.done():
+            log.warning("Redis link %s: its publisher had stopped; restarting it", self)
+            self._publish_task = asyncio.create_task(
+                self._publish_loop(), name="streams-redis-publish"
+            )
+
+    def publish(self, commands: Sequence[Command]) -> None:
+        if not commands:
+            return
+        self._ensure_running()
+        self._dispatch(LinkCore.hints_for(list(commands)))
+        self._enqueue([serialize(cmd) for cmd in commands])
+
+    def add_listener(self, listener: LinkListener) -> None:
+        self._ensure_running()
+        super().add_listener(listener)
+
+    def add_writer(self, announcer: Announcer) -> None:
+        self._ensure_running()
+        super().add_writer(announcer)
+        self._resubscribe.set()
+
+    def _enqueue(self, lines: Sequence[bytes]) -> None:
+        for line in self.core.outgoing(list(lines)):
+            try:
+                self._queue.put_nowait(line)
+            except asyncio.QueueFull:
+                self.dropped += 1
+
+    async def _listen_loop(self) -> None:
+        plan = self._listen_plan()
+        subscriber: AsyncSubscriber | None = None
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            while True:
+                try:
+                    op = _step(plan, result, error)
+                except StopIteration:
+                    return
+                result, error = None, None
+                try:
+                    match op:
+                        case _Open():
+                            if subscriber is not None:
+                                await subscriber.close()
+                                subscriber = None
+                            subscriber = await AsyncSubscriber.open(
+                                self._url, self.client_name("sub")
+                            )
+                        case _Subscribe(channels=channels):
+                            assert subscriber is not None
+                            await subscriber.send("SUBSCRIBE", *channels)
+                        case _Receive(timeout=timeout):
+                            assert subscriber is not None
+                            result = await subscriber.receive(timeout)
+                        case _Ping():
+                            assert subscriber is not None
+                            await subscriber.send("PING")
+                        case _Sleep(seconds=seconds):
+                            await wait_event(self._stopped, seconds)
+                        case _Refresh():
+                            result = await self._read_known_streams()
+                except REDIS_ERRORS as exc:
+                    error = exc
+        finally:
+            if subscriber is not None:
+                await subscriber.close()
+
+    async def _read_known_streams(self) -> frozenset[str] | Exception:
+        assert self._known_streams is not None
+        try:
+            return frozenset(await asyncio.to_thread(self._known_streams))
+        except Exception as exc:  # the client's function: a database error, most likely
+            return exc
+
+    async def _publish_loop(self) -> None:
+        # No socket timeout inside redis-py: it would bound each send with asyncio.wait_for,
+        # which on Python 3.11 can swallow a cancellation (`streams._aio`); `_send` bounds the
+        # whole publish with asyncio.timeout instead.
+        client = redis.asyncio.Redis.from_url(
+            self._url, client_name=self.client_name("pub"), **client_options()
+        )
+        try:
+            while True:
+                line = await self._queue.get()
+                if line is None:
+                    return
+                batch = [line]
+                stop = False
+                while len(batch) < PUBLISH_BATCH and not stop and not self._queue.empty():
+                    more = self._queue.get_nowait()
+                    stop = more is None
+                    if more is not None:
+                        batch.append(more)
+                await self._send(client, batch)
+                if stop:
+                    return
+        finally:
+            await client.aclose()
+
+    async def _send(self, client: redis.asyncio.Redis, batch: list[bytes]) -> None:
+        plan = self._send_plan(batch)
+        error: BaseException | None = None
+        while True:
+            try:
+                op = _step(plan, None, error)
+            except StopIteration:
+                return
+            error = None
+            try:
+                async with asyncio.timeout(PUBLISH_TIMEOUT):  # TimeoutError is an OSError
+                    if len(op.lines) == 1:
+                        await client.publish(op.channel, op.lines[0])
+                    else:
+                        pipe = client.pipeline(transaction=False)
+                        for line in op.lines:
+                            pipe.publish(op.channel, line)
+                        await pipe.execute()
+            except REDIS_ERRORS as exc:
+                error = exc
+
+    async def aclose(self) -> None:
+        """Stop both tasks and close both connections.
+
+        Closing runs in a task of its own: cancelling ``aclose()`` stops the wait, not the
+        close, and awaiting ``aclose()`` again waits for the same close to finish.
+        """
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._close())
+        await asyncio.shield(self._closing)
+
+    async def _close(self) -> None:
+        self._stopped.set()
+        with contextlib.suppress(asyncio.QueueFull):
+            self._queue.put_nowait(None)
+        for task in (self._listen_task, self._publish_task):
+            # Each task closes its connection in a `finally`: give it 5 s to finish on its
+            # own (the publisher sends what is queued), then cancel it and wait for that.
+            await asyncio.wait({task}, timeout=5)
+            if not task.done():
+                task.cancel()
+                await asyncio.wait({task})
+            if not task.cancelled() and task.exception() is not None:
+                log.debug("Redis link task ended with %r", task.exception())

@@ -1,0 +1,175 @@
+"""A TCP proxy for fault tests: put it between a role and its server, then pass, freeze, delay
+or cut what flows through it (imported as ``from proxy import Proxy``).
+
+* ``pass``: bytes flow both ways as they come (the default);
+* ``freeze(replies=True)``: only what the server sends is held (the client's requests reach
+  it): a request that ran, whose answer never came back;
+* `Proxy.freeze`: nothing flows any more, and nothing is closed: what a network partition or
+  a frozen peer looks like from each side (the proxy's own kernel still acknowledges what it
+  receives, as a stopped process's kernel does, so TCP keepalives do not end it either);
+  `Proxy.thaw` lets what waited flow on;
+* `Proxy.delay`: every chunk waits that many seconds before it is forwarded;
+* `Proxy.cut`: every current connection is closed (reset) at once, as a restarted middlebox
+  does; new connections go through.
+
+One thread accepts, two more per connection pump bytes. Nothing here knows the protocol.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from urllib.parse import urlsplit, urlunsplit
+
+__all__ = ["Proxy"]
+
+
+class Proxy:
+    """Forwards ``127.0.0.1:<port>`` to ``target_host:target_port`` (see the module doc)."""
+
+    def __init__(self, target_host: str, target_port: int) -> None:
+        self.target = (target_host, target_port)
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self._listener.getsockname()[1]
+        self._lock = threading.Lock()
+        self._flowing = threading.Event()  # client to server
+        self._flowing.set()
+        self._replying = threading.Event()  # server to client
+        self._replying.set()
+        self._delay = 0.0
+        self._pairs: list[tuple[socket.socket, socket.socket]] = []
+        self._cut: set[int] = set()  # ids of sockets being cut: closed with RST, not FIN
+        self._closed = False
+        self.connections = 0  # accepted so far
+        self._thread = threading.Thread(target=self._accept, name="proxy-accept", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def for_url(cls, url: str) -> Proxy:
+        parts = urlsplit(url)
+        return cls(parts.hostname or "127.0.0.1", parts.port or _default_port(parts.scheme))
+
+    def url(self, url: str) -> str:
+        """``url`` with its host and port replaced by the proxy's."""
+        parts = urlsplit(url)
+        userinfo = parts.netloc.rpartition("@")[0]
+        netloc = f"{userinfo + '@' if userinfo else ''}127.0.0.1:{self.port}"
+        return urlunsplit(parts._replace(netloc=netloc))
+
+    # ---------------------------------------------------------------- faults
+
+    def freeze(self, *, replies: bool = False) -> None:
+        """Stop forwarding: both ways, or (``replies``) only from the server to the client."""
+        self._replying.clear()
+        if not replies:
+            self._flowing.clear()
+
+    def thaw(self) -> None:
+        self._flowing.set()
+        self._replying.set()
+
+    def delay(self, seconds: float) -> None:
+        self._delay = seconds
+
+    def retarget(self, host: str, port: int) -> None:
+        """Send new connections to another server (a restarted one, on a new port)."""
+        self.target = (host, port)
+
+    def cut(self) -> None:
+        """Reset every current connection (new ones go through)."""
+        with self._lock:
+            pairs, self._pairs = self._pairs, []
+            self._cut.update(id(sock) for pair in pairs for sock in pair)
+        for pair in pairs:
+            for sock in pair:
+                # A close() does not wake a thread blocked in recv() on the socket (Linux
+                # keeps it open until that call returns), so nothing would be reset: stop the
+                # receiving side first (it sends nothing); the pump then closes with RST.
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RD)
+
+    @contextlib.contextmanager
+    def frozen(self) -> Iterator[None]:
+        self.freeze()
+        try:
+            yield
+        finally:
+            self.thaw()
+
+    def close(self) -> None:
+        self._closed = True
+        self.thaw()
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        self.cut()
+
+    def __enter__(self) -> Proxy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- pumping
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                server = socket.create_connection(self.target, timeout=10)
+                server.settimeout(None)
+            except OSError:
+                _reset(client)
+                continue
+            for sock in (client, server):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                self._pairs.append((client, server))
+                self.connections += 1
+            for src, dst, gate in (
+                (client, server, self._flowing),
+                (server, client, self._replying),
+            ):
+                threading.Thread(target=self._pump, args=(src, dst, gate), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, gate: threading.Event) -> None:
+        try:
+            while True:
+                gate.wait()
+                data = src.recv(65536)
+                if not data:
+                    break
+                if self._delay:
+                    time.sleep(self._delay)
+                gate.wait()  # frozen after reading: hold the chunk
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            if id(src) in self._cut or id(dst) in self._cut:
+                _reset(src)
+                _reset(dst)
+                with self._lock:
+                    self._cut.difference_update((id(src), id(dst)))
+            else:  # a side closed: pass the FIN on, as a real network does
+                for sock in (src, dst):
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_RDWR)
+
+
+def _reset(sock: socket.socket) -> None:
+    """Close with RST (SO_LINGER 0), as a dropped connection looks to the peer."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    with contextlib.suppress(OSError):
+        sock.close()
+
+
+def _default_port(scheme: str) -> int:
+    return {"postgresql": 5432, "postgres": 5432, "redis": 6379}.get(scheme, 0)
