@@ -35,10 +35,14 @@ __all__ = [
     "Appender",
     "Follower",
     "RestartablePostgres",
+    "backend_waits_for_a_lock",
+    "in_thread",
     "link_of",
+    "partition_locked",
     "payload_counts",
     "restartable_postgres",
     "stored_ids",
+    "terminate",
 ]
 
 
@@ -242,6 +246,52 @@ class Appender(threading.Thread):
 
     def error_kinds(self) -> set[str]:
         return {type(exc).__name__ for exc in self.errors}
+
+
+# ------------------------------------------------------------- breaking one append
+
+
+def backend_waits_for_a_lock(url: str, pid: int) -> Callable[[], bool]:
+    def check() -> bool:
+        with psycopg.connect(url, autocommit=True) as admin:
+            row = admin.execute(
+                "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", (pid,)
+            ).fetchone()
+        return row is not None and row[0] == "Lock"
+
+    return check
+
+
+@contextlib.contextmanager
+def partition_locked(url: str, client: streams.Client, stream: str) -> Iterator[None]:
+    """Hold a SHARE lock on the stream's facts partition: appends wait for it in their
+    ``INSERT`` or ``COPY`` (after their reservation), so a test can break them there."""
+    from streams.core.constants import facts_partition
+
+    with psycopg.connect(url) as holder:
+        holder.execute(f"LOCK TABLE {facts_partition(client.stream(stream).id)} IN SHARE MODE")
+        yield
+        holder.rollback()
+
+
+def in_thread(action: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
+    """Run ``action`` on a thread; its result or exception lands in the returned list."""
+    out: list[Any] = []
+
+    def target() -> None:
+        try:
+            out.append(action())
+        except BaseException as exc:
+            out.append(exc)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def terminate(url: str, pid: int) -> None:
+    with psycopg.connect(url, autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s, 5000)", (pid,))  # waits until gone
 
 
 class RestartablePostgres:

@@ -35,9 +35,13 @@ from faultkit import (
     Appender,
     Follower,
     RestartablePostgres,
+    backend_waits_for_a_lock,
+    in_thread,
+    partition_locked,
     payload_counts,
     restartable_postgres,
     stored_ids,
+    terminate,
 )
 from helpers import wait_until
 from proxy import Proxy
@@ -47,49 +51,6 @@ import streams
 from streams.ops.embedded import ensure_database
 
 LEASE = 5.0
-
-
-def _backend_waits_for_a_lock(url: str, pid: int) -> Callable[[], bool]:
-    def check() -> bool:
-        with psycopg.connect(url, autocommit=True) as admin:
-            row = admin.execute(
-                "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", (pid,)
-            ).fetchone()
-        return row is not None and row[0] == "Lock"
-
-    return check
-
-
-@contextlib.contextmanager
-def _partition_locked(url: str, client: streams.Client, stream: str) -> Iterator[None]:
-    """Hold a SHARE lock on the stream's facts partition: appends wait for it in their
-    ``INSERT`` or ``COPY`` (after their reservation), so a test can break them there."""
-    from streams.core.constants import facts_partition
-
-    with psycopg.connect(url) as holder:
-        holder.execute(f"LOCK TABLE {facts_partition(client.stream(stream).id)} IN SHARE MODE")
-        yield
-        holder.rollback()
-
-
-def _in_thread(action: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
-    """Run ``action`` on a thread; its result or exception lands in the returned list."""
-    out: list[Any] = []
-
-    def target() -> None:
-        try:
-            out.append(action())
-        except BaseException as exc:
-            out.append(exc)
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    return thread, out
-
-
-def _terminate(url: str, pid: int) -> None:
-    with psycopg.connect(url, autocommit=True) as admin:
-        admin.execute("SELECT pg_terminate_backend(%s, 5000)", (pid,))  # waits until gone
 
 
 # ---------------------------------------------------------------------------- one append
@@ -102,7 +63,7 @@ def test_an_append_after_the_server_ended_the_idle_session_goes_through(
         client.create_stream(unique_name)
         with client.writer(unique_name) as writer:
             first = writer.append({"n": 1}).first_id
-            _terminate(streams_url, writer._conn.info.backend_pid)
+            terminate(streams_url, writer._conn.info.backend_pid)
             second = writer.append({"n": 2}).first_id  # no error: noticed before sending
             assert second > first
         with client.reader(unique_name) as reader:
@@ -117,10 +78,10 @@ def test_a_batch_broken_before_its_commit_is_retried_once_and_stored_once(
         with client.writer(unique_name) as writer:
             writer.append({"before": True})
             pid = writer._conn.info.backend_pid
-            with _partition_locked(streams_url, client, unique_name):
-                thread, out = _in_thread(lambda: writer.append_batch([{"i": i} for i in range(3)]))
-                wait_until(_backend_waits_for_a_lock(streams_url, pid), 10, "the COPY to wait")
-                _terminate(streams_url, pid)  # mid-COPY: the transaction is rolled back
+            with partition_locked(streams_url, client, unique_name):
+                thread, out = in_thread(lambda: writer.append_batch([{"i": i} for i in range(3)]))
+                wait_until(backend_waits_for_a_lock(streams_url, pid), 10, "the COPY to wait")
+                terminate(streams_url, pid)  # mid-COPY: the transaction is rolled back
                 wait_until(lambda: writer._conn.info.backend_pid != pid, 10, "a new connection")
             thread.join(10)
             (ack,) = out
@@ -138,10 +99,10 @@ def test_a_single_append_ended_before_it_committed_is_unknown_and_absent(
         client.create_stream(unique_name)
         with client.writer(unique_name) as writer:
             pid = writer._conn.info.backend_pid
-            with _partition_locked(streams_url, client, unique_name):
-                thread, out = _in_thread(lambda: writer.append({"lost": True}))
-                wait_until(_backend_waits_for_a_lock(streams_url, pid), 10, "the INSERT to wait")
-                _terminate(streams_url, pid)
+            with partition_locked(streams_url, client, unique_name):
+                thread, out = in_thread(lambda: writer.append({"lost": True}))
+                wait_until(backend_waits_for_a_lock(streams_url, pid), 10, "the INSERT to wait")
+                terminate(streams_url, pid)
                 thread.join(10)
             (error,) = out
             assert isinstance(error, streams.CommitUnknown), error
@@ -176,7 +137,7 @@ def test_an_append_whose_commit_answer_is_lost_is_unknown_and_stored_once(
 
                 if kind == "append":
                     proxy.freeze(replies=True)
-                thread, out = _in_thread(append)
+                thread, out = in_thread(append)
                 wait_until(
                     lambda: payload_rows(streams_url, unique_name, {"ours": True}) == 1,
                     10,

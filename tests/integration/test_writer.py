@@ -9,6 +9,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from faultkit import backend_waits_for_a_lock, in_thread, partition_locked, terminate
 from helpers import fact_rows, wait_until
 
 import streams
@@ -420,14 +421,23 @@ def test_async_writer(streams_url: str, unique_name: str) -> None:
 def test_lost_connection_is_a_gap_then_the_writer_reconnects(
     client: Client, stream: str, streams_url: str
 ) -> None:
+    """The session ends while the append waits in its ``INSERT`` (for a lock the test holds):
+    the append fails, its reserved ID is a gap (nothing pending or in flight), and the next
+    append goes through on a new connection. (Ended while idle, the session is noticed before
+    the append is sent, and the append goes through: `tests/faults/test_restarts.py`.)"""
     with client.writer(stream, instance="w") as writer:
         first = writer.append({"n": 1})
-        with psycopg.connect(streams_url, autocommit=True) as admin:
-            admin.execute("SELECT pg_terminate_backend(%s)", (writer._conn.info.backend_pid,))
-        with pytest.raises(streams.StoreError):
-            writer.append({"n": "lost"})
+        pid = writer._conn.info.backend_pid
+        with partition_locked(streams_url, client, stream):
+            thread, out = in_thread(lambda: writer.append({"n": "lost"}))
+            wait_until(backend_waits_for_a_lock(streams_url, pid), 10, "the INSERT to wait")
+            terminate(streams_url, pid)
+            thread.join(10)
+        (error,) = out
+        assert isinstance(error, streams.StoreError), error
         assert writer.core.tracker.pending_count == 0
         assert writer.core.tracker.in_flight_count == 0
         second = writer.append({"n": 2})
         assert second.first_id > first.first_id
+        assert writer._conn.info.backend_pid != pid
     assert [r[4] for r in fact_rows(streams_url, stream)] == [{"n": 1}, {"n": 2}]
