@@ -23,6 +23,7 @@ import struct
 import threading
 import time
 from collections.abc import Iterator
+from typing import NamedTuple
 from urllib.parse import urlsplit, urlunsplit
 
 __all__ = ["Proxy"]
@@ -41,8 +42,7 @@ class Proxy:
         self._replying = threading.Event()  # server to client
         self._replying.set()
         self._delay = 0.0
-        self._pairs: list[tuple[socket.socket, socket.socket]] = []
-        self._cut: set[int] = set()  # ids of sockets being cut: closed with RST, not FIN
+        self._pairs: list[_Pair] = []
         self._closed = False
         self.connections = 0  # accepted so far
         self._thread = threading.Thread(target=self._accept, name="proxy-accept", daemon=True)
@@ -80,17 +80,28 @@ class Proxy:
         self.target = (host, port)
 
     def cut(self) -> None:
-        """Reset every current connection (new ones go through)."""
+        """Reset every current connection, before returning (new ones go through)."""
         with self._lock:
             pairs, self._pairs = self._pairs, []
-            self._cut.update(id(sock) for pair in pairs for sock in pair)
         for pair in pairs:
-            for sock in pair:
+            # Marked first: a chunk a frozen pump holds is dropped, never delivered after a
+            # thaw (a reply that was lost must stay lost), and the pumps leave the sockets
+            # to this method.
+            pair.cut.set()
+            for sock in (pair.client, pair.server):
                 # A close() does not wake a thread blocked in recv() on the socket (Linux
                 # keeps it open until that call returns), so nothing would be reset: stop the
                 # receiving side first (it sends nothing); the pump then closes with RST.
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RD)
+        # Closed only once both pumps are out of recv() (a socket closed under a blocked
+        # recv() stays open, and its pump blocked, for good), and before returning: a client
+        # that looks at its idle connection right after `cut` finds it reset.
+        for pair in pairs:
+            for thread in pair.pumps:
+                thread.join(5)
+            _reset(pair.client)
+            _reset(pair.server)
 
     @contextlib.contextmanager
     def frozen(self) -> Iterator[None]:
@@ -129,38 +140,58 @@ class Proxy:
                 continue
             for sock in (client, server):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._lock:
-                self._pairs.append((client, server))
-                self.connections += 1
+            pair = _Pair(client, server, threading.Event(), [])
             for src, dst, gate in (
                 (client, server, self._flowing),
                 (server, client, self._replying),
             ):
-                threading.Thread(target=self._pump, args=(src, dst, gate), daemon=True).start()
+                args = (src, dst, gate, pair.cut)
+                pair.pumps.append(threading.Thread(target=self._pump, args=args, daemon=True))
+            with self._lock:
+                self._pairs.append(pair)
+                self.connections += 1
+            for thread in pair.pumps:
+                thread.start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket, gate: threading.Event) -> None:
+    def _pump(
+        self, src: socket.socket, dst: socket.socket, gate: threading.Event, cut: threading.Event
+    ) -> None:
         try:
-            while True:
-                gate.wait()
+            while _open(gate, cut):
                 data = src.recv(65536)
                 if not data:
                     break
                 if self._delay:
                     time.sleep(self._delay)
-                gate.wait()  # frozen after reading: hold the chunk
+                # Frozen after reading: hold the chunk. Cut while held: it is lost, as in the
+                # network.
+                if not _open(gate, cut):
+                    break
                 dst.sendall(data)
         except OSError:
             pass
         finally:
-            if id(src) in self._cut or id(dst) in self._cut:
-                _reset(src)
-                _reset(dst)
-                with self._lock:
-                    self._cut.difference_update((id(src), id(dst)))
-            else:  # a side closed: pass the FIN on, as a real network does
+            if not cut.is_set():  # a side closed: pass the FIN on, as a real network does
                 for sock in (src, dst):
                     with contextlib.suppress(OSError):
                         sock.shutdown(socket.SHUT_RDWR)
+
+
+class _Pair(NamedTuple):
+    """One proxied connection: its two sockets, whether it was cut, its two pump threads."""
+
+    client: socket.socket
+    server: socket.socket
+    cut: threading.Event
+    pumps: list[threading.Thread]
+
+
+def _open(gate: threading.Event, cut: threading.Event) -> bool:
+    """Wait until ``gate`` is open (not frozen); ``False`` as soon as the pair is cut."""
+    while not gate.wait(0.01):
+        if cut.is_set():
+            return False
+    return not cut.is_set()
 
 
 def _reset(sock: socket.socket) -> None:
