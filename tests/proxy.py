@@ -12,7 +12,10 @@ or cut what flows through it (imported as ``from proxy import Proxy``).
 * `Proxy.cut`: every current connection is closed (reset) at once, as a restarted middlebox
   does; new connections go through.
 
-One thread accepts, two more per connection pump bytes. Nothing here knows the protocol.
+Between faults it behaves as a network does when a side ends: an end of stream (FIN) is passed
+on and the other direction keeps flowing; a side that fails (reset, or gone while data still
+comes for it) gets its peer reset. One thread accepts, two more per connection pump bytes.
+Nothing here knows the protocol.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ import struct
 import threading
 import time
 from collections.abc import Iterator
-from typing import NamedTuple
 from urllib.parse import urlsplit, urlunsplit
 
 __all__ = ["Proxy"]
@@ -140,12 +142,12 @@ class Proxy:
                 continue
             for sock in (client, server):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            pair = _Pair(client, server, threading.Event(), [])
+            pair = _Pair(client, server)
             for src, dst, gate in (
                 (client, server, self._flowing),
                 (server, client, self._replying),
             ):
-                args = (src, dst, gate, pair.cut)
+                args = (pair, src, dst, gate)
                 pair.pumps.append(threading.Thread(target=self._pump, args=args, daemon=True))
             with self._lock:
                 self._pairs.append(pair)
@@ -154,12 +156,17 @@ class Proxy:
                 thread.start()
 
     def _pump(
-        self, src: socket.socket, dst: socket.socket, gate: threading.Event, cut: threading.Event
+        self, pair: _Pair, src: socket.socket, dst: socket.socket, gate: threading.Event
     ) -> None:
+        """Forward ``src`` to ``dst`` until one ends, then end the pair as a network would:
+        an end of stream (FIN) is passed on and the other direction goes on (a half-closed
+        connection), an error resets both sides."""
+        cut, ended = pair.cut, False
         try:
             while _open(gate, cut):
                 data = src.recv(65536)
                 if not data:
+                    ended = True
                     break
                 if self._delay:
                     time.sleep(self._delay)
@@ -170,20 +177,41 @@ class Proxy:
                 dst.sendall(data)
         except OSError:
             pass
-        finally:
-            if not cut.is_set():  # a side closed: pass the FIN on, as a real network does
+        if cut.is_set():
+            return  # `cut` closes the sockets
+        if ended:
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_WR)
+            if pair.one_way_ended():  # both ways: a clean close
                 for sock in (src, dst):
-                    with contextlib.suppress(OSError):
-                        sock.shutdown(socket.SHUT_RDWR)
+                    sock.close()
+        else:
+            # A side failed (reset, or gone while data still came for it): its peer's next
+            # send would meet a reset from that side's kernel; here it meets the proxy's. A
+            # client blocked sending (a COPY) must not wait forever on a socket nobody reads.
+            pair.cut.set()
+            for sock in (src, dst):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RD)  # wakes the other pump (see `cut`)
+                _reset(sock)
 
 
-class _Pair(NamedTuple):
-    """One proxied connection: its two sockets, whether it was cut, its two pump threads."""
+class _Pair:
+    """One proxied connection: its two sockets, its two pump threads, whether it was cut (or
+    reset after a failure), and how many of its two directions ended cleanly."""
 
-    client: socket.socket
-    server: socket.socket
-    cut: threading.Event
-    pumps: list[threading.Thread]
+    def __init__(self, client: socket.socket, server: socket.socket) -> None:
+        self.client, self.server = client, server
+        self.cut = threading.Event()
+        self.pumps: list[threading.Thread] = []
+        self._ended = 0
+        self._lock = threading.Lock()
+
+    def one_way_ended(self) -> bool:
+        """Count one direction's clean end; whether both have ended now."""
+        with self._lock:
+            self._ended += 1
+            return self._ended == 2
 
 
 def _open(gate: threading.Event, cut: threading.Event) -> bool:
