@@ -58,18 +58,14 @@ def _retry_interval(core: WriterCore) -> float:
     return min(BEAT_RETRY_INTERVAL, core.lease_seconds / 8)
 
 
-def _beat_failed(writer: _Announcing, exc: Exception, failing: bool) -> bool:
-    """Log a heartbeat failure (the first of a run at WARNING, the others at DEBUG: they come
-    every `BEAT_RETRY_INTERVAL` while the server is away); returns the new failing state."""
-    log.log(
-        logging.DEBUG if failing else logging.WARNING, "heartbeat of %r failed: %s", writer, exc
-    )
-    return True
-
-
-def _beat_recovered(writer: _Announcing) -> bool:
-    log.info("heartbeat of %r succeeded again", writer)
-    return False
+def _log_beat(writer: _Announcing, failing: bool, exc: Exception | None) -> None:
+    """Log a change of a heartbeat run: the first failure at WARNING (the next come every
+    `BEAT_RETRY_INTERVAL` while the server is away: DEBUG), the first success after at INFO."""
+    if exc is not None:
+        level = logging.DEBUG if failing else logging.WARNING
+        log.log(level, "heartbeat of %r failed: %s", writer, exc)
+    elif failing:
+        log.info("heartbeat of %r succeeded again", writer)
 
 
 def _connect(url: str, core: WriterCore) -> psycopg.Connection[Any]:
@@ -390,9 +386,11 @@ class Writer(_Announcing):
                     else:
                         run(conn, self._core.beat())
                 self._announce(periodic=not woken)
-                failing = _beat_recovered(self) if failing else False
+                _log_beat(self, failing, None)
+                failing = False
             except Exception as exc:  # keep beating through transient failures
-                failing = _beat_failed(self, exc, failing)
+                _log_beat(self, failing, exc)
+                failing = True
                 self._reconnect_beat()
             if self._core.fenced:
                 log.error("%r was fenced: its lease expired or its name was taken over", self)
@@ -600,9 +598,11 @@ class AsyncWriter(_Announcing):
                     else:
                         await arun(conn, self._core.beat())
                 self._announce(periodic=not woken)
-                failing = _beat_recovered(self) if failing else False
+                _log_beat(self, failing, None)
+                failing = False
             except Exception as exc:
-                failing = _beat_failed(self, exc, failing)
+                _log_beat(self, failing, exc)
+                failing = True
                 await self._reconnect_beat()
             if self._core.fenced:
                 log.error("%r was fenced: its lease expired or its name was taken over", self)
