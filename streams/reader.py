@@ -280,7 +280,7 @@ class Reader(_ReaderBase):
         self._link = link
         if link is not None:
             core.set_link_state(link.connected)
-            link.add_listener(self)
+            link.add_listener(self, core.names)
         # ``proofs``: the process's `streams.proofs.ProofService` (None: probe every time).
         self._proofs = proofs
         if proofs is not None:
@@ -379,7 +379,7 @@ class Reader(_ReaderBase):
             return
         self._closed = True
         if self._link is not None:
-            self._link.remove_listener(self)
+            self._link.remove_listener(self, self._core.names)
         if self._proofs is not None:
             self._proofs.unfollow(self._core.names)
         self._wake.set()
@@ -432,7 +432,7 @@ class AsyncReader(_ReaderBase):
         self = cls(database_url, core, conn, link, poll_interval)
         if link is not None:
             core.set_link_state(link.connected)
-            link.add_listener(self)
+            link.add_listener(self, core.names)
         return self
 
     def __repr__(self) -> str:
@@ -514,7 +514,7 @@ class AsyncReader(_ReaderBase):
             return
         self._closed = True
         if self._link is not None:
-            self._link.remove_listener(self)
+            self._link.remove_listener(self, self._core.names)
         self._wake.set()
         await self._conn.close()
 

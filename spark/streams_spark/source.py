@@ -686,7 +686,7 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
             self._link = RedisLink(
                 self.config.redis_url, self.config.prefix, f"spark-{default_instance_name()}"
             )
-            self._link.add_listener(self)
+            self._link.add_listener(self, self.config.streams)
             # It may have connected before we listened: take its state now (as readers do).
             self._link_up = bool(self._link.connected)
         except Exception:
@@ -894,7 +894,7 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
     def stop(self) -> None:
         if self._link is not None:
             try:
-                self._link.remove_listener(self)
+                self._link.remove_listener(self, self.config.streams)
                 self._link.close()
             except Exception:
                 log.debug("closing the Redis link failed", exc_info=True)

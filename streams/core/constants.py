@@ -8,6 +8,13 @@ Redis
 -----
 * ``<prefix>``: the replication channel. Every command (``REPLICATE``, ``POSITION``, ``RDATA``,
   ``PING``...) is published here, one command per message (see `streams.core.protocol`).
+* ``<prefix>:data:<stream>``: a stream's *data channel*. Every ``RDATA`` and ``POSITION`` a
+  writer or prover publishes about ``<stream>`` goes here, not on ``<prefix>``, and only
+  processes with a reader of ``<stream>`` subscribe to it: a writer-only process hears no other
+  process's appends, so an append costs Redis one delivery per interested reader process,
+  whatever the number of writer processes. ``<prefix>`` keeps the control traffic:
+  ``REPLICATE`` and its answers, what each link announces when it (re)connects, and whatever a
+  foreign deployment says there (`streams.core.replication`).
 * ``<prefix>/<instance>``: messages meant for one instance only. Every process subscribes to the
   channel of each of its instance names; nothing in `streams` needs to send there yet, but tools
   (and Synapse-style workers) may.
@@ -42,7 +49,7 @@ Besides the tables of the Alembic revisions, each stream has its own partition o
 Shared proofs on Redis
 ----------------------
 The elected prober announces each proven position as a ``POSITION <stream> _proof:<link name>
-<prev> <complete>`` line on the replication channel. Writer instance names start with a letter
+<prev> <complete>`` line on the stream's data channel. Writer instance names start with a letter
 or digit, so ``_proof:`` can never be a writer's; like every command it is only a hint.
 """
 
@@ -58,6 +65,7 @@ __all__ = [
     "RESERVATION_LOCK_SPAN",
     "STALE_AFTER",
     "WRITER_LOCK",
+    "data_channel",
     "facts_partition",
     "instance_channel",
     "replication_channel",
@@ -88,6 +96,11 @@ RESERVATION_LOCK_SPAN: Final = 2**32
 def replication_channel(prefix: str) -> str:
     """The channel every replication command is published on."""
     return prefix
+
+
+def data_channel(prefix: str, stream: str) -> str:
+    """The channel of one stream's ``RDATA`` and ``POSITION`` lines (heard by its readers)."""
+    return f"{prefix}:data:{stream}"
 
 
 def instance_channel(prefix: str, instance: str) -> str:

@@ -65,9 +65,14 @@ import logging
 import threading
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
-from typing import Final, Literal
+from typing import Final, Literal, TypeVar
 
-from .constants import PROOF_INSTANCE_PREFIX, instance_channel, replication_channel
+from .constants import (
+    PROOF_INSTANCE_PREFIX,
+    data_channel,
+    instance_channel,
+    replication_channel,
+)
 from .protocol import (
     SYNAPSE_ONLY_COMMANDS,
     Command,
@@ -105,6 +110,8 @@ MAX_EVIDENCE: Final = 8
 MAX_WARNINGS: Final = 32
 
 _DATA_PREFIXES: Final = (b"RDATA ", b"POSITION ")
+
+_Line = TypeVar("_Line", bytes, tuple[str, bytes])
 
 _FIX: Final = "Give streams its own prefix: STREAMS_PREFIX / prefix= / --prefix (default 'streams')"
 
@@ -308,6 +315,7 @@ class LinkCore:
         self.stats = LinkStats()
         self._writers: dict[tuple[str, str], Announcer] = {}
         self._readers = 0
+        self._watched: dict[str, int] = {}  # stream -> local readers following it
         self._connected = False
         self._foreign: ForeignDeployment | None = None
         self._known: set[str] = set()
@@ -344,6 +352,37 @@ class LinkCore:
         with self._lock:
             self._readers = max(0, self._readers - 1)
 
+    def watch(self, streams: Iterable[str]) -> bool:
+        """Local readers follow ``streams``: hear their data channels. True if a channel is new
+        (the driver subscribes to it)."""
+        added = False
+        with self._lock:
+            for stream in streams:
+                count = self._watched.get(stream, 0)
+                added = added or count == 0
+                self._watched[stream] = count + 1
+        return added
+
+    def unwatch(self, streams: Iterable[str]) -> bool:
+        """The readers of ``streams`` left: True if a data channel is no longer needed."""
+        removed = False
+        with self._lock:
+            for stream in streams:
+                left = self._watched.get(stream, 0) - 1
+                if left > 0:
+                    self._watched[stream] = left
+                elif stream in self._watched:
+                    del self._watched[stream]
+                    removed = True
+        return removed
+
+    def route(self, cmd: Command) -> str:
+        """The channel a command is published on: a stream's ``RDATA``/``POSITION`` on its
+        data channel (only its readers hear it), everything else on the replication channel."""
+        if isinstance(cmd, PositionCommand | RdataCommand):
+            return data_channel(self.prefix, cmd.stream_name)
+        return self.channel
+
     @property
     def readers(self) -> int:
         """How many readers are attached (0: a writer-only process)."""
@@ -354,10 +393,16 @@ class LinkCore:
         return replication_channel(self.prefix)
 
     def channels(self) -> list[str]:
-        """Channels to subscribe: the replication channel and one per local instance name."""
+        """Channels to subscribe: the replication channel, the data channel of every stream a
+        local reader follows, and one per local instance name."""
         with self._lock:
             instances = {instance for _, instance in self._writers} | {self.name}
-        return [self.channel, *(instance_channel(self.prefix, i) for i in sorted(instances))]
+            watched = sorted(self._watched)
+        return [
+            self.channel,
+            *(data_channel(self.prefix, s) for s in watched),
+            *(instance_channel(self.prefix, i) for i in sorted(instances)),
+        ]
 
     @property
     def foreign(self) -> ForeignDeployment | None:
@@ -382,8 +427,9 @@ class LinkCore:
         with self._lock:
             self._connected = False
 
-    def outgoing(self, lines: list[bytes]) -> list[bytes]:
-        """The lines that may be published: none once the channel is foreign (counted)."""
+    def outgoing(self, lines: list[_Line]) -> list[_Line]:
+        """The lines (or (channel, line) pairs) that may be published: none once the channel
+        is foreign (counted)."""
         if self._foreign is None:
             return lines
         self.stats.suppressed += len(lines)

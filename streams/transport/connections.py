@@ -246,7 +246,8 @@ class InlinePublisher:
         self._conn: Any = None
         self._next_attempt = 0.0
 
-    def send(self, channel: str, lines: Sequence[bytes], may_connect: bool) -> int:
+    def send(self, lines: Sequence[tuple[str, bytes]], may_connect: bool) -> int:
+        """Publish each ``(channel, line)``, in order, in one ``send``."""
         with self._lock:
             conn: Any = self._conn
             if conn is None:
@@ -267,9 +268,9 @@ class InlinePublisher:
                 self._conn = conn
             try:
                 if len(lines) == 1:
-                    packed = conn.pack_command("PUBLISH", channel, lines[0])
+                    packed = conn.pack_command("PUBLISH", *lines[0])
                 else:
-                    packed = conn.pack_commands([("PUBLISH", channel, line) for line in lines])
+                    packed = conn.pack_commands([("PUBLISH", *item) for item in lines])
                 conn.send_packed_command(packed, check_health=False)
             except REDIS_ERRORS as exc:
                 log.debug("inline publish failed: %s", exc)

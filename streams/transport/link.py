@@ -1,28 +1,29 @@
 """The Redis I/O of one process: `RedisLink` (threads) and `AsyncRedisLink` (asyncio tasks).
 
-Each link keeps two Redis connections: a subscriber (the replication channel and its instance
-channels), read by a thread (asyncio: a task), and a publisher. `RedisLink` publishes from the
-thread that has something to say (a writer's appending thread, the listener answering
-``REPLICATE``), fire-and-forget: the publisher connection is switched to ``CLIENT REPLY OFF``,
-so a ``PUBLISH`` is one ``send`` with no reply to wait for, no thread handoff and no wakeup.
-While lines come faster than ``publish_window`` (2 ms), a line waits up to that long and goes
-out with the next ones in one ``send`` (a loopback ``send`` costs ~35 us of CPU here; a
+Each link keeps two Redis connections: a subscriber (the replication channel, the data channels
+of the streams its readers follow, and its instance channels), read by a thread (asyncio: a
+task), and a publisher. A writer's or prober's lines about a stream go on that stream's data
+channel (`streams.core.constants`), so they reach only the processes that read it. `RedisLink`
+publishes from the thread that has something to say (a writer's appending thread, the listener
+answering ``REPLICATE``), fire-and-forget: the publisher connection is switched to ``CLIENT
+REPLY OFF``, so a ``PUBLISH`` is one ``send`` with no reply to wait for, no thread handoff and
+no wakeup. While lines come faster than ``publish_window`` (2 ms), a line waits up to that long
+and goes out with the next ones in one ``send`` (a loopback ``send`` costs ~35 us of CPU here; a
 flusher thread sends the tail, and sleeps while the link is quiet), so a busy writer pays one
 ``send`` per window, not one per append; a line after a quiet spell goes out at once.
 `AsyncRedisLink` still feeds a publisher task through a bounded queue. Both read their
 subscription themselves, in bulk (`streams.transport.connections`: redis-py opens the
-connection, `streams.core.resp` parses what arrives). What a message means and
-what to publish on connect is decided by `streams.core.replication.LinkCore`; the connection
-discipline below is written once, as generator "plans" in `_LinkBase`, and the two classes only
-drive them on redis-py or redis.asyncio.
+connection, `streams.core.resp` parses what arrives). What a message means and what to publish
+on connect is decided by `streams.core.replication.LinkCore`; the connection discipline below is
+written once, as generator "plans" in `_LinkBase`, and the two classes only drive them on
+redis-py or redis.asyncio.
 
-A process with no reader attached (a writer-only process) need not hear data messages: readers
-trust PostgreSQL, and each writer's heartbeat re-announces its position. It still listens (it
-must answer ``REPLICATE`` and notice a foreign deployment on the channel), but in bursts: after
-a message it drains what has arrived and then sleeps ``idle_read_interval`` seconds (messages
-wait in Redis meanwhile), and `LinkCore` discards ``RDATA``/``POSITION`` lines of known streams
-after reading their first two words. So N writer processes no longer each wake up for every
-one of the others' appends. ``idle_read_interval=0`` restores reading every message at once.
+A process with no reader attached (a writer-only process) subscribes to no data channel, so it
+hears none of the other processes' appends. It still listens to the replication channel (it
+must answer ``REPLICATE`` and notice a foreign deployment there), in bursts: after a message it
+drains what has arrived and then sleeps ``idle_read_interval`` seconds (messages wait in Redis
+meanwhile), and `LinkCore` discards ``RDATA``/``POSITION`` lines of known streams after reading
+their first two words. ``idle_read_interval=0`` reads every message at once.
 
 Connection discipline, as the issue of record asks and Synapse does:
 
@@ -111,6 +112,8 @@ _CLIENT_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9._:@/-]")
 
 #: A blocking function returning the stream names of this deployment's registry.
 KnownStreams: TypeAlias = Callable[[], Collection[str]]
+#: A line to publish and its channel.
+_Out: TypeAlias = tuple[str, bytes]
 
 
 class LinkListener(Protocol):
@@ -165,18 +168,25 @@ class _LinkBase:
             f"<{type(self).__name__} {redact_url(self._url)} prefix={self.core.prefix!r} {state}>"
         )
 
-    def add_listener(self, listener: LinkListener) -> None:
+    def add_listener(self, listener: LinkListener, streams: Collection[str] = ()) -> None:
+        """Hints go to ``listener`` from now on; ``streams``: those it follows (the link
+        subscribes to their data channels; undo with the same ``streams`` in
+        `remove_listener`)."""
         with self._listeners_lock:
             self._listeners.append(listener)
+        if self.core.watch(streams):
+            self._resubscribe.set()
         # If the link is already connected, the core says to publish REPLICATE now: the
         # connect step's REPLICATE went out before this reader was there.
-        self._enqueue(self.core.add_reader())
+        self._enqueue_control(self.core.add_reader())
 
-    def remove_listener(self, listener: LinkListener) -> None:
+    def remove_listener(self, listener: LinkListener, streams: Collection[str] = ()) -> None:
         with self._listeners_lock:
             if listener in self._listeners:
                 self._listeners.remove(listener)
                 self.core.remove_reader()
+                if self.core.unwatch(streams):
+                    self._resubscribe.set()
 
     def add_writer(self, announcer: Announcer) -> None:
         self.core.add_writer(announcer)
@@ -245,17 +255,21 @@ class _LinkBase:
                 while not self._stopped.is_set():
                     if self._resubscribe.is_set():
                         self._resubscribe.clear()
-                        new = [c for c in self.core.channels() if c not in channels]
+                        wanted = self.core.channels()
+                        new = [c for c in wanted if c not in channels]
+                        gone = [c for c in channels if c not in wanted]
                         if new:
                             yield _Subscribe(tuple(new))
-                            channels += new
+                        if gone:
+                            yield _Unsubscribe(tuple(gone))
+                        channels = wanted
                     message = yield _Receive(0.0 if draining else 0.5)
                     now = time.monotonic()
                     if message is not None:
                         attempt = 0
                         if message[0] == b"pong":
                             last_pong = now
-                        self._enqueue(self._handle(message))
+                        self._enqueue_control(self._handle(message))
                         # No reader here: drain what has arrived, then let more pile up.
                         draining = self._idle_read_interval > 0 and not self.core.readers
                     elif draining:
@@ -297,14 +311,14 @@ class _LinkBase:
             self.core.on_known_streams(names, done)
             self._check_foreign()
 
-    def _send_plan(self, batch: list[bytes]) -> Generator[_Publish, Any, None]:
+    def _send_plan(self, batch: list[_Out]) -> Generator[_Publish, Any, None]:
         # Lines queued before the channel was found foreign are dropped here, at the last step.
         batch = self.core.outgoing(batch)
         if not batch:
             return
         for attempt in range(2):  # one retry (redis-py reconnects), then drop: best effort
             try:
-                yield _Publish(self.core.channel, tuple(batch))
+                yield _Publish(tuple(batch))
                 self.core.stats.published += len(batch)
                 return
             except REDIS_ERRORS as exc:
@@ -312,7 +326,18 @@ class _LinkBase:
                     self.dropped += len(batch)
                     log.debug("dropped %d replication messages: %s", len(batch), exc)
 
-    def _enqueue(self, lines: Sequence[bytes]) -> None:
+    def _enqueue_control(self, lines: Sequence[bytes]) -> None:
+        """Publish lines the core decided on, all on the replication channel."""
+        if lines:
+            channel = self.core.channel
+            self._enqueue([(channel, line) for line in lines])
+
+    def _outgoing(self, commands: Sequence[Command]) -> list[_Out]:
+        """Each command of a local writer or prover, on the channel the core routes it to."""
+        route = self.core.route
+        return [(route(cmd), serialize(cmd)) for cmd in commands]
+
+    def _enqueue(self, lines: Sequence[_Out]) -> None:
         raise NotImplementedError
 
 
@@ -323,6 +348,11 @@ class _Open:
 
 @dataclass(frozen=True, slots=True)
 class _Subscribe:
+    channels: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _Unsubscribe:
     channels: tuple[str, ...]
 
 
@@ -352,11 +382,10 @@ class _Refresh:
 
 @dataclass(frozen=True, slots=True)
 class _Publish:
-    channel: str
-    lines: tuple[bytes, ...]
+    lines: tuple[_Out, ...]
 
 
-_ListenOp: TypeAlias = _Open | _Subscribe | _Receive | _Ping | _Sleep | _Refresh
+_ListenOp: TypeAlias = _Open | _Subscribe | _Unsubscribe | _Receive | _Ping | _Sleep | _Refresh
 
 
 def _step(plan: Generator[Any, Any, None], result: Any, error: BaseException | None) -> Any:
@@ -393,7 +422,7 @@ class RedisLink(_LinkBase):
         super().__init__(url, prefix, name, known_streams, idle_read_interval)
         self._publisher = InlinePublisher(url, self.client_name("pub"))
         self._publish_window = publish_window
-        self._pending: list[bytes] = []
+        self._pending: list[_Out] = []
         self._pending_lock = threading.Lock()
         self._last_send = 0.0
         self._flush_armed = False
@@ -417,13 +446,13 @@ class RedisLink(_LinkBase):
             return
         if self._listeners:
             self._dispatch(LinkCore.hints_for(list(commands)))
-        self._enqueue([serialize(cmd) for cmd in commands])
+        self._enqueue(self._outgoing(commands))
 
     def add_writer(self, announcer: Announcer) -> None:
         super().add_writer(announcer)
         self._resubscribe.set()  # its instance channel
 
-    def _enqueue(self, lines: Sequence[bytes]) -> None:
+    def _enqueue(self, lines: Sequence[_Out]) -> None:
         """Send now from the calling thread, or within `publish_window` if the previous send
         was more recent than that (the name is the base class's)."""
         batch = self.core.outgoing(list(lines))
@@ -441,7 +470,7 @@ class RedisLink(_LinkBase):
     def _send_pending_locked(self, now: float) -> None:
         batch, self._pending = self._pending, []
         self._last_send = now
-        sent = self._publisher.send(self.core.channel, batch, self._subscribed)
+        sent = self._publisher.send(batch, self._subscribed)
         if sent:
             self.core.stats.published += sent
         else:
@@ -489,6 +518,9 @@ class RedisLink(_LinkBase):
                         case _Subscribe(channels=channels):
                             assert subscriber is not None
                             subscriber.send("SUBSCRIBE", *channels)
+                        case _Unsubscribe(channels=channels):
+                            assert subscriber is not None
+                            subscriber.send("UNSUBSCRIBE", *channels)
                         case _Receive(timeout=timeout):
                             assert subscriber is not None
                             result = subscriber.receive(timeout)
@@ -536,7 +568,7 @@ class AsyncRedisLink(_LinkBase):
         self, url: str, prefix: str, name: str, *, known_streams: KnownStreams | None = None
     ) -> None:
         super().__init__(url, prefix, name, known_streams)
-        self._queue: asyncio.Queue[bytes | None] = asyncio.Queue(PUBLISH_QUEUE_LIMIT)
+        self._queue: asyncio.Queue[_Out | None] = asyncio.Queue(PUBLISH_QUEUE_LIMIT)
         self._stopped = asyncio.Event()
         self._resubscribe = asyncio.Event()
         self._closing: asyncio.Future[None] | None = None
@@ -570,18 +602,18 @@ class AsyncRedisLink(_LinkBase):
             return
         self._ensure_running()
         self._dispatch(LinkCore.hints_for(list(commands)))
-        self._enqueue([serialize(cmd) for cmd in commands])
+        self._enqueue(self._outgoing(commands))
 
-    def add_listener(self, listener: LinkListener) -> None:
+    def add_listener(self, listener: LinkListener, streams: Collection[str] = ()) -> None:
         self._ensure_running()
-        super().add_listener(listener)
+        super().add_listener(listener, streams)
 
     def add_writer(self, announcer: Announcer) -> None:
         self._ensure_running()
         super().add_writer(announcer)
         self._resubscribe.set()
 
-    def _enqueue(self, lines: Sequence[bytes]) -> None:
+    def _enqueue(self, lines: Sequence[_Out]) -> None:
         for line in self.core.outgoing(list(lines)):
             try:
                 self._queue.put_nowait(line)
@@ -612,6 +644,9 @@ class AsyncRedisLink(_LinkBase):
                         case _Subscribe(channels=channels):
                             assert subscriber is not None
                             await subscriber.send("SUBSCRIBE", *channels)
+                        case _Unsubscribe(channels=channels):
+                            assert subscriber is not None
+                            await subscriber.send("UNSUBSCRIBE", *channels)
                         case _Receive(timeout=timeout):
                             assert subscriber is not None
                             result = await subscriber.receive(timeout)
@@ -660,7 +695,7 @@ class AsyncRedisLink(_LinkBase):
         finally:
             await client.aclose()
 
-    async def _send(self, client: redis.asyncio.Redis, batch: list[bytes]) -> None:
+    async def _send(self, client: redis.asyncio.Redis, batch: list[_Out]) -> None:
         plan = self._send_plan(batch)
         error: BaseException | None = None
         while True:
@@ -672,11 +707,11 @@ class AsyncRedisLink(_LinkBase):
             try:
                 async with asyncio.timeout(PUBLISH_TIMEOUT):  # TimeoutError is an OSError
                     if len(op.lines) == 1:
-                        await client.publish(op.channel, op.lines[0])
+                        await client.publish(*op.lines[0])
                     else:
                         pipe = client.pipeline(transaction=False)
-                        for line in op.lines:
-                            pipe.publish(op.channel, line)
+                        for channel, line in op.lines:
+                            pipe.publish(channel, line)
                         await pipe.execute()
             except REDIS_ERRORS as exc:
                 error = exc

@@ -23,8 +23,9 @@ from helpers import wait_until
 
 import streams
 from streams import Client
+from streams.core.constants import data_channel
 from streams.core.protocol import PositionCommand, RdataCommand, ReplicateCommand, serialize
-from streams.core.replication import Announcer, LinkCore
+from streams.core.replication import Announcer, Hint, LinkCore
 from streams.store.driver import Autocommit, Commit, Pipeline, Query
 from streams.transport import connections
 from streams.transport.link import AsyncRedisLink, RedisLink
@@ -163,7 +164,8 @@ def test_inline_publish_reaches_subscribers(redis_url: str, redis_prefix: str) -
     link = RedisLink(redis_url, redis_prefix, "fastpath-test")
     sub = redis.Redis.from_url(redis_url).pubsub()  # type: ignore[no-untyped-call]
     try:
-        sub.subscribe(link.core.channel)
+        # RDATA goes on the stream's data channel, the REPLICATE answer on the main channel.
+        sub.subscribe(link.core.channel, data_channel(redis_prefix, "s"))
         wait_until(lambda: link.connected, 15, "the link to subscribe")
         announcer = Announcer("s", "w", 0)
         link.add_writer(announcer)
@@ -195,7 +197,7 @@ def test_lines_within_the_publish_window_all_arrive(redis_url: str, redis_prefix
     link = RedisLink(redis_url, redis_prefix, "fastpath-window", publish_window=0.05)
     sub = redis.Redis.from_url(redis_url).pubsub()  # type: ignore[no-untyped-call]
     try:
-        sub.subscribe(link.core.channel)
+        sub.subscribe(data_channel(redis_prefix, "s"))
         wait_until(lambda: link.connected, 15, "the link to subscribe")
         announcer = Announcer("s", "w", 0)
         link.add_writer(announcer)
@@ -337,3 +339,58 @@ def test_the_subscriber_speaks_resp2_whatever_the_url_says(
     finally:
         publisher.close()
         link.close()
+
+
+def test_a_writer_only_process_hears_no_other_process_append(
+    redis_url: str, redis_prefix: str
+) -> None:
+    """Appends go on the stream's data channel: a link without a reader of the stream receives
+    none of them (an append costs Redis nothing per writer process), a link with one does, and
+    stops when its reader leaves."""
+    writer = RedisLink(redis_url, redis_prefix, "fleet-writer", publish_window=0)
+    quiet = RedisLink(redis_url, redis_prefix, "fleet-quiet", idle_read_interval=0)
+    reading = RedisLink(redis_url, redis_prefix, "fleet-reading", idle_read_interval=0)
+    heard: list[Hint] = []
+
+    class Listener:
+        def on_hint(self, hint: Hint) -> None:
+            heard.append(hint)
+
+        def on_link_state(self, connected: bool) -> None:
+            pass
+
+    listener = Listener()
+    try:
+        reading.add_listener(listener, ["s"])
+        wait_until(
+            lambda: writer.connected and quiet.connected and reading.connected,
+            15,
+            "the links to subscribe",
+        )
+        channel = data_channel(redis_prefix, "s")
+        wait_until(lambda: _subscribers(redis_url, channel) == 1, 15, "the data subscription")
+        announcer = Announcer("s", "w", 0)
+        writer.add_writer(announcer)
+        time.sleep(0.2)  # the connect step's lines are past
+        before = quiet.core.stats.received
+        for n in range(1, 101):
+            announcer.committed((n,), 0)
+            writer.publish(announcer.update(n))
+        wait_until(lambda: any(h.token == 100 for h in heard), 10, "the reader to hear 100")
+        time.sleep(0.2)
+        assert quiet.core.stats.received == before
+        assert {h.token for h in heard} >= set(range(1, 101))
+        # The reader leaves: the link unsubscribes from the data channel.
+        reading.remove_listener(listener, ["s"])
+        wait_until(lambda: _subscribers(redis_url, channel) == 0, 15, "the unsubscription")
+    finally:
+        for link in (writer, quiet, reading):
+            link.close()
+
+
+def _subscribers(redis_url: str, channel: str) -> int:
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return int(client.pubsub_numsub(channel)[0][1])
+    finally:
+        client.close()

@@ -24,6 +24,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import streams
+from streams.core.constants import data_channel
 from streams.core.protocol import (
     COMMANDS,
     SYNAPSE_ONLY_COMMANDS,
@@ -171,11 +172,14 @@ def test_tally_keeps_the_highest_token(
 
 
 class Watch:
-    """A raw redis-py subscriber of the channel, recording every line in arrival order."""
+    """A raw redis-py subscriber of the channel and of every stream's data channel under its
+    prefix, recording every line in arrival order."""
 
     def __init__(self, redis_url: str, channel: str) -> None:
         self.client = redis.Redis.from_url(redis_url)
         self.pubsub: Any = self.client.pubsub()  # type: ignore[no-untyped-call]
+        self.pubsub.psubscribe(data_channel(channel, "*"))
+        wait_until(self._confirmed, 10, "the watch's data subscription")
         self.pubsub.subscribe(channel)
         self.lines: list[bytes] = []
         self._lock = threading.Lock()
@@ -183,13 +187,13 @@ class Watch:
 
     def _confirmed(self) -> bool:
         message = self.pubsub.get_message(timeout=0.1)
-        return message is not None and message["type"] == "subscribe"
+        return message is not None and message["type"] in ("subscribe", "psubscribe")
 
     def pump(self, seconds: float = 0.0) -> list[bytes]:
         deadline = time.monotonic() + seconds
         while True:
             message = self.pubsub.get_message(timeout=max(0.0, deadline - time.monotonic()))
-            if message is not None and message["type"] == "message":
+            if message is not None and message["type"] in ("message", "pmessage"):
                 self.lines.append(message["data"])
             elif time.monotonic() >= deadline:
                 return self.lines
