@@ -29,6 +29,7 @@ from .reader import AsyncReader, Reader
 from .store import connect as dbconnect
 from .store.driver import arun, run
 from .store.groups import GroupRow, StreamPositions, delete_group, list_groups, stream_positions
+from .store.keys import describe_keys, rotate_keys
 from .store.reading import ReaderCore, Start
 from .store.registry import (
     FactTableSpec,
@@ -248,6 +249,19 @@ class Client:
         with self._db() as conn:
             info = run(conn, load_stream(stream))
             return run(conn, prune_writers(info, older_than_ms))
+
+    def replication_keys(self) -> list[dict[str, object]]:
+        """The keys that sign the ranges readers take from Redis, newest first (never their
+        secrets): ``id``, ``created_at``, ``retired_at``, ``live``."""
+        with self._db() as conn:
+            return run(conn, describe_keys())
+
+    def rotate_replication_keys(self) -> int:
+        """Add a replication key and retire every other one (after a leak, or a database
+        restore: see `streams.core.signing`); returns the new key's id. Readers and provers
+        pick it up within `streams.core.signing.KEY_REFRESH` seconds."""
+        with self._db() as conn:
+            return run(conn, rotate_keys())
 
     def set_retention(self, stream: str, retention_ms: int | None) -> StreamInfo:
         """Keep the facts of ``stream`` for ``retention_ms`` (None: forever); see `prune`."""

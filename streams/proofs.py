@@ -39,16 +39,19 @@ import psycopg
 
 from .config import scrub_secrets, url_passwords
 from .core.constants import PROOF_INSTANCE_PREFIX
-from .core.protocol import PositionCommand
+from .core.protocol import Command, PositionCommand, ProtocolError, RdataCommand, serialize
 from .core.replication import Hint, is_proof_hint
+from .core.signing import KEY_REFRESH, MAX_SIGNED_ROWS, sign_range, split_for_signing
 from .core.stalls import HeldStreams
 from .store import connect as dbconnect
-from .store.driver import run
+from .store.driver import Row, run
+from .store.keys import live_keys, newest
 from .store.probe import (
     PROVER_SESSION_SETUP,
     READER_SESSION_SETUP,
+    Probe,
     end_stale_provers,
-    prove,
+    prove_with_rows,
     resign_prover,
     try_become_prover,
 )
@@ -93,6 +96,9 @@ class ProofService:
         self._stopped = False
         self._last_election = self._last_refresh = self._last_proof = 0.0
         self.proofs = 0  # probes run as prober (for tests and metrics)
+        self.signed = 0  # signed ranges published
+        self._key: tuple[int, bytes] | None = None
+        self._keys_at = -KEY_REFRESH
         self._stalls = HeldStreams()
 
     def __repr__(self) -> str:
@@ -254,19 +260,55 @@ class ProofService:
 
     def _prove(self, conn: psycopg.Connection[Any], names: set[str]) -> None:
         infos = self._info_of(conn, names)
-        probes = run(conn, prove(infos))
+        now = time.monotonic()
+        if now - self._keys_at >= KEY_REFRESH:
+            self._key = newest(run(conn, live_keys()))
+            self._keys_at = now
+        with self._cond:
+            # Rows to sign: after what this process proved last (a stream it just took over
+            # is announced without rows: readers are somewhere below, and read PostgreSQL).
+            after = {n: self._proven[n] for n in names if n in self._proven}
+        if self._key is None:
+            after = {}
+        probes, rows = run(conn, prove_with_rows(infos, after, MAX_SIGNED_ROWS + 1))
         self.proofs += 1
         # Followers see only proofs: the prover is the reader that notices a stream held back
         # by an expired writer (streams.store.writers, "the liveness argument").
         observed = [(name, p.complete, p.max_allocated) for name, p in probes.items()]
         by_name = {info.name: info for info in infos}
         run(conn, retire_where_held(by_name, self._stalls, time.monotonic(), observed))
-        commands = []
+        commands: list[Command] = []
         with self._cond:
             for name, found in probes.items():
                 prev = self._proven.get(name, 0)
                 if found.complete > prev or name not in self._proven:
                     self._proven[name] = max(prev, found.complete)
-                    commands.append(PositionCommand(name, self.instance, prev, found.complete))
+                    commands += self._announcement(name, prev, found, rows.get(name))
         if commands:
             self._link.publish(commands)
+
+    def _announcement(
+        self, name: str, prev: int, found: Probe, rows: list[Row] | None
+    ) -> list[Command]:
+        """The lines that say ``name`` is proven through ``found.complete``: a signed range
+        with its rows, as far as one line may carry them, and a ``POSITION`` for the rest."""
+        complete = found.complete
+        if rows is None or self._key is None or complete <= prev:
+            return [PositionCommand(name, self.instance, prev, complete)]
+        full = len(rows) > MAX_SIGNED_ROWS
+        end, count = split_for_signing(rows[:MAX_SIGNED_ROWS], prev, complete, full)
+        commands: list[Command] = []
+        if end > prev:
+            key_id, secret = self._key
+            row = sign_range(name, self.instance, prev, end, rows[:count], key_id, secret)
+            signed = RdataCommand(name, self.instance, end, row)
+            try:
+                serialize(signed)  # too long for one line (escaped payloads): announce only
+            except ProtocolError:
+                end = prev
+            else:
+                commands.append(signed)
+                self.signed += 1
+        if complete > end:
+            commands.append(PositionCommand(name, self.instance, end, complete))
+        return commands

@@ -65,7 +65,7 @@ import logging
 import threading
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
-from typing import Final, Literal, TypeVar
+from typing import Any, Final, Literal, TypeVar
 
 from .constants import (
     PROOF_INSTANCE_PREFIX,
@@ -188,11 +188,16 @@ class Announcer:
 
 @dataclass(frozen=True, slots=True)
 class Hint:
-    """Something on the channel says ``stream`` may have moved up to ``token``."""
+    """Something on the channel says ``stream`` may have moved up to ``token``.
+
+    ``proof``: for a prober's ``RDATA`` line, its row JSON as parsed (a signed range, not yet
+    verified: `streams.core.signing`); None for every other line.
+    """
 
     stream: str
     token: int
     instance: str
+    proof: Any = None
 
 
 @dataclass(slots=True)
@@ -484,7 +489,7 @@ class LinkCore:
                 if token is None:  # an RDATA "batch" row: the last row of the fact follows
                     return [], []
                 self.stats.hints += 1
-                return [Hint(cmd.stream_name, token, cmd.instance_name)], []
+                return [_hint_of(cmd, token)], []
             case ForeignCommand():
                 self.stats.foreign += 1
                 by_name = self.stats.foreign_by_name
@@ -571,8 +576,14 @@ class LinkCore:
             if isinstance(cmd, PositionCommand):
                 hints.append(Hint(cmd.stream_name, cmd.new_token, cmd.instance_name))
             elif isinstance(cmd, RdataCommand) and cmd.token is not None:
-                hints.append(Hint(cmd.stream_name, cmd.token, cmd.instance_name))
+                hints.append(_hint_of(cmd, cmd.token))
         return hints
+
+
+def _hint_of(cmd: PositionCommand | RdataCommand, token: int) -> Hint:
+    if isinstance(cmd, RdataCommand) and cmd.instance_name.startswith(PROOF_INSTANCE_PREFIX):
+        return Hint(cmd.stream_name, token, cmd.instance_name, cmd.row)
+    return Hint(cmd.stream_name, token, cmd.instance_name)
 
 
 def is_proof_hint(hint: Hint) -> bool:

@@ -175,6 +175,44 @@ def tables(
 
 
 @main.command()
+@click.argument("action", type=click.Choice(["list", "rotate"]), default="list")
+@click.option("--json", "as_json", is_flag=True)
+@common_options
+def keys(
+    action: str, as_json: bool, database_url: str | None, redis_url: str | None, prefix: str | None
+) -> None:
+    """List the replication keys (never their secrets), or rotate them: add a key and retire
+    the others.
+
+    The elected prober signs the facts it publishes on Redis with the newest key; readers
+    deliver them without PostgreSQL only if the signature checks. Rotate after a key may have
+    leaked or after restoring the database from a backup; readers and provers follow within
+    30 s, and until then read PostgreSQL, as they always can.
+    """
+    with _client(database_url, redis_url, prefix) as client:
+        if action == "rotate":
+            new = client.rotate_replication_keys()
+            _emit({"rotated": True, "key": new}, as_json, lambda d: iter([f"new key {d['key']}; "
+                  "every other key is retired"]))  # fmt: skip
+            return
+        listed = [
+            {**k, "created_at": _iso(k["created_at"]), "retired_at": _iso(k["retired_at"])}
+            for k in client.replication_keys()
+        ]
+    _emit(listed, as_json, _keys_text)
+
+
+def _iso(value: object) -> str | None:
+    return None if value is None else value.isoformat()  # type: ignore[attr-defined]
+
+
+def _keys_text(keys: list[dict[str, Any]]) -> Iterator[str]:
+    for k in keys:
+        state = "live" if k["live"] else f"retired {k['retired_at']}"
+        yield f"key {k['id']}: created {k['created_at']}, {state}"
+
+
+@main.command()
 @click.argument("name", type=STREAM_NAME)
 @click.argument("keep", required=False, metavar="[DURATION|forever]", type=RETENTION)
 @click.option("--json", "as_json", is_flag=True)

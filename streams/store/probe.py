@@ -74,7 +74,7 @@ place the database already enforces.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..core.constants import (
@@ -86,6 +86,7 @@ from ..core.constants import (
 from ._common import COMPLETE_SETTING, MAY_END_SESSION, RESERVATION_LOCKS, int_array
 from .driver import Commit, Gen, Pipeline, Query, Row
 from .registry import StreamInfo
+from .rows import fetch_rows_after_probe
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +221,28 @@ def prove(infos: Sequence[StreamInfo]) -> Gen[dict[str, Probe]]:
     results = yield Pipeline(queries)
     yield Commit()
     return probes_from_rows(results[PROBE_STATEMENTS - 1])
+
+
+def prove_with_rows(
+    infos: Sequence[StreamInfo], after: Mapping[str, int], limit: int
+) -> Gen[tuple[dict[str, Probe], dict[str, list[Row]]]]:
+    """`prove`, and for each stream named in ``after`` the first ``limit`` rows after
+    ``after[name]`` up to what this probe proved, in the same round trip: the rows the prober
+    signs for readers that take them from Redis (`streams.core.signing`).
+
+    The rows are read by statements after the probe's, so the probe argument covers them as
+    it covers a reader's own read (`streams.store.rows.fetch_rows_after_probe`): this is the
+    same proof, not a copy of it.
+    """
+    queries = probe_queries(infos)
+    queries.append(Query(_RECORD_PROOF_SQL, {"ids": [info.id for info in infos]}))
+    read = [info for info in infos if info.name in after]
+    queries += [fetch_rows_after_probe(info, after[info.name], limit) for info in read]
+    results = yield Pipeline(queries)
+    yield Commit()
+    pages = results[PROBE_STATEMENTS + 1 :]
+    rows = {info.name: list(page) for info, page in zip(read, pages, strict=True)}
+    return probes_from_rows(results[PROBE_STATEMENTS - 1]), rows
 
 
 def try_become_prover(infos: Sequence[StreamInfo]) -> Gen[list[str]]:

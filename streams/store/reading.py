@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, TypeAlias
 
@@ -42,10 +44,12 @@ from ..core.constants import PROOF_GRACE, STALE_AFTER
 from ..core.epochs import Epoch, Fact, Row, plan_page
 from ..core.frontier import Antichain, FrontierProbe, FrontierSnapshot, LiveFilter, UpperAntichain
 from ..core.replication import Hint, is_proof_hint
+from ..core.signing import KEY_REFRESH, SignedRange, verify_range
 from ..core.stalls import HeldStreams
-from ..errors import FactsPruned, UsageError
+from ..errors import ConnectionLost, FactsPruned, StoreError, UsageError
 from .driver import Gen, Pipeline
 from .groups import commit_group, group_position
+from .keys import live_keys
 from .probe import PROBE_STATEMENTS, Probe, probe, probe_queries, probes_from_rows
 from .registry import StreamInfo, load_streams
 from .rows import (
@@ -70,8 +74,15 @@ Start: TypeAlias = str | int | dt.datetime | dt.timedelta
 
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 
+log = logging.getLogger("streams.reader")
+
 #: Rows per page when catching up.
 DEFAULT_PAGE_SIZE = 5000
+#: Most signed-range lines waiting to be verified, and most verified ranges waiting for the
+#: reader to reach them, per reader (a flood of lines costs memory up to this, no more).
+MAX_WAITING_RANGES = 256
+#: Least seconds between two reads of the key table asked for by a line naming an unknown key.
+KEY_RETRY = 1.0
 
 
 class _Planned(NamedTuple):
@@ -153,6 +164,17 @@ class ReaderCore:
         self.probes = 0
         self.proof_reads = 0
         self.pages = 0
+        # Signed ranges from Redis (`streams.core.signing`): lines offered by the link thread
+        # (deque appends and pops are atomic), verified ranges by `after`, and the keys.
+        self._offered: deque[Hint] = deque(maxlen=MAX_WAITING_RANGES)
+        self._verified: deque[SignedRange] = deque(maxlen=MAX_WAITING_RANGES)
+        self._ranges: dict[str, dict[int, SignedRange]] = {}
+        self._keys: dict[int, bytes] = {}
+        self._keys_at = -KEY_REFRESH
+        self._keys_wanted = False
+        #: Signed ranges delivered from Redis, and lines rejected by reason (for metrics).
+        self.signed_ranges = 0
+        self.rejected_ranges: dict[str, int] = {}
         #: Rows read from PostgreSQL (catch-up and live), for metrics.
         self.rows = 0
 
@@ -205,6 +227,7 @@ class ReaderCore:
                 self._filters[info.name] = LiveFilter(snapshot)
             self.positions[info.name] = position
             self.ts_floors[info.name] = yield from ts_floor_at(info, position)
+        yield from self.read_keys()
 
     # ---------------------------------------------------------------- computation
 
@@ -236,6 +259,8 @@ class ReaderCore:
         position = self.positions.get(hint.stream)
         if position is None or hint.token <= position:
             return False
+        if hint.proof is not None:
+            return self._offer(hint)
         if self.shared_proofs and self._proof_fresh and self.live:
             if is_proof_hint(hint):
                 return True
@@ -247,6 +272,22 @@ class ReaderCore:
                 self.deadline_moved = True  # the driver's wait must end sooner now
             return False
         return True
+
+    def _offer(self, hint: Hint) -> bool:
+        """A signed range arrived (on the link's thread): verify it now, so that a line that
+        does not verify costs no wake-up (and no PostgreSQL read) at all. A line under a key
+        this reader does not know waits for the next read of the keys (at most every
+        `KEY_RETRY`: a flood of lines under retired keys costs that, no more)."""
+        found = verify_range(hint.stream, hint.instance, hint.token, hint.proof, self._keys)
+        if isinstance(found, SignedRange):
+            self._verified.append(found)
+            return True
+        if found == "unknown-key":
+            self._offered.append(hint)
+            self._keys_wanted = True
+            return time.monotonic() - self._keys_at >= KEY_RETRY
+        self.rejected_ranges[found] = self.rejected_ranges.get(found, 0) + 1
+        return False
 
     def proof_deadline(self) -> float | None:
         """When (monotonic) to look even without a proof line: `PROOF_GRACE` after the first
@@ -278,7 +319,18 @@ class ReaderCore:
         next step reads the same facts again; none is skipped.
         """
         lower = dict(self.positions)
-        planned: list[_Planned] = []
+        if self.keys_due():
+            yield from self.read_keys()
+        if (
+            self._link_up
+            and not self._reconcile
+            and (self._verified or self._keys_wanted or any(self._ranges.values()))
+        ):
+            planned = yield from self._step_on_signed_ranges()
+            if planned:
+                facts = self._advance(planned)
+                return Epoch(lower, dict(self.positions), tuple(facts))
+        planned = []
         shared = None
         # Proofs only while the Redis link is live: without it nobody hears writers' commits
         # in time to prove them, and this reader polls PostgreSQL itself.
@@ -356,6 +408,80 @@ class ReaderCore:
                 page = [tuple(r[2:]) for r in rows if r[2] is not None]
                 planned.append((yield from self._plan(info.name, page, proven[info.name])))
         return planned
+
+    def _step_on_signed_ranges(self) -> Gen[list[_Planned]]:
+        """`step` from the signed ranges Redis brought (`streams.core.signing`): every stream
+        a verified range fits (``after <= position < through``) moves, without PostgreSQL
+        (except to read the key table now and then). Nothing moves here (`_advance` does)."""
+        now = time.monotonic()
+        if self._keys_wanted and now - self._keys_at >= KEY_RETRY:
+            yield from self.read_keys()
+        while self._verified:
+            found = self._verified.popleft()
+            waiting = self._ranges.setdefault(found.stream, {})
+            known = waiting.get(found.after)
+            if known is None or known.through < found.through:
+                if len(waiting) >= MAX_WAITING_RANGES:
+                    waiting.pop(min(waiting))
+                waiting[found.after] = found
+        planned: list[_Planned] = []
+        for name in self.names:
+            ranges = self._ranges.get(name)
+            if not ranges:
+                continue
+            start = self.positions[name]
+            position, floor = start, self.ts_floors[name]
+            facts: list[Fact] = []
+            while True:
+                fits = [r for r in ranges.values() if r.after <= position < r.through]
+                for stale in [a for a, r in ranges.items() if r.through <= position]:
+                    del ranges[stale]
+                if not fits:
+                    break
+                signed = max(fits, key=lambda r: r.through)
+                ranges.pop(signed.after, None)
+                rows = [row for row in signed.rows if row[0] > position]
+                plan = plan_page(
+                    name, rows, after=position, through=signed.through, limit=len(rows) + 1,
+                    ts_floor=floor, decode=decode_payloads,
+                )  # fmt: skip
+                facts += plan.facts
+                position, floor = plan.position, plan.ts_floor
+                self.signed_ranges += 1
+            if position > start:
+                self._targets[name] = max(self._targets.get(name, 0), position)
+                planned.append(_Planned(name, tuple(facts), position, floor))
+        if planned and self._awaited_since is not None:
+            moved = {p.name: p.position for p in planned}
+            if all(self._awaited[n] <= moved.get(n, self.positions[n]) for n in self._awaited):
+                self._awaited.clear()
+                self._awaited_since = None
+        return planned
+
+    def keys_due(self) -> bool:
+        """Time to read the keys again (`KEY_REFRESH`: retired keys are dropped then)."""
+        return time.monotonic() - self._keys_at >= KEY_REFRESH
+
+    def read_keys(self) -> Gen[None]:
+        """Read the live keys; a reader that may not read them takes nothing from Redis."""
+        self._keys_at = time.monotonic()
+        self._keys_wanted = False
+        try:
+            self._keys = yield from live_keys()
+        except ConnectionLost:
+            raise
+        except StoreError as exc:
+            self._keys = {}
+            self.rejected_ranges["no-keys"] = self.rejected_ranges.get("no-keys", 0) + 1
+            if self.rejected_ranges["no-keys"] == 1:
+                log.warning("cannot read the replication keys (%s): reading PostgreSQL only", exc)
+        while self._offered:  # the lines that named a key we did not know
+            hint = self._offered.popleft()
+            again = verify_range(hint.stream, hint.instance, hint.token, hint.proof, self._keys)
+            if isinstance(again, SignedRange):
+                self._verified.append(again)
+            else:
+                self.rejected_ranges[again] = self.rejected_ranges.get(again, 0) + 1
 
     def _plan(self, name: str, rows: list[Row], target: int) -> Gen[_Planned]:
         """What a page of rows allows to deliver on ``name`` (reads more only for a fact with

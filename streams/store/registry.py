@@ -33,7 +33,7 @@ from ..errors import (
 )
 from .driver import Autocommit, Commit, Gen, Query
 
-ALEMBIC_HEAD = "0006_partitions"
+ALEMBIC_HEAD = "0007_replication_keys"
 
 
 @dataclass(frozen=True, slots=True)

@@ -157,3 +157,19 @@ def test_append_from_a_terminal_stdin_says_what_to_do(
     result = cli(streams_url, "append", stream)
     assert result.exit_code == 2
     assert "pipe JSON lines" in result.stderr
+
+
+def test_keys_list_and_rotate_never_show_a_secret(streams_url: str) -> None:
+    before = json.loads(ok(cli(streams_url, "keys", "--json")))
+    assert [k["live"] for k in before][:1] == [True]  # the migration's first key
+    rotated = json.loads(ok(cli(streams_url, "keys", "rotate", "--json")))
+    after = json.loads(ok(cli(streams_url, "keys", "--json")))
+    assert after[0] == {**after[0], "id": rotated["key"], "live": True, "retired_at": None}
+    assert all(not k["live"] and k["retired_at"] for k in after[1:])
+    assert len(after) == len(before) + 1
+    text = ok(cli(streams_url, "keys"))
+    assert f"key {rotated['key']}: created" in text and "retired" in text
+    with psycopg.connect(streams_url) as conn:
+        secrets = [bytes(s) for (s,) in conn.execute("SELECT secret FROM streams_keys")]
+    for secret in secrets:
+        assert secret.hex() not in text and secret.hex() not in json.dumps(after)

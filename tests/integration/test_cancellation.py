@@ -33,6 +33,7 @@ from psycopg.pq import PipelineStatus, TransactionStatus
 
 import streams
 from streams import AsyncClient, AsyncWriter
+from streams.core.constants import data_channel
 from streams.core.protocol import PositionCommand as Position
 from streams.transport.link import AsyncRedisLink
 
@@ -424,7 +425,7 @@ async def _link_works(link: AsyncRedisLink, redis_url: str, prefix: str, token: 
         await _until(lambda: link.connected, "the link to connect")
         outside = redis.asyncio.Redis.from_url(redis_url)
         pubsub = outside.pubsub()
-        await pubsub.subscribe(prefix)
+        await pubsub.subscribe(prefix, data_channel(prefix, "s_link"))  # where s_link's lines go
         try:
             line = f"POSITION s_other outside {token - 1} {token}"
             await outside.publish(prefix, line)

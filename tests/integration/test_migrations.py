@@ -19,13 +19,14 @@ from streams.migrate import current_revision, upgrade
 
 TABLES = (
     "streams_facts",
+    "streams_keys",
     "streams_proofs",
     "streams_reader_groups",
     "streams_registry",
     "streams_writers",
 )
 VERSION_TABLE = "streams_alembic_version"
-HEAD = "0006_partitions"
+HEAD = "0007_replication_keys"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -62,7 +62,7 @@ TABLES = (
     "streams_writers",
 )
 VERSION_TABLE = "streams_alembic_version"
-HEAD = "0006_partitions"
+HEAD = "0007_replication_keys"
 
 
 # ---------------------------------------------------------------------------------------------
