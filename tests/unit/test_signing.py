@@ -126,13 +126,14 @@ def test_forged_and_retired_keys_do_not_verify() -> None:
 
 def test_a_signed_range_must_lie_in_its_bounds() -> None:
     """Even with the key (a prober of another version), rows outside the range are refused."""
-    for after, through, rows in [
+    cases: list[tuple[int, int, list[Row]]] = [
         (4, 5, [(6, 0, "w", 1, "1")]),  # beyond the token
         (4, 5, [(4, 0, "w", 1, "1")]),  # at or below after
         (5, 5, []),  # empty range
         (4, 9, [(6, 0, "w", 1, "1"), (6, 0, "w", 1, "1")]),  # a row twice
         (4, 9, [(6, 0, "w", 1, 5)]),  # payload not text
-    ]:
+    ]
+    for after, through, rows in cases:
         row = sign_range("s", INSTANCE, after, through, rows, 7, KEY)
         assert verify_range("s", INSTANCE, through, row, KEYS) == "inconsistent"
 
