@@ -72,7 +72,7 @@ ELECTION_INTERVAL = 0.5
 #: Seconds between proofs of a quiet stream (so that the record's age shows the prober lives).
 REFRESH_INTERVAL = 1.0
 #: Least seconds between two proofs (a probe costs about this much anyway).
-MIN_PROOF_GAP = 0.0005
+MIN_PROOF_GAP = 0.005
 
 
 class ProofService:
@@ -154,6 +154,7 @@ class ProofService:
         if thread is not None:
             self._link.remove_listener(self)
             thread.join(timeout=5)
+            self._hold(set())
 
     # ------------------------------------------------------------------ the thread
 
@@ -167,8 +168,7 @@ class ProofService:
             try:
                 if conn is None or conn.closed:
                     conn = self._connect()
-                    with self._cond:
-                        self._held.clear()  # a new session holds no lock
+                    self._hold(set())  # a new session holds no lock
                 self._work(conn, *work)
             except Exception as exc:  # the thread must outlive a dropped stream or server
                 message = scrub_secrets(str(exc), url_passwords(self._url))[:300]
@@ -176,8 +176,8 @@ class ProofService:
                 if conn is not None:
                     conn.close()
                 conn = None
+                self._hold(set())
                 with self._cond:
-                    self._held.clear()
                     self._cond.wait(1.0)
         if conn is not None:
             conn.close()  # releases the election locks
@@ -223,6 +223,17 @@ class ProofService:
             self._last_proof = time.monotonic()
             self._prove(conn, due)
 
+    def _hold(self, names: set[str]) -> None:
+        """The streams this process proves are now ``names``: hear writers' hints of those
+        (their data channels, `streams.core.constants`), and of no other."""
+        with self._cond:
+            gained, lost = names - self._held, self._held - names
+            self._held = set(names)
+        if gained:
+            self._link.watch(sorted(gained), writers=True)
+        if lost:
+            self._link.unwatch(sorted(lost), writers=True)
+
     def _connect(self) -> psycopg.Connection[Any]:
         conn = dbconnect.connect(self._url, autocommit=True, connect_timeout=10, purpose="prober")
         for statement in (*READER_SESSION_SETUP, *PROVER_SESSION_SETUP):
@@ -241,8 +252,8 @@ class ProofService:
             candidates = wanted - self._held
         if resign:
             run(conn, resign_prover(self._info_of(conn, resign)))
+            self._hold(self._held - resign)
             with self._cond:
-                self._held -= resign
                 for name in resign:
                     self._proven.pop(name, None)
         if candidates:
@@ -250,8 +261,7 @@ class ProofService:
             won = run(conn, try_become_prover(infos))
             if won:
                 log.info("%s now proves %s", self.instance, ", ".join(won))
-                with self._cond:
-                    self._held.update(won)
+                self._hold(self._held | set(won))
             lost = [info for info in infos if info.name not in won]
             if lost:  # someone proves them: unless it stopped proving (frozen, cut off)
                 ended = run(conn, end_stale_provers(lost))

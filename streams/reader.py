@@ -45,6 +45,10 @@ FALLBACK_POLL_INTERVAL = 0.1
 #: Least time between two probes of a caught-up reader (bounds the load a flood of forged or
 #: stale messages can cause: a probe costs about as much anyway).
 MIN_HINT_GAP = 0.0005
+#: Most seconds between two looks at the shared proof record by a reader that follows fresh
+#: proofs and so hears no writer's hint: how soon it notices a prober that stopped proving
+#: (after `streams.core.constants.STALE_AFTER`), whatever the configured poll interval.
+FOLLOWER_CHECK_INTERVAL = 1.0
 
 
 class _Flag(Protocol):
@@ -131,9 +135,35 @@ class _ReaderBase:
         return self._core.vector_probe()
 
     def _poll_interval(self, configured: float | None) -> float:
+        if not self._core.needs_writer_hints:
+            # Following fresh proofs without writers' hints: only this look notices a prober
+            # that stopped (its record goes stale), so it runs whatever the configured poll.
+            return min(configured or LIVE_POLL_INTERVAL, FOLLOWER_CHECK_INTERVAL)
+        if time.monotonic() - self._writer_hints_since < FOLLOWER_CHECK_INTERVAL:
+            # Just subscribed again to writers' hints: one sent before the subscription took
+            # effect is lost, so look often until it surely has.
+            return min(configured or FALLBACK_POLL_INTERVAL, FALLBACK_POLL_INTERVAL)
         if configured is not None:
             return configured
         return LIVE_POLL_INTERVAL if self._core.live else FALLBACK_POLL_INTERVAL
+
+    _link: Any
+    _writer_hints = True  # subscribed to the data channels of the streams (writers' hints)
+    _writer_hints_since = 0.0  # when that subscription was last asked for (monotonic)
+
+    def _sync_writer_hints(self) -> None:
+        """Hear writers' hints only while they are of use: a reader that follows fresh
+        proofs needs only its streams' proof channels (one line per proof, not per append);
+        it subscribes again as soon as the proofs go stale or the link reconnects."""
+        wanted = self._core.needs_writer_hints
+        if self._link is None or wanted == self._writer_hints or self._closed:
+            return
+        self._writer_hints = wanted
+        if wanted:
+            self._writer_hints_since = time.monotonic()
+            self._link.watch(self._core.names, writers=True)
+        else:
+            self._link.unwatch(self._core.names, writers=True)
 
     # LinkListener
     def on_link_state(self, connected: bool) -> None:
@@ -190,6 +220,7 @@ class _ReaderBase:
             # read everything, so trying again (on a new connection) delivers each fact once.
             # Within the caller's timeout; for ever when there is none.
             epoch: Epoch | None = yield from self._retried(self._core.step, deadline)
+            self._sync_writer_hints()
             if epoch is not None:
                 return epoch
             if deadline is not None and time.monotonic() >= deadline:
@@ -379,7 +410,7 @@ class Reader(_ReaderBase):
             return
         self._closed = True
         if self._link is not None:
-            self._link.remove_listener(self, self._core.names)
+            self._link.remove_listener(self, self._core.names, writers=self._writer_hints)
         if self._proofs is not None:
             self._proofs.unfollow(self._core.names)
         self._wake.set()
@@ -514,7 +545,7 @@ class AsyncReader(_ReaderBase):
             return
         self._closed = True
         if self._link is not None:
-            self._link.remove_listener(self, self._core.names)
+            self._link.remove_listener(self, self._core.names, writers=self._writer_hints)
         self._wake.set()
         await self._conn.close()
 

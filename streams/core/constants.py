@@ -9,12 +9,17 @@ Redis
 * ``<prefix>``: the replication channel. Every command (``REPLICATE``, ``POSITION``, ``RDATA``,
   ``PING``...) is published here, one command per message (see `streams.core.protocol`).
 * ``<prefix>:data:<stream>``: a stream's *data channel*. Every ``RDATA`` and ``POSITION`` a
-  writer or prover publishes about ``<stream>`` goes here, not on ``<prefix>``, and only
-  processes with a reader of ``<stream>`` subscribe to it: a writer-only process hears no other
-  process's appends, so an append costs Redis one delivery per interested reader process,
-  whatever the number of writer processes. ``<prefix>`` keeps the control traffic:
-  ``REPLICATE`` and its answers, what each link announces when it (re)connects, and whatever a
-  foreign deployment says there (`streams.core.replication`).
+  writer publishes about ``<stream>`` goes here, not on ``<prefix>``, and only the processes
+  that need writers' hints of ``<stream>`` subscribe to it (its prover, readers that probe for
+  themselves): a writer-only process hears no other process's appends, so an append costs
+  Redis a delivery per interested process, whatever the number of writer processes.
+* ``<prefix>:proof:<stream>``: a stream's *proof channel*: what its elected prover publishes
+  (signed ranges of facts and ``POSITION`` lines, `streams.core.signing`). Every process with a
+  reader of ``<stream>`` subscribes to it; a reader that follows fresh proofs needs nothing
+  else, so it hears one line per proof, not one per append.
+* ``<prefix>`` keeps the control traffic: ``REPLICATE`` and its answers, what each link
+  announces when it (re)connects, and whatever a foreign deployment says there
+  (`streams.core.replication`).
 * ``<prefix>/<instance>``: messages meant for one instance only. Every process subscribes to the
   channel of each of its instance names; nothing in `streams` needs to send there yet, but tools
   (and Synapse-style workers) may.
@@ -49,7 +54,7 @@ Besides the tables of the Alembic revisions, each stream has its own partition o
 Shared proofs on Redis
 ----------------------
 The elected prober announces each proven position as a ``POSITION <stream> _proof:<link name>
-<prev> <complete>`` line on the stream's data channel. Writer instance names start with a letter
+<prev> <complete>`` line on the stream's proof channel. Writer instance names start with a letter
 or digit, so ``_proof:`` can never be a writer's; like every command it is only a hint.
 """
 
@@ -68,6 +73,7 @@ __all__ = [
     "data_channel",
     "facts_partition",
     "instance_channel",
+    "proof_channel",
     "replication_channel",
     "reservation_lock_class",
 ]
@@ -101,6 +107,11 @@ def replication_channel(prefix: str) -> str:
 def data_channel(prefix: str, stream: str) -> str:
     """The channel of one stream's ``RDATA`` and ``POSITION`` lines (heard by its readers)."""
     return f"{prefix}:data:{stream}"
+
+
+def proof_channel(prefix: str, stream: str) -> str:
+    """The channel of what one stream's prover publishes (heard by every reader of it)."""
+    return f"{prefix}:proof:{stream}"
 
 
 def instance_channel(prefix: str, instance: str) -> str:

@@ -71,6 +71,7 @@ from .constants import (
     PROOF_INSTANCE_PREFIX,
     data_channel,
     instance_channel,
+    proof_channel,
     replication_channel,
 )
 from .protocol import (
@@ -321,6 +322,7 @@ class LinkCore:
         self._writers: dict[tuple[str, str], Announcer] = {}
         self._readers = 0
         self._watched: dict[str, int] = {}  # stream -> local readers following it
+        self._watched_writers: dict[str, int] = {}  # stream -> local users of writers' hints
         self._connected = False
         self._foreign: ForeignDeployment | None = None
         self._known: set[str] = set()
@@ -357,34 +359,39 @@ class LinkCore:
         with self._lock:
             self._readers = max(0, self._readers - 1)
 
-    def watch(self, streams: Iterable[str]) -> bool:
-        """Local readers follow ``streams``: hear their data channels. True if a channel is new
-        (the driver subscribes to it)."""
+    def watch(self, streams: Iterable[str], *, writers: bool = False) -> bool:
+        """Local readers follow ``streams``: hear their proof channels (with ``writers``, their
+        data channels too: writers' hints). True if a channel is new (the driver subscribes)."""
+        counts = self._watched_writers if writers else self._watched
         added = False
         with self._lock:
             for stream in streams:
-                count = self._watched.get(stream, 0)
+                count = counts.get(stream, 0)
                 added = added or count == 0
-                self._watched[stream] = count + 1
+                counts[stream] = count + 1
         return added
 
-    def unwatch(self, streams: Iterable[str]) -> bool:
-        """The readers of ``streams`` left: True if a data channel is no longer needed."""
+    def unwatch(self, streams: Iterable[str], *, writers: bool = False) -> bool:
+        """Undo one `watch` of the same kind: True if a channel is no longer needed."""
+        counts = self._watched_writers if writers else self._watched
         removed = False
         with self._lock:
             for stream in streams:
-                left = self._watched.get(stream, 0) - 1
+                left = counts.get(stream, 0) - 1
                 if left > 0:
-                    self._watched[stream] = left
-                elif stream in self._watched:
-                    del self._watched[stream]
+                    counts[stream] = left
+                elif stream in counts:
+                    del counts[stream]
                     removed = True
         return removed
 
     def route(self, cmd: Command) -> str:
-        """The channel a command is published on: a stream's ``RDATA``/``POSITION`` on its
-        data channel (only its readers hear it), everything else on the replication channel."""
+        """The channel a command is published on: a prover's ``RDATA``/``POSITION`` on the
+        stream's proof channel, a writer's on its data channel, everything else on the
+        replication channel (`streams.core.constants`)."""
         if isinstance(cmd, PositionCommand | RdataCommand):
+            if cmd.instance_name.startswith(PROOF_INSTANCE_PREFIX):
+                return proof_channel(self.prefix, cmd.stream_name)
             return data_channel(self.prefix, cmd.stream_name)
         return self.channel
 
@@ -398,14 +405,17 @@ class LinkCore:
         return replication_channel(self.prefix)
 
     def channels(self) -> list[str]:
-        """Channels to subscribe: the replication channel, the data channel of every stream a
-        local reader follows, and one per local instance name."""
+        """Channels to subscribe: the replication channel, the proof channel of every stream a
+        local reader follows, the data channel of every stream whose writers' hints a local
+        reader or prover uses, and one per local instance name."""
         with self._lock:
             instances = {instance for _, instance in self._writers} | {self.name}
             watched = sorted(self._watched)
+            hinted = sorted(self._watched_writers)
         return [
             self.channel,
-            *(data_channel(self.prefix, s) for s in watched),
+            *(proof_channel(self.prefix, s) for s in watched),
+            *(data_channel(self.prefix, s) for s in hinted),
             *(instance_channel(self.prefix, i) for i in sorted(instances)),
         ]
 

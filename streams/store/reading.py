@@ -249,6 +249,13 @@ class ReaderCore:
         self._reconcile = True
 
     @property
+    def needs_writer_hints(self) -> bool:
+        """Does this reader need writers' hints? Not while it follows fresh shared proofs over
+        a live link: the prover's lines then say all there is to say, and `step` looks at
+        the proof record at least every `streams.reader.FOLLOWER_CHECK_INTERVAL`."""
+        return not (self.shared_proofs and self._proof_fresh and self.live)
+
+    @property
     def live(self) -> bool:
         """The Redis link is up and a probe has re-established the position since."""
         return self._link_up and not self._reconcile

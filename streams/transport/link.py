@@ -168,25 +168,42 @@ class _LinkBase:
             f"<{type(self).__name__} {redact_url(self._url)} prefix={self.core.prefix!r} {state}>"
         )
 
-    def add_listener(self, listener: LinkListener, streams: Collection[str] = ()) -> None:
+    def add_listener(
+        self, listener: LinkListener, streams: Collection[str] = (), *, writers: bool = True
+    ) -> None:
         """Hints go to ``listener`` from now on; ``streams``: those it follows (the link
-        subscribes to their data channels; undo with the same ``streams`` in
-        `remove_listener`)."""
+        subscribes to their proof channels, and with ``writers`` to their data channels; undo
+        with the same arguments in `remove_listener`)."""
         with self._listeners_lock:
             self._listeners.append(listener)
-        if self.core.watch(streams):
-            self._resubscribe.set()
+        self.watch(streams, writers=False)
+        if writers:
+            self.watch(streams, writers=True)
         # If the link is already connected, the core says to publish REPLICATE now: the
         # connect step's REPLICATE went out before this reader was there.
         self._enqueue_control(self.core.add_reader())
 
-    def remove_listener(self, listener: LinkListener, streams: Collection[str] = ()) -> None:
+    def remove_listener(
+        self, listener: LinkListener, streams: Collection[str] = (), *, writers: bool = True
+    ) -> None:
         with self._listeners_lock:
-            if listener in self._listeners:
-                self._listeners.remove(listener)
-                self.core.remove_reader()
-                if self.core.unwatch(streams):
-                    self._resubscribe.set()
+            if listener not in self._listeners:
+                return
+            self._listeners.remove(listener)
+            self.core.remove_reader()
+        self.unwatch(streams, writers=False)
+        if writers:
+            self.unwatch(streams, writers=True)
+
+    def watch(self, streams: Collection[str], *, writers: bool) -> None:
+        """Subscribe to the proof channels of ``streams`` (``writers``: their data channels,
+        where writers' hints are), counted: each call is undone by one `unwatch`."""
+        if self.core.watch(streams, writers=writers):
+            self._resubscribe.set()
+
+    def unwatch(self, streams: Collection[str], *, writers: bool) -> None:
+        if self.core.unwatch(streams, writers=writers):
+            self._resubscribe.set()
 
     def add_writer(self, announcer: Announcer) -> None:
         self.core.add_writer(announcer)
@@ -604,9 +621,11 @@ class AsyncRedisLink(_LinkBase):
         self._dispatch(LinkCore.hints_for(list(commands)))
         self._enqueue(self._outgoing(commands))
 
-    def add_listener(self, listener: LinkListener, streams: Collection[str] = ()) -> None:
+    def add_listener(
+        self, listener: LinkListener, streams: Collection[str] = (), *, writers: bool = True
+    ) -> None:
         self._ensure_running()
-        super().add_listener(listener, streams)
+        super().add_listener(listener, streams, writers=writers)
 
     def add_writer(self, announcer: Announcer) -> None:
         self._ensure_running()

@@ -24,7 +24,7 @@ from helpers import wait_until
 import streams
 from streams import Client
 from streams.bench.common import drop_streams
-from streams.core.constants import data_channel
+from streams.core.constants import proof_channel
 from streams.core.epochs import Fact
 from streams.core.protocol import ProtocolError, RdataCommand, parse, serialize
 from streams.reader import Reader
@@ -71,13 +71,13 @@ class Follow(threading.Thread):
 
 
 class Attacker(threading.Thread):
-    """Hears every data channel of the prefix and publishes every attack on the lines."""
+    """Hears every proof channel of the prefix and publishes every attack on the lines."""
 
     def __init__(self, redis_url: str, prefix: str, names: list[str]) -> None:
         super().__init__(daemon=True)
         self.client = redis.Redis.from_url(redis_url)
         self.pubsub: Any = self.client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
-        self.pubsub.psubscribe(data_channel(prefix, "*"))
+        self.pubsub.psubscribe(proof_channel(prefix, "*"))
         self.prefix = prefix
         self.names = names
         self.signed: list[RdataCommand] = []
@@ -90,7 +90,7 @@ class Attacker(threading.Thread):
             line = cmd if isinstance(cmd, bytes) else serialize(cmd)
         except ProtocolError:
             return
-        self.client.publish(data_channel(self.prefix, stream), line)
+        self.client.publish(proof_channel(self.prefix, stream), line)
         self.sent[what] = self.sent.get(what, 0) + 1
 
     def run(self) -> None:
