@@ -38,7 +38,7 @@ from typing import Any
 import psycopg
 
 from .config import scrub_secrets, url_passwords
-from .core.constants import PROOF_INSTANCE_PREFIX
+from .core.constants import PROOF_INSTANCE_PREFIX, STALE_AFTER
 from .core.protocol import Command, PositionCommand, ProtocolError, RdataCommand, serialize
 from .core.replication import Hint, is_proof_hint
 from .core.signing import KEY_REFRESH, MAX_SIGNED_ROWS, sign_range, split_for_signing
@@ -71,8 +71,14 @@ log = logging.getLogger(__name__)
 ELECTION_INTERVAL = 0.5
 #: Seconds between proofs of a quiet stream (so that the record's age shows the prober lives).
 REFRESH_INTERVAL = 1.0
-#: Least seconds between two proofs (a probe costs about this much anyway).
+#: Least seconds between two proofs. At high append rates a proof then covers the appends of
+#: this long: readers get one signed line per 5 ms, not one per append (each line costs every
+#: reader process two thread wake-ups, ~100 us each on a small VM), for at most 5 ms of latency.
+#: After a quiet spell the first hint is proved at once.
 MIN_PROOF_GAP = 0.005
+#: A followed stream whose proof lines (from another process) were heard this recently (s) has
+#: a live prover: this process holds no election for it, and no connection for it.
+PROVER_ALIVE_WINDOW = STALE_AFTER / 1000
 
 
 class ProofService:
@@ -91,6 +97,7 @@ class ProofService:
         self._held: set[str] = set()  # streams this process proves
         self._hinted: set[str] = set()
         self._proven: dict[str, int] = {}
+        self._heard: dict[str, float] = {}  # stream -> when another prover's line was heard
         self._infos: dict[str, StreamInfo] = {}
         self._thread: threading.Thread | None = None
         self._stopped = False
@@ -135,6 +142,12 @@ class ProofService:
     # LinkListener
     def on_hint(self, hint: Hint) -> None:
         if is_proof_hint(hint):
+            # Another process proves this stream (or a Redis client says so: then nobody here
+            # holds elections for it and readers fall back to probing themselves once the
+            # record goes stale; slower, never wrong).
+            if hint.instance != self.instance:
+                with self._cond:
+                    self._heard[hint.stream] = time.monotonic()
             return
         with self._cond:
             if hint.stream in self._held and hint.token > self._proven.get(hint.stream, 0):
@@ -170,6 +183,11 @@ class ProofService:
                     conn = self._connect()
                     self._hold(set())  # a new session holds no lock
                 self._work(conn, *work)
+                if not self._held:
+                    # A follower keeps no connection: it needs one only to hold an election,
+                    # when no prover is heard (`PROVER_ALIVE_WINDOW`).
+                    conn.close()
+                    conn = None
             except Exception as exc:  # the thread must outlive a dropped stream or server
                 message = scrub_secrets(str(exc), url_passwords(self._url))[:300]
                 log.warning("shared prover: %s: %s; retrying in 1s", type(exc).__name__, message)
@@ -182,15 +200,30 @@ class ProofService:
         if conn is not None:
             conn.close()  # releases the election locks
 
-    def _wait_for_work(self) -> tuple[set[str], set[str], bool] | None:
-        """Sleep until there is something to do: (hinted streams, followed streams, whether
-        to hold an election), or None once closed."""
+    def _unproved(self, now: float) -> set[str]:
+        """Followed streams this process does not prove and no other is heard proving."""
+        return {
+            name
+            for name in self._followed
+            if name not in self._held
+            and now - self._heard.get(name, -PROVER_ALIVE_WINDOW) >= PROVER_ALIVE_WINDOW
+        }
+
+    def _wait_for_work(self) -> tuple[set[str], set[str], set[str], bool] | None:
+        """Sleep until there is something to do: (hinted streams, followed streams, streams
+        to try to take over, whether to hold an election), or None once closed."""
         with self._cond:
             while not self._stopped and not self._hinted:
                 now = time.monotonic()
                 waits = [5.0]
-                if set(self._followed) ^ self._held:  # to take over, or to resign
+                if self._unproved(now) or self._held - set(self._followed):
                     waits.append(self._last_election + ELECTION_INTERVAL - now)
+                # When a prover heard of goes quiet for long enough to count as gone.
+                waits += [
+                    self._heard[n] + PROVER_ALIVE_WINDOW - now
+                    for n in self._followed
+                    if n in self._heard and n not in self._held
+                ]
                 if self._held:
                     waits.append(self._last_refresh + REFRESH_INTERVAL - now)
                 if min(waits) <= 0:
@@ -198,20 +231,28 @@ class ProofService:
                 self._cond.wait(min(waits))
             if self._stopped:
                 return None
+            now = time.monotonic()
             hinted, self._hinted = self._hinted, set()
-            wanted = set(self._followed)
-            return hinted, wanted, bool(wanted ^ self._held)
+            followed = set(self._followed)
+            candidates = self._unproved(now)
+            return hinted, followed, candidates, bool(candidates or self._held - followed)
 
     def _work(
-        self, conn: psycopg.Connection[Any], hinted: set[str], wanted: set[str], elect: bool
+        self,
+        conn: psycopg.Connection[Any],
+        hinted: set[str],
+        followed: set[str],
+        candidates: set[str],
+        elect: bool,
     ) -> None:
         now = time.monotonic()
         if elect and now - self._last_election >= ELECTION_INTERVAL:
             self._last_election = now
-            self._elect(conn, wanted)
+            self._elect(conn, followed, candidates)
         with self._cond:
             held = set(self._held)
-        if now - self._last_refresh >= REFRESH_INTERVAL:
+        refresh = now - self._last_refresh >= REFRESH_INTERVAL
+        if refresh:
             self._last_refresh = now
             due = held
         else:
@@ -221,7 +262,7 @@ class ProofService:
             if gap > 0:
                 time.sleep(gap)
             self._last_proof = time.monotonic()
-            self._prove(conn, due)
+            self._prove(conn, due, refresh)
 
     def _hold(self, names: set[str]) -> None:
         """The streams this process proves are now ``names``: hear writers' hints of those
@@ -246,10 +287,14 @@ class ProofService:
             self._infos.update((i.name, i) for i in run(conn, load_streams(missing)))
         return [self._infos[n] for n in sorted(names)]
 
-    def _elect(self, conn: psycopg.Connection[Any], wanted: set[str]) -> None:
+    def _elect(
+        self, conn: psycopg.Connection[Any], followed: set[str], candidates: set[str]
+    ) -> None:
+        """Resign what no local reader follows any more; try to take ``candidates`` over
+        (streams nobody is heard proving), ending a prover that stopped proving."""
         with self._cond:
-            resign = self._held - wanted
-            candidates = wanted - self._held
+            resign = self._held - followed
+            candidates = candidates - self._held
         if resign:
             run(conn, resign_prover(self._info_of(conn, resign)))
             self._hold(self._held - resign)
@@ -268,7 +313,9 @@ class ProofService:
                 if ended:
                     log.warning("ended the stalled prover of %s", ", ".join(ended))
 
-    def _prove(self, conn: psycopg.Connection[Any], names: set[str]) -> None:
+    def _prove(self, conn: psycopg.Connection[Any], names: set[str], refresh: bool) -> None:
+        """Prove ``names``; announce what moved (with ``refresh``, also what did not: other
+        processes hear that this one still proves, `PROVER_ALIVE_WINDOW`)."""
         infos = self._info_of(conn, names)
         now = time.monotonic()
         if now - self._keys_at >= KEY_REFRESH:
@@ -294,6 +341,8 @@ class ProofService:
                 if found.complete > prev or name not in self._proven:
                     self._proven[name] = max(prev, found.complete)
                     commands += self._announcement(name, prev, found, rows.get(name))
+                elif refresh:
+                    commands.append(PositionCommand(name, self.instance, prev, prev))
         if commands:
             self._link.publish(commands)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import click
 
 from .fanout import bench_fanout_command
+from .fleet import bench_fleet_command
 from .history import bench_history_command
 from .latency import bench_latency_command
 from .probe import bench_probe_command
@@ -25,6 +26,7 @@ def bench() -> None:
 bench.add_command(bench_spark_command, name="spark")
 bench.add_command(bench_probe_command, name="probe")
 bench.add_command(bench_fanout_command, name="fanout")
+bench.add_command(bench_fleet_command, name="fleet")
 bench.add_command(bench_write_command, name="write")
 bench.add_command(bench_history_command, name="history")
 bench.add_command(bench_latency_command, name="latency")

@@ -114,6 +114,7 @@ BENCHES = {
     "write": (["--seconds", "0.2", "--rounds", "1", "--writers", "1", "--memory-facts", "0"], 1),
     "latency": (["--seconds", "0.5", "--writers", "1", "--catchup-facts", "500"], 2),
     "fanout": (["--readers", "1", "--modes", "own", "--seconds", "0.5", "--writers", "1"], 2),
+    "fleet": (["--points", "1x1", "--seconds", "0.5"], 1),
     "probe": (["--iterations", "3", "--idle-sessions", "1", "--locks", "10"], 3),
 }
 
