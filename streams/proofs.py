@@ -10,21 +10,30 @@ oneself is argued in `streams.store` ("shared proofs").
 Theory of operation
 ===================
 
-Each `streams.Client` with a Redis link runs one `ProofService` (a thread and a connection of
-its own) once it has a reader. For every stream its readers follow, the service tries, every
-`ELECTION_INTERVAL`, to take the stream's election lock; the process that holds it is the
-stream's prober until it exits or its connection drops (``kill -9``: at once). The prober probes
-when a writer's hint (``RDATA``/``POSITION``) names a token beyond what it last proved, and at
-least every `REFRESH_INTERVAL` anyway, so the record's age tells followers it is alive; probes
-are never closer than `MIN_PROOF_GAP`, so a flood of hints costs a bounded probe rate. After
-each proof that moved, it publishes ``POSITION <stream> _proof:<name> <prev> <complete>``.
+Each `streams.Client` with a Redis link runs one `ProofService` (a thread) once it has a
+reader. A followed stream that no other process is heard proving (no line on its proof channel
+for `PROVER_ALIVE_WINDOW`) gets an election every `ELECTION_INTERVAL`: the service connects and
+tries to take the stream's election lock; the process that holds it is the stream's prover
+until it exits or its connection drops (``kill -9``: at once). A process that proves nothing
+keeps no connection open for it, so a reader process holds one PostgreSQL connection, not two.
 
-Followers (`streams.reader`) wake on those lines, while the record is fresh. A writer's hint
-that no proof covers within `PROOF_GRACE` makes a follower look anyway, and probe for itself if
-the record is still behind. A record older than `STALE_AFTER` (a prober stopped with SIGSTOP, or
-none elected yet) makes a follower probe for itself and wake on writers' hints again, exactly as
-before shared proofs, until a fresh record appears. Redis, as always, only decides *when* to
-look: a forged proof line makes followers read the record early, nothing more.
+The prover hears the writers' hints of the streams it proves (their data channels) and proves
+when one names a token beyond what it last proved, and at least every `REFRESH_INTERVAL`
+anyway (announcing even an unchanged position, so other processes hear it lives); proofs are
+never closer than `MIN_PROOF_GAP`, so a flood of hints costs a bounded probe rate and, at high
+rates, one proof covers many appends. Each proof is recorded in ``streams_proofs`` and
+announced on the stream's proof channel: as a *signed range* with the rows of the facts it
+covers (`streams.core.signing`: readers deliver them without PostgreSQL) as far as one line may
+carry them, and as ``POSITION <stream> _proof:<name> <prev> <complete>`` for the rest.
+
+Followers (`streams.reader`) deliver signed ranges that fit where they are, and otherwise read
+the record together with the rows behind it, in one statement. While proofs are fresh they
+hear no writer's hint (only the proof channel) and look at the record at least every second; a
+record older than `STALE_AFTER` (a prober stopped with SIGSTOP, or none elected yet) makes a
+follower probe for itself and hear writers' hints again, exactly as before shared proofs, until
+a fresh record appears. Redis, as always, only decides *when* to look, or brings facts whose
+signature proves the prover read them after proving them: a forged proof line makes followers
+read the record early, or (a forged "alive" line) makes them probe for themselves, never more.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ from .core.protocol import Command, PositionCommand, ProtocolError, RdataCommand
 from .core.replication import Hint, is_proof_hint
 from .core.signing import KEY_REFRESH, MAX_SIGNED_ROWS, sign_range, split_for_signing
 from .core.stalls import HeldStreams
+from .errors import ConnectionLost, StoreError
 from .store import connect as dbconnect
 from .store.driver import Row, run
 from .store.keys import live_keys, newest
@@ -106,6 +116,7 @@ class ProofService:
         self.signed = 0  # signed ranges published
         self._key: tuple[int, bytes] | None = None
         self._keys_at = -KEY_REFRESH
+        self._warned_keys = False
         self._stalls = HeldStreams()
 
     def __repr__(self) -> str:
@@ -319,8 +330,16 @@ class ProofService:
         infos = self._info_of(conn, names)
         now = time.monotonic()
         if now - self._keys_at >= KEY_REFRESH:
-            self._key = newest(run(conn, live_keys()))
             self._keys_at = now
+            try:
+                self._key = newest(run(conn, live_keys()))
+            except ConnectionLost:
+                raise
+            except StoreError as exc:  # a role that may not read the keys: prove unsigned
+                if not self._warned_keys:
+                    log.warning("cannot read the replication keys (%s): proofs unsigned", exc)
+                self._warned_keys = True
+                self._key = None
         with self._cond:
             # Rows to sign: after what this process proved last (a stream it just took over
             # is announced without rows: readers are somewhere below, and read PostgreSQL).

@@ -21,8 +21,12 @@ Stages, after Materialize's compute protocol:
 
 Nothing from Redis is trusted: a hint only decides *when* to ask PostgreSQL, so forged, lost,
 stale or duplicated commands cannot make a reader skip or invent a fact, and catching up after a
-reconnect is the ordinary path, not a special one. After a (re)connect every stream counts as
-disconnected (`Reader.live` is False, polling is fast) until the next probe re-establishes it.
+reconnect is the ordinary path, not a special one. The one thing a reader takes from Redis is a
+*signed range* of a stream's prover (`streams.core.signing`, where the argument is): facts it
+delivers without PostgreSQL when the signature verifies under a live key and the range fits
+where the reader is (`_step_on_signed_ranges`); a line that does not verify is dropped unread.
+After a (re)connect every stream counts as disconnected (`Reader.live` is False, polling is
+fast) until the next probe re-establishes it.
 
 `ReaderCore` holds all of this as generators (psycopg style); `Reader` and `AsyncReader` only
 drive them on a connection and wait for hints.
