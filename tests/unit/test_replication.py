@@ -452,6 +452,38 @@ def test_link_examples() -> None:
     assert core.channels() == ["pfx", "pfx/me", "pfx/w1"]
 
 
+def test_channels_follow_what_local_readers_and_provers_need() -> None:
+    """Proof channels for every stream a local reader follows, data channels (writers' hints)
+    only while someone here uses them; counted, so two readers of a stream need two unwatches.
+    A prover's lines go on the proof channel, a writer's on the data channel, the rest on the
+    replication channel."""
+    core = make_core({("s1", "w1"): 3})
+    assert core.channels() == ["pfx", "pfx/me", "pfx/w1"]
+    assert core.watch(["s1", "s2"]) and not core.watch(["s1"])
+    assert core.watch(["s2"], writers=True)
+    assert core.channels() == [
+        "pfx", "pfx:proof:s1", "pfx:proof:s2", "pfx:data:s2", "pfx/me", "pfx/w1",
+    ]  # fmt: skip
+    assert not core.unwatch(["s1"])  # one reader of s1 is left
+    assert core.unwatch(["s1", "s2"]) and core.unwatch(["s2"], writers=True)
+    assert core.channels() == ["pfx", "pfx/me", "pfx/w1"]
+    assert not core.unwatch(["never"])
+    assert core.route(PositionCommand("s1", "w1", 1, 2)) == "pfx:data:s1"
+    assert core.route(RdataCommand("s1", "w1", 2, {})) == "pfx:data:s1"
+    assert core.route(PositionCommand("s1", "_proof:me", 1, 2)) == "pfx:proof:s1"
+    assert core.route(RdataCommand("s1", "_proof:me", 2, {})) == "pfx:proof:s1"
+    assert core.route(ReplicateCommand()) == "pfx"
+
+
+def test_a_proof_rdata_hint_carries_its_row() -> None:
+    core = make_core({})
+    row: JsonValue = {"mac": "ab", "proof": {"key": 1}}
+    (hint,), _ = core.on_command(RdataCommand("s1", "_proof:p", 9, row))
+    assert hint == Hint("s1", 9, "_proof:p", row)
+    (plain,), _ = core.on_command(RdataCommand("s1", "w2", 9, row))
+    assert plain.proof is None  # a writer's row is only a hint
+
+
 # --- LinkCore: REPLICATE when a reader attaches ---------------------------------------------
 
 
