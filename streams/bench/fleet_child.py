@@ -4,11 +4,11 @@
 Each prints ``READY`` once set up, then answers each command line on stdin with one JSON line,
 and exits when stdin closes (a parent that dies leaves no child behind; Ctrl-C is the parent's).
 
-* ``writer URL REDIS_URL PREFIX STREAM`` and ``raw_writer URL REDIS_URL CHANNEL TABLE``:
-  ``run SECONDS RATE`` appends for ``SECONDS``, flat out (``RATE`` 0) or at ``RATE`` facts/s
-  (each payload carries its wall-clock send time), and answers ``{"n", "cpu", "stmts",
-  "recv"}`` for that run. The raw writer does what the issue's baseline says: one ``INSERT``
-  (autocommit) and one ``PUBLISH`` of the payload per fact.
+* ``writer URL REDIS_URL PREFIX STREAM`` (``REDIS_URL`` ``-``: Redis off) and ``raw_writer URL
+  REDIS_URL CHANNEL TABLE``: ``run SECONDS RATE`` appends for ``SECONDS``, flat out (``RATE`` 0)
+  or at ``RATE`` facts/s (each payload carries its wall-clock send time), and answers ``{"n",
+  "cpu", "stmts", "recv"}`` for that run. The raw writer does what the issue's baseline says:
+  one ``INSERT`` (autocommit) and one ``PUBLISH`` of the payload per fact.
 * ``reader URL REDIS_URL PREFIX STREAM`` (a live reader, shared proofs on) and ``raw_reader
   REDIS_URL CHANNEL`` (a plain subscriber) follow all along; ``mark`` restarts their counters,
   ``report`` answers ``{"n", "lat", "cpu", "stmts", "recv"}`` since the mark (``lat``: delivery
@@ -109,7 +109,7 @@ def _writer_loop(append: Callable[[int, bool], None], received: Callable[[], int
 def writer(url: str, redis_url: str, prefix: str, stream: str) -> None:
     import streams
 
-    client = streams.connect(url, redis_url=redis_url, prefix=prefix)
+    client = streams.connect(url, redis_url=None if redis_url == "-" else redis_url, prefix=prefix)
     appender = client.writer(stream)
 
     def append(n: int, timed: bool) -> None:

@@ -63,7 +63,7 @@ from __future__ import annotations
 import heapq
 import logging
 import threading
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, TypeVar
 
@@ -109,6 +109,9 @@ MAX_SUSPECTS: Final = 64
 MAX_EVIDENCE: Final = 8
 #: Most distinct kinds of malformed line one link logs a warning for; later kinds go to debug.
 MAX_WARNINGS: Final = 32
+#: Seconds between two checks (``PUBSUB NUMSUB``) of whether anyone listens on the data channels
+#: a link publishes writers' lines on (`LinkCore.listeners_due`).
+LISTENERS_INTERVAL: Final = 1.0
 
 _DATA_PREFIXES: Final = (b"RDATA ", b"POSITION ")
 
@@ -224,6 +227,8 @@ class LinkStats:
     refresh_errors: int = 0
     #: Data lines (``RDATA``/``POSITION`` of known streams) discarded unparsed: no reader here.
     skipped: int = 0
+    #: Writers' lines not published: nobody listened on their data channel at the last check.
+    unheard: int = 0
 
 
 ForeignReason = Literal["synapse-commands", "unknown-streams"]
@@ -314,6 +319,7 @@ class LinkCore:
     ) -> None:
         self.prefix = prefix
         self.name = name
+        self._data_prefix = data_channel(prefix, "")
         self.check_streams = check_streams
         #: With no reader attached, discard ``RDATA``/``POSITION`` lines of known streams after
         #: reading two words (counted in ``stats.skipped``): nobody would use their hints.
@@ -323,6 +329,10 @@ class LinkCore:
         self._readers = 0
         self._watched: dict[str, int] = {}  # stream -> local readers following it
         self._watched_writers: dict[str, int] = {}  # stream -> local users of writers' hints
+        # Data channels this link published writers' lines on, and whether anyone listened at
+        # the last check (absent: not checked yet, so published).
+        self._listened: dict[str, bool] = {}
+        self._listened_at: float | None = None
         self._connected = False
         self._foreign: ForeignDeployment | None = None
         self._known: set[str] = set()
@@ -394,6 +404,47 @@ class LinkCore:
                 return proof_channel(self.prefix, cmd.stream_name)
             return data_channel(self.prefix, cmd.stream_name)
         return self.channel
+
+    # ---------------------------------------------------------------- unheard data channels
+
+    def listeners_due(self, now: float) -> list[str]:
+        """The data channels to ask Redis about now (``PUBSUB NUMSUB``; none if not due).
+
+        Writers' lines go on a stream's data channel, which only its prover and readers that
+        probe for themselves subscribe to. Where nobody listens (no reader of the stream
+        anywhere), a link stops publishing them (`drop_unheard`) and asks again every
+        `LISTENERS_INTERVAL`: appends then cost Redis nothing. A process that starts
+        listening misses at most that long of hints, which its poll covers anyway.
+        """
+        with self._lock:
+            if self._listened_at is not None and now - self._listened_at < LISTENERS_INTERVAL:
+                return []
+            if not self._listened:
+                return []
+            self._listened_at = now
+            return sorted(self._listened)
+
+    def on_listeners(self, counts: Mapping[str, int]) -> None:
+        """What ``PUBSUB NUMSUB`` said about the channels `listeners_due` named."""
+        with self._lock:
+            for channel, count in counts.items():
+                if channel in self._listened:
+                    self._listened[channel] = count > 0
+
+    def drop_unheard(self, lines: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+        """The lines still worth publishing: a writer's line on a data channel nobody listened
+        to at the last check is dropped (counted in ``stats.unheard``)."""
+        kept = []
+        with self._lock:
+            for item in lines:
+                channel = item[0]
+                if channel.startswith(self._data_prefix):
+                    listened = self._listened.setdefault(channel, True)
+                    if not listened:
+                        self.stats.unheard += 1
+                        continue
+                kept.append(item)
+        return kept
 
     @property
     def readers(self) -> int:

@@ -246,26 +246,55 @@ class InlinePublisher:
         self._conn: Any = None
         self._next_attempt = 0.0
 
+    def _connected_locked(self, may_connect: bool) -> Any:
+        conn: Any = self._conn
+        if conn is None:
+            now = time.monotonic()
+            if not may_connect or now < self._next_attempt:
+                return None
+            self._next_attempt = now + INLINE_RECONNECT_INTERVAL
+            try:
+                conn = self._pool.make_connection()
+                conn.connect()
+                # From here on the server sends no replies on this connection at all.
+                conn.send_command("CLIENT", "REPLY", "OFF", check_health=False)
+            except REDIS_ERRORS as exc:
+                log.debug("inline publisher cannot connect: %s", exc)
+                with contextlib.suppress(Exception):
+                    conn.disconnect()
+                return None
+            self._conn = conn
+        return conn
+
+    def numsub(self, channels: Sequence[str], may_connect: bool) -> dict[str, int] | None:
+        """``PUBSUB NUMSUB``: subscribers of each channel (None if Redis could not say).
+
+        The connection's replies are switched on for this one question and off again."""
+        with self._lock:
+            conn = self._connected_locked(may_connect)
+            if conn is None:
+                return None
+            try:
+                conn.send_command("CLIENT", "REPLY", "ON", check_health=False)
+                conn.read_response()
+                conn.send_command("PUBSUB", "NUMSUB", *channels, check_health=False)
+                reply = conn.read_response()
+                conn.send_command("CLIENT", "REPLY", "OFF", check_health=False)
+            except REDIS_ERRORS as exc:
+                log.debug("inline publisher could not ask for subscribers: %s", exc)
+                self._reset_locked()
+                return None
+        return {
+            (k.decode() if isinstance(k, bytes) else str(k)): int(n)
+            for k, n in zip(reply[::2], reply[1::2], strict=True)
+        }
+
     def send(self, lines: Sequence[tuple[str, bytes]], may_connect: bool) -> int:
         """Publish each ``(channel, line)``, in order, in one ``send``."""
         with self._lock:
-            conn: Any = self._conn
+            conn = self._connected_locked(may_connect)
             if conn is None:
-                now = time.monotonic()
-                if not may_connect or now < self._next_attempt:
-                    return 0
-                self._next_attempt = now + INLINE_RECONNECT_INTERVAL
-                try:
-                    conn = self._pool.make_connection()
-                    conn.connect()
-                    # From here on the server sends no replies on this connection at all.
-                    conn.send_command("CLIENT", "REPLY", "OFF", check_health=False)
-                except REDIS_ERRORS as exc:
-                    log.debug("inline publisher cannot connect: %s", exc)
-                    with contextlib.suppress(Exception):
-                        conn.disconnect()
-                    return 0
-                self._conn = conn
+                return 0
             try:
                 if len(lines) == 1:
                     packed = conn.pack_command("PUBLISH", *lines[0])

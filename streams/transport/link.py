@@ -476,6 +476,15 @@ class RedisLink(_LinkBase):
         if not batch or self._stopped.is_set():
             return
         with self._pending_lock:
+            now = time.monotonic()
+            due = self.core.listeners_due(now)
+            if due:  # at most once a LISTENERS_INTERVAL: who listens on our data channels?
+                counts = self._publisher.numsub(due, self._subscribed)
+                if counts is not None:
+                    self.core.on_listeners(counts)
+            batch = self.core.drop_unheard(batch)
+            if not batch:
+                return
             self._pending.extend(batch)
             now = time.monotonic()
             if now - self._last_send >= self._publish_window or len(self._pending) >= PUBLISH_BATCH:
@@ -708,7 +717,15 @@ class AsyncRedisLink(_LinkBase):
                     stop = more is None
                     if more is not None:
                         batch.append(more)
-                await self._send(client, batch)
+                due = self.core.listeners_due(time.monotonic())
+                if due:  # see `RedisLink._enqueue`
+                    with contextlib.suppress(*REDIS_ERRORS):
+                        async with asyncio.timeout(PUBLISH_TIMEOUT):
+                            reply = await client.pubsub_numsub(*due)
+                        self.core.on_listeners({_text(k): int(n) for k, n in reply})
+                batch = self.core.drop_unheard(batch)
+                if batch:
+                    await self._send(client, batch)
                 if stop:
                     return
         finally:

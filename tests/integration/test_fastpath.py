@@ -394,3 +394,37 @@ def _subscribers(redis_url: str, channel: str) -> int:
         return int(client.pubsub_numsub(channel)[0][1])
     finally:
         client.close()
+
+
+def test_writer_lines_go_out_only_while_someone_listens(redis_url: str, redis_prefix: str) -> None:
+    """Nobody on the data channel: after one check the link stops publishing writers' lines;
+    a subscriber appears: within about LISTENERS_INTERVAL they flow again."""
+    link = RedisLink(redis_url, redis_prefix, "fleet-unheard", publish_window=0)
+    sub = redis.Redis.from_url(redis_url).pubsub()  # type: ignore[no-untyped-call]
+    try:
+        wait_until(lambda: link.connected, 15, "the link to subscribe")
+        announcer = Announcer("s", "w", 0)
+        link.add_writer(announcer)
+        n = 0
+
+        def append() -> None:
+            nonlocal n
+            n += 1
+            announcer.committed((n,), 0)
+            link.publish(announcer.update(n))
+
+        for _ in range(5):
+            append()
+        assert link.core.stats.unheard >= 3
+        sub.subscribe(data_channel(redis_prefix, "s"))
+        got: list[bytes] = []
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not got:
+            append()
+            message = sub.get_message(timeout=0.1)
+            if message is not None and message["type"] == "message":
+                got.append(message["data"])
+        assert got and got[0].startswith(b"RDATA s w ")
+    finally:
+        sub.close()
+        link.close()

@@ -36,6 +36,7 @@ from streams.core.protocol import (
     serialize,
 )
 from streams.core.replication import (
+    LISTENERS_INTERVAL,
     REFRESH_INTERVAL,
     Announcer,
     ForeignDeployment,
@@ -473,6 +474,25 @@ def test_channels_follow_what_local_readers_and_provers_need() -> None:
     assert core.route(PositionCommand("s1", "_proof:me", 1, 2)) == "pfx:proof:s1"
     assert core.route(RdataCommand("s1", "_proof:me", 2, {})) == "pfx:proof:s1"
     assert core.route(ReplicateCommand()) == "pfx"
+
+
+def test_writers_lines_stop_where_nobody_listens() -> None:
+    """A data channel nobody listened on at the last check gets no more writer lines until a
+    check finds a listener; checks are at most every LISTENERS_INTERVAL; other channels are
+    never dropped."""
+    core = make_core({})
+    data, proof = "pfx:data:s1", "pfx:proof:s1"
+    lines = [(data, b"RDATA s1 w 1 {}"), (proof, b"POSITION s1 _proof:p 0 1"), ("pfx", b"x")]
+    assert core.listeners_due(0.0) == []  # nothing published yet: nothing to ask about
+    assert core.drop_unheard(lines) == lines  # not checked yet: published
+    assert core.listeners_due(0.0) == [data]
+    assert core.listeners_due(0.5) == []  # not again before the interval
+    core.on_listeners({data: 0, "pfx:data:other": 3})
+    assert core.drop_unheard(lines) == lines[1:]
+    assert core.stats.unheard == 1
+    assert core.listeners_due(LISTENERS_INTERVAL) == [data]
+    core.on_listeners({data: 1})
+    assert core.drop_unheard(lines) == lines
 
 
 def test_a_proof_rdata_hint_carries_its_row() -> None:
