@@ -29,7 +29,8 @@ is skipped. Such a party can make a reader slower, nothing more.
    signed.
 2. *Every signed line is true for ever.* The prober signs ``(after, through]`` only with the
    rows it read after proving ``through`` complete (the store's proof: the same probe that
-   readers run themselves, `streams.store.probe`), so the rows are exactly the facts of the
+   readers run themselves, `streams.store.probe`), and only if retention had removed none of
+   them (checked after the read, as every read does), so the rows are exactly the facts of the
    range. Facts are immutable and IDs never reused, so a replayed line, however old, still
    says the truth about its range. The stream, instance and token are signed, so a line
    cannot be moved to another stream or another range.

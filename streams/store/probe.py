@@ -86,7 +86,7 @@ from ..core.constants import (
 from ._common import COMPLETE_SETTING, MAY_END_SESSION, RESERVATION_LOCKS, int_array
 from .driver import Commit, Gen, Pipeline, Query, Row
 from .registry import StreamInfo
-from .rows import fetch_rows_after_probe
+from .rows import check_retained, fetch_rows_after_probe, retention_query
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,10 +238,19 @@ def prove_with_rows(
     queries.append(Query(_RECORD_PROOF_SQL, {"ids": [info.id for info in infos]}))
     read = [info for info in infos if info.name in after]
     queries += [fetch_rows_after_probe(info, after[info.name], limit) for info in read]
+    if read:
+        # After the rows, as every read does ("retention" in streams.store.rows): a stream
+        # pruned beyond ``after`` may miss facts of the range, so none of its rows are given.
+        queries.append(retention_query(read))
     results = yield Pipeline(queries)
     yield Commit()
-    pages = results[PROBE_STATEMENTS + 1 :]
-    rows = {info.name: list(page) for info, page in zip(read, pages, strict=True)}
+    rows: dict[str, list[Row]] = {}
+    if read:
+        *pages, retained = results[PROBE_STATEMENTS + 1 :]
+        pruned = check_retained(retained, {})
+        for info, page in zip(read, pages, strict=True):
+            if pruned.get(info.name, 0) <= after[info.name]:
+                rows[info.name] = list(page)
     return probes_from_rows(results[PROBE_STATEMENTS - 1]), rows
 
 

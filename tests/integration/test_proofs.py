@@ -266,3 +266,29 @@ def test_fanout_bench_small_run(streams_url: str, redis_url: str) -> None:
         assert points[mode]["delivered_min"] == points[mode]["delivered_expected"] > 0
     bad = CliRunner().invoke(bench_fanout_command, [*args, "--modes", "everyone"])
     assert bad.exit_code == 2 and "--modes" in bad.output
+
+
+def test_a_prover_signs_no_range_retention_may_have_cut(
+    client: Client, stream: str, streams_url: str
+) -> None:
+    """The prover reads the rows it signs as every read does, with the retention check after
+    them: a range that starts below what retention removed is not signed (a reader would
+    otherwise deliver it with facts missing, instead of raising FactsPruned)."""
+    from streams.store.driver import run
+    from streams.store.probe import READER_SESSION_SETUP, prove_with_rows
+    from streams.store.registry import load_streams
+
+    with client.writer(stream, instance="w") as writer:
+        ids = [writer.append({"n": n}).last_id for n in range(6)]
+    client.set_retention(stream, 1)
+    time.sleep(0.05)
+    pruned = client.prune(stream).after
+    assert pruned >= ids[0]
+    with psycopg.connect(streams_url, autocommit=True) as conn:
+        for statement in READER_SESSION_SETUP:
+            conn.execute(statement)
+        (info,) = run(conn, load_streams([stream]))
+        probes, rows = run(conn, prove_with_rows([info], {stream: pruned - 1}, 100))
+        assert probes[stream].complete >= ids[-1] and stream not in rows
+        _, rows = run(conn, prove_with_rows([info], {stream: pruned}, 100))
+        assert [r[0] for r in rows[stream]] == [i for i in ids if i > pruned]
