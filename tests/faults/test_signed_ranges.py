@@ -245,3 +245,53 @@ def test_no_attack_by_a_redis_client_changes_what_readers_deliver(
             r.close()
         truth.close()
         drop_streams(streams_url, names)
+
+
+def test_a_forged_live_prover_only_makes_readers_probe_for_themselves(
+    streams_url: str, redis_url: str, redis_prefix: str, unique_name: str
+) -> None:
+    """Lines of a prover that does not exist keep a process from taking over when the real
+    prover leaves (it hears "a prover"): its readers then find the record stale and probe
+    PostgreSQL themselves. Every fact, in order: slower, never wrong."""
+    stop = threading.Event()
+    raw = redis.Redis.from_url(redis_url)
+
+    def forge() -> None:
+        while not stop.is_set():
+            raw.publish(proof_channel(redis_prefix, unique_name),
+                        f"POSITION {unique_name} _proof:fake 999999 999999")  # fmt: skip
+            stop.wait(0.2)
+
+    with contextlib.ExitStack() as stack:
+        first, second = (
+            stack.enter_context(
+                streams.connect(
+                    streams_url, redis_url=redis_url, prefix=redis_prefix, shared_proofs=True
+                )
+            )
+            for _ in range(2)
+        )
+        forger = threading.Thread(target=forge, daemon=True)
+        try:
+            first.create_stream(unique_name)
+            leaving = first.reader(unique_name)
+            assert first._proofs is not None
+            wait_until(lambda: unique_name in first._proofs.proving, 10, "a prover")  # type: ignore[union-attr]
+            reader = second.reader(unique_name, poll_interval=0.2)
+            assert second._proofs is not None
+            forger.start()
+            leaving.close()  # the real prover resigns; only forged lines are heard from now
+            wait_until(lambda: not first._proofs.proving, 10, "the prover to resign")  # type: ignore[union-attr]
+            with first.writer(unique_name, instance="w") as writer:
+                ids = [writer.append({"n": n}).last_id for n in range(30)]
+            got = _facts_of(reader, {unique_name: ids[-1]}, timeout=30)
+            assert [f.stream_id for f in got] == ids
+            assert not second._proofs.proving, "forged lines kept it from taking over"
+            assert reader.core.probes > reader.core.proof_reads, "it probed for itself"
+            reader.close()
+        finally:
+            stop.set()
+            if forger.is_alive():
+                forger.join(5)
+            raw.close()
+            drop_streams(streams_url, [unique_name])
