@@ -158,6 +158,8 @@ def _bad_values(param: click.Parameter) -> st.SearchStrategy[str]:
         return st.sampled_from(["1,x", "0,-1", "", "1,,2", "9" * 12, "1;2"])
     if name in ("modes",):
         return st.sampled_from(["shared,nope", "", "own,,shared", "SHARED"])
+    if name in ("points",):
+        return st.sampled_from(["1", "0x1", "x1", "1x", "1x-1", "", "1x1,,2x2", "300x1", "1X1"])
     raise AssertionError(f"no bad values known for {param.name!r} ({kind!r}): add them")
 
 
