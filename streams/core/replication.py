@@ -116,6 +116,7 @@ LISTENERS_INTERVAL: Final = 1.0
 _DATA_PREFIXES: Final = (b"RDATA ", b"POSITION ")
 
 _Line = TypeVar("_Line", bytes, tuple[str, bytes])
+_Item = TypeVar("_Item")
 
 _FIX: Final = "Give streams its own prefix: STREAMS_PREFIX / prefix= / --prefix (default 'streams')"
 
@@ -333,6 +334,7 @@ class LinkCore:
         # the last check (absent: not checked yet, so published).
         self._listened: dict[str, bool] = {}
         self._listened_at: float | None = None
+        self._replicated = False  # a REPLICATE came: publish everything for an interval
         self._connected = False
         self._foreign: ForeignDeployment | None = None
         self._known: set[str] = set()
@@ -381,6 +383,14 @@ class LinkCore:
                 counts[stream] = count + 1
         return added
 
+    def replicate_if_live(self) -> list[bytes]:
+        """``REPLICATE`` if the link is live: what a process publishes when it starts to
+        listen to writers' hints of a stream (writers answer, and resume publishing on a data
+        channel they had found unheard, `listeners_due`)."""
+        with self._lock:
+            live = self._connected and self._foreign is None
+        return [serialize(ReplicateCommand())] if live else []
+
     def unwatch(self, streams: Iterable[str], *, writers: bool = False) -> bool:
         """Undo one `watch` of the same kind: True if a channel is no longer needed."""
         counts = self._watched_writers if writers else self._watched
@@ -417,6 +427,13 @@ class LinkCore:
         listening misses at most that long of hints, which its poll covers anyway.
         """
         with self._lock:
+            if self._replicated:
+                # Someone (re)started listening: publish to every channel for an interval
+                # before asking again (its subscription may not be in place yet).
+                self._replicated = False
+                self._listened = dict.fromkeys(self._listened, True)
+                self._listened_at = now
+                return []
             if self._listened_at is not None and now - self._listened_at < LISTENERS_INTERVAL:
                 return []
             if not self._listened:
@@ -431,11 +448,14 @@ class LinkCore:
                 if channel in self._listened:
                     self._listened[channel] = count > 0
 
-    def drop_unheard(self, lines: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
-        """The lines still worth publishing: a writer's line on a data channel nobody listened
-        to at the last check is dropped (counted in ``stats.unheard``)."""
+    def drop_unheard(self, lines: list[tuple[str, _Item]]) -> list[tuple[str, _Item]]:
+        """The lines (or commands, before they are serialized) still worth publishing: a
+        writer's line on a data channel nobody listened to at the last check is dropped
+        (counted in ``stats.unheard``)."""
         kept = []
         with self._lock:
+            if self._replicated:
+                return list(lines)
             for item in lines:
                 channel = item[0]
                 if channel.startswith(self._data_prefix):
@@ -530,6 +550,8 @@ class LinkCore:
                 self.stats.replicate_requests += 1
                 with self._lock:
                     announcers = list(self._writers.values())
+                    # A reader or prover starts listening: writers' lines go out again.
+                    self._replicated = True
                 return [], self.outgoing([serialize(a.announce()) for a in announcers])
             case PositionCommand() | RdataCommand():
                 with self._lock:

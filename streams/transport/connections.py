@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import select
 import ssl
 import threading
@@ -143,10 +144,11 @@ class Subscriber:
         except OSError as exc:
             raise redis.ConnectionError(f"send failed: {exc}") from None
 
-    def receive(self, timeout: float) -> Message | None:
-        """The next message, waiting up to ``timeout`` seconds for one (0: only if buffered)."""
+    def receive(self, timeout: float, wake: int | None = None) -> Message | None:
+        """The next message, waiting up to ``timeout`` seconds for one (0: only if buffered),
+        or None as soon as the file descriptor ``wake`` is readable (it is drained)."""
         message = self._inbox.next()
-        if message is None and self._readable(timeout):
+        if message is None and self._readable(timeout, wake):
             try:
                 data = self._sock.recv(65536)
             except ssl.SSLWantReadError:  # a TLS record not complete yet
@@ -157,11 +159,15 @@ class Subscriber:
             message = self._inbox.next()
         return message
 
-    def _readable(self, timeout: float) -> bool:
+    def _readable(self, timeout: float, wake: int | None) -> bool:
         if isinstance(self._sock, ssl.SSLSocket) and self._sock.pending():
             return True  # decrypted bytes wait inside the TLS layer, invisible to select
-        ready, _, _ = select.select([self._sock], [], [], max(0.0, timeout))
-        return bool(ready)
+        watched: list[Any] = [self._sock] if wake is None else [self._sock, wake]
+        ready, _, _ = select.select(watched, [], [], max(0.0, timeout))
+        if wake is not None and wake in ready:
+            with contextlib.suppress(OSError):
+                os.read(wake, 4096)
+        return self._sock in ready
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -201,14 +207,24 @@ class AsyncSubscriber:
         except (OSError, AttributeError) as exc:  # AttributeError: redis.asyncio disconnected
             raise redis.ConnectionError(f"send failed: {exc}") from None
 
-    async def receive(self, timeout: float) -> Message | None:
+    async def receive(self, timeout: float, wake: asyncio.Event | None = None) -> Message | None:
+        """`Subscriber.receive`: None as soon as ``wake`` is set, too."""
         message = self._inbox.next()
         if message is not None:
             return message
         if self._read is None:
             self._read = asyncio.ensure_future(self._conn._reader.read(65536))
-        done, _ = await asyncio.wait({self._read}, timeout=max(0.0, timeout))
-        if not done:
+        if wake is None or timeout <= 0:
+            done, _ = await asyncio.wait({self._read}, timeout=max(0.0, timeout))
+        else:
+            woken = asyncio.ensure_future(wake.wait())
+            try:
+                done, _ = await asyncio.wait(
+                    {self._read, woken}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:
+                woken.cancel()
+        if self._read not in done:
             return None
         read, self._read = self._read, None
         try:

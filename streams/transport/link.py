@@ -57,6 +57,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import random
 import re
 import threading
@@ -176,9 +177,9 @@ class _LinkBase:
         with the same arguments in `remove_listener`)."""
         with self._listeners_lock:
             self._listeners.append(listener)
-        self.watch(streams, writers=False)
-        if writers:
-            self.watch(streams, writers=True)
+        # Its REPLICATE (below) also tells writers to resume publishing to the new channels.
+        if self.core.watch(streams) | (writers and self.core.watch(streams, writers=True)):
+            self._request_resubscribe()
         # If the link is already connected, the core says to publish REPLICATE now: the
         # connect step's REPLICATE went out before this reader was there.
         self._enqueue_control(self.core.add_reader())
@@ -199,11 +200,13 @@ class _LinkBase:
         """Subscribe to the proof channels of ``streams`` (``writers``: their data channels,
         where writers' hints are), counted: each call is undone by one `unwatch`."""
         if self.core.watch(streams, writers=writers):
-            self._resubscribe.set()
+            self._request_resubscribe()
+            if writers:  # writers that stopped publishing for want of listeners resume
+                self._enqueue_control(self.core.replicate_if_live())
 
     def unwatch(self, streams: Collection[str], *, writers: bool) -> None:
         if self.core.unwatch(streams, writers=writers):
-            self._resubscribe.set()
+            self._request_resubscribe()
 
     def add_writer(self, announcer: Announcer) -> None:
         self.core.add_writer(announcer)
@@ -350,12 +353,19 @@ class _LinkBase:
             self._enqueue([(channel, line) for line in lines])
 
     def _outgoing(self, commands: Sequence[Command]) -> list[_Out]:
-        """Each command of a local writer or prover, on the channel the core routes it to."""
+        """Each command of a local writer or prover, on the channel the core routes it to;
+        none on a data channel nobody listens to (dropped before it costs a serialization)."""
         route = self.core.route
-        return [(route(cmd), serialize(cmd)) for cmd in commands]
+        routed = self.core.drop_unheard([(route(cmd), cmd) for cmd in commands])
+        return [(channel, serialize(cmd)) for channel, cmd in routed]
 
     def _enqueue(self, lines: Sequence[_Out]) -> None:
         raise NotImplementedError
+
+    def _request_resubscribe(self) -> None:
+        """The channels to hear changed: the listener subscribes at once (it is woken if it
+        waits for a message), so a new reader hears its streams within a round trip."""
+        self._resubscribe.set()
 
 
 @dataclass(frozen=True, slots=True)
@@ -446,6 +456,10 @@ class RedisLink(_LinkBase):
         self._flush_wake = threading.Event()
         self._stopped = threading.Event()
         self._resubscribe = threading.Event()
+        # Written to wake the listener from its wait for a message (`_request_resubscribe`).
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._listen_thread = threading.Thread(
             target=self._listen_loop, name="streams-redis-listen", daemon=True
         )
@@ -463,11 +477,23 @@ class RedisLink(_LinkBase):
             return
         if self._listeners:
             self._dispatch(LinkCore.hints_for(list(commands)))
-        self._enqueue(self._outgoing(commands))
+        due = self.core.listeners_due(time.monotonic())
+        if due:  # at most once a LISTENERS_INTERVAL: who listens on our data channels?
+            counts = self._publisher.numsub(due, self._subscribed)
+            if counts is not None:
+                self.core.on_listeners(counts)
+        lines = self._outgoing(commands)
+        if lines:
+            self._enqueue(lines)
 
     def add_writer(self, announcer: Announcer) -> None:
         super().add_writer(announcer)
-        self._resubscribe.set()  # its instance channel
+        self._request_resubscribe()  # its instance channel
+
+    def _request_resubscribe(self) -> None:
+        super()._request_resubscribe()
+        with contextlib.suppress(OSError):  # full (a wake-up is pending anyway) or closed
+            os.write(self._wake_w, b"x")
 
     def _enqueue(self, lines: Sequence[_Out]) -> None:
         """Send now from the calling thread, or within `publish_window` if the previous send
@@ -476,15 +502,6 @@ class RedisLink(_LinkBase):
         if not batch or self._stopped.is_set():
             return
         with self._pending_lock:
-            now = time.monotonic()
-            due = self.core.listeners_due(now)
-            if due:  # at most once a LISTENERS_INTERVAL: who listens on our data channels?
-                counts = self._publisher.numsub(due, self._subscribed)
-                if counts is not None:
-                    self.core.on_listeners(counts)
-            batch = self.core.drop_unheard(batch)
-            if not batch:
-                return
             self._pending.extend(batch)
             now = time.monotonic()
             if now - self._last_send >= self._publish_window or len(self._pending) >= PUBLISH_BATCH:
@@ -549,7 +566,7 @@ class RedisLink(_LinkBase):
                             subscriber.send("UNSUBSCRIBE", *channels)
                         case _Receive(timeout=timeout):
                             assert subscriber is not None
-                            result = subscriber.receive(timeout)
+                            result = subscriber.receive(timeout, self._wake_r)
                         case _Ping():
                             assert subscriber is not None
                             subscriber.send("PING")
@@ -580,8 +597,12 @@ class RedisLink(_LinkBase):
         self._flush_wake.set()
         if self._flush_thread is not None:
             self._flush_thread.join(timeout=5)
+        self._request_resubscribe()  # wakes the listener: it sees the link stopped
         self._listen_thread.join(timeout=5)
         self._publisher.close()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 class AsyncRedisLink(_LinkBase):
@@ -639,7 +660,7 @@ class AsyncRedisLink(_LinkBase):
     def add_writer(self, announcer: Announcer) -> None:
         self._ensure_running()
         super().add_writer(announcer)
-        self._resubscribe.set()
+        self._request_resubscribe()
 
     def _enqueue(self, lines: Sequence[_Out]) -> None:
         for line in self.core.outgoing(list(lines)):
@@ -677,7 +698,7 @@ class AsyncRedisLink(_LinkBase):
                             await subscriber.send("UNSUBSCRIBE", *channels)
                         case _Receive(timeout=timeout):
                             assert subscriber is not None
-                            result = await subscriber.receive(timeout)
+                            result = await subscriber.receive(timeout, self._resubscribe)
                         case _Ping():
                             assert subscriber is not None
                             await subscriber.send("PING")

@@ -471,6 +471,10 @@ def test_link_tasks_cancelled_at_every_await_point(
             return wrapped[0].run()
 
         monkeypatch.setattr(AsyncRedisLink, f"_{task}_loop", cancelled_once)
+        # Someone listens on the busy stream's data channel: its lines are published.
+        outside = redis.asyncio.Redis.from_url(redis_url)
+        busy = outside.pubsub()
+        await busy.subscribe(data_channel(redis_prefix, "s_busy"))
         # Names unique to this run: CLIENT LIST is shared with whatever else uses the server.
         link = AsyncRedisLink(redis_url, redis_prefix, f"{redis_prefix}-{task}-{n}")
         try:
@@ -490,6 +494,8 @@ def test_link_tasks_cancelled_at_every_await_point(
             await _link_works(link, redis_url, redis_prefix, 1000 + n)
         finally:
             await link.aclose()
+            await busy.aclose()  # type: ignore[no-untyped-call]
+            await outside.aclose()
         assert _link_connections(redis_url, link) == {"sub": 0, "pub": 0}
 
     async def main() -> None:

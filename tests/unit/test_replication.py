@@ -493,6 +493,15 @@ def test_writers_lines_stop_where_nobody_listens() -> None:
     assert core.listeners_due(LISTENERS_INTERVAL) == [data]
     core.on_listeners({data: 1})
     assert core.drop_unheard(lines) == lines
+    # A REPLICATE (someone starts to listen): everything goes out for an interval, unasked.
+    core.on_listeners({data: 0})
+    assert core.drop_unheard(lines) == lines[1:]
+    core.on_command(ReplicateCommand())
+    assert core.drop_unheard(lines) == lines
+    assert core.listeners_due(2 * LISTENERS_INTERVAL) == []  # the interval starts now
+    assert core.drop_unheard(lines) == lines
+    assert core.listeners_due(2.5 * LISTENERS_INTERVAL) == []
+    assert core.listeners_due(3 * LISTENERS_INTERVAL) == [data]
 
 
 def test_a_proof_rdata_hint_carries_its_row() -> None:
