@@ -457,6 +457,16 @@ class AsyncClient:
             info = await arun(conn, load_stream(stream))
             return await arun(conn, delete_group(info, group))
 
+    async def replication_keys(self) -> list[dict[str, object]]:
+        """See `Client.replication_keys`."""
+        async with self._db() as conn:
+            return await arun(conn, describe_keys())
+
+    async def rotate_replication_keys(self) -> int:
+        """See `Client.rotate_replication_keys`."""
+        async with self._db() as conn:
+            return await arun(conn, rotate_keys())
+
     async def set_retention(self, stream: str, retention_ms: int | None) -> StreamInfo:
         """See `Client.set_retention`."""
         async with self._db() as conn:

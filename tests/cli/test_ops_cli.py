@@ -173,3 +173,19 @@ def test_keys_list_and_rotate_never_show_a_secret(streams_url: str) -> None:
         secrets = [bytes(s) for (s,) in conn.execute("SELECT secret FROM streams_keys")]
     for secret in secrets:
         assert secret.hex() not in text and secret.hex() not in json.dumps(after)
+
+
+def test_async_client_lists_and_rotates_keys(streams_url: str) -> None:
+    import asyncio
+
+    import streams
+
+    async def main() -> None:
+        async with await streams.aconnect(streams_url) as client:
+            new = await client.rotate_replication_keys()
+            keys = await client.replication_keys()
+            assert keys[0]["id"] == new and keys[0]["live"]
+            assert all(not k["live"] for k in keys[1:])
+            assert all("secret" not in k for k in keys)
+
+    asyncio.run(main())
