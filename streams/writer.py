@@ -24,8 +24,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import psycopg
@@ -35,7 +34,7 @@ from ._aio import wait_event
 from .core.replication import Announcer
 from .errors import CommitUnknown, ConnectionLost, StoreError, UsageError, WriterFenced
 from .store import connect as dbconnect
-from .store.driver import Gen, arun, asettle, commit_unknown, gone, run, settle
+from .store.driver import arun, asettle, commit_unknown, gone, run, settle
 from .store.registry import StreamInfo
 from .store.writing import Ack, FactHandle, WriterCore
 
@@ -57,19 +56,6 @@ BEAT_RETRY_INTERVAL = 0.25
 
 def _retry_interval(core: WriterCore) -> float:
     return min(BEAT_RETRY_INTERVAL, core.lease_seconds / 8)
-
-
-#: Most seconds a heartbeat waits for the append connection (it runs there when it is free, so
-#: a writer holds one PostgreSQL connection) before it uses a connection of its own: an append
-#: stuck on a lock or a partition never delays the heartbeat that keeps the lease by more.
-BORROW_WAIT = 0.05
-#: Seconds the heartbeat's own connection stays open after its last use (appends back to back
-#: would otherwise make it open and close one again and again).
-OWN_BEAT_CONNECTION_IDLE = 10.0
-
-
-def _borrow_wait(core: WriterCore) -> float:
-    return min(BORROW_WAIT, core.lease_seconds / 40)
 
 
 def _log_beat(writer: _Announcing, failing: bool, exc: Exception | None) -> None:
@@ -248,10 +234,8 @@ class Writer(_Announcing):
         except BaseException:
             self._conn.close()
             raise
-        # The heartbeat's own connection, open only while the append connection was busy
-        # (`_beat_run`); one heartbeat at a time (the thread and `heartbeat()`).
-        self._beat_conn: psycopg.Connection[Any] | None = None
-        self._beat_used = 0.0
+        self._beat_conn = _connect(database_url, self._core)
+        # One heartbeat at a time on the heartbeat connection (the thread and `heartbeat()`).
         self._beat_lock = threading.Lock()
         self._attach(link)
         self._thread = threading.Thread(
@@ -378,36 +362,14 @@ class Writer(_Announcing):
     def heartbeat(self) -> None:
         """Run one heartbeat now (the background thread also runs them)."""
         with self._beat_lock:
-            self._beat_run(self._core.heartbeat)
+            run(self._beat_connection(), self._core.heartbeat())
 
-    def _beat_run(self, plan: Callable[[], Gen[Any]]) -> None:
-        """One heartbeat, on the append connection if it is free within `BORROW_WAIT` (so
-        a writer holds one connection), else on the heartbeat's own connection, opened for
-        it and closed once unused for `OWN_BEAT_CONNECTION_IDLE`."""
-        if self._lock.acquire(timeout=_borrow_wait(self._core)):
-            try:
-                if gone(self._conn):
-                    self._conn.close()
-                    self._conn = _connect(self._url, self._core)
-                run(self._conn, plan())
-            finally:
-                self._lock.release()
-            if self._beat_conn is not None and (
-                time.monotonic() - self._beat_used > OWN_BEAT_CONNECTION_IDLE
-            ):
-                self._drop_beat_connection()
-            return
-        if self._beat_conn is None or gone(self._beat_conn):
-            self._drop_beat_connection()
+    def _beat_connection(self) -> psycopg.Connection[Any]:
+        """The heartbeat connection, reopened if an interruption or the server closed it."""
+        if gone(self._beat_conn):
+            self._beat_conn.close()
             self._beat_conn = _connect(self._url, self._core)
-        self._beat_used = time.monotonic()
-        run(self._beat_conn, plan())
-
-    def _drop_beat_connection(self) -> None:
-        if self._beat_conn is not None:
-            with contextlib.suppress(Exception):
-                self._beat_conn.close()
-            self._beat_conn = None
+        return self._beat_conn
 
     def _beat_loop(self) -> None:
         interval, failing = self._core.lease_seconds / 4, False
@@ -418,21 +380,29 @@ class Writer(_Announcing):
                 break
             try:
                 with self._beat_lock:
-                    # Woken by an append: persist the position, nothing else.
-                    self._beat_run(self._core.heartbeat if woken else self._core.beat)
+                    conn = self._beat_connection()
+                    if woken:  # by an append: persist the position, nothing else
+                        run(conn, self._core.heartbeat())
+                    else:
+                        run(conn, self._core.beat())
                 self._announce(periodic=not woken)
                 _log_beat(self, failing, None)
                 failing = False
             except Exception as exc:  # keep beating through transient failures
                 _log_beat(self, failing, exc)
                 failing = True
-                with self._beat_lock:
-                    self._drop_beat_connection()  # the next one connects afresh
+                self._reconnect_beat()
             if self._core.fenced:
                 log.error("%r was fenced: its lease expired or its name was taken over", self)
                 break
             if woken:
                 self._stopped.wait(FLUSH_INTERVAL)
+
+    def _reconnect_beat(self) -> None:
+        with contextlib.suppress(Exception):
+            self._beat_conn.close()
+        with contextlib.suppress(StoreError):  # the loop tries again soon
+            self._beat_conn = _connect(self._url, self._core)
 
     # ------------------------------------------------------------------ closing
 
@@ -453,7 +423,7 @@ class Writer(_Announcing):
             log.warning("could not retire %r cleanly: %s", self, exc)
         finally:
             self._conn.close()
-            self._drop_beat_connection()
+            self._beat_conn.close()
 
     def __enter__(self) -> Writer:
         return self
@@ -473,8 +443,7 @@ class AsyncWriter(_Announcing):
         self._wake = asyncio.Event()
         self._stopped = asyncio.Event()
         self._conn: psycopg.AsyncConnection[Any] | None = None
-        self._beat_conn: psycopg.AsyncConnection[Any] | None = None  # see `Writer._beat_run`
-        self._beat_used = 0.0
+        self._beat_conn: psycopg.AsyncConnection[Any] | None = None
         self._task: asyncio.Task[None] | None = None
         self._closing: asyncio.Future[None] | None = None
 
@@ -484,6 +453,7 @@ class AsyncWriter(_Announcing):
         self._conn = await _aconnect(database_url, self._core)
         try:
             await arun(self._conn, core.register())
+            self._beat_conn = await _aconnect(database_url, self._core)
         except BaseException:
             await self._conn.close()
             raise
@@ -529,11 +499,10 @@ class AsyncWriter(_Announcing):
         return await self._append(list(payloads), stamps)
 
     async def _append(self, payloads: Sequence[Any], stamps: Sequence[int | None]) -> Ack:
-        self._connection()  # not closed
+        conn = self._connection()
         ack: Ack | None = None
         try:
             async with self._lock:
-                conn = self._connection()  # under the lock: a heartbeat may have replaced it
                 for attempt in range(2):
                     if gone(conn):
                         await conn.close()
@@ -602,45 +571,16 @@ class AsyncWriter(_Announcing):
 
     async def heartbeat(self) -> None:
         async with self._beat_lock:
-            await self._beat_run(self._core.heartbeat)
+            await arun(await self._beat_connection(), self._core.heartbeat())
 
-    async def _beat_run(self, plan: Callable[[], Gen[Any]]) -> None:
-        """`Writer._beat_run` on asyncio: the append connection if free within
-        `BORROW_WAIT`, else the heartbeat's own."""
-        try:
-            async with asyncio.timeout(_borrow_wait(self._core)):
-                await self._lock.acquire()
-        except TimeoutError:
-            borrowed = False
-        else:
-            borrowed = True
-        if borrowed:
-            try:
-                conn = self._conn
-                if conn is None or gone(conn):
-                    if conn is not None:
-                        await conn.close()
-                    conn = self._conn = await _aconnect(self._url, self._core)
-                await arun(conn, plan())
-            finally:
-                self._lock.release()
-            if self._beat_conn is not None and (
-                time.monotonic() - self._beat_used > OWN_BEAT_CONNECTION_IDLE
-            ):
-                await self._drop_beat_connection()
-            return
-        own = self._beat_conn
-        if own is None or gone(own):
-            await self._drop_beat_connection()
-            own = self._beat_conn = await _aconnect(self._url, self._core)
-        self._beat_used = time.monotonic()
-        await arun(own, plan())
-
-    async def _drop_beat_connection(self) -> None:
-        conn, self._beat_conn = self._beat_conn, None
-        if conn is not None:
-            with contextlib.suppress(Exception):
+    async def _beat_connection(self) -> psycopg.AsyncConnection[Any]:
+        """The heartbeat connection, reopened if an interruption or the server closed it."""
+        conn = self._beat_conn
+        if conn is None or gone(conn):
+            if conn is not None:
                 await conn.close()
+            conn = self._beat_conn = await _aconnect(self._url, self._core)
+        return conn
 
     async def _beat_loop(self) -> None:
         interval, failing = self._core.lease_seconds / 4, False
@@ -652,21 +592,30 @@ class AsyncWriter(_Announcing):
                 break
             try:
                 async with self._beat_lock:
-                    # Woken by an append: persist the position, nothing else.
-                    await self._beat_run(self._core.heartbeat if woken else self._core.beat)
+                    conn = await self._beat_connection()
+                    if woken:  # by an append: persist the position, nothing else
+                        await arun(conn, self._core.heartbeat())
+                    else:
+                        await arun(conn, self._core.beat())
                 self._announce(periodic=not woken)
                 _log_beat(self, failing, None)
                 failing = False
             except Exception as exc:
                 _log_beat(self, failing, exc)
                 failing = True
-                async with self._beat_lock:
-                    await self._drop_beat_connection()  # the next one connects afresh
+                await self._reconnect_beat()
             if self._core.fenced:
                 log.error("%r was fenced: its lease expired or its name was taken over", self)
                 break
             if woken:
                 await wait_event(self._stopped, FLUSH_INTERVAL)
+
+    async def _reconnect_beat(self) -> None:
+        if self._beat_conn is not None:
+            with contextlib.suppress(Exception):
+                await self._beat_conn.close()
+        with contextlib.suppress(StoreError):  # the loop tries again soon
+            self._beat_conn = await _aconnect(self._url, self._core)
 
     async def aclose(self) -> None:
         """Persist the position and retire this writer (see `Writer.close`).
@@ -696,7 +645,8 @@ class AsyncWriter(_Announcing):
         finally:
             if conn is not None:
                 await conn.close()
-            await self._drop_beat_connection()
+            if self._beat_conn is not None:
+                await self._beat_conn.close()
 
     async def __aenter__(self) -> AsyncWriter:
         return self

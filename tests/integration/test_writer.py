@@ -373,7 +373,7 @@ def test_expired_lease_is_retired_and_stops_pinning(
         with pytest.raises(streams.WriterFenced):
             stuck.append({"too": "late"})
         stuck._conn.close()
-        stuck._drop_beat_connection()
+        stuck._beat_conn.close()
 
 
 # ---------------------------------------------------------------------------- asyncio
@@ -441,53 +441,3 @@ def test_lost_connection_is_a_gap_then_the_writer_reconnects(
         assert second.first_id > first.first_id
         assert writer._conn.info.backend_pid != pid
     assert [r[4] for r in fact_rows(streams_url, stream)] == [{"n": 1}, {"n": 2}]
-
-
-def test_a_writer_holds_one_connection_and_beats_past_a_busy_one(
-    stream: str, streams_url: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Heartbeats run on the append connection while it is free (one connection per writer);
-    while an append holds it (here: its lock, held by the test) they open one of their own, so
-    the lease holds, and close it again once unused for a while."""
-    monkeypatch.setattr(streams.writer, "OWN_BEAT_CONNECTION_IDLE", 0.5)
-    with streams.connect(streams_url, lease_seconds=1.0) as short:
-        writer = short.writer(stream, instance="one")
-        try:
-            writer.append({"n": 1})
-            time.sleep(0.6)  # a couple of heartbeats
-            assert writer._beat_conn is None
-            with writer._lock:  # an append stuck for three leases
-                time.sleep(3.0)
-                assert writer._beat_conn is not None and not writer._beat_conn.closed
-            assert not short.positions(stream).writers["one"].retired
-            writer.append({"n": 2})  # not fenced: the lease held throughout
-            wait_until(lambda: writer._beat_conn is None, 5, "the own connection to close")
-        finally:
-            writer.close()
-
-
-def test_an_async_writer_beats_past_a_busy_connection(
-    stream: str, streams_url: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(streams.writer, "OWN_BEAT_CONNECTION_IDLE", 0.5)
-
-    async def main() -> None:
-        async with await streams.aconnect(streams_url, lease_seconds=1.0) as client:
-            writer = await client.writer(stream, instance="async-one")
-            try:
-                await writer.append({"n": 1})
-                await asyncio.sleep(0.6)
-                assert writer._beat_conn is None
-                async with writer._lock:
-                    await asyncio.sleep(3.0)
-                    assert writer._beat_conn is not None
-                await writer.append({"n": 2})
-                for _ in range(50):
-                    if writer._beat_conn is None:
-                        break
-                    await asyncio.sleep(0.1)
-                assert writer._beat_conn is None
-            finally:
-                await writer.aclose()
-
-    asyncio.run(main())
