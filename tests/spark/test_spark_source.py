@@ -661,9 +661,7 @@ def test_retention_fails_or_warns_wherever_the_query_would_need_pruned_facts(
     assert lenient.initialOffset()["streams"] == {stream: old[-1]}
     lenient.stop()
     lenient = reader(failOnDataLoss="false")
-    assert lenient.latestOffset(before_prune, ReadAllAvailable())["streams"] == {
-        stream: new[-1]
-    }
+    assert lenient.latestOffset(before_prune, ReadAllAvailable())["streams"] == {stream: new[-1]}
     lenient.stop()
     earliest = spark.read.format("streams").options(stream=stream, databaseUrl=streams_url)
     assert sorted(r.stream_id for r in earliest.load().collect()) == new
