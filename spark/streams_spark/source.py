@@ -210,8 +210,10 @@ class _Driver:
                 for statement in setup:
                     conn.execute(statement)
             except psycopg.Error as exc:
+                lost = conn.broken or driver.transient_sqlstate(exc.sqlstate)
                 conn.close()
-                raise ConnectionLost(f"Spark source session setup failed: {exc}") from None
+                kind = ConnectionLost if lost else StoreError
+                raise kind(f"Spark source session setup failed: {exc}") from None
             self._conn = conn
         return self._conn
 

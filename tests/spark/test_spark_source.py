@@ -453,6 +453,18 @@ BAD_OPTIONS: list[tuple[dict[str, str], str]] = [
     ({"failOnDataLoss": "maybe"}, "option failOnDataLoss"),
     ({"pollInterval": "0s"}, "option pollInterval"),
     ({"maxFactPerTrigger": "5"}, "unknown option 'maxfactpertrigger'"),
+    ({"statementTimeout": "0s"}, "option statementTimeout"),
+    ({"statementTimeout": "soon"}, "option statementTimeout"),
+    ({"prefetch": "maybe"}, "option prefetch"),
+    ({"startingPositionByTimestamp": "{nope"}, "option startingPositionByTimestamp"),
+    ({"startingPositionByTimestamp": '{"zz": 5}'}, "unknown ['zz'], missing ['a']"),
+    ({"startingPositionByTimestamp": '{"a": true}'}, "option startingPositionByTimestamp"),
+    ({"startingPositionByTimestamp": '{"a": "soon"}'}, "option startingPositionByTimestamp (a)"),
+    ({"startingPositionByTimestamp": "[5]"}, "a JSON object of times by stream"),
+    ({"startingAgo": "1h", "startingPositionByTimestamp": '{"a": 5}'}, "startingAgo, starting"),
+    ({"endingTimestamp": "soon"}, "option endingTimestamp"),
+    ({"endingPositionByTimestamp": '{"a": 1, "b": 2}'}, "option endingPositionByTimestamp"),
+    ({"endingPosition": "7", "endingTimestamp": "5"}, "endingPosition, endingTimestamp"),
 ]
 
 
@@ -471,6 +483,19 @@ def test_bad_options_unit(options: dict[str, str], message: str) -> None:
         parse_options(raw, environ={})
     assert message.lower() in str(info.value).lower()
     assert "hunter2" not in str(info.value)
+
+
+def test_ending_options_apply_to_batch_reads_only() -> None:
+    from streams_spark import StreamsDataSource
+
+    from streams.errors import ConfigurationError
+
+    for option, value in (("endingTimestamp", "5"), ("endingPositionByTimestamp", '{"a": 5}')):
+        source = StreamsDataSource(
+            {"stream": "a", "databaseUrl": "postgresql://h/db", option: value}
+        )
+        with pytest.raises(ConfigurationError, match=f"option {option} applies to batch reads"):
+            source.streamReader(source.schema())
 
 
 def test_bad_options_fail_when_the_query_is_defined(spark: Any, streams_url: str) -> None:
