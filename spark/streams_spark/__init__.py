@@ -14,11 +14,10 @@ new offset], each fact whole, never past what PostgreSQL proved complete. See
 
 from __future__ import annotations
 
-from typing import Any
-
 from .listener import LagListener, lag_from_progress
 from .offsets import frontier_offset
 from .options import SourceOptions, parse_options
+from .session import register
 from .source import SCHEMA, RangePartition, StreamsDataSource, read_partition
 
 __all__ = [
@@ -33,8 +32,3 @@ __all__ = [
     "read_partition",
     "register",
 ]
-
-
-def register(spark: Any) -> None:
-    """Make ``format("streams")`` available in this Spark session."""
-    spark.dataSource.register(StreamsDataSource)

@@ -14,39 +14,85 @@ start time is inside the frontier, its offset carries that time: ``{"v": 1, "str
 facts whose running-maximum timestamp is earlier. The key is fixed when the offset is logged,
 so a replayed batch drops exactly the same facts, and a restart with a relative start
 (``startingAgo``) cannot change what an old batch meant.
+
+Two more keys, both optional, so that offsets logged before they existed still read:
+
+* ``"floors": {"orders": 1763900000000}``: each stream's *timestamp floor* at its position,
+  the running maximum of the timestamps of every fact ``<=`` it (the readers report a fact's
+  timestamp raised to it: `streams.core.timestamps`). Computed once, exactly, from the facts
+  of each batch, it makes a fact's timestamp the Python reader's, the same on every replay,
+  whatever retention removed since. An offset without it (an older checkpoint) falls back to
+  the floor from the facts before the position (`streams.store.rows.ts_floor_at`).
+* ``"waiting": ["orders"]``: streams whose position was set by the start (``startingPosition``
+  an ID or frontier beyond what is complete) and not reached yet: the query waits there, as
+  the Python reader does, rather than take it for a stream that went backwards.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from streams.errors import ConfigurationError
 
 __all__ = [
     "OFFSET_VERSION",
+    "floors_of",
     "frontier_from_json",
     "frontier_offset",
     "positions_of",
     "since_of",
+    "waiting_of",
 ]
 
 OFFSET_VERSION = 1
 
 
 def frontier_offset(
-    positions: Mapping[str, int], since: Mapping[str, int] | None = None
+    positions: Mapping[str, int],
+    since: Mapping[str, int] | None = None,
+    *,
+    floors: Mapping[str, int] | None = None,
+    waiting: Collection[str] = (),
 ) -> dict[str, Any]:
     """The canonical offset of ``positions`` (keys sorted), with the start times ``since``
-    still in force (omitted when there are none, so plain offsets stay as they were)."""
+    still in force, the timestamp ``floors`` and the streams ``waiting`` for their start
+    (each omitted when empty, so plain offsets stay as they were)."""
     offset: dict[str, Any] = {
         "v": OFFSET_VERSION,
         "streams": {name: int(positions[name]) for name in sorted(positions)},
     }
     if since:
         offset["since"] = {name: int(since[name]) for name in sorted(since)}
+    if floors:
+        offset["floors"] = {name: int(floors[name]) for name in sorted(floors)}
+    if waiting:
+        offset["waiting"] = sorted(waiting)
     return offset
+
+
+def floors_of(offset: Mapping[str, Any], names: tuple[str, ...]) -> dict[str, int] | None:
+    """The timestamp floors of an offset, or None if it has none (logged by an older
+    version: the caller computes them as that version did)."""
+    floors = offset.get("floors")
+    if floors is None:
+        return None
+    if not isinstance(floors, Mapping) or set(floors) != set(names):
+        raise ConfigurationError(
+            f"offset {json.dumps(offset)}: 'floors' must map every stream of this query to a time"
+        )
+    return {str(n): _position(v, str(n)) for n, v in floors.items()}
+
+
+def waiting_of(offset: Mapping[str, Any], names: tuple[str, ...]) -> frozenset[str]:
+    """The streams of an offset still waiting for the position their start set."""
+    waiting = offset.get("waiting", [])
+    if not isinstance(waiting, list) or any(n not in names for n in waiting):
+        raise ConfigurationError(
+            f"offset {json.dumps(offset)}: 'waiting' must list streams of this query"
+        )
+    return frozenset(str(n) for n in waiting)
 
 
 def since_of(offset: Mapping[str, Any], names: tuple[str, ...]) -> dict[str, int]:

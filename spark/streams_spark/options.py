@@ -35,7 +35,10 @@ KNOWN_OPTIONS = (
     "startingPosition",
     "startingTimestamp",
     "startingAgo",
+    "startingPositionByTimestamp",
     "endingPosition",
+    "endingTimestamp",
+    "endingPositionByTimestamp",
     "maxFactsPerTrigger",
     "minFactsPerTrigger",
     "maxTriggerDelay",
@@ -44,6 +47,8 @@ KNOWN_OPTIONS = (
     "failOnDataLoss",
     "pollInterval",
     "timestampIn",
+    "statementTimeout",
+    "prefetch",
 )
 _BY_LOWER = {name.lower(): name for name in KNOWN_OPTIONS}
 
@@ -52,6 +57,12 @@ _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 #: Default of ``maxTriggerDelay`` (Kafka's default too).
 DEFAULT_MAX_TRIGGER_DELAY = 15 * 60.0
+#: Default of ``statementTimeout`` (seconds): far above any statement of a healthy server (the
+#: driver's take milliseconds; an executor's read that runs longer goes on from its last row).
+DEFAULT_STATEMENT_TIMEOUT = 60.0
+
+_STARTS = ("startingPosition", "startingTimestamp", "startingAgo", "startingPositionByTimestamp")
+_ENDS = ("endingPosition", "endingTimestamp", "endingPositionByTimestamp")
 
 
 def parse_duration(text: str, option: str) -> float:
@@ -101,15 +112,47 @@ def _timestamp_ms(text: str, option: str) -> int:
     return -((_EPOCH - when) // dt.timedelta(milliseconds=1))
 
 
+def _timestamps_by_stream(text: str, option: str, names: list[str]) -> dict[str, int]:
+    """``{"orders": 1763900000000, "payments": "2026-11-23T09:00:00Z"}``: a time per stream
+    (ms since the epoch or ISO-8601), naming exactly the streams read."""
+    try:
+        data = json.loads(text)
+    except ValueError:
+        raise ConfigurationError(f"option {option}: {text!r} is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise ConfigurationError(
+            f'option {option}: expected a JSON object of times by stream, e.g. {{"orders": '
+            "1763900000000}"
+        )
+    unknown, missing = sorted(set(data) - set(names)), sorted(set(names) - set(data))
+    if unknown or missing:
+        raise ConfigurationError(
+            f"option {option}: name exactly the streams read ({', '.join(names)}); unknown "
+            f"{unknown}, missing {missing}"
+        )
+    out: dict[str, int] = {}
+    for name in names:
+        value = data[name]
+        if isinstance(value, bool) or not isinstance(value, int | str):
+            raise ConfigurationError(
+                f"option {option}: the time of stream {name!r} must be ms since the epoch or "
+                "an ISO-8601 string"
+            )
+        out[name] = _timestamp_ms(str(value), f"{option} ({name})")
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class Position:
-    """A start or end: ``kind`` is earliest | latest | id | frontier | timestamp | ago."""
+    """A start or end: ``kind`` is earliest | latest | id | frontier | timestamp | ago |
+    timestamps (a time per stream, in ``timestamps``)."""
 
     kind: str
     id: int = 0
     frontier: Mapping[str, int] = field(default_factory=dict)
     timestamp_ms: int = 0
     ago_seconds: float = 0.0
+    timestamps: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +174,14 @@ class SourceOptions:
     fail_on_data_loss: bool = True
     poll_interval: float | None = None
     timestamp_in: str = "arrow"
+    statement_timeout: float = DEFAULT_STATEMENT_TIMEOUT
+    prefetch: bool = True
+    #: The option that set ``end`` (for errors).
+    end_option: str = "endingPosition"
+
+    @property
+    def statement_timeout_ms(self) -> int:
+        return max(1, round(self.statement_timeout * 1000))
 
     def __repr__(self) -> str:
         return (
@@ -156,9 +207,10 @@ def parse_options(
 
     names = _stream_names(given)
     settings = _settings(given, env)
-    starts = [k for k in ("startingPosition", "startingTimestamp", "startingAgo") if k in given]
-    if len(starts) > 1:
-        raise ConfigurationError(f"options {', '.join(starts)}: give at most one of them")
+    for exclusive in (_STARTS, _ENDS):
+        chosen = [k for k in exclusive if k in given]
+        if len(chosen) > 1:
+            raise ConfigurationError(f"options {', '.join(chosen)}: give at most one of them")
     start = Position("earliest")
     if "startingPosition" in given:
         start = _position(given["startingPosition"], "startingPosition", names, ending=False)
@@ -168,9 +220,12 @@ def parse_options(
         )
     elif "startingAgo" in given:
         start = Position("ago", ago_seconds=parse_duration(given["startingAgo"], "startingAgo"))
-    end = None
-    if "endingPosition" in given:
-        end = _position(given["endingPosition"], "endingPosition", names, ending=True)
+    elif "startingPositionByTimestamp" in given:
+        option = "startingPositionByTimestamp"
+        start = Position(
+            "timestamps", timestamps=_timestamps_by_stream(given[option], option, names)
+        )
+    end, end_option = _ending(given, names)
 
     max_facts, min_facts, delay = _trigger_limits(given)
 
@@ -198,6 +253,12 @@ def parse_options(
     timestamp_in = given.get("timestampIn", "arrow").strip().lower()
     if timestamp_in not in ("arrow", "sql"):
         raise ConfigurationError("option timestampIn: 'arrow' or 'sql'")
+    timeout = DEFAULT_STATEMENT_TIMEOUT
+    if "statementTimeout" in given:
+        timeout = parse_duration(given["statementTimeout"], "statementTimeout")
+        if not 0.01 <= timeout <= 86400:
+            raise ConfigurationError("option statementTimeout: between 10ms and 1d")
+    prefetch = _boolean(given["prefetch"], "prefetch") if "prefetch" in given else True
 
     return SourceOptions(
         streams=tuple(names),
@@ -215,7 +276,26 @@ def parse_options(
         fail_on_data_loss=fail,
         poll_interval=poll,
         timestamp_in=timestamp_in,
+        statement_timeout=timeout,
+        prefetch=prefetch,
+        end_option=end_option,
     )
+
+
+def _ending(given: Mapping[str, str], names: list[str]) -> tuple[Position | None, str]:
+    """The end of a batch read, and the option that set it."""
+    if "endingTimestamp" in given:
+        ms = _timestamp_ms(given["endingTimestamp"], "endingTimestamp")
+        return Position("timestamp", timestamp_ms=ms), "endingTimestamp"
+    if "endingPositionByTimestamp" in given:
+        option = "endingPositionByTimestamp"
+        times = _timestamps_by_stream(given[option], option, names)
+        return Position("timestamps", timestamps=times), option
+    if "endingPosition" in given:
+        return _position(given["endingPosition"], "endingPosition", names, ending=True), (
+            "endingPosition"
+        )
+    return None, "endingPosition"
 
 
 def _trigger_limits(given: Mapping[str, str]) -> tuple[int | None, int | None, float]:
@@ -288,11 +368,7 @@ def default_group(names: list[str], given: Mapping[str, str]) -> str:
     """
     ident = {
         "streams": sorted(names),
-        **{
-            k: given[k]
-            for k in ("startingPosition", "startingTimestamp", "startingAgo")
-            if k in given
-        },
+        **{k: given[k] for k in _STARTS if k in given},
     }
     digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:12]
     return f"spark-{digest}"

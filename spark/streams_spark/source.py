@@ -3,39 +3,44 @@
 Theory of operation
 ===================
 
-Driver (one `StreamsStreamReader` per query, in Spark's long-lived Python planner process):
+Driver (one `StreamsStreamReader` per query, in a Python planner process of its own that
+Spark starts for the query):
 
 * ``initialOffset`` resolves where a new query starts with the Python reader's own logic
-  (`streams.store.reading.ReaderCore.open`: a group's committed position, earliest, latest, an ID, a
-  time), or takes a given frontier JSON as is.
-* ``latestOffset(start, limit)`` returns, per stream, at most the position PostgreSQL proved
-  complete (`streams.store.probe.probe`): every ID ``<=`` it has completed, so a fact that commits
-  later always has a higher ID and can never be skipped. ``maxFactsPerTrigger`` cuts the range
-  after the N-th *fact* (`streams.store.rows.count_facts`; gaps and extra rows do not count);
-  ``minFactsPerTrigger`` returns ``start`` (no batch) until N facts are there or
-  ``maxTriggerDelay`` passed. Spark calls this in a tight loop: the source probes only when a
-  Redis hint arrived since the last probe, or once per poll interval (1 s while the Redis link
-  is up, 0.1 s without; option ``pollInterval``); otherwise it answers from the last probe.
+  (`streams.store.reading.ReaderCore.open`: a group's committed position, earliest, latest, an
+  ID, a time, a time per stream), or takes a given frontier JSON as is; with each stream's
+  timestamp floor there (`streams_spark.offsets`).
+* ``latestOffset(start, limit)`` returns, per stream, at most the position the *latest* probe
+  proved complete (`streams.store.probe.probe`): every ID ``<=`` it has completed, so a fact
+  that commits later always has a higher ID and can never be skipped. A stream whose proven
+  position went below the query's (a database restored from an older backup) is the
+  ``failOnDataLoss`` case; one whose start was set beyond what was complete waits for it.
+  ``maxFactsPerTrigger`` cuts the range after the N-th *fact* (`streams.store.rows.
+  count_facts`; gaps and extra rows do not count), shared between streams by
+  `streams_spark.planning.share_budget`; ``minFactsPerTrigger`` returns ``start`` (no batch)
+  until N facts are there or ``maxTriggerDelay`` passed, counting once per probe. Spark calls
+  this in a tight loop: the source probes only when a Redis hint arrived since the last probe,
+  or once per poll interval (1 s while the Redis link is up, 0.1 s without; option
+  ``pollInterval``); otherwise it answers from the last probe. The end offset carries each
+  stream's exact timestamp floor (`streams.store.rows.range_ts_maxima` over the batch).
 * ``partitions(start, end)`` cuts every stream's epoch ``(start, end]`` at stream IDs into
-  ranges of about equal row counts (`streams.store.rows.split_range`), each carrying the running
-  maximum timestamp at its start (`streams.store.rows.ts_floor_at`). Same offsets, same
+  ranges of about equal row counts (`streams.store.rows.split_range`), each carrying the
+  running maximum timestamp at its start (from the offset's floor). Same offsets, same
   partitions: a batch replayed after a crash reads exactly the same facts.
 * ``commit(end)`` records ``end`` as the reader group (`streams.store.groups.commit_group`,
   forward-only, so Spark repeating the last commit after a restart is harmless).
 
-Executors run `read_partition`: everything comes from the pickled `RangePartition`; the query
-text comes from `streams.store.rows.range_rows_sql`; ADBC returns Arrow record batches, the running
-maximum timestamp is computed with pyarrow (or in SQL, ``timestampIn=sql``).
+Every driver statement has a timeout (``statementTimeout``) and is run again, with back-off,
+after a transient error (a broken connection, a cancelled statement, a restart:
+`streams.store.driver.transient_sqlstate`) for up to `RETRY_SECONDS`. Executors run
+`streams_spark.executor.read_partition`.
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import datetime as dt
 import itertools
 import logging
-import os
 import random
 import threading
 import time
@@ -57,17 +62,9 @@ from pyspark.sql.streaming.datasource import (
     ReadMinRows,
     SupportsTriggerAvailableNow,
 )
-from pyspark.sql.types import (
-    IntegerType,
-    LongType,
-    StringType,
-    StructField,
-    StructType,
-    TimestampType,
-)
+from pyspark.sql.types import StructType
 
 from streams.client import default_instance_name
-from streams.config import redact_url
 from streams.core.replication import backoff_delay
 from streams.core.stalls import HeldStreams
 from streams.errors import ConfigurationError, ConnectionLost, FactsPruned, StoreError
@@ -75,8 +72,18 @@ from streams.store import connect, driver, groups, reading, registry, rows, writ
 from streams.store import probe as store_probe
 from streams.transport.link import RedisLink
 
-from .offsets import frontier_offset, positions_of, since_of
+from .executor import (
+    RETRY_SECONDS,
+    SCHEMA,
+    RangePartition,
+    StreamWentBackwards,
+    read_partition,
+    went_backwards,
+    with_hint,
+)
+from .offsets import floors_of, frontier_offset, positions_of, since_of, waiting_of
 from .options import Position, SourceOptions, parse_options
+from .planning import lost_streams, running_floors, share_budget
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -84,11 +91,8 @@ if TYPE_CHECKING:
     from streams.core.replication import Hint
     from streams.store.registry import StreamInfo
 
-
-#: Seconds the driver keeps trying a statement while PostgreSQL cannot be reached.
-RETRY_SECONDS = 60.0
-
 __all__ = [
+    "RETRY_SECONDS",
     "SCHEMA",
     "RangePartition",
     "StreamsBatchReader",
@@ -98,18 +102,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("streams.spark")
-
-SCHEMA = StructType(
-    [
-        StructField("stream", StringType()),
-        StructField("stream_id", LongType()),
-        StructField("row_no", IntegerType()),
-        StructField("instance", StringType()),
-        StructField("timestamp", TimestampType()),
-        StructField("payload", StringType()),
-        StructField("epoch_upper", LongType()),
-    ]
-)
 
 #: Seconds between probes while the Redis link is up / without it (the Python reader's).
 LIVE_POLL_INTERVAL = 1.0
@@ -149,289 +141,21 @@ class StreamsDataSource(DataSource):
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
         if self.config.end is not None:
             raise ConfigurationError(
-                "option endingPosition applies to batch reads (spark.read) only; a streaming "
-                "query with an end is trigger(availableNow=True)"
+                f"option {self.config.end_option} applies to batch reads (spark.read) only; a "
+                "streaming query with an end is trigger(availableNow=True)"
             )
         return StreamsStreamReader(self.config)
 
 
-# ------------------------------------------------------------------------------ partitions
+@dataclass(frozen=True, slots=True)
+class Resolved:
+    """Where a start or an end resolved to, per stream: positions, the start times still in
+    force, timestamp floors, and the streams whose start is beyond what is complete."""
 
-
-@dataclass(frozen=True)
-class RangePartition(InputPartition):
-    """Every row of the facts of ``stream`` in ``(after, through]``, for one Spark task."""
-
-    stream: str
-    stream_key: int
-    after: int
-    through: int
-    #: The running maximum timestamp at ``after`` (ms).
-    ts_floor: int
-    #: The batch's end position on this stream (the ``epoch_upper`` column).
-    epoch_upper: int
-    database_url: str
-    timestamp_in: str = "arrow"
-    #: A query started by time: drop facts whose running-maximum timestamp is earlier (ms).
-    since_ms: int | None = None
-    #: Retention removed facts this partition needed: fail the task (else log a warning).
-    fail_on_data_loss: bool = True
-
-    def __repr__(self) -> str:
-        return (
-            f"RangePartition({self.stream!r}, ({self.after}, {self.through}], "
-            f"floor={self.ts_floor}, db={redact_url(self.database_url)!r})"
-        )
-
-
-# ADBC connections cannot be pickled; one per Python worker process, reused across tasks
-# (measured faster than one per task). Workers run one task at a time.
-_ADBC: dict[str, Any] = {}
-_ADBC_LOCK = threading.Lock()
-
-
-def _close_adbc_connections() -> None:
-    """At exit, while the driver manager still exists (its ``__del__`` fails at interpreter
-    shutdown, noisily, when a cached connection is collected that late)."""
-    with _ADBC_LOCK:
-        for conn in _ADBC.values():
-            with contextlib.suppress(Exception):
-                conn.close()
-        _ADBC.clear()
-
-
-atexit.register(_close_adbc_connections)
-
-
-def _adbc_connection(url: str, fresh: bool = False) -> Any:
-    import adbc_driver_postgresql.dbapi as adbc
-
-    with _ADBC_LOCK:
-        conn = _ADBC.pop(url, None)
-        if conn is not None and fresh:
-            try:
-                conn.close()
-            except Exception:
-                log.debug("closing a stale ADBC connection failed", exc_info=True)
-            conn = None
-        if conn is None:
-            try:
-                conn = adbc.connect(connect.with_client_tcp_settings(url), autocommit=True)
-                with conn.cursor() as cur:
-                    for statement in store_probe.READER_SESSION_SETUP:
-                        cur.execute(statement)
-            except Exception as exc:
-                raise StoreError(
-                    f"cannot connect to {redact_url(url)} with ADBC: {type(exc).__name__}"
-                ) from None
-        _ADBC[url] = conn
-        return conn
-
-
-def _convert(
-    batch: pa.RecordBatch, part: RangePartition, floor: int, stream_col: pa.Array | None
-) -> tuple[pa.RecordBatch, int]:
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    n = batch.num_rows
-    ts = batch.column(3)
-    if ts.type != pa.int64():
-        ts = ts.cast(pa.int64())
-    if part.timestamp_in == "arrow":
-        ts = pc.max_element_wise(pc.cumulative_max(ts), pa.scalar(floor, pa.int64()))
-    if n:
-        floor = max(floor, int(ts[n - 1].as_py()))
-    if part.since_ms is not None and n:
-        keep = pc.greater_equal(ts, pa.scalar(part.since_ms, pa.int64()))
-        if not pc.all(keep).as_py():
-            batch, ts = batch.filter(keep), ts.filter(keep)
-            n = batch.num_rows
-    stamps = pc.multiply(ts, pa.scalar(1000, pa.int64())).cast(pa.timestamp("us", tz="UTC"))
-    if stream_col is None or len(stream_col) != n:
-        stream_col = pc.fill_null(pa.nulls(n, pa.string()), part.stream)
-    row_no = batch.column(1)
-    if row_no.type != pa.int32():
-        row_no = row_no.cast(pa.int32())
-    payload = batch.column(4)
-    if payload.type != pa.string():
-        payload = payload.cast(pa.string())
-    out = pa.RecordBatch.from_arrays(
-        [
-            stream_col,
-            batch.column(0).cast(pa.int64()),
-            row_no,
-            batch.column(2).cast(pa.string()),
-            stamps,
-            payload,
-            pc.fill_null(pa.nulls(n, pa.int64()), part.epoch_upper),
-        ],
-        schema=_ARROW_SCHEMA(),
-    )
-    return out, floor
-
-
-_SCHEMA_CACHE: list[Any] = []
-
-
-def _ARROW_SCHEMA() -> pa.Schema:
-    if not _SCHEMA_CACHE:
-        import pyarrow as pa
-
-        _SCHEMA_CACHE.append(
-            pa.schema(
-                [
-                    ("stream", pa.string()),
-                    ("stream_id", pa.int64()),
-                    ("row_no", pa.int32()),
-                    ("instance", pa.string()),
-                    ("timestamp", pa.timestamp("us", tz="UTC")),
-                    ("payload", pa.string()),
-                    ("epoch_upper", pa.int64()),
-                ]
-            )
-        )
-    schema: pa.Schema = _SCHEMA_CACHE[0]
-    return schema
-
-
-_PREFETCH = os.environ.get("STREAMS_SPARK_PREFETCH", "1") != "0"
-
-
-def _prefetched(reader: Iterator[pa.RecordBatch], depth: int = 2) -> Iterator[pa.RecordBatch]:
-    """Read the next record batches from PostgreSQL in a thread while Spark ships this one
-    (ADBC releases the GIL while it reads)."""
-    import queue
-
-    slots: queue.Queue[Any] = queue.Queue(depth)
-    done = object()
-    stop = threading.Event()
-
-    def pump() -> None:
-        try:
-            for batch in reader:
-                while not stop.is_set():
-                    try:
-                        slots.put(batch, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
-                    return
-            slots.put(done)
-        except BaseException as exc:  # handed to the consumer
-            slots.put(exc)
-
-    thread = threading.Thread(target=pump, name="streams-adbc-prefetch", daemon=True)
-    thread.start()
-    try:
-        while True:
-            item = slots.get()
-            if item is done:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        thread.join()
-
-
-def _check_retained(cur: Any, part: RangePartition) -> None:
-    """After the rows (a later statement: see "retention" in `streams.store`): did retention
-    remove facts of this partition before they were read?"""
-
-    cur.execute(rows.pruned_through_sql(part.stream_key))
-    row = cur.fetchone()
-    pruned = int(row[0]) if row else 0
-    if pruned > part.after:
-        lost = FactsPruned(part.stream, part.after, pruned)
-        if part.fail_on_data_loss:
-            raise _with_hint(lost)
-        log.warning("%s; failOnDataLoss=false: continuing without them", lost)
-
-
-def _with_hint(lost: FactsPruned) -> FactsPruned:
-    lost.args = (f"{lost}; or set failOnDataLoss=false to continue without them",)
-    return lost
-
-
-def _read_errors() -> tuple[type[BaseException], ...]:
-    """What reading over ADBC raises when the connection or the server fails (a statement
-    error, such as a missing table, is a ``ProgrammingError``: no retry mends it)."""
-    import adbc_driver_manager
-
-    return (adbc_driver_manager.OperationalError, OSError)
-
-
-def read_partition(part: RangePartition) -> Iterator[pa.RecordBatch]:
-    """The rows of one partition as Arrow record batches in (stream ID, row) order (executors).
-
-    A read that fails (a stale cached connection, a restarted server, a network failure) goes on
-    from the row after the last one handed to Spark, on a fresh connection, for as long as the
-    failures last no more than `RETRY_SECONDS` in a row: the range is complete, so its rows are
-    the same on every read (`streams.store.rows.range_rows_sql`), and no row is handed twice.
-    """
-
-    if part.through <= part.after:
-        return
-    retryable: tuple[type[BaseException], ...] = (*_read_errors(), StoreError)
-    floor = part.ts_floor  # the running timestamp maximum through the last row handed out
-    resume: tuple[int, int] | None = None  # (stream ID, row) of the last row handed out
-    failures = 0
-    failing_since = 0.0
-    while True:
-        cur = None
-        try:
-            conn = _adbc_connection(part.database_url, fresh=failures > 0)
-            query = rows.range_rows_sql(
-                part.stream_key,
-                part.after,
-                part.through,
-                running_ts_floor=floor if part.timestamp_in == "sql" else None,
-                resume_after=resume,
-            )
-            cur = conn.cursor()
-            cur.execute(query)
-            stream_col = None
-            reader = cur.fetch_record_batch()
-            batches = _prefetched(reader) if _PREFETCH else iter(reader)
-            try:
-                for batch in batches:
-                    out, next_floor = _convert(batch, part, floor, stream_col)
-                    if batch.num_rows:
-                        last = batch.num_rows - 1
-                        resume = (
-                            int(batch.column(0)[last].as_py()),
-                            int(batch.column(1)[last].as_py()),
-                        )
-                    floor, stream_col = next_floor, out.column(0)
-                    failures = 0
-                    yield out
-            finally:
-                close = getattr(batches, "close", None)
-                if close is not None:
-                    close()  # stops and joins the prefetch thread before the cursor closes
-            _check_retained(cur, part)
-            return
-        except retryable as exc:  # not FactsPruned: retention is no outage
-            now = time.monotonic()
-            if failures == 0:
-                failing_since = now
-            elif now - failing_since >= RETRY_SECONDS:
-                raise StoreError(
-                    f"reading stream {part.stream!r} ({part.after}, {part.through}] failed for "
-                    f"{RETRY_SECONDS:g}s: {type(exc).__name__}: "
-                    f"{str(exc).splitlines()[0] if str(exc) else ''}"
-                ) from None
-            if failures:  # the first retry is at once: a stale cached connection is common
-                time.sleep(backoff_delay(failures - 1, jitter=random.random()))
-            failures += 1
-            log.info("reading stream %s failed (%s); going on", part.stream, type(exc).__name__)
-        finally:
-            if cur is not None:
-                with contextlib.suppress(Exception):
-                    cur.close()
+    positions: dict[str, int]
+    since: dict[str, int]
+    floors: dict[str, int]
+    waiting: frozenset[str] = frozenset()
 
 
 # ------------------------------------------------------------------------------ the driver
@@ -445,6 +169,9 @@ class _Driver:
         self._conn: psycopg.Connection[Any] | None = None
         self._infos: dict[str, StreamInfo] = {}
         self._held = HeldStreams()
+        self._warned: set[tuple[Any, ...]] = set()
+        #: Statements run again after a transient error (for tests and metrics).
+        self.retries = 0
 
     def __getstate__(self) -> dict[str, Any]:
         # Spark pickles a fresh reader to ship read() to executors: never a connection.
@@ -456,6 +183,12 @@ class _Driver:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+
+    def warn_once(self, key: tuple[Any, ...], message: str) -> None:
+        """Log a warning the first time only: the same condition is seen at every probe."""
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("%s", message)
 
     def _connection(self) -> psycopg.Connection[Any]:
         if self._conn is None or self._conn.closed or self._conn.broken:
@@ -469,38 +202,47 @@ class _Driver:
                 if self._infos:  # it was reachable: an outage, which `run` waits out
                     raise ConnectionLost(str(exc)) from None
                 raise
+            setup = (
+                *store_probe.READER_SESSION_SETUP,
+                store_probe.statement_timeout_setup(self.config.statement_timeout_ms),
+            )
             try:
-                for statement in store_probe.READER_SESSION_SETUP:
+                for statement in setup:
                     conn.execute(statement)
             except psycopg.Error as exc:
+                lost = conn.broken or driver.transient_sqlstate(exc.sqlstate)
                 conn.close()
-                raise StoreError(f"Spark source session setup failed: {exc}") from None
+                kind = ConnectionLost if lost else StoreError
+                raise kind(f"Spark source session setup failed: {exc}") from None
             self._conn = conn
         return self._conn
 
     def run(self, make: Callable[..., Any], *args: Any) -> Any:
-        """``make(*args)`` (a store generator) on the driver's connection. If the connection
-        breaks (a restart, a network failure), it is run again from the start on a new one, for
-        up to `RETRY_SECONDS`: each is a read, or forward-only (a group commit), so running it
-        twice is harmless, and Spark does not fail the query for a passing outage."""
+        """``make(*args)`` (a store generator) on the driver's connection. After a transient
+        error (the connection broke, the statement was cancelled or timed out, the server is
+        restarting: `streams.store.driver.transient_sqlstate`) it is run again from the start,
+        with back-off, for up to `RETRY_SECONDS`: each is a read, or forward-only (a group
+        commit), so running it twice is harmless, and Spark does not fail the query for a
+        passing outage."""
         deadline = time.monotonic() + RETRY_SECONDS
         attempt = 0
         while True:
             try:
                 return driver.run(self._connection(), make(*args))
-            except ConnectionLost as lost:
+            except StoreError as exc:
+                broken = self._conn is not None and (self._conn.broken or self._conn.closed)
+                if isinstance(exc, ConnectionLost) or broken:
+                    self._conn = None
+                if not (isinstance(exc, ConnectionLost) or driver.transient_sqlstate(exc.sqlstate)):
+                    raise
                 delay = backoff_delay(attempt, jitter=random.random())
                 if time.monotonic() + delay >= deadline:
                     raise
                 if attempt == 0:
-                    log.warning("streams source lost PostgreSQL (%s); trying again", lost)
+                    log.warning("streams source: %s; trying again", exc)
                 attempt += 1
-                self._conn = None
+                self.retries += 1
                 time.sleep(delay)
-            except StoreError:
-                if self._conn is not None and (self._conn.broken or self._conn.closed):
-                    self._conn = None
-                raise
 
     def infos(self) -> dict[str, StreamInfo]:
         if not self._infos:
@@ -517,59 +259,102 @@ class _Driver:
         self.run(writers.retire_where_held, infos, self._held, time.monotonic(), observed)
         return {n: found[n].complete for n in self.config.streams}
 
-    def resolve(
-        self, where: Position, complete: dict[str, int], *, start: bool = True
-    ) -> tuple[dict[str, int], dict[str, int]]:
-        """Positions for a start or an end, and the start times in force (see
-        `streams_spark.offsets`). For a start, an explicit ``group``'s committed position wins
-        over the option, stream by stream, as for Python readers."""
+    def floors_at(self, positions: dict[str, int]) -> dict[str, int]:
+        """Timestamp floors at ``positions`` from the facts before them (`rows.ts_floor_at`):
+        for a start the reader core did not resolve, and for offsets logged without floors."""
+        infos = self.infos()
+        return {n: int(self.run(rows.ts_floor_at, infos[n], p)) for n, p in positions.items()}
+
+    def floors_after(
+        self, lower: dict[str, int], upper: dict[str, int], floors: dict[str, int]
+    ) -> dict[str, int]:
+        """The exact timestamp floors at ``upper``, from those at ``lower`` and the facts
+        in between."""
+        infos = self.infos()
+        out = dict(floors)
+        for name, low in lower.items():
+            if upper[name] > low:
+                maxima = self.run(rows.range_ts_maxima, infos[name], [low, upper[name]])
+                out[name] = running_floors(floors[name], maxima)[-1]
+        return out
+
+    def resolve(self, where: Position, complete: dict[str, int], *, start: bool = True) -> Resolved:
+        """Positions for a start or an end, with the start times in force and the floors (see
+        `streams_spark.offsets`). For a start, an explicit ``group``'s committed position (and
+        floor) wins over the option, stream by stream, as for Python readers."""
 
         names = self.config.streams
         committed: dict[str, int] = {}
+        floors: dict[str, int] = {}
         if start and self.config.group_explicit:
             infos = self.infos()
             for n in names:
                 found = self.run(groups.group_position, infos[n], self.config.group)
                 if found is not None:
-                    committed[n] = int(found[0])
+                    committed[n], floors[n] = int(found[0]), int(found[1])
         if committed:
             committed = self.retained(committed)
         rest = [n for n in names if n not in committed]
-        if not rest:
-            return committed, {}
-        if where.kind == "frontier":
-            return self.retained({**{n: int(where.frontier[n]) for n in rest}, **committed}), {}
-        if where.kind == "latest":
-            return {**{n: complete[n] for n in rest}, **committed}, {}
+        positions: dict[str, int] = dict(committed)
+        since: dict[str, int] = {}
+        waiting: frozenset[str] = frozenset()
+        if where.kind in ("frontier", "latest", "id") and rest:
+            if where.kind == "frontier":
+                given = self.retained({n: int(where.frontier[n]) for n in rest})
+            elif where.kind == "latest":
+                given = {n: complete[n] for n in rest}
+            else:  # the first fact >= the ID, as the Python reader does
+                given = self.retained({n: where.id - 1 for n in rest})
+            positions.update(given)
+            if start:
+                floors.update(self.floors_at(given))
+            # Beyond what is complete: the query waits there (the Python reader does too).
+            waiting = frozenset(n for n in rest if given[n] > complete[n])
+        elif where.kind == "timestamps":
+            for n in rest:
+                moment = _EPOCH + dt.timedelta(milliseconds=where.timestamps[n])
+                self._open_core([n], moment, positions, since, floors)
+        elif rest:
+            begin: Any
+            if where.kind == "earliest":
+                begin = "earliest"
+            elif where.kind == "timestamp":
+                begin = _EPOCH + dt.timedelta(milliseconds=where.timestamp_ms)
+            else:
+                begin = dt.timedelta(seconds=where.ago_seconds)
+            self._open_core(rest, begin, positions, since, floors)
+        return Resolved(positions, since, floors, waiting)
 
-        begin: Any
-        if where.kind == "earliest":
-            begin = "earliest"
-        elif where.kind == "id":
-            begin = where.id
-        elif where.kind == "timestamp":
-            begin = dt.datetime(1970, 1, 1, tzinfo=dt.UTC) + dt.timedelta(
-                milliseconds=where.timestamp_ms
-            )
-        else:
-            begin = dt.timedelta(seconds=where.ago_seconds)
-        core = reading.ReaderCore(rest, start=begin)
+    def _open_core(
+        self,
+        names: list[str],
+        begin: Any,
+        positions: dict[str, int],
+        since: dict[str, int],
+        floors: dict[str, int],
+    ) -> None:
+        """Resolve ``names`` with the Python reader's own start logic (on the database's
+        clock for a relative start) and keep exactly its positions, filters and floors."""
+        core = reading.ReaderCore(names, start=begin)
         try:
             self.run(core.open)
-        except FactsPruned as lost:  # startingPosition below what retention kept
+        except FactsPruned as lost:  # a start below what retention kept
             self.lost_facts(lost)
-            core = reading.ReaderCore(rest, start="earliest")
+            core = reading.ReaderCore(names, start="earliest")
             self.run(core.open)
-        positions = {**{n: int(core.positions[n]) for n in rest}, **committed}
-        # The reader core resolved the time on the database's clock: keep exactly its filter.
-        return positions, core.start_times()
+        positions.update({n: int(core.positions[n]) for n in names})
+        floors.update({n: int(core.ts_floors[n]) for n in names})
+        since.update(core.start_times())
 
     def lost_facts(self, lost: FactsPruned) -> None:
         """Retention removed facts this query needed: fail (``failOnDataLoss``, the default),
-        or say so and go on."""
+        or say so (once) and go on."""
         if self.config.fail_on_data_loss:
-            raise _with_hint(lost) from None
-        log.warning("%s; failOnDataLoss=false: continuing after them", lost)
+            raise with_hint(lost) from None
+        self.warn_once(
+            ("pruned", lost.stream, lost.pruned_through),
+            f"{lost}; failOnDataLoss=false: continuing after them",
+        )
 
     def retained(self, positions: dict[str, int]) -> dict[str, int]:
         """``positions``, each raised to what retention kept (`lost_facts` for any below)."""
@@ -581,11 +366,28 @@ class _Driver:
                 self.lost_facts(FactsPruned(name, position, pruned[name]))
         return {n: max(p, pruned[n]) for n, p in positions.items()}
 
+    def backwards(self, lost: Sequence[str], query: dict[str, int], found: dict[str, int]) -> None:
+        """Streams whose complete position is below the query's: fail, or warn (once)."""
+        for name in lost:
+            if self.config.fail_on_data_loss:
+                raise StreamWentBackwards(
+                    went_backwards(name, query[name], found[name], strict=True)
+                )
+            self.warn_once(
+                ("backwards", name, query[name], found[name]),
+                went_backwards(name, query[name], found[name], strict=False)
+                + f"; failOnDataLoss=false: continuing from {query[name]}",
+            )
+
     def plan(
-        self, lower: dict[str, int], upper: dict[str, int], since: dict[str, int] | None = None
+        self,
+        lower: dict[str, int],
+        upper: dict[str, int],
+        since: dict[str, int],
+        floors: dict[str, int],
     ) -> list[RangePartition]:
-        """Partitions of every stream's ``(lower, upper]`` (deterministic for complete ranges);
-        ``since``: start times still in force, by stream."""
+        """Partitions of every stream's ``(lower, upper]`` (deterministic for complete ranges),
+        each with the exact timestamp floor at its start; ``since``: start times in force."""
 
         infos = self.infos()
         parts: list[RangePartition] = []
@@ -596,19 +398,25 @@ class _Driver:
             info = infos[name]
             cuts = self.run(rows.split_range, info, after, through, self.config.partitions)
             bounds = [after, *cuts, through]
-            for low, high in itertools.pairwise(bounds):
+            starts = [floors[name]]
+            if cuts:
+                maxima = self.run(rows.range_ts_maxima, info, bounds[:-1])
+                starts += running_floors(floors[name], maxima)
+            for (low, high), floor in zip(itertools.pairwise(bounds), starts, strict=True):
                 parts.append(
                     RangePartition(
                         stream=name,
                         stream_key=info.id,
                         after=low,
                         through=high,
-                        ts_floor=int(self.run(rows.ts_floor_at, info, low)),
+                        ts_floor=floor,
                         epoch_upper=through,
                         database_url=self.config.database_url,
                         timestamp_in=self.config.timestamp_in,
-                        since_ms=(since or {}).get(name),
+                        since_ms=since.get(name),
                         fail_on_data_loss=self.config.fail_on_data_loss,
+                        statement_timeout_ms=self.config.statement_timeout_ms,
+                        prefetch=self.config.prefetch,
                     )
                 )
         return parts
@@ -619,28 +427,36 @@ class _Driver:
             self._conn = None
 
 
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+
+
 class StreamsBatchReader(_Driver, DataSourceReader):
-    """``spark.read.format("streams")``: facts in (startingPosition, endingPosition]."""
+    """``spark.read.format("streams")``: facts in (start, end]; the end is the complete
+    position, or ``endingPosition``, or the last fact before ``endingTimestamp`` (its
+    timestamp as readers report it, the running maximum), each capped at what is complete."""
 
     def partitions(self) -> Sequence[InputPartition]:
         try:
             complete = self.probe()
-            lower, since = self.resolve(self.config.start, complete)
+            start = self.resolve(self.config.start, complete)
+            lower = start.positions
             end = self.config.end or Position("latest")
             if end.kind == "id":
                 upper = {n: end.id for n in self.config.streams}
             else:
-                upper, _ = self.resolve(end, complete, start=False)
+                upper = self.resolve(end, complete, start=False).positions
             for name in self.config.streams:
                 if upper[name] > complete[name]:
-                    log.warning(
-                        "stream %r: endingPosition %d is beyond the complete position %d; "
-                        "reading up to %d",
-                        name, upper[name], complete[name], complete[name],
-                    )  # fmt: skip
+                    if end.kind in ("id", "frontier"):
+                        log.warning(
+                            "stream %r: %s %d is beyond the complete position %d; reading up "
+                            "to %d",
+                            name, self.config.end_option, upper[name], complete[name],
+                            complete[name],
+                        )  # fmt: skip
                     upper[name] = complete[name]
                 upper[name] = max(upper[name], lower[name])
-            parts = self.plan(lower, upper, since)
+            parts = self.plan(lower, upper, start.since, start.floors)
         finally:
             self.close()
         return parts or [_EMPTY]
@@ -663,6 +479,8 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
 
     def __init__(self, config: SourceOptions) -> None:
         super().__init__(config)
+        #: What the latest probe proved complete (never a maximum over earlier probes: after a
+        #: restore that would plan batches beyond what PostgreSQL proves).
         self._complete: dict[str, int] = {}
         self._last_probe = 0.0
         self._probed = False
@@ -671,7 +489,10 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
         self._link_up = False
         self._target: dict[str, int] | None = None
         self._last_batch = time.monotonic()
-        self._found: dict[str, int] = {}
+        #: Batches admitted under a budget so far: rotates who gets the rounding remainder.
+        self._turn = 0
+        #: The last fact count (minFactsPerTrigger): counted again only after a new probe.
+        self._counted: tuple[tuple[Any, ...], dict[str, tuple[int, int]]] | None = None
         self.probes = 0
 
     # ------------------------------------------------------------------ Redis (lazy)
@@ -709,7 +530,8 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
         return LIVE_POLL_INTERVAL if self._link_up else FALLBACK_POLL_INTERVAL
 
     def _refresh(self, force: bool = False) -> dict[str, int]:
-        """The complete positions, probing only when a hint came or the interval passed."""
+        """The complete positions the latest probe proved, probing only when a hint came or
+        the interval passed."""
         self._follow_redis()
         assert self._hinted is not None
         now = time.monotonic()
@@ -717,21 +539,24 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
         if force or not self._probed or due or self._hinted.is_set():
             self._hinted.clear()
             self._last_probe = now
-            found = self.probe()
+            self._complete = self.probe()
             self.probes += 1
             self._probed = True
-            for name, complete in found.items():
-                self._complete[name] = max(self._complete.get(name, 0), complete)
-            self._found = found
         return dict(self._complete)
 
     # ------------------------------------------------------------------ offsets
 
     def initialOffset(self) -> dict[str, Any]:
         complete = self._refresh(force=True)
-        start, since = self.resolve(self.config.start, complete)
-        log.info("streams source starts at %s (group %s)", start, self.config.group)
-        return frontier_offset(start, since)
+        start = self.resolve(self.config.start, complete)
+        log.info("streams source starts at %s (group %s)", start.positions, self.config.group)
+        if start.waiting:
+            log.info(
+                "streams %s start beyond what is complete: waiting for it", sorted(start.waiting)
+            )
+        return frontier_offset(
+            start.positions, start.since, floors=start.floors, waiting=start.waiting
+        )
 
     def getDefaultReadLimit(self) -> ReadLimit:
         if self.config.max_facts is not None:
@@ -743,31 +568,14 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
     def prepareForTriggerAvailableNow(self) -> None:
         self._target = self._refresh(force=True)
 
-    def _check_loss(self, start: dict[str, int], found: dict[str, int]) -> dict[str, int]:
-        """A query position above what PostgreSQL proves complete means the stream went
-        backwards (sequence rewound, database restored): fail, or warn and wait there."""
-        for name, position in start.items():
-            if position > found[name]:
-                message = (
-                    f"stream {name!r} went backwards: this query has read through {position}, "
-                    f"but PostgreSQL proves only {found[name]} complete (sequence rewound or "
-                    "database restored from an older backup)"
-                )
-                if self.config.fail_on_data_loss:
-                    raise StoreError(
-                        message + "; set failOnDataLoss=false to continue from the query's "
-                        "position (facts re-issued at or below it are then skipped)"
-                    )
-                log.warning("%s; failOnDataLoss=false: continuing from %d", message, position)
-        return found
-
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         names = self.config.streams
         lower, since = positions_of(start, names), since_of(start, names)
+        floors, waiting = floors_of(start, names), waiting_of(start, names)
         had_probes = self.probes
         complete = self._refresh()
         if self.probes != had_probes:
-            self._check_loss(lower, self._found)
+            self.backwards(lost_streams(lower, complete, waiting), lower, complete)
             self.retained(lower)  # retention passed this query (its group was deleted)
         upper = {n: max(lower[n], complete[n]) for n in names}
         if self._target is not None:
@@ -782,16 +590,24 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
         elif use_options:
             max_facts = self.config.max_facts
         min_facts = self.config.min_facts if use_options and self._target is None else None
-        waiting = time.monotonic() - self._last_batch < self.config.max_trigger_delay
-        if min_facts is not None and waiting and any(upper[n] > lower[n] for n in names):
-            have = self._count(lower, upper, min_facts)
+        waiting_delay = time.monotonic() - self._last_batch < self.config.max_trigger_delay
+        if min_facts is not None and waiting_delay and upper != lower:
+            have = self._count_once_per_probe(lower, upper, min_facts)
             if sum(c for c, _ in have.values()) < min_facts:
-                return frontier_offset(lower, since)
-        if max_facts is not None and any(upper[n] > lower[n] for n in names):
+                upper = lower
+        if max_facts is not None and upper != lower:
             upper = self._admit(lower, upper, max_facts)
-        if upper != lower:
-            self._last_batch = time.monotonic()
-        return frontier_offset(upper, self._since_after(since, lower, upper))
+        if upper == lower:
+            return frontier_offset(lower, since, floors=floors, waiting=waiting)
+        self._last_batch = time.monotonic()
+        moved = {n for n in names if upper[n] > lower[n]}
+        end_floors = self.floors_after(lower, upper, floors or self.floors_at(lower))
+        return frontier_offset(
+            upper,
+            self._since_after(since, lower, upper),
+            floors=end_floors,
+            waiting=waiting - moved,
+        )
 
     def _since_after(
         self, since: dict[str, int], lower: dict[str, int], upper: dict[str, int]
@@ -820,27 +636,31 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
             for n in self.config.streams
         }
 
+    def _count_once_per_probe(
+        self, lower: dict[str, int], upper: dict[str, int], limit: int
+    ) -> dict[str, tuple[int, int]]:
+        """`_count`, again only after a new probe: while fewer than ``minFactsPerTrigger``
+        facts are there, Spark asks about a hundred times a second, and nothing can have
+        changed between two probes (``upper`` comes from the latest one)."""
+        key = (self.probes, tuple(sorted(lower.items())), tuple(sorted(upper.items())), limit)
+        if self._counted is None or self._counted[0] != key:
+            self._counted = (key, self._count(lower, upper, limit))
+        return self._counted[1]
+
     def _admit(self, lower: dict[str, int], upper: dict[str, int], budget: int) -> dict[str, int]:
-        """At most ``budget`` facts over all streams, shared in proportion to what each has
-        (the rounding remainder first to streams that would get none, so none starves)."""
+        """At most ``budget`` facts over all streams, shared in proportion to what each has,
+        the rounding remainder rotating between streams (`planning.share_budget`)."""
 
         have = self._count(lower, upper, budget)
-        total = sum(c for c, _ in have.values())
+        counts = {n: c for n, (c, _) in have.items()}
         result = dict(upper)
-        if total <= budget:
-            for n, (count, _last) in have.items():
+        if sum(counts.values()) <= budget:
+            for n, (count, last) in have.items():
                 if count == budget:  # exactly budget facts seen: there may be more beyond
-                    result[n] = _last
+                    result[n] = last
             return result
-        shares = {n: budget * c // total for n, (c, _) in have.items()}
-        spare = budget - sum(shares.values())
-        # The rounding remainder goes first to streams that got nothing, so none starves.
-        for n in sorted(have, key=lambda n: (shares[n] > 0, n)):
-            if spare <= 0:
-                break
-            if shares[n] < have[n][0]:
-                shares[n] += 1
-                spare -= 1
+        shares = share_budget(counts, budget, self._turn)
+        self._turn += 1
         infos = self.infos()
         for n, (count, last) in have.items():
             share = shares[n]
@@ -855,6 +675,9 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
         return result
 
     def reportLatestOffset(self) -> dict[str, Any] | None:
+        """The positions the latest probe proved complete: Spark shows them as the source's
+        ``latestOffset`` in each batch's progress, so `streams_spark.LagListener` (or anyone
+        reading the progress) sees how far each stream is behind the linear position."""
         if not self._complete:
             return None
         return frontier_offset(self._complete)
@@ -864,7 +687,16 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
         lower, upper = positions_of(start, names), positions_of(end, names)
         if lower == upper:
             return []
-        parts = self.plan(lower, upper, since_of(start, names))
+        # A batch replayed after a restart is planned without a latestOffset call first: the
+        # database may have been restored meanwhile. The executors check again as they read.
+        complete = self._refresh() if self._probed else self._refresh(force=True)
+        moving = {n: upper[n] for n in names if upper[n] > lower[n]}
+        lost = lost_streams(moving, complete, ())
+        self.backwards(lost, upper, complete)
+        for name in lost:  # failOnDataLoss=false: read what is still proven
+            upper[name] = max(lower[name], complete[name])
+        floors = floors_of(start, names) or self.floors_at(lower)
+        parts = self.plan(lower, upper, since_of(start, names), floors)
         return parts or [
             RangePartition(
                 stream=names[0],
@@ -882,13 +714,11 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
         return read_partition(partition)
 
     def commit(self, end: dict[str, Any]) -> None:
-
-        positions = positions_of(end, self.config.streams)
+        names = self.config.streams
+        positions = positions_of(end, names)
+        floors = floors_of(end, names) or self.floors_at(positions)
         infos = self.infos()
-        commits = [
-            (infos[name], position, self.run(rows.ts_floor_at, infos[name], position))
-            for name, position in positions.items()
-        ]
+        commits = [(infos[n], positions[n], floors[n]) for n in names]
         self.run(groups.commit_group, self.config.group, commits)
 
     def stop(self) -> None:

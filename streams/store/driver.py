@@ -108,6 +108,7 @@ __all__ = [
     "gone",
     "run",
     "settle",
+    "transient_sqlstate",
 ]
 
 T = TypeVar("T")
@@ -211,6 +212,24 @@ def _lost(
     if not isinstance(error, psycopg.OperationalError | psycopg.InterfaceError):
         return False
     return error.sqlstate is None or error.sqlstate.startswith(("08", "57P"))
+
+
+#: SQLSTATEs (whole classes, or single codes) of errors that running the same statement again
+#: later can mend: the connection broke (08), the transaction was rolled back for another's
+#: sake (40: serialization failure, deadlock), the server lacks resources for now (53: too
+#: many connections, out of memory, disk full), a lock was not available (55P03), the statement
+#: was cancelled (57014: a statement timeout or ``pg_cancel_backend``), the server is shutting
+#: down, restarting or starting (57P01-57P03), an I/O error (58000, 58030), or it is a standby
+#: for now (25006: a failover promotes it). A statement's own error (a missing table, bad
+#: data) is none of these: running it again fails again.
+TRANSIENT_SQLSTATES = ("08", "40", "53", "55P03", "57014", "57P01", "57P02", "57P03", "58000",
+                       "58030", "25006")  # fmt: skip
+
+
+def transient_sqlstate(sqlstate: str | None) -> bool:
+    """Is an error with this SQLSTATE worth the same statement again later (see
+    `TRANSIENT_SQLSTATES`)? None (no code: the client's own failure) is not."""
+    return sqlstate is not None and sqlstate.startswith(TRANSIENT_SQLSTATES)
 
 
 def commit_unknown(

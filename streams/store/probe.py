@@ -179,6 +179,27 @@ def _probe_queries(ids: tuple[int, ...]) -> tuple[Query, ...]:
     return (Query(allocated.encode(), ()), Query(complete.encode(), ()))
 
 
+def probe_texts(stream_keys: Sequence[int]) -> tuple[str, str]:
+    """The two statements of `probe` for the streams with these registry ids, as plain text,
+    for a session of another driver (ADBC, on Spark executors) that runs them in this order,
+    then reads rows ``<=`` the complete position in a later statement: the probe argument
+    holds for it as for `probe`. The second returns ``(name, max allocated, complete, _)`` per
+    stream. Ints only, inlined."""
+    texts = []
+    for query in _probe_queries(tuple(int(k) for k in stream_keys)):
+        statement = query.statement
+        assert isinstance(statement, bytes)
+        texts.append(statement.decode().replace("%%", "%"))  # psycopg's escape, undone
+    return texts[0], texts[1]
+
+
+def statement_timeout_setup(timeout_ms: int) -> str:
+    """The session setting that bounds every statement of a session: a statement stuck behind
+    a lock or on a server in trouble is cancelled (SQLSTATE 57014) after ``timeout_ms``, and
+    the caller may run it again (`streams.store.driver.transient_sqlstate`)."""
+    return f"SET statement_timeout = {int(timeout_ms)}"
+
+
 #: How many statements `probe_queries` returns (results before the rows behind a probe).
 PROBE_STATEMENTS = 2
 

@@ -11,6 +11,7 @@ the batch ranges of the Spark source).
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -178,6 +179,30 @@ def ts_floor_at(info: StreamInfo, position: int) -> Gen[int]:
     )
     yield Commit()
     return int(rows[0][0] or 0)
+
+
+def range_ts_maxima(info: StreamInfo, bounds: Sequence[int]) -> Gen[list[int | None]]:
+    """The greatest timestamp of the facts in each of ``(b0, b1], (b1, b2], ...`` (None for
+    a range without facts), in one statement: with the floor before ``b0`` it gives the exact
+    timestamp floor at every bound (`streams_spark.planning.running_floors`), unlike
+    `ts_floor_at`, which looks at recent facts only. Each range is read once, by the primary
+    key (or backwards through the time index when that is cheaper: the planner's choice).
+    Bounds are ints, inlined (see `fetch_rows`).
+    """
+    if len(bounds) < 2:
+        return []
+    key = int(info.id)
+    pairs = ", ".join(
+        f"({i}, {int(low)}, {int(high)})"
+        for i, (low, high) in enumerate(itertools.pairwise(bounds))
+    )
+    rows = yield Query(
+        "SELECT b.i, (SELECT max(ts) FROM streams_facts "
+        f"WHERE stream = {key} AND stream_id > b.low AND stream_id <= b.high) "
+        f"FROM (VALUES {pairs}) AS b(i, low, high) ORDER BY b.i"
+    )
+    yield Commit()
+    return [None if high is None else int(high) for _, high in rows]
 
 
 def database_time_ms() -> Gen[int]:

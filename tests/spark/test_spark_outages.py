@@ -13,6 +13,7 @@ facts, in stream-ID order across batches.
 from __future__ import annotations
 
 import contextlib
+import random
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -165,11 +166,11 @@ def test_an_executor_read_cut_in_the_middle_goes_on_after_its_last_row(
     after its first record batch. The read goes on from the next row: the same rows, with the
     same running timestamps, as a read that nothing interrupted."""
     import pyarrow as pa
-    from streams_spark import source
+    from streams_spark import executor as source
 
     real = source._adbc_connection
     monkeypatch.setattr(
-        source, "_adbc_connection", lambda url, fresh=False: _SmallBatches(real(url, fresh))
+        source, "_adbc_connection", lambda url, *args: _SmallBatches(real(url, *args))
     )
     with streams.connect(streams_url) as client:
         client.create_stream(unique_name)
@@ -229,3 +230,64 @@ def test_the_source_rides_out_postgres_restarts(
             for error in appender.errors:  # the writers' view of the restarts
                 assert isinstance(error, streams.StoreError), error
         query.stop_and_check(url, unique_name, acked(appenders))
+
+
+def test_the_source_rides_out_cancelled_and_terminated_sessions(
+    spark: Any, streams_url: str, unique_name: str, tmp_path: Path
+) -> None:
+    """Every session of the query (the driver's and the executors', named by the URL's
+    ``application_name``) has its statement cancelled (``pg_cancel_backend``: SQLSTATE 57014,
+    as a statement timeout gives) or is terminated (``pg_terminate_backend``), again and again,
+    while writers append. The query keeps running and every fact is in exactly one batch."""
+    name = "spark-under-fire"
+    url = streams_url + ("&" if "?" in streams_url else "?") + f"application_name={name}"
+    hits = {"cancel": 0, "terminate": 0}
+    stop = threading.Event()
+
+    def fire() -> None:
+        """Terminate every session of the query, or block its statements behind a lock on the
+        registry (every probe reads it) and cancel them while they wait."""
+        rng = random.Random(7)
+        mine = "SELECT count(*) FILTER (WHERE pg_{}_backend(pid)) FROM pg_stat_activity WHERE "
+        mine += "application_name = %s AND pid <> pg_backend_pid()"
+        with (
+            psycopg.connect(streams_url, autocommit=True) as admin,
+            psycopg.connect(streams_url) as locker,
+        ):
+            while not stop.wait(rng.uniform(0.1, 0.3)):
+                if rng.random() < 0.5:
+                    ended = admin.execute(mine.format("terminate"), (name,)).fetchone()
+                    hits["terminate"] += int(ended[0]) if ended else 0
+                    continue
+                locker.execute("LOCK TABLE streams_registry IN ACCESS EXCLUSIVE MODE")
+                deadline, cancelled = time.monotonic() + 1.0, 0
+                while not cancelled and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    found = admin.execute(
+                        mine.format("cancel") + " AND wait_event_type = 'Lock'", (name,)
+                    ).fetchone()
+                    cancelled = int(found[0]) if found else 0
+                locker.rollback()
+                hits["cancel"] += cancelled
+
+    with streams.connect(streams_url, lease_seconds=LEASE) as client:
+        client.create_stream(unique_name)
+        with appending(client, unique_name) as appenders:
+            time.sleep(0.5)
+            query = Query(spark, url, unique_name, tmp_path / "checkpoint")
+            query.wait_past(acked(appenders), 90, "the first micro-batches")
+            firing = threading.Thread(target=fire, daemon=True)
+            firing.start()
+            try:
+                deadline = time.monotonic() + 15
+                while time.monotonic() < deadline:
+                    assert query.query.isActive, f"the query stopped: {query.query.exception()}"
+                    time.sleep(0.2)
+            finally:
+                stop.set()
+                firing.join(10)
+            query.wait_past(acked(appenders), 90, "facts after the sessions were ended")
+        for appender in appenders:
+            assert not appender.errors, appender.errors[:3]
+        assert hits["cancel"] > 0 and hits["terminate"] > 0, hits
+        query.stop_and_check(streams_url, unique_name, acked(appenders))

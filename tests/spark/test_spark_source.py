@@ -453,6 +453,18 @@ BAD_OPTIONS: list[tuple[dict[str, str], str]] = [
     ({"failOnDataLoss": "maybe"}, "option failOnDataLoss"),
     ({"pollInterval": "0s"}, "option pollInterval"),
     ({"maxFactPerTrigger": "5"}, "unknown option 'maxfactpertrigger'"),
+    ({"statementTimeout": "0s"}, "option statementTimeout"),
+    ({"statementTimeout": "soon"}, "option statementTimeout"),
+    ({"prefetch": "maybe"}, "option prefetch"),
+    ({"startingPositionByTimestamp": "{nope"}, "option startingPositionByTimestamp"),
+    ({"startingPositionByTimestamp": '{"zz": 5}'}, "unknown ['zz'], missing ['a']"),
+    ({"startingPositionByTimestamp": '{"a": true}'}, "option startingPositionByTimestamp"),
+    ({"startingPositionByTimestamp": '{"a": "soon"}'}, "option startingPositionByTimestamp (a)"),
+    ({"startingPositionByTimestamp": "[5]"}, "a JSON object of times by stream"),
+    ({"startingAgo": "1h", "startingPositionByTimestamp": '{"a": 5}'}, "startingAgo, starting"),
+    ({"endingTimestamp": "soon"}, "option endingTimestamp"),
+    ({"endingPositionByTimestamp": '{"a": 1, "b": 2}'}, "option endingPositionByTimestamp"),
+    ({"endingPosition": "7", "endingTimestamp": "5"}, "endingPosition, endingTimestamp"),
 ]
 
 
@@ -471,6 +483,19 @@ def test_bad_options_unit(options: dict[str, str], message: str) -> None:
         parse_options(raw, environ={})
     assert message.lower() in str(info.value).lower()
     assert "hunter2" not in str(info.value)
+
+
+def test_ending_options_apply_to_batch_reads_only() -> None:
+    from streams_spark import StreamsDataSource
+
+    from streams.errors import ConfigurationError
+
+    for option, value in (("endingTimestamp", "5"), ("endingPositionByTimestamp", '{"a": 5}')):
+        source = StreamsDataSource(
+            {"stream": "a", "databaseUrl": "postgresql://h/db", option: value}
+        )
+        with pytest.raises(ConfigurationError, match=f"option {option} applies to batch reads"):
+            source.streamReader(source.schema())
 
 
 def test_bad_options_fail_when_the_query_is_defined(spark: Any, streams_url: str) -> None:
@@ -544,7 +569,7 @@ def test_idle_source_probes_lazily_and_a_redis_hint_wakes_it(
     reader = StreamsStreamReader(config)
     try:
         start = reader.initialOffset()
-        assert start == {"v": 1, "streams": {stream: 0}}
+        assert start == {"v": 1, "streams": {stream: 0}, "floors": {stream: 0}}
         wait_until(lambda: reader._link_up, 10, "the Redis link")
         reader.latestOffset(start, ReadAllAvailable())
         before = reader.probes
@@ -658,13 +683,10 @@ def test_retention_fails_or_warns_wherever_the_query_would_need_pruned_facts(
         restarted.latestOffset(before_prune, ReadAllAvailable())
     restarted.stop()
     lenient = reader(startingPosition="1", failOnDataLoss="false")
-    assert lenient.initialOffset() == {"v": 1, "streams": {stream: old[-1]}}
+    assert lenient.initialOffset()["streams"] == {stream: old[-1]}
     lenient.stop()
     lenient = reader(failOnDataLoss="false")
-    assert lenient.latestOffset(before_prune, ReadAllAvailable()) == {
-        "v": 1,
-        "streams": {stream: new[-1]},
-    }
+    assert lenient.latestOffset(before_prune, ReadAllAvailable())["streams"] == {stream: new[-1]}
     lenient.stop()
     earliest = spark.read.format("streams").options(stream=stream, databaseUrl=streams_url)
     assert sorted(r.stream_id for r in earliest.load().collect()) == new
@@ -697,7 +719,7 @@ def test_commit_is_idempotent(client: Client, stream: str, streams_url: str) -> 
     again = StreamsStreamReader(
         parse_options({"stream": stream, "databaseUrl": streams_url, "group": "g"})
     )
-    assert again.initialOffset() == {"v": 1, "streams": {stream: 4}}
+    assert again.initialOffset()["streams"] == {stream: 4}
     again.stop()
     latest = StreamsStreamReader(
         parse_options(
@@ -709,7 +731,7 @@ def test_commit_is_idempotent(client: Client, stream: str, streams_url: str) -> 
             }
         )
     )
-    assert latest.initialOffset() == {"v": 1, "streams": {stream: 4}}
+    assert latest.initialOffset()["streams"] == {stream: 4}
     latest.stop()
     other = StreamsStreamReader(
         parse_options(
@@ -721,7 +743,7 @@ def test_commit_is_idempotent(client: Client, stream: str, streams_url: str) -> 
             }
         )
     )
-    assert other.initialOffset() == {"v": 1, "streams": {stream: 5}}
+    assert other.initialOffset()["streams"] == {stream: 5}
     other.stop()
 
 
@@ -773,15 +795,15 @@ def test_min_facts_per_trigger_waits_for_facts_or_the_delay(
         assert reader.latestOffset(start, limit) == start  # 3 < 5 facts: no batch yet
         writer.append_batch([{"i": i} for i in range(3, 5)])
         time.sleep(0.02)
-        assert reader.latestOffset(start, limit) == {"v": 1, "streams": {stream: 5}}
+        later = reader.latestOffset(start, limit)
+        assert later["streams"] == {stream: 5}
         writer.append({"i": 5})
-        later = {"v": 1, "streams": {stream: 5}}
         time.sleep(0.02)
         assert reader.latestOffset(later, limit) == later  # 1 fact, the delay not yet over
         # Trigger.Once-style calls ignore the configured limits.
-        assert reader.latestOffset(later, ReadAllAvailable()) == {"v": 1, "streams": {stream: 6}}
+        assert reader.latestOffset(later, ReadAllAvailable())["streams"] == {stream: 6}
         time.sleep(0.8)
-        assert reader.latestOffset(later, limit) == {"v": 1, "streams": {stream: 6}}
+        assert reader.latestOffset(later, limit)["streams"] == {stream: 6}
     finally:
         reader.stop()
         writer.close()
@@ -831,3 +853,152 @@ def test_readme_spark_example_runs_as_written(
             assert "orders-analytics" not in {g.group for g in client.groups("orders")}
     finally:
         drop_database(postgres_admin_url, database_name(url))
+
+
+# ------------------------------------------------------------------------------ timestamps
+
+
+def test_timestamps_equal_the_python_reader_across_a_long_out_of_order_window_and_a_prune(
+    spark: Any, client: Client, stream: str, streams_url: str, tmp_path: Path
+) -> None:
+    """A fact far ahead in time, then more than 1,000 facts of another writer behind it: every
+    later fact's timestamp is raised to it (the running maximum). Batches that start more than
+    1,000 facts after it, and a restart after retention removed it, report what the Python
+    reader reports: the floor rides in the offset, it is not recomputed from recent facts."""
+    now = int(time.time() * 1000)
+    old = now - 3 * 3_600_000
+    behind, ahead = (
+        client.writer(stream, instance="behind"),
+        client.writer(stream, instance="ahead"),
+    )
+    try:
+        behind.append_batch(
+            [{"b": i} for i in range(200)], timestamps=[old + i for i in range(200)]
+        )
+        ahead.append({"ahead": True}, timestamp=now - 3_600_000)  # 201
+        behind.append_batch(
+            [{"b": i} for i in range(200, 1499)], timestamps=[old + i for i in range(200, 1499)]
+        )  # 202..1500
+        options = {
+            "stream": stream, "databaseUrl": streams_url, "maxFactsPerTrigger": "700",
+            "group": "floors",
+        }  # fmt: skip
+        first = stream_batches(spark, options, tmp_path / "c")  # (0,700], (700,1400], (1400,1500]
+        assert len(first) == 3
+        behind.append_batch(
+            [{"b": i} for i in range(1499, 1699)], timestamps=[old + i for i in range(1499, 1699)]
+        )  # 1501..1700
+    finally:
+        behind.close()
+        ahead.close()
+    expected = reader_facts(client, [stream])
+    assert len(expected) == 1700
+    assert {ts for (_, i), (_, ts, _) in expected.items() if i > 201} == {now - 3_600_000}
+    client.set_retention(stream, 30 * 60_000)
+    assert client.prune(stream).after == 1400  # held at the group Spark committed
+    second = stream_batches(spark, options, tmp_path / "c")  # the same query, restarted
+    got = facts_of([r for _, rows in first + second for r in rows])
+    assert got == expected
+
+
+def test_a_checkpoint_of_the_previous_version_resumes(
+    spark: Any, client: Client, stream: str, streams_url: str, tmp_path: Path
+) -> None:
+    """Offsets logged before they carried timestamp floors (and waiting streams) still resume:
+    the floor is then computed as before, and later offsets carry it."""
+    with client.writer(stream, instance="w") as writer:
+        writer.append_batch([{"i": i} for i in range(5)])
+        options = {"stream": stream, "databaseUrl": streams_url}
+        first = stream_batches(spark, options, tmp_path / "c")
+        for path in (tmp_path / "c" / "offsets").glob("[0-9]*"):
+            lines = path.read_text().splitlines()
+            offset = json.loads(lines[-1])
+            assert "floors" in offset  # this version writes them; the previous one did not
+            del offset["floors"]
+            path.write_text("\n".join([*lines[:-1], json.dumps(offset)]))
+        writer.append_batch([{"i": i} for i in range(5, 8)])
+    second = stream_batches(spark, options, tmp_path / "c")
+    got = facts_of([r for _, rows in first + second for r in rows])
+    assert got == reader_facts(client, [stream])
+    assert sorted({r["stream_id"] for _, rows in second for r in rows}) == [6, 7, 8]
+    log = sorted((tmp_path / "c" / "offsets").glob("[0-9]*"), key=lambda p: int(p.name))
+    assert "floors" in json.loads(log[-1].read_text().splitlines()[-1])
+
+
+# ------------------------------------------------------------------------------ Kafka parity
+
+
+def test_starting_timestamp_by_stream_and_ending_by_timestamp(
+    spark: Any, client: Client, stream: str, unique_name: str, streams_url: str, tmp_path: Path
+) -> None:
+    second = unique_name + "x"
+    client.create_stream(second)
+    now = int(time.time() * 1000)
+    hour = 3_600_000
+    for name in (stream, second):
+        with client.writer(name, instance="w") as writer:
+            for k in range(4, 0, -1):  # 4h, 3h, 2h and 1h ago
+                writer.append({"ago": k}, timestamp=now - k * hour)
+    starts = {stream: now - 5 * hour // 2, second: now - 3 * hour // 2}
+
+    def moment(ms: int) -> dt.datetime:
+        return dt.datetime.fromtimestamp(ms / 1000, dt.UTC)
+
+    expected = {
+        **reader_facts(client, [stream], start=moment(starts[stream])),
+        **reader_facts(client, [second], start=moment(starts[second])),
+    }
+    assert len(expected) == 2 + 1
+    # Milliseconds for one stream, ISO-8601 for the other.
+    by_stream = json.dumps({stream: starts[stream], second: moment(starts[second]).isoformat()})
+    base = {"streams": f"{stream},{second}", "databaseUrl": streams_url}
+    batch = rows_of(
+        spark.read.format("streams").options(**base, startingPositionByTimestamp=by_stream).load()
+    )
+    assert facts_of(batch) == expected
+    streamed = stream_batches(
+        spark, {**base, "startingPositionByTimestamp": by_stream}, tmp_path / "c"
+    )
+    assert facts_of([r for _, rows in streamed for r in rows]) == expected
+
+    everything = reader_facts(client, [stream, second])
+    end = now - 3 * hour // 2  # facts before it: 4h, 3h and 2h ago
+    got = rows_of(spark.read.format("streams").options(**base, endingTimestamp=str(end)).load())
+    assert facts_of(got) == {k: v for k, v in everything.items() if v[1] < end}
+    ends = {stream: now - 5 * hour // 2, second: now}
+    got = rows_of(
+        spark.read.format("streams")
+        .options(**base, endingPositionByTimestamp=json.dumps(ends))
+        .load()
+    )
+    assert facts_of(got) == {k: v for k, v in everything.items() if v[1] < ends[k[0]]}
+
+
+def test_progress_reports_each_streams_lag(
+    spark: Any, client: Client, stream: str, streams_url: str, tmp_path: Path
+) -> None:
+    """`reportLatestOffset` is what PostgreSQL proves complete, so each batch's progress says
+    how far the query is behind the linear position: 10 facts, 4 per batch: 6, 2, 0."""
+    import streams_spark
+
+    with client.writer(stream, instance="w") as writer:
+        writer.append_batch([{"i": i} for i in range(10)])
+    listener = streams_spark.LagListener()
+    spark.streams.addListener(listener)
+    try:
+        query = (
+            spark.readStream.format("streams")
+            .options(stream=stream, databaseUrl=streams_url, maxFactsPerTrigger="4")
+            .load()
+            .writeStream.foreachBatch(lambda *_: None)
+            .option("checkpointLocation", str(tmp_path / "c"))
+            .trigger(availableNow=True)
+            .start()
+        )
+        query.awaitTermination(120)
+        assert query.exception() is None
+        lags = [streams_spark.lag_from_progress(p) for p in query.recentProgress]
+        assert [lag for lag in lags if lag] == [{stream: 6}, {stream: 2}, {stream: 0}]
+        wait_until(lambda: listener.lag(query.id) == {stream: 0}, 15, "the last lag event")
+    finally:
+        spark.streams.removeListener(listener)

@@ -7,7 +7,14 @@ import json
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from streams_spark.offsets import frontier_from_json, frontier_offset, positions_of, since_of
+from streams_spark.offsets import (
+    floors_of,
+    frontier_from_json,
+    frontier_offset,
+    positions_of,
+    since_of,
+    waiting_of,
+)
 
 from streams.errors import ConfigurationError
 
@@ -47,3 +54,36 @@ def test_bad_offsets_are_clear_errors() -> None:
     with pytest.raises(ConfigurationError, match="startingPosition"):
         frontier_from_json('{"a": -1}', "startingPosition")
     assert frontier_from_json('{"v": 1, "streams": {"a": 3}}', "x") == {"a": 3}
+
+
+@given(names.flatmap(lambda ns: st.tuples(
+    st.just(tuple(ns)),
+    st.fixed_dictionaries({n: st.integers(0, 2**62) for n in ns}),
+    st.fixed_dictionaries({n: st.integers(0, 2**45) for n in ns}),
+    st.frozensets(st.sampled_from(ns)),
+)))  # fmt: skip
+def test_floors_and_waiting_streams_round_trip(
+    case: tuple[tuple[str, ...], dict[str, int], dict[str, int], frozenset[str]],
+) -> None:
+    ns, positions, floors, waiting = case
+    offset = frontier_offset(positions, floors=floors, waiting=waiting)
+    back = json.loads(json.dumps(offset))
+    assert positions_of(back, ns) == positions
+    assert floors_of(back, ns) == floors
+    assert waiting_of(back, ns) == waiting
+    again = frontier_offset(dict(reversed(list(positions.items()))), floors=floors, waiting=waiting)
+    assert json.dumps(again) == json.dumps(offset)
+
+
+def test_offsets_of_the_previous_version_still_read() -> None:
+    """A checkpoint written before floors and waiting streams existed resumes: no floors
+    (the caller falls back to computing them), nothing waiting."""
+    old = json.loads('{"v": 1, "streams": {"a": 7}, "since": {"a": 1700000000000}}')
+    assert positions_of(old, ("a",)) == {"a": 7}
+    assert floors_of(old, ("a",)) is None
+    assert waiting_of(old, ("a",)) == frozenset()
+    assert since_of(old, ("a",)) == {"a": 1700000000000}
+    with pytest.raises(ConfigurationError, match="floors"):
+        floors_of({"v": 1, "streams": {"a": 1}, "floors": {"b": 5}}, ("a",))
+    with pytest.raises(ConfigurationError, match="waiting"):
+        waiting_of({"v": 1, "streams": {"a": 1}, "waiting": ["b"]}, ("a",))

@@ -1,0 +1,397 @@
+"""The executors' side of the Spark source: one `RangePartition` read as Arrow record batches.
+
+Everything a task needs comes from the pickled `RangePartition` (the driver plans it:
+`streams_spark.source`); the statements come from `streams.store` (`probe_texts`,
+`range_rows_sql`, `pruned_through_sql`), run over ADBC, which returns Arrow record batches;
+the running-maximum timestamp is computed with pyarrow (or in SQL, ``timestampIn=sql``).
+
+A read first probes (`streams.store.probe`: two statements on its session), then reads the rows
+in a later statement, then checks retention in a later one still. So the range it reads is
+complete *now*, not only when the driver planned it: a database restored to an older state in
+between (the range's end above what PostgreSQL proves) is the ``failOnDataLoss`` case here too.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import logging
+import random
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pyspark.sql.datasource import InputPartition
+from pyspark.sql.types import (
+    IntegerType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampType,
+)
+
+from streams.config import redact_url
+from streams.core.replication import backoff_delay
+from streams.errors import ConnectionLost, FactsPruned, StoreError
+from streams.store import connect, rows
+from streams.store import probe as store_probe
+from streams.store.driver import transient_sqlstate
+
+from .options import DEFAULT_STATEMENT_TIMEOUT
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+__all__ = ["RETRY_SECONDS", "SCHEMA", "RangePartition", "StreamWentBackwards", "read_partition"]
+
+log = logging.getLogger("streams.spark")
+
+#: Seconds a driver statement or an executor read keeps being tried while it fails with
+#: transient errors (`streams.store.driver.transient_sqlstate`), with back-off between tries.
+RETRY_SECONDS = 60.0
+
+#: Default of `RangePartition.statement_timeout_ms`.
+DEFAULT_TIMEOUT_MS = round(DEFAULT_STATEMENT_TIMEOUT * 1000)
+
+#: The rows of the source. The Arrow schema the executors produce is derived from it
+#: (`arrow_schema`), so the two cannot disagree.
+SCHEMA = StructType(
+    [
+        StructField("stream", StringType()),
+        StructField("stream_id", LongType()),
+        StructField("row_no", IntegerType()),
+        StructField("instance", StringType()),
+        StructField("timestamp", TimestampType()),
+        StructField("payload", StringType()),
+        StructField("epoch_upper", LongType()),
+    ]
+)
+
+
+@functools.cache
+def arrow_schema() -> pa.Schema:
+    """`SCHEMA` as Arrow (timestamps as UTC microseconds), as Spark converts it."""
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    schema: pa.Schema = to_arrow_schema(SCHEMA, timezone="UTC")
+    return schema
+
+
+class StreamWentBackwards(StoreError):
+    """A stream's complete position is below the query's (sequence rewound, database restored
+    from an older backup): the ``failOnDataLoss`` case."""
+
+
+def went_backwards(stream: str, position: int, complete: int, *, strict: bool) -> str:
+    """The message for `StreamWentBackwards` (and the warning with ``failOnDataLoss=false``)."""
+    message = (
+        f"stream {stream!r} went backwards: this query has read through {position}, but "
+        f"PostgreSQL proves only {complete} complete (sequence rewound or database restored "
+        "from an older backup)"
+    )
+    if strict:
+        message += (
+            "; set failOnDataLoss=false to continue from the query's position (facts re-issued "
+            "at or below it are then skipped)"
+        )
+    return message
+
+
+@dataclass(frozen=True)
+class RangePartition(InputPartition):
+    """Every row of the facts of ``stream`` in ``(after, through]``, for one Spark task."""
+
+    stream: str
+    stream_key: int
+    after: int
+    through: int
+    #: The running maximum timestamp at ``after`` (ms).
+    ts_floor: int
+    #: The batch's end position on this stream (the ``epoch_upper`` column).
+    epoch_upper: int
+    database_url: str
+    timestamp_in: str = "arrow"
+    #: A query started by time: drop facts whose running-maximum timestamp is earlier (ms).
+    since_ms: int | None = None
+    #: Retention removed facts this partition needed, or the range is no longer complete: fail
+    #: the task (else log a warning and read what is there).
+    fail_on_data_loss: bool = True
+    #: Every statement of the task is cancelled after this long (and tried again).
+    statement_timeout_ms: int = DEFAULT_TIMEOUT_MS
+    #: Read the next record batches in a thread while Spark takes this one.
+    prefetch: bool = True
+
+    def __repr__(self) -> str:
+        return (
+            f"RangePartition({self.stream!r}, ({self.after}, {self.through}], "
+            f"floor={self.ts_floor}, db={redact_url(self.database_url)!r})"
+        )
+
+
+# ADBC connections cannot be pickled; one per Python worker process and setting, reused across
+# tasks (measured faster than one per task). Workers run one task at a time.
+_ADBC: dict[tuple[str, int], Any] = {}
+_ADBC_LOCK = threading.Lock()
+
+
+def _close_adbc_connections() -> None:
+    """At exit, while the driver manager still exists (its ``__del__`` fails at interpreter
+    shutdown, noisily, when a cached connection is collected that late)."""
+    with _ADBC_LOCK:
+        for conn in _ADBC.values():
+            with contextlib.suppress(Exception):
+                conn.close()
+        _ADBC.clear()
+
+
+atexit.register(_close_adbc_connections)
+
+
+def _adbc_connection(
+    url: str, fresh: bool = False, statement_timeout_ms: int = DEFAULT_TIMEOUT_MS
+) -> Any:
+    """This worker's ADBC connection to ``url`` (a new one if ``fresh``), with the readers'
+    session settings and the statement timeout; `ConnectionLost` if it cannot be had."""
+    import adbc_driver_postgresql.dbapi as adbc
+
+    key = (url, statement_timeout_ms)
+    with _ADBC_LOCK:
+        conn = _ADBC.pop(key, None)
+        if conn is not None and fresh:
+            try:
+                conn.close()
+            except Exception:
+                log.debug("closing a stale ADBC connection failed", exc_info=True)
+            conn = None
+        if conn is None:
+            setup = (
+                *store_probe.READER_SESSION_SETUP,
+                store_probe.statement_timeout_setup(statement_timeout_ms),
+            )
+            try:
+                conn = adbc.connect(connect.with_client_tcp_settings(url), autocommit=True)
+                with conn.cursor() as cur:
+                    for statement in setup:
+                        cur.execute(statement)
+            except Exception as exc:
+                raise ConnectionLost(
+                    f"cannot connect to {redact_url(url)} with ADBC: {type(exc).__name__}"
+                ) from None
+        _ADBC[key] = conn
+        return conn
+
+
+def _convert(
+    batch: pa.RecordBatch, part: RangePartition, floor: int, stream_col: pa.Array | None
+) -> tuple[pa.RecordBatch, int]:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    n = batch.num_rows
+    ts = batch.column(3)
+    if ts.type != pa.int64():
+        ts = ts.cast(pa.int64())
+    if part.timestamp_in == "arrow":
+        ts = pc.max_element_wise(pc.cumulative_max(ts), pa.scalar(floor, pa.int64()))
+    if n:
+        floor = max(floor, int(ts[n - 1].as_py()))
+    if part.since_ms is not None and n:
+        keep = pc.greater_equal(ts, pa.scalar(part.since_ms, pa.int64()))
+        if not pc.all(keep).as_py():
+            batch, ts = batch.filter(keep), ts.filter(keep)
+            n = batch.num_rows
+    stamps = pc.multiply(ts, pa.scalar(1000, pa.int64())).cast(pa.timestamp("us", tz="UTC"))
+    if stream_col is None or len(stream_col) != n:
+        stream_col = pc.fill_null(pa.nulls(n, pa.string()), part.stream)
+    row_no = batch.column(1)
+    if row_no.type != pa.int32():
+        row_no = row_no.cast(pa.int32())
+    payload = batch.column(4)
+    if payload.type != pa.string():
+        payload = payload.cast(pa.string())
+    out = pa.RecordBatch.from_arrays(
+        [
+            stream_col,
+            batch.column(0).cast(pa.int64()),
+            row_no,
+            batch.column(2).cast(pa.string()),
+            stamps,
+            payload,
+            pc.fill_null(pa.nulls(n, pa.int64()), part.epoch_upper),
+        ],
+        schema=arrow_schema(),
+    )
+    return out, floor
+
+
+def _prefetched(reader: Iterator[pa.RecordBatch], depth: int = 2) -> Iterator[pa.RecordBatch]:
+    """Read the next record batches from PostgreSQL in a thread while Spark ships this one
+    (ADBC releases the GIL while it reads)."""
+    import queue
+
+    slots: queue.Queue[Any] = queue.Queue(depth)
+    done = object()
+    stop = threading.Event()
+
+    def pump() -> None:
+        try:
+            for batch in reader:
+                while not stop.is_set():
+                    try:
+                        slots.put(batch, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            slots.put(done)
+        except BaseException as exc:  # handed to the consumer
+            slots.put(exc)
+
+    thread = threading.Thread(target=pump, name="streams-adbc-prefetch", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = slots.get()
+            if item is done:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _complete_through(cur: Any, part: RangePartition) -> int:
+    """Probe the stream on this session (before the rows: the probe argument) and return how
+    far this task may read: ``through``, or less when the range is no longer complete and
+    ``failOnDataLoss=false`` (else `StreamWentBackwards`)."""
+    first, second = store_probe.probe_texts([part.stream_key])
+    cur.execute(first)
+    cur.fetchall()
+    cur.execute(second)
+    found = cur.fetchall()
+    complete = int(found[0][2]) if found else 0
+    if complete >= part.through:
+        return part.through
+    if part.fail_on_data_loss:
+        raise StreamWentBackwards(went_backwards(part.stream, part.through, complete, strict=True))
+    log.warning(
+        "%s; failOnDataLoss=false: reading up to %d",
+        went_backwards(part.stream, part.through, complete, strict=False), complete,
+    )  # fmt: skip
+    return max(part.after, complete)
+
+
+def _check_retained(cur: Any, part: RangePartition) -> None:
+    """After the rows (a later statement: see "retention" in `streams.store`): did retention
+    remove facts of this partition before they were read?"""
+
+    cur.execute(rows.pruned_through_sql(part.stream_key))
+    row = cur.fetchone()
+    pruned = int(row[0]) if row else 0
+    if pruned > part.after:
+        lost = FactsPruned(part.stream, part.after, pruned)
+        if part.fail_on_data_loss:
+            raise with_hint(lost)
+        log.warning("%s; failOnDataLoss=false: continuing without them", lost)
+
+
+def with_hint(lost: FactsPruned) -> FactsPruned:
+    lost.args = (f"{lost}; or set failOnDataLoss=false to continue without them",)
+    return lost
+
+
+def _transient(exc: BaseException) -> bool:
+    """Is this failure of a read worth another try: the connection or the server failed (an
+    ``OperationalError``, a socket error, no connection), or PostgreSQL said so by its
+    SQLSTATE (a cancelled statement, a timeout, a restart)? A statement error, such as a
+    missing table, is not: no retry mends it."""
+    import adbc_driver_manager
+
+    if isinstance(exc, ConnectionLost | OSError | adbc_driver_manager.OperationalError):
+        return True
+    if isinstance(exc, adbc_driver_manager.Error):
+        return transient_sqlstate(getattr(exc, "sqlstate", None))
+    return False
+
+
+def read_partition(part: RangePartition) -> Iterator[pa.RecordBatch]:
+    """The rows of one partition as Arrow record batches in (stream ID, row) order (executors).
+
+    A read that fails transiently (a stale cached connection, a restarted server, a network
+    failure, a cancelled statement) goes on from the row after the last one handed to Spark, on
+    a fresh connection, for as long as the failures last no more than `RETRY_SECONDS` in a
+    row: the range is complete, so its rows are the same on every read
+    (`streams.store.rows.range_rows_sql`), and no row is handed twice.
+    """
+
+    if part.through <= part.after:
+        return
+    floor = part.ts_floor  # the running timestamp maximum through the last row handed out
+    resume: tuple[int, int] | None = None  # (stream ID, row) of the last row handed out
+    failures = 0
+    failing_since = 0.0
+    while True:
+        cur = None
+        try:
+            conn = _adbc_connection(part.database_url, failures > 0, part.statement_timeout_ms)
+            cur = conn.cursor()
+            through = _complete_through(cur, part)
+            if through <= part.after:
+                return
+            cur.execute(
+                rows.range_rows_sql(
+                    part.stream_key,
+                    part.after,
+                    through,
+                    running_ts_floor=floor if part.timestamp_in == "sql" else None,
+                    resume_after=resume,
+                )
+            )
+            stream_col = None
+            reader = cur.fetch_record_batch()
+            batches = _prefetched(reader) if part.prefetch else iter(reader)
+            try:
+                for batch in batches:
+                    out, next_floor = _convert(batch, part, floor, stream_col)
+                    if batch.num_rows:
+                        last = batch.num_rows - 1
+                        resume = (
+                            int(batch.column(0)[last].as_py()),
+                            int(batch.column(1)[last].as_py()),
+                        )
+                    floor, stream_col = next_floor, out.column(0)
+                    failures = 0
+                    yield out
+            finally:
+                close = getattr(batches, "close", None)
+                if close is not None:
+                    close()  # stops and joins the prefetch thread before the cursor closes
+            _check_retained(cur, part)
+            return
+        except Exception as exc:  # not FactsPruned, StreamWentBackwards: no outage
+            if not _transient(exc):
+                raise
+            now = time.monotonic()
+            if failures == 0:
+                failing_since = now
+            elif now - failing_since >= RETRY_SECONDS:
+                raise StoreError(
+                    f"reading stream {part.stream!r} ({part.after}, {part.through}] failed for "
+                    f"{RETRY_SECONDS:g}s: {type(exc).__name__}: "
+                    f"{str(exc).splitlines()[0] if str(exc) else ''}"
+                ) from None
+            if failures:  # the first retry is at once: a stale cached connection is common
+                time.sleep(backoff_delay(failures - 1, jitter=random.random()))
+            failures += 1
+            log.info("reading stream %s failed (%s); going on", part.stream, type(exc).__name__)
+        finally:
+            if cur is not None:
+                with contextlib.suppress(Exception):
+                    cur.close()
