@@ -125,7 +125,7 @@ def test_group_rows_law(data: list[tuple[int | None, int | None]]) -> None:
             expected.append(same)
     assert facts == [[texts[j] for j in group] for group in expected]
     assert fact_stamps == [
-        max((stamps[j] for j in group if stamps[j] is not None), default=None) for group in expected
+        max((s for j in group if (s := stamps[j]) is not None), default=None) for group in expected
     ]
 
 
