@@ -325,3 +325,39 @@ def test_overwrite_and_secrets(spark: Any, stream: str, streams_url: str) -> Non
             "databaseUrl", bad
         ).save()
     assert "hunter2" not in str(failure.value)
+
+
+# ------------------------------------------------------------------------------ the example
+
+
+def test_produce_example_runs_with_spark_submit(
+    client: Client, stream: str, streams_url: str, tmp_path: Path
+) -> None:
+    """spark/examples/produce.py as a user submits it: a batch job of multi-row facts, then a
+    streaming query copying that stream, facts whole."""
+    import os
+    import subprocess
+    import sys
+
+    submit = Path(sys.executable).parent / "spark-submit"
+    example = Path(__file__).parents[2] / "spark" / "examples" / "produce.py"
+    env = {**os.environ, "STREAMS_DATABASE_URL": streams_url, "PYSPARK_PYTHON": sys.executable,
+           "PYSPARK_DRIVER_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1"}  # fmt: skip
+    copy = client.create_stream(f"{stream}-copy").name
+
+    def run(*args: str) -> None:
+        proc = subprocess.run(
+            [str(submit), "--master", "local[2]", "--conf", "spark.ui.enabled=false",
+             str(example), *args],
+            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240, check=False,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    run(stream, "--rows", "300", "--lines", "3", "--partitions", "3")
+    facts = python_facts(client, stream)
+    assert len(facts) == 100
+    assert sorted(tuple(r["n"] for r in p) for *_, p in facts) == [
+        (3 * k, 3 * k + 1, 3 * k + 2) for k in range(100)
+    ]
+    run(copy, "--from-stream", stream, "--available-now", "--checkpoint", "ck")
+    assert [p for *_, p in python_facts(client, copy)] == [p for *_, p in facts]
