@@ -240,7 +240,12 @@ def _arrow_json(column: pa.Array) -> pa.Array | None:
 
     kind = column.type
     types = pa.types
-    if types.is_string(kind) or types.is_large_string(kind):
+    if types.is_large_string(kind):  # Spark's large variable types: join needs one kind
+        try:
+            column, kind = column.cast(pa.string()), pa.string()
+        except pa.ArrowInvalid:  # over 2 GiB of text: Python's path
+            return None
+    if types.is_string(kind):
         if pc.any(pc.match_substring_regex(column, r"[\x00-\x1f]")).as_py():
             return None
         escaped = pc.replace_substring(pc.replace_substring(column, "\\", "\\\\"), '"', '\\"')

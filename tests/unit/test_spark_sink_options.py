@@ -196,3 +196,15 @@ def test_arrow_json_is_python_json(records: list[dict[str, Any]]) -> None:
                 loaded, expected = json.loads(a), json.loads(b)
                 assert loaded == expected
                 assert [type(v) for v in loaded.values()] == [type(v) for v in expected.values()]
+
+
+def test_arrow_json_of_large_strings() -> None:
+    import pyarrow as pa
+    from streams_spark.sink import _arrow_texts
+    from streams_spark.sink_options import ColumnPlan
+
+    batch = pa.RecordBatch.from_pydict(
+        {"s": pa.array(['a"b\\', None], pa.large_string()), "i": pa.array([1, None])}
+    )
+    plan = ColumnPlan(None, False, (("s", 0), ("i", 1)), None, False, None)
+    assert _arrow_texts(batch, plan, 1 << 20) == ['{"s":"a\\"b\\\\","i":1}', '{"s":null,"i":null}']
