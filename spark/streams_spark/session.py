@@ -22,7 +22,7 @@ import os
 import tempfile
 from typing import Any
 
-from .source import StreamsDataSource
+from .sink import StreamsDataSource  # the source's class, with the sink's write methods
 
 __all__ = ["RUNNER_ENVIRONMENT_KEYS", "register"]
 

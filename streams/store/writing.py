@@ -45,8 +45,9 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain, repeat
 from typing import Any
 
 from psycopg import sql
@@ -75,7 +76,15 @@ from .writers import (
     writer_lock_sql,
 )
 
-__all__ = ["Ack", "DatabaseClock", "FactHandle", "HeartbeatResult", "WriterCore", "encode_payload"]
+__all__ = [
+    "Ack",
+    "DatabaseClock",
+    "FactChunk",
+    "FactHandle",
+    "HeartbeatResult",
+    "WriterCore",
+    "encode_payload",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +150,35 @@ class HeartbeatResult:
     alive: bool
     persisted_position: int
     max_allocated: int
+
+
+@dataclass(frozen=True, slots=True)
+class FactChunk:
+    """Facts for `WriterCore.append_facts`: every row's payload as JSON text, the facts one
+    after the other (each fact's row 0 first); ``sizes``, the rows of each fact (None: one row
+    each); one client timestamp (or None) per fact."""
+
+    rows: Sequence[str]
+    timestamps: Sequence[int | None]
+    sizes: Sequence[int] | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.timestamps) != self.count:
+            raise UsageError("a chunk needs one timestamp entry per fact")
+        if self.sizes is not None and (
+            sum(self.sizes) != len(self.rows) or min(self.sizes, default=1) < 1
+        ):
+            raise UsageError("a chunk's sizes must be >= 1 and add up to its rows")
+
+    @property
+    def count(self) -> int:
+        """The facts in the chunk."""
+        return len(self.rows) if self.sizes is None else len(self.sizes)
+
+    @classmethod
+    def of(cls, facts: Sequence[Sequence[str]], timestamps: Sequence[int | None]) -> FactChunk:
+        """A chunk of these facts, each given as its rows."""
+        return cls([text for rows in facts for text in rows], timestamps, [len(r) for r in facts])
 
 
 @dataclass(slots=True)
@@ -514,6 +552,94 @@ class WriterCore:
         self._ts_floor = max(self._ts_floor, stamps[-1])
         self.appended += len(ids)
         return Ack(ids[0], ids[-1], stamps[0], stamps[-1], len(ids), tuple(ids))
+
+    def append_facts(
+        self, chunks: Iterable[FactChunk], *, first: Gen[bool] | None = None
+    ) -> Gen[Ack | None]:
+        """Append facts of one or more rows each, chunk by chunk, in one transaction.
+
+        Each chunk is reserved and copied as a batch is (``BEGIN``... the reservation, then
+        ``COPY``), one after the other in the same transaction, which commits once at the end:
+        every fact or none. ``chunks`` may be lazy (facts arrive while earlier ones are copied);
+        its payloads are JSON text already (`encode_payload`, or text that PostgreSQL checks as
+        it stores it: bad JSON fails the COPY, and the transaction with it). ``first`` runs
+        first, in the same transaction: if it returns False, nothing is reserved or written
+        (the Spark sink's `streams.store.sinks.claim_task`).
+
+        Each statement is bounded by the lease, as an append's is; the transaction as a whole
+        is not (the writer's heartbeats renew its lease meanwhile). Returns None when nothing
+        was written (``first`` said no, or no facts).
+        """
+        self._check_usable()
+        info, tracker = self.info, self.tracker
+        reservations: list[tuple[ReservationToken, list[int]]] = []
+        ids: list[int] = []
+        stamps: list[int] = []
+        try:
+            if first is not None and not (yield from first):
+                yield Commit()
+                return None
+            floor = self._ts_floor
+            for chunk in chunks:
+                if not chunk.count:
+                    continue
+                chunk_stamps = resolve_timestamps(
+                    chunk.timestamps,
+                    mode=info.timestamping,
+                    uncapped=info.uncapped,
+                    arrival_ms=self.clock.now_ms(),
+                    floor=floor,
+                )
+                token = tracker.begin_reservation()
+                reservations.append((token, []))
+                params = self._lease_params()
+                params["count"] = chunk.count
+                reserved = yield Query(self._reserve_many_bytes(), params)
+                if not reserved:
+                    self.fenced = True
+                    self._check_usable()
+                chunk_ids = self._check_floor(reserved)
+                tracker.reserved(token, chunk_ids)
+                reservations[-1] = (token, chunk_ids)
+                ids.extend(chunk_ids)
+                stamps.extend(chunk_stamps)
+                floor = chunk_stamps[-1]
+                yield CopyIn(
+                    "COPY streams_facts (stream, stream_id, row_no, instance, ts, payload) "
+                    "FROM STDIN",
+                    self._copy_rows(chunk, chunk_ids, chunk_stamps),
+                )
+            yield Commit()
+        finally:
+            for token, chunk_ids in reservations:
+                self._complete(token, chunk_ids)
+        if not ids:
+            return None
+        self._ts_floor = max(self._ts_floor, stamps[-1])
+        self.appended += len(ids)
+        return Ack(ids[0], ids[-1], stamps[0], stamps[-1], len(ids), tuple(ids))
+
+    def _copy_rows(
+        self, chunk: FactChunk, ids: Sequence[int], stamps: Sequence[int]
+    ) -> Iterable[Row]:
+        """A chunk's rows for COPY, built by `zip` and `itertools` without a Python step per
+        row (a generator expression per row cost ~2 us of ~10 us a row)."""
+        key, instance = self.info.id, self.instance
+        if chunk.sizes is None:
+            return zip(repeat(key), ids, repeat(0), repeat(instance), stamps, chunk.rows)
+        sizes = chunk.sizes
+        return zip(
+            repeat(key),
+            chain.from_iterable(repeat(i, n) for i, n in zip(ids, sizes, strict=True)),
+            chain.from_iterable(range(n) for n in sizes),
+            repeat(instance),
+            chain.from_iterable(repeat(t, n) for t, n in zip(stamps, sizes, strict=True)),
+            chunk.rows,
+        )
+
+    def _reserve_many_bytes(self) -> bytes:
+        assert self._reserve_many is not None
+        return self._reserve_many
 
     def _complete(self, token: ReservationToken, ids: Sequence[int]) -> None:
         if ids:
