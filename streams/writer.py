@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from typing import Any
 
 import psycopg
@@ -34,9 +34,9 @@ from ._aio import wait_event
 from .core.replication import Announcer
 from .errors import CommitUnknown, ConnectionLost, StoreError, UsageError, WriterFenced
 from .store import connect as dbconnect
-from .store.driver import arun, asettle, commit_unknown, gone, run, settle
+from .store.driver import Gen, arun, asettle, commit_unknown, gone, run, settle
 from .store.registry import StreamInfo
-from .store.writing import Ack, FactHandle, WriterCore
+from .store.writing import Ack, FactChunk, FactHandle, WriterCore
 
 __all__ = ["AsyncOpenFact", "AsyncWriter", "OpenFact", "Writer"]
 
@@ -309,6 +309,28 @@ class Writer(_Announcing):
             else:
                 self._after_completion()
 
+    def append_facts(
+        self, chunks: Iterable[FactChunk], *, first: Gen[bool] | None = None
+    ) -> Ack | None:
+        """Append facts of one or more rows each (JSON text), chunk by chunk, in one
+        transaction; ``first`` runs first in it and may veto the write (see
+        `WriterCore.append_facts`, which the Spark sink uses). ``chunks`` may be lazy, so
+        nothing is retried here: a broken connection raises (`ConnectionLost`: nothing was
+        written; `CommitUnknown`: it may have committed)."""
+        ack: Ack | None = None
+        try:
+            with self._lock:
+                if gone(self._conn):
+                    self._conn.close()
+                    self._conn = _connect(self._url, self._core)
+                ack = run(self._conn, self._core.append_facts(chunks, first=first))
+            return ack
+        finally:
+            if ack is not None:
+                self._after_completion(ack.ids, ack.last_timestamp)
+            else:
+                self._after_completion()
+
     @contextlib.contextmanager
     def fact(
         self, conn: psycopg.Connection[Any], *, timestamp: int | None = None
@@ -517,6 +539,25 @@ class AsyncWriter(_Announcing):
                             raise
                         log.warning("%r lost its connection before committing; retrying", self)
             assert ack is not None
+            return ack
+        finally:
+            if ack is not None:
+                self._after_completion(ack.ids, ack.last_timestamp)
+            else:
+                self._after_completion()
+
+    async def append_facts(
+        self, chunks: Iterable[FactChunk], *, first: Gen[bool] | None = None
+    ) -> Ack | None:
+        """The asyncio twin of `Writer.append_facts`."""
+        conn = self._connection()
+        ack: Ack | None = None
+        try:
+            async with self._lock:
+                if gone(conn):
+                    await conn.close()
+                    conn = self._conn = await _aconnect(self._url, self._core)
+                ack = await arun(conn, self._core.append_facts(chunks, first=first))
             return ack
         finally:
             if ack is not None:

@@ -1,4 +1,4 @@
-"""streams_spark: the ``streams`` Spark Structured Streaming (and batch) source.
+"""streams_spark: the ``streams`` Spark Structured Streaming (and batch) source and sink.
 
     import streams_spark
     streams_spark.register(spark)
@@ -6,10 +6,13 @@
           .option("stream", "orders")
           .option("databaseUrl", "postgresql://...")
           .load())
+    (other.writeStream.format("streams").option("stream", "orders")
+          .option("checkpointLocation", "...").start())
 
 One micro-batch is one epoch of every stream read: every fact with an ID in (previous offset,
-new offset], each fact whole, never past what PostgreSQL proved complete. See
-`streams_spark.source` for the design and the README for the options.
+new offset], each fact whole, never past what PostgreSQL proved complete. Writes append rows as
+facts, exactly once per streaming micro-batch. See `streams_spark.source` and
+`streams_spark.sink` for the design and docs/spark.md for the options.
 """
 
 from __future__ import annotations
@@ -19,22 +22,26 @@ from typing import Any
 from .listener import LagListener, lag_from_progress
 from .offsets import frontier_offset
 from .options import SourceOptions, parse_options
-from .source import SCHEMA, RangePartition, StreamsDataSource, read_partition
+from .sink import StreamsDataSource
+from .sink_options import SinkOptions, parse_sink_options
+from .source import SCHEMA, RangePartition, read_partition
 
 __all__ = [
     "SCHEMA",
     "LagListener",
     "RangePartition",
+    "SinkOptions",
     "SourceOptions",
     "StreamsDataSource",
     "frontier_offset",
     "lag_from_progress",
     "parse_options",
+    "parse_sink_options",
     "read_partition",
     "register",
 ]
 
 
 def register(spark: Any) -> None:
-    """Make ``format("streams")`` available in this Spark session."""
+    """Make ``format("streams")`` (reads and writes) available in this Spark session."""
     spark.dataSource.register(StreamsDataSource)

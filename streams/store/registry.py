@@ -33,7 +33,7 @@ from ..errors import (
 )
 from .driver import Autocommit, Commit, Gen, Query
 
-ALEMBIC_HEAD = "0007_replication_keys"
+ALEMBIC_HEAD = "0008_sink_commits"
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,7 +45,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,7 +75,15 @@ from .writers import (
     writer_lock_sql,
 )
 
-__all__ = ["Ack", "DatabaseClock", "FactHandle", "HeartbeatResult", "WriterCore", "encode_payload"]
+__all__ = [
+    "Ack",
+    "DatabaseClock",
+    "FactChunk",
+    "FactHandle",
+    "HeartbeatResult",
+    "WriterCore",
+    "encode_payload",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +149,21 @@ class HeartbeatResult:
     alive: bool
     persisted_position: int
     max_allocated: int
+
+
+@dataclass(frozen=True, slots=True)
+class FactChunk:
+    """Facts for `WriterCore.append_facts`: each fact's rows as JSON text (row 0 first), and
+    one client timestamp (or None) per fact."""
+
+    facts: Sequence[Sequence[str]]
+    timestamps: Sequence[int | None]
+
+    def __post_init__(self) -> None:
+        if len(self.facts) != len(self.timestamps):
+            raise UsageError("a chunk needs one timestamp entry per fact")
+        if any(not rows for rows in self.facts):
+            raise UsageError("a fact needs at least one row")
 
 
 @dataclass(slots=True)
@@ -514,6 +537,82 @@ class WriterCore:
         self._ts_floor = max(self._ts_floor, stamps[-1])
         self.appended += len(ids)
         return Ack(ids[0], ids[-1], stamps[0], stamps[-1], len(ids), tuple(ids))
+
+    def append_facts(
+        self, chunks: Iterable[FactChunk], *, first: Gen[bool] | None = None
+    ) -> Gen[Ack | None]:
+        """Append facts of one or more rows each, chunk by chunk, in one transaction.
+
+        Each chunk is reserved and copied as a batch is (``BEGIN``... the reservation, then
+        ``COPY``), one after the other in the same transaction, which commits once at the end:
+        every fact or none. ``chunks`` may be lazy (facts arrive while earlier ones are copied);
+        its payloads are JSON text already (`encode_payload`, or text that PostgreSQL checks as
+        it stores it: bad JSON fails the COPY, and the transaction with it). ``first`` runs
+        first, in the same transaction: if it returns False, nothing is reserved or written
+        (the Spark sink's `streams.store.sinks.claim_task`).
+
+        Each statement is bounded by the lease, as an append's is; the transaction as a whole
+        is not (the writer's heartbeats renew its lease meanwhile). Returns None when nothing
+        was written (``first`` said no, or no facts).
+        """
+        self._check_usable()
+        info, tracker = self.info, self.tracker
+        reservations: list[tuple[ReservationToken, list[int]]] = []
+        ids: list[int] = []
+        stamps: list[int] = []
+        try:
+            if first is not None and not (yield from first):
+                yield Commit()
+                return None
+            floor = self._ts_floor
+            for chunk in chunks:
+                if not chunk.facts:
+                    continue
+                chunk_stamps = resolve_timestamps(
+                    chunk.timestamps,
+                    mode=info.timestamping,
+                    uncapped=info.uncapped,
+                    arrival_ms=self.clock.now_ms(),
+                    floor=floor,
+                )
+                token = tracker.begin_reservation()
+                reservations.append((token, []))
+                params = self._lease_params()
+                params["count"] = len(chunk.facts)
+                reserved = yield Query(self._reserve_many_bytes(), params)
+                if not reserved:
+                    self.fenced = True
+                    self._check_usable()
+                chunk_ids = self._check_floor(reserved)
+                tracker.reserved(token, chunk_ids)
+                reservations[-1] = (token, chunk_ids)
+                ids.extend(chunk_ids)
+                stamps.extend(chunk_stamps)
+                floor = chunk_stamps[-1]
+                yield CopyIn(
+                    "COPY streams_facts (stream, stream_id, row_no, instance, ts, payload) "
+                    "FROM STDIN",
+                    (
+                        (info.id, stream_id, row_no, self.instance, stamp, text)
+                        for stream_id, stamp, rows in zip(
+                            chunk_ids, chunk_stamps, chunk.facts, strict=True
+                        )
+                        for row_no, text in enumerate(rows)
+                    ),
+                )
+            yield Commit()
+        finally:
+            for token, chunk_ids in reservations:
+                self._complete(token, chunk_ids)
+        if not ids:
+            return None
+        self._ts_floor = max(self._ts_floor, stamps[-1])
+        self.appended += len(ids)
+        return Ack(ids[0], ids[-1], stamps[0], stamps[-1], len(ids), tuple(ids))
+
+    def _reserve_many_bytes(self) -> bytes:
+        assert self._reserve_many is not None
+        return self._reserve_many
 
     def _complete(self, token: ReservationToken, ids: Sequence[int]) -> None:
         if ids:

@@ -23,10 +23,12 @@ TABLES = (
     "streams_proofs",
     "streams_reader_groups",
     "streams_registry",
+    "streams_sink_commits",
+    "streams_sink_queries",
     "streams_writers",
 )
 VERSION_TABLE = "streams_alembic_version"
-HEAD = "0007_replication_keys"
+HEAD = "0008_sink_commits"
 
 
 # ---------------------------------------------------------------------------------------------

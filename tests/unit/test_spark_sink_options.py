@@ -1,0 +1,141 @@
+"""The Spark sink's pure parts: options, which columns make a payload, rows grouped into facts,
+and facts cut into chunks (laws checked with Hypothesis against brute force)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from pyspark.sql.types import (
+    ArrayType,
+    BinaryType,
+    DoubleType,
+    LongType,
+    MapType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampType,
+)
+from streams_spark.sink_options import chunked, group_rows, parse_sink_options, plan_columns
+
+from streams.errors import ConfigurationError
+
+URL = "postgresql://u:hunter2@db.example/streams"
+ENV = {"STREAMS_DATABASE_URL": URL}
+
+
+def options(**raw: str) -> Any:
+    return parse_sink_options({"stream": "orders", **raw}, ENV)
+
+
+SCHEMA = StructType(
+    [
+        StructField("order", StringType()),
+        StructField("amount", DoubleType()),
+        StructField("at", TimestampType()),
+        StructField("ms", LongType()),
+        StructField("tags", ArrayType(StringType())),
+        StructField("raw", BinaryType()),
+        StructField("attrs", MapType(StringType(), BinaryType())),
+    ]
+)
+
+
+def test_defaults_and_spark_options_are_ignored() -> None:
+    parsed = parse_sink_options(
+        {"STREAM": "orders", "checkpointlocation": "/tmp/x", "path": "p"}, ENV
+    )
+    assert (parsed.stream, parsed.database_url, parsed.instance_prefix) == ("orders", URL, None)
+    assert "hunter2" not in repr(parsed)
+    assert parsed.commit_retention == 7 * 86400
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"stream": ""}, "option stream"),
+        ({"stream": "a b"}, "option stream"),
+        ({"group": "g"}, "option group applies to reads"),
+        ({"colour": "red"}, "unknown option 'colour'"),
+        ({"instancePrefix": "x" * 101}, "instancePrefix"),
+        ({"instancePrefix": "a/b"}, "instancePrefix"),
+        ({"payloadColumn": "a", "payloadColumns": "b"}, "give one of them"),
+        ({"payloadColumns": "a, A"}, "named twice"),
+        ({"payloadColumns": " , "}, "name one or more"),
+        ({"keyColumn": " "}, "keyColumn: name a column"),
+        ({"keyColumn": "a", "timestampColumn": "A"}, "different columns"),
+        ({"commitRetention": "59m"}, "at least 1h"),
+        ({"commitRetention": "soon"}, "not a duration"),
+    ],
+)
+def test_bad_options(raw: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        parse_sink_options({"stream": "orders", **raw}, ENV)
+
+
+def test_missing_database_url_names_the_option() -> None:
+    with pytest.raises(ConfigurationError, match="option databaseUrl"):
+        parse_sink_options({"stream": "orders"}, {})
+
+
+def test_columns_plan() -> None:
+    chosen = options(keyColumn="ORDER", timestampColumn="at", payloadColumns="amount,tags")
+    plan = plan_columns(chosen, SCHEMA)
+    assert (plan.key_index, plan.timestamp_index, plan.timestamp_is_time) == (0, 2, True)
+    assert plan.payload_object == (("amount", 1), ("tags", 4))
+    text = plan_columns(options(payloadColumn="order", timestampColumn="ms"), SCHEMA)
+    assert (text.payload_index, text.payload_is_text, text.timestamp_is_time) == (0, True, False)
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({}, "'raw' is binary"),  # the default payload takes every other column
+        ({"payloadColumn": "attrs"}, "'attrs' is map<string,binary>"),
+        ({"payloadColumn": "nope"}, "'nope' is not a column"),
+        ({"keyColumn": "tags", "payloadColumn": "order"}, "keyColumn: column 'tags' is array"),
+        ({"timestampColumn": "amount", "payloadColumn": "order"}, "'amount' is double"),
+    ],
+)
+def test_bad_columns(raw: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        plan_columns(options(**raw), SCHEMA)
+
+
+rows = st.lists(
+    st.tuples(st.none() | st.integers(0, 5), st.none() | st.integers(0, 10**6)), max_size=60
+)
+
+
+@given(rows)
+def test_group_rows_law(data: list[tuple[int | None, int | None]]) -> None:
+    keys = [k for k, _ in data]
+    texts = [f"r{i}" for i in range(len(data))]
+    stamps = [s for _, s in data]
+    facts, fact_stamps = group_rows(keys, texts, stamps)
+    # Brute force: every row once; one fact per key (null keys: one per row), in the order
+    # keys first appear; rows in input order; a fact's timestamp the latest of its rows'.
+    expected: list[list[int]] = []
+    for i, key in enumerate(keys):
+        same = [j for j, k in enumerate(keys) if k == key] if key is not None else [i]
+        if same[0] == i:
+            expected.append(same)
+    assert facts == [[texts[j] for j in group] for group in expected]
+    assert fact_stamps == [
+        max((s for j in group if (s := stamps[j]) is not None), default=None) for group in expected
+    ]
+
+
+@given(st.lists(st.integers(1, 7), max_size=50), st.integers(1, 12))
+def test_chunks_keep_facts_whole_and_in_order(sizes: list[int], per_chunk: int) -> None:
+    facts = [[f"{n}.{r}" for r in range(size)] for n, size in enumerate(sizes)]
+    stamps: list[int | None] = list(range(len(sizes)))
+    chunks = chunked(facts, stamps, per_chunk)
+    assert [f for c in chunks for f in c.facts] == facts
+    assert [s for c in chunks for s in c.timestamps] == stamps
+    for c in chunks[:-1]:  # each chunk but the last reaches the size, and no fact before
+        rows = [len(f) for f in c.facts]
+        assert sum(rows) >= per_chunk > sum(rows[:-1])
