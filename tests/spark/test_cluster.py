@@ -5,11 +5,12 @@ the driver killed mid-stream.
 The cluster (tests/sparkcluster.py) is a master and a worker JVM started from the installed
 PySpark; the project reaches the executors only as a venv-pack archive of a virtualenv made from
 the built wheel, through ``spark-submit --archives`` with ``spark.pyspark.python`` pointing into
-it; no process of the cluster can see the tests' own virtualenv. The job is
-``spark/examples/consume.py`` as docs/spark.md submits it, writing each micro-batch to
+it; no process of the cluster can see the tests' own virtualenv. The jobs are the examples as
+docs/spark.md submits them: ``spark/examples/produce.py`` (the sink) writes the first facts,
+then ``spark/examples/consume.py`` reads them, and a live writer's, writing each micro-batch to
 ``--output``; the test checks every batch holds exactly the facts of its logged offsets (so the
-retried task read the same facts), and that all batches together hold every fact once, whole and
-in order.
+retried task read the same facts), that all batches together hold every fact once, whole and in
+order, and that the sink wrote each of its facts once and whole.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ from streams import Client
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 CONSUME = REPO_ROOT / "spark" / "examples" / "consume.py"
+PRODUCE = REPO_ROOT / "spark" / "examples" / "produce.py"
+#: Facts the sink example writes (3 rows each) before the consumer starts.
+ORDERS = 300
 
 
 @pytest.fixture(scope="session")
@@ -196,17 +200,22 @@ def test_consume_on_a_cluster_is_exactly_once_across_executor_and_driver_kills(
     streams_url: str,
     tmp_path: Path,
 ) -> None:
-    with client.writer(stream, instance="before") as writer:
-        for n in range(300):
-            if n % 5 == 0:
-                writer.append_batch([{"n": n, "i": i} for i in range(3)])
-            else:
-                writer.append({"n": n, "text": "x" * (n % 17)})
     output, checkpoint, log = tmp_path / "out", tmp_path / "checkpoint", tmp_path / "driver.log"
     cwd = driver_dir(tmp_path / "driver", packed_env)
+    env = {"STREAMS_DATABASE_URL": streams_url}
+    # The sink example writes the first facts: 900 rows, the 3 rows of each order one fact.
+    produce = submit(
+        cluster, packed_env, PRODUCE,
+        [stream, "--rows", str(3 * ORDERS), "--lines", "3", "--partitions", "2"],
+        cwd=cwd, log=log, env=env, conf={"spark.ui.enabled": "false"},
+    )  # fmt: skip
+    try:
+        assert produce.wait(240) == 0, log.read_text(errors="replace")[-4000:]
+    finally:
+        stop_group(produce)
+    assert f"wrote {3 * ORDERS} rows as {ORDERS} facts to {stream}" in log.read_text()
     args = [stream, "--checkpoint", str(checkpoint), "--output", str(output),
             "--max-facts", "150", "--group", f"{stream}-cluster"]  # fmt: skip
-    env = {"STREAMS_DATABASE_URL": streams_url}
     ui = free_port()
     ui_conf = {"spark.ui.enabled": "true", "spark.ui.port": str(ui)}
 
@@ -264,6 +273,8 @@ def test_consume_on_a_cluster_is_exactly_once_across_executor_and_driver_kills(
     writing.join(30)
     assert not errors, errors
     killed_at = len(_batches(output))
+    with client.writer(stream, instance="while-down") as writer:  # facts for the restart
+        writer.append_batch([{"down": n} for n in range(40)])
 
     second = submit(cluster, packed_env, CONSUME, [*args, "--available-now"], cwd=cwd, log=log,
                     env=env, conf={"spark.ui.enabled": "false"})  # fmt: skip
@@ -297,4 +308,15 @@ def test_consume_on_a_cluster_is_exactly_once_across_executor_and_driver_kills(
         previous = end
     # Together: every fact once, whole, in order, nothing invented.
     assert delivered == [(i, r, p) for i, r, _, _, p in facts]
-    assert any(instance == "live" for _, _, instance, _, _ in facts)
+    assert {"live", "while-down"} <= {instance for _, _, instance, _, _ in facts}
+    # What the sink example wrote: each order once, as one fact of its 3 rows in line order (the
+    # key column, `order`, is not in the payload: it is n // 3).
+    orders: dict[int, list[tuple[int, Any]]] = {}
+    for stream_id, row_no, payload in delivered:
+        if isinstance(payload, dict) and "line" in payload:
+            orders.setdefault(stream_id, []).append((row_no, payload))
+    firsts = sorted(rows[0][1]["n"] // 3 for rows in orders.values())
+    assert firsts == list(range(ORDERS))
+    for rows in orders.values():
+        order = rows[0][1]["n"] // 3
+        assert rows == [(line, {"n": 3 * order + line, "line": line}) for line in range(3)]
