@@ -222,9 +222,7 @@ def submit(
         command += ["--archives", f"{packed.archive}#environment"]
     settings = {
         "spark.pyspark.python": "./environment/bin/python",
-        "spark.driver.host": HOST,
-        "spark.driver.bindAddress": HOST,
-        "spark.sql.shuffle.partitions": "2",
+        "spark.sql.shuffle.partitions": "2",  # the examples' per-batch summaries are small
         **(conf or {}),
     }
     for key, value in settings.items():

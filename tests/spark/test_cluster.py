@@ -315,8 +315,8 @@ def test_consume_on_a_cluster_is_exactly_once_across_executor_and_driver_kills(
     for stream_id, row_no, payload in delivered:
         if isinstance(payload, dict) and "line" in payload:
             orders.setdefault(stream_id, []).append((row_no, payload))
-    firsts = sorted(rows[0][1]["n"] // 3 for rows in orders.values())
+    firsts = sorted(fact[0][1]["n"] // 3 for fact in orders.values())
     assert firsts == list(range(ORDERS))
-    for rows in orders.values():
-        order = rows[0][1]["n"] // 3
-        assert rows == [(line, {"n": 3 * order + line, "line": line}) for line in range(3)]
+    for fact in orders.values():
+        order = fact[0][1]["n"] // 3
+        assert fact == [(line, {"n": 3 * order + line, "line": line}) for line in range(3)]
