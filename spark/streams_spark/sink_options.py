@@ -333,16 +333,25 @@ def group_rows(
 
 
 def chunked(
-    facts: Sequence[list[str]], stamps: Sequence[int | None], rows_per_chunk: int
+    rows: Sequence[str],
+    stamps: Sequence[int | None],
+    rows_per_chunk: int,
+    sizes: Sequence[int] | None = None,
 ) -> list[FactChunk]:
-    """Cut facts into chunks of about ``rows_per_chunk`` rows (a fact is never split)."""
+    """Cut facts (their rows one after the other; ``sizes``: rows of each fact, None: one row
+    each) into chunks of about ``rows_per_chunk`` rows; a fact is never split."""
+    if sizes is None:
+        return [
+            FactChunk(rows[at : at + rows_per_chunk], stamps[at : at + rows_per_chunk])
+            for at in range(0, len(rows), rows_per_chunk)
+        ]
     chunks: list[FactChunk] = []
-    start = rows = 0
-    for end, fact in enumerate(facts, 1):
-        rows += len(fact)
-        if rows >= rows_per_chunk:
-            chunks.append(FactChunk(facts[start:end], stamps[start:end]))
-            start, rows = end, 0
-    if start < len(facts):
-        chunks.append(FactChunk(facts[start:], stamps[start:]))
+    first = row = count = 0
+    for end, size in enumerate(sizes, 1):
+        count += size
+        if count >= rows_per_chunk:
+            chunks.append(FactChunk(rows[row : row + count], stamps[first:end], sizes[first:end]))
+            first, row, count = end, row + count, 0
+    if first < len(sizes):
+        chunks.append(FactChunk(rows[row:], stamps[first:], sizes[first:]))
     return chunks

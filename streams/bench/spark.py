@@ -10,6 +10,9 @@
   with ``trigger(processingTime="0 seconds")`` (Redis hints when a Redis URL is given).
 * **probe rate**: probes per second of the source's driver logic when Spark calls
   ``latestOffset`` every 10 ms on an idle stream (Spark's default polling delay).
+* **sink**: rows/s written with ``df.write.format("streams")`` beside ``append_batch`` from
+  plain Python processes, the same rows with the same parallelism (`streams.bench.spark_sink`;
+  target, issue 20: >= 0.8x).
 
 Targets (issue 8): throughput >= 1.0x JDBC; overhead <= 1.5x built-in; latency p50 within 2x
 the overhead of an empty micro-batch.
@@ -39,6 +42,7 @@ import click
 from ..config import Settings, redact_url
 from ..ops.params import common_options
 from .common import PAYLOAD, scratch_streams
+from .spark_sink import sink_throughput
 
 __all__ = ["JDBC_JAR", "bench_spark_command", "find_jdbc_jar", "run_spark_bench"]
 
@@ -125,6 +129,7 @@ def run_spark_bench(
     batches: int = 40,
     latency_samples: int = 30,
     jdbc_jar: str | None = None,
+    sink_rows: int = 500_000,
     report: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Run every measurement; returns the figures (also reported line by line)."""
@@ -151,6 +156,10 @@ def run_spark_bench(
             result["overhead"] = _overhead(spark, url, idle, batches, work, report)
             result["latency"] = _latency(spark, settings, idle, latency_samples, work, report)
             result["probe_rate"] = _probe_rate(settings, idle, report)
+            if sink_rows:
+                result["sink"] = sink_throughput(
+                    spark, scratch, url, sink_rows, partitions, rounds, report
+                )
         finally:
             spark.stop()
             shutil.rmtree(work, ignore_errors=True)
@@ -390,6 +399,8 @@ def _probe_rate(settings: Settings, stream: str, report: Callable[[str], None]) 
 @click.option("--batches", type=click.IntRange(5, 10_000), default=40, show_default=True,
               help="Micro-batches for the overhead measurement.")  # fmt: skip
 @click.option("--latency-samples", type=click.IntRange(5, 10_000), default=30, show_default=True)
+@click.option("--sink-rows", type=click.IntRange(0, 10**9), default=500_000, show_default=True,
+              help="Rows written by the sink and by append_batch (0: no sink).")  # fmt: skip
 @click.option(
     "--jdbc-jar",
     type=click.Path(dir_okay=False, exists=True),
@@ -405,13 +416,14 @@ def bench_spark_command(
     batches: int,
     latency_samples: int,
     jdbc_jar: str | None,
+    sink_rows: int,
     as_json: bool,
     database_url: str | None,
     redis_url: str | None,
     prefix: str | None,
 ) -> None:
     """Spark source: throughput vs JDBC, micro-batch overhead vs rate-micro-batch, latency,
-    idle probe rate (needs the spark extra and Java 17)."""
+    idle probe rate; Spark sink: rows/s vs append_batch (needs the spark extra and Java 17)."""
     settings = Settings.resolve(database_url, redis_url, prefix)
     click.echo(f"database {redact_url(settings.database_url)}; {facts} facts, "
                f"{partitions} partitions, medians of {rounds} rounds")  # fmt: skip
@@ -423,6 +435,7 @@ def bench_spark_command(
         batches=batches,
         latency_samples=latency_samples,
         jdbc_jar=jdbc_jar,
+        sink_rows=sink_rows,
         report=click.echo,
     )
     if as_json:

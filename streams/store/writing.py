@@ -47,6 +47,7 @@ import math
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain, repeat
 from typing import Any
 
 from psycopg import sql
@@ -153,17 +154,31 @@ class HeartbeatResult:
 
 @dataclass(frozen=True, slots=True)
 class FactChunk:
-    """Facts for `WriterCore.append_facts`: each fact's rows as JSON text (row 0 first), and
-    one client timestamp (or None) per fact."""
+    """Facts for `WriterCore.append_facts`: every row's payload as JSON text, the facts one
+    after the other (each fact's row 0 first); ``sizes``, the rows of each fact (None: one row
+    each); one client timestamp (or None) per fact."""
 
-    facts: Sequence[Sequence[str]]
+    rows: Sequence[str]
     timestamps: Sequence[int | None]
+    sizes: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
-        if len(self.facts) != len(self.timestamps):
+        if len(self.timestamps) != self.count:
             raise UsageError("a chunk needs one timestamp entry per fact")
-        if any(not rows for rows in self.facts):
-            raise UsageError("a fact needs at least one row")
+        if self.sizes is not None and (
+            sum(self.sizes) != len(self.rows) or min(self.sizes, default=1) < 1
+        ):
+            raise UsageError("a chunk's sizes must be >= 1 and add up to its rows")
+
+    @property
+    def count(self) -> int:
+        """The facts in the chunk."""
+        return len(self.rows) if self.sizes is None else len(self.sizes)
+
+    @classmethod
+    def of(cls, facts: Sequence[Sequence[str]], timestamps: Sequence[int | None]) -> FactChunk:
+        """A chunk of these facts, each given as its rows."""
+        return cls([text for rows in facts for text in rows], timestamps, [len(r) for r in facts])
 
 
 @dataclass(slots=True)
@@ -566,7 +581,7 @@ class WriterCore:
                 return None
             floor = self._ts_floor
             for chunk in chunks:
-                if not chunk.facts:
+                if not chunk.count:
                     continue
                 chunk_stamps = resolve_timestamps(
                     chunk.timestamps,
@@ -578,7 +593,7 @@ class WriterCore:
                 token = tracker.begin_reservation()
                 reservations.append((token, []))
                 params = self._lease_params()
-                params["count"] = len(chunk.facts)
+                params["count"] = chunk.count
                 reserved = yield Query(self._reserve_many_bytes(), params)
                 if not reserved:
                     self.fenced = True
@@ -592,13 +607,7 @@ class WriterCore:
                 yield CopyIn(
                     "COPY streams_facts (stream, stream_id, row_no, instance, ts, payload) "
                     "FROM STDIN",
-                    (
-                        (info.id, stream_id, row_no, self.instance, stamp, text)
-                        for stream_id, stamp, rows in zip(
-                            chunk_ids, chunk_stamps, chunk.facts, strict=True
-                        )
-                        for row_no, text in enumerate(rows)
-                    ),
+                    self._copy_rows(chunk, chunk_ids, chunk_stamps),
                 )
             yield Commit()
         finally:
@@ -609,6 +618,24 @@ class WriterCore:
         self._ts_floor = max(self._ts_floor, stamps[-1])
         self.appended += len(ids)
         return Ack(ids[0], ids[-1], stamps[0], stamps[-1], len(ids), tuple(ids))
+
+    def _copy_rows(
+        self, chunk: FactChunk, ids: Sequence[int], stamps: Sequence[int]
+    ) -> Iterable[Row]:
+        """A chunk's rows for COPY, built by `zip` and `itertools` without a Python step per
+        row (a generator expression per row cost ~2 us of ~10 us a row)."""
+        key, instance = self.info.id, self.instance
+        if chunk.sizes is None:
+            return zip(repeat(key), ids, repeat(0), repeat(instance), stamps, chunk.rows)
+        sizes = chunk.sizes
+        return zip(
+            repeat(key),
+            chain.from_iterable(repeat(i, n) for i, n in zip(ids, sizes, strict=True)),
+            chain.from_iterable(range(n) for n in sizes),
+            repeat(instance),
+            chain.from_iterable(repeat(t, n) for t, n in zip(stamps, sizes, strict=True)),
+            chunk.rows,
+        )
 
     def _reserve_many_bytes(self) -> bytes:
         assert self._reserve_many is not None

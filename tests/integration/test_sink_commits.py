@@ -23,8 +23,8 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def chunk(*numbers: int, rows: int = 1) -> FactChunk:
-    return FactChunk([[f'{{"n": {n}, "row": {r}}}' for r in range(rows)] for n in numbers],
-                     [None] * len(numbers))  # fmt: skip
+    return FactChunk.of([[f'{{"n": {n}, "row": {r}}}' for r in range(rows)] for n in numbers],
+                        [None] * len(numbers))  # fmt: skip
 
 
 def attempt(writer: Writer, key: sinks.TaskKey, chunks: Any) -> int:
@@ -68,7 +68,7 @@ def test_write_failing_half_way_leaves_no_fact_and_no_pending_id(
         assert writer.core.tracker.in_flight_count == 0
         # Bad JSON in a later chunk: PostgreSQL refuses it, and the transaction with it.
         with pytest.raises(Exception, match="json"):
-            writer.append_facts([chunk(4), FactChunk([["{not json"]], [None])])
+            writer.append_facts([chunk(4), FactChunk(["{not json"], [None])])
         assert writer.core.tracker.pending_count == 0
     assert payloads(client, stream) == []
     assert client.positions(stream).max_allocated == 5  # 1-3, 4 and 5: gaps now

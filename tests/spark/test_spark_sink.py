@@ -361,3 +361,38 @@ def test_produce_example_runs_with_spark_submit(
     ]
     run(copy, "--from-stream", stream, "--available-now", "--checkpoint", "ck")
     assert [p for *_, p in python_facts(client, copy)] == [p for *_, p in facts]
+
+
+def test_the_spark_page_sink_example_runs_as_written(
+    postgres_admin_url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """docs/spark.md's sink example, in the test session's Spark (a fresh database)."""
+    from helpers import REPO_ROOT, doc_blocks
+    from servers import create_database, database_name, drop_database
+
+    import streams
+    from streams.migrate import upgrade
+
+    url = create_database(postgres_admin_url)
+    try:
+        upgrade(url)
+        monkeypatch.setenv("STREAMS_DATABASE_URL", url)
+        with streams.connect(url) as client:
+            client.create_stream("orders")
+            client.create_stream("orders-audit")
+            (block,) = doc_blocks(REPO_ROOT / "docs" / "spark.md", "python spark-sink")
+            # Spark resolves a relative checkpoint against the JVM's start directory.
+            checkpoint = repr(str(tmp_path / "checkpoints" / "orders-audit"))
+            code = block.replace('"checkpoints/orders-audit"', checkpoint)
+            namespace: dict[str, Any] = {"__name__": "docs"}
+            exec(compile(code, "docs/spark.md sink block", "exec"), namespace)
+            assert namespace["audit"].exception() is None
+            orders = python_facts(client, "orders")
+            assert sorted((p for *_, p in orders), key=len, reverse=True) == [
+                [{"line": 1, "sku": "a-1", "qty": 2}, {"line": 2, "sku": "b-7", "qty": 1}],
+                [{"line": 1, "sku": "a-1", "qty": 5}],
+            ]
+            audit = python_facts(client, "orders-audit")
+            assert [p for *_, p in audit] == [p for *_, p in orders]
+    finally:
+        drop_database(postgres_admin_url, database_name(url))

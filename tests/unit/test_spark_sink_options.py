@@ -129,13 +129,82 @@ def test_group_rows_law(data: list[tuple[int | None, int | None]]) -> None:
     ]
 
 
-@given(st.lists(st.integers(1, 7), max_size=50), st.integers(1, 12))
-def test_chunks_keep_facts_whole_and_in_order(sizes: list[int], per_chunk: int) -> None:
+@given(st.lists(st.integers(1, 7), max_size=50), st.integers(1, 12), st.booleans())
+def test_chunks_keep_facts_whole_and_in_order(
+    sizes: list[int], per_chunk: int, single: bool
+) -> None:
+    if single:
+        sizes = [1] * len(sizes)
     facts = [[f"{n}.{r}" for r in range(size)] for n, size in enumerate(sizes)]
+    rows = [text for fact in facts for text in fact]
     stamps: list[int | None] = list(range(len(sizes)))
-    chunks = chunked(facts, stamps, per_chunk)
-    assert [f for c in chunks for f in c.facts] == facts
+    chunks = chunked(rows, stamps, per_chunk, None if single else sizes)
+    assert [r for c in chunks for r in c.rows] == rows
     assert [s for c in chunks for s in c.timestamps] == stamps
+    if not single:
+        assert [n for c in chunks for n in c.sizes or ()] == sizes
     for c in chunks[:-1]:  # each chunk but the last reaches the size, and no fact before
-        rows = [len(f) for f in c.facts]
-        assert sum(rows) >= per_chunk > sum(rows[:-1])
+        counts = list(c.sizes or [1] * len(c.rows))
+        assert sum(counts) >= per_chunk > sum(counts[:-1])
+
+
+# ------------------------------------------------------------------------------ Arrow's JSON
+
+flat = st.fixed_dictionaries(
+    {
+        "s": st.none() | st.text(max_size=12),
+        "i": st.none() | st.integers(-(2**63), 2**63 - 1),
+        "b": st.none() | st.booleans(),
+        "f": st.none() | st.floats(width=64),
+        "tiny": st.none() | st.floats(width=32, allow_nan=False, allow_infinity=False),
+    }
+)
+
+
+@given(st.lists(flat, min_size=1, max_size=20))
+def test_arrow_json_is_python_json(records: list[dict[str, Any]]) -> None:
+    import json
+    import math
+
+    import pyarrow as pa
+    from streams_spark.sink import _arrow_texts
+    from streams_spark.sink_options import ColumnPlan
+
+    from streams.store.writing import encode_payload
+
+    schema = pa.schema([("s", pa.string()), ("i", pa.int64()), ("b", pa.bool_()),
+                        ("f", pa.float64()), ("tiny", pa.float32())])  # fmt: skip
+    batch = pa.RecordBatch.from_pylist(records, schema=schema)
+    for names in (("s", "i", "b"), ("s", "i", "b", "f", "tiny")):
+        plan = ColumnPlan(None, False, tuple((n, schema.names.index(n)) for n in names),
+                          None, False, None)  # fmt: skip
+        fast = _arrow_texts(batch, plan, 1 << 20)
+        rows = batch.select(list(names)).to_pylist()
+        refused = any(
+            (isinstance(r["s"], str) and any(ord(c) < 32 for c in r["s"]))
+            or (isinstance(r.get("f"), float) and not math.isfinite(r["f"]))
+            for r in rows
+        )
+        assert (fast is None) == refused  # Python's path then escapes, or refuses, the value
+        if fast is None:
+            continue
+        python = [encode_payload(r, 1 << 20) for r in rows]
+        if "f" not in names:
+            assert fast == python  # the same text, byte for byte
+        else:  # the same numbers, floats still floats (Arrow may spell them differently)
+            for a, b in zip(fast, python, strict=True):
+                loaded, expected = json.loads(a), json.loads(b)
+                assert loaded == expected
+                assert [type(v) for v in loaded.values()] == [type(v) for v in expected.values()]
+
+
+def test_arrow_json_of_large_strings() -> None:
+    import pyarrow as pa
+    from streams_spark.sink import _arrow_texts
+    from streams_spark.sink_options import ColumnPlan
+
+    batch = pa.RecordBatch.from_pydict(
+        {"s": pa.array(['a"b\\', None], pa.large_string()), "i": pa.array([1, None])}
+    )
+    plan = ColumnPlan(None, False, (("s", 0), ("i", 1)), None, False, None)
+    assert _arrow_texts(batch, plan, 1 << 20) == ['{"s":"a\\"b\\\\","i":1}', '{"s":null,"i":null}']
