@@ -23,12 +23,20 @@ from typing import Any
 import psycopg
 
 from .config import Settings
+from .core.groups import STALE_AFTER_MS
 from .core.timestamps import TimestampMode
 from .proofs import ProofService
 from .reader import AsyncReader, Reader
 from .store import connect as dbconnect
 from .store.driver import arun, run
-from .store.groups import GroupRow, StreamPositions, delete_group, list_groups, stream_positions
+from .store.groups import (
+    GroupRow,
+    StreamPositions,
+    delete_group,
+    list_groups,
+    stream_positions,
+    streams_of_group,
+)
 from .store.keys import describe_keys, rotate_keys
 from .store.reading import ReaderCore, Start
 from .store.registry import (
@@ -180,10 +188,12 @@ class Client:
         with self._db() as conn:
             return run(conn, list_streams())
 
-    def positions(self, stream: str) -> StreamPositions:
+    def positions(self, stream: str, *, stale_after_ms: int = STALE_AFTER_MS) -> StreamPositions:
+        """Everything ``streams positions`` shows of ``stream``; a group idle ``stale_after_ms``
+        or longer while holding retention back is marked stale."""
         with self._db() as conn:
             info = run(conn, load_stream(stream))
-            return run(conn, stream_positions(info))
+            return run(conn, stream_positions(info, stale_after_ms=stale_after_ms))
 
     def writer(self, stream: str, *, instance: str | None = None) -> Writer:
         core = WriterCore(
@@ -233,13 +243,21 @@ class Client:
                 self._proofs = ProofService(self.settings.database_url, self._link, _link_name())
             return self._proofs
 
-    def groups(self, stream: str) -> list[GroupRow]:
-        """Every reader group of ``stream`` with its committed position and lag."""
+    def groups(self, stream: str, *, stale_after_ms: int = STALE_AFTER_MS) -> list[GroupRow]:
+        """Every reader group of ``stream`` with its committed position, lag, idle time and
+        whether it is stale (idle ``stale_after_ms`` or longer while holding retention back)."""
         with self._db() as conn:
             info = run(conn, load_stream(stream))
-            return run(conn, list_groups(info))
+            return run(conn, list_groups(info, stale_after_ms=stale_after_ms))
+
+    def group_streams(self, group: str) -> list[str]:
+        """The streams ``group`` has committed on (sorted; empty for an unknown group)."""
+        with self._db() as conn:
+            return run(conn, streams_of_group(group))
 
     def delete_group(self, stream: str, group: str) -> bool:
+        """Forget ``group`` on ``stream`` (its readers start over from their own start
+        position); True if it existed. A group holds retention back until deleted."""
         with self._db() as conn:
             info = run(conn, load_stream(stream))
             return run(conn, delete_group(info, group))
@@ -414,10 +432,13 @@ class AsyncClient:
         async with self._db() as conn:
             return await arun(conn, list_streams())
 
-    async def positions(self, stream: str) -> StreamPositions:
+    async def positions(
+        self, stream: str, *, stale_after_ms: int = STALE_AFTER_MS
+    ) -> StreamPositions:
+        """See `Client.positions`."""
         async with self._db() as conn:
             info = await arun(conn, load_stream(stream))
-            return await arun(conn, stream_positions(info))
+            return await arun(conn, stream_positions(info, stale_after_ms=stale_after_ms))
 
     async def writer(self, stream: str, *, instance: str | None = None) -> AsyncWriter:
         core = WriterCore(
@@ -447,10 +468,16 @@ class AsyncClient:
         self.readers.add(reader)
         return reader
 
-    async def groups(self, stream: str) -> list[GroupRow]:
+    async def groups(self, stream: str, *, stale_after_ms: int = STALE_AFTER_MS) -> list[GroupRow]:
+        """See `Client.groups`."""
         async with self._db() as conn:
             info = await arun(conn, load_stream(stream))
-            return await arun(conn, list_groups(info))
+            return await arun(conn, list_groups(info, stale_after_ms=stale_after_ms))
+
+    async def group_streams(self, group: str) -> list[str]:
+        """See `Client.group_streams`."""
+        async with self._db() as conn:
+            return await arun(conn, streams_of_group(group))
 
     async def delete_group(self, stream: str, group: str) -> bool:
         async with self._db() as conn:

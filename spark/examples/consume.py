@@ -4,8 +4,16 @@
 
 Reads ``STREAMS_DATABASE_URL`` (and ``STREAMS_REDIS_URL`` / ``STREAMS_PREFIX`` if set) on the
 driver; the options travel to the executors with the query, so they need only the ``streams``
-package with its ``spark`` extra, not the environment. Stop it with Ctrl-C: restarted with the same
-``--checkpoint``, it continues exactly where it stopped (one micro-batch = one epoch).
+package with its ``spark-executor`` extra, not the environment. Stop it with Ctrl-C: restarted
+with the same ``--checkpoint``, it continues exactly where it stopped (one micro-batch = one
+epoch).
+
+``--output DIR`` also writes every micro-batch's rows as Parquet to ``DIR/batch=<id>``, replacing
+that folder when Spark replays the batch after a crash: the same batch ID always holds the same
+facts, so the folder ends with every fact exactly once (``spark.read.parquet(DIR)`` reads them
+all, with a ``batch`` column). The executors write it, so on a real cluster ``DIR`` must be
+storage they all share (HDFS, S3, NFS). ``--available-now`` stops once every fact that was
+complete at the start has been read, instead of following the stream.
 """
 
 from __future__ import annotations
@@ -26,6 +34,10 @@ def main() -> None:
     parser.add_argument("--group", default="spark-consume")
     parser.add_argument("--max-facts", default="10000", help="maxFactsPerTrigger")
     parser.add_argument("--starting-position", default="earliest")
+    parser.add_argument("--output", help="also write each batch as Parquet to OUTPUT/batch=<id>")
+    parser.add_argument(
+        "--available-now", action="store_true", help="stop when caught up (availableNow)"
+    )
     args = parser.parse_args()
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -50,6 +62,11 @@ def main() -> None:
     facts = reader.load()
 
     def show(batch: DataFrame, batch_id: int) -> None:
+        if args.output:
+            # Overwrite, not append: a batch replayed after a crash has the same ID and the same
+            # facts, so its folder is replaced and nothing is written twice.
+            batch = batch.persist()  # read the source once for both the files and the summary
+            batch.write.mode("overwrite").parquet(f"{args.output}/batch={batch_id}")
         summary = (
             batch.groupBy("stream", "instance")
             .agg(
@@ -63,13 +80,15 @@ def main() -> None:
         )
         print(f"--- batch {batch_id}")
         summary.show(truncate=False)
+        if args.output:
+            batch.unpersist()
 
-    query = (
-        facts.writeStream.foreachBatch(show)
-        .option("checkpointLocation", args.checkpoint)
-        .trigger(processingTime="1 second")
-        .start()
-    )
+    writer = facts.writeStream.foreachBatch(show).option("checkpointLocation", args.checkpoint)
+    if args.available_now:
+        writer = writer.trigger(availableNow=True)
+    else:
+        writer = writer.trigger(processingTime="1 second")
+    query = writer.start()
     query.awaitTermination()
 
 

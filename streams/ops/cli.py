@@ -24,6 +24,7 @@ from ..bench.commands import bench
 from ..client import Client, connect
 from ..config import Settings, redact_url
 from ..core.epochs import Fact
+from ..core.groups import STALE_AFTER_MS
 from ..core.timestamps import MAX_TIMESTAMP, TimestampMode
 from ..reader import Reader
 from ..store import connect as dbconnect
@@ -32,6 +33,7 @@ from ..store.groups import StreamPositions
 from ..store.reading import Start
 from ..store.registry import check_schema
 from ..store.retention import PRUNE_BATCH
+from .groups import groups
 from .params import (
     DURATION,
     GROUP_NAME,
@@ -534,9 +536,22 @@ def _stdin_terminal() -> bool:
     return sys.stdin.isatty()
 
 
-def _read_positions(client: Client, streams: tuple[str, ...]) -> list[StreamPositions]:
+def _read_positions(
+    client: Client, streams: tuple[str, ...], stale_after_ms: int = STALE_AFTER_MS
+) -> list[StreamPositions]:
     names = list(streams) or [s.name for s in client.streams()]
-    return [client.positions(name) for name in names]
+    return [client.positions(name, stale_after_ms=stale_after_ms) for name in names]
+
+
+#: ``--stale-after``, shared by `streams positions` and `streams doctor` (and `streams groups`).
+_STALE_AFTER = click.option(
+    "--stale-after",
+    type=DURATION,
+    default=f"{STALE_AFTER_MS // 86_400_000}d",
+    show_default=True,
+    help="A reader group that has not committed for this long while holding retention back "
+    "is stale (e.g. 12h, 7d).",
+)
 
 
 @main.command()
@@ -550,6 +565,7 @@ def _read_positions(client: Client, streams: tuple[str, ...]) -> list[StreamPosi
     is_flag=True,
     help="No database: ask every deployment on the channel (REPLICATE) for its positions.",
 )
+@_STALE_AFTER
 @click.option("--json", "as_json", is_flag=True)
 @common_options
 def positions(
@@ -559,27 +575,29 @@ def positions(
     count: int | None,
     show_all: bool,
     from_redis: bool,
+    stale_after: int,
     as_json: bool,
     database_url: str | None,
     redis_url: str | None,
     prefix: str | None,
 ) -> None:
     """Linear position, max allocated, scratchpad and its oldest pending ID; each writer's
-    position, pending IDs, state and heartbeat; each reader group's (and Spark query's) position
-    and lag (all streams by default; retired writers folded unless --all)."""
+    position, pending IDs, state and heartbeat; each reader group's (and Spark query's) position,
+    lag and time since its last commit, stale when that passes --stale-after while it holds
+    retention back (all streams by default; retired writers folded unless --all)."""
     if from_redis:
         _positions_from_redis(streams, redis_url, prefix, as_json)
         return
     with _client(database_url, redis_url, prefix) as client:
         if not watch:
-            items = _read_positions(client, streams)
+            items = _read_positions(client, streams, stale_after)
             if as_json:
                 data = [p.as_dict(retired=show_all) for p in items]
                 click.echo(json.dumps(data, sort_keys=True, separators=(",", ":")))
             else:
                 print_tables(positions_tables(items, show_all), sys.stdout, terminal=_terminal())
             return
-        _watch_positions(client, streams, show_all, interval, count, as_json)
+        _watch_positions(client, streams, show_all, interval, count, as_json, stale_after)
 
 
 def _watch_positions(
@@ -589,6 +607,7 @@ def _watch_positions(
     interval: float,
     count: int | None,
     as_json: bool,
+    stale_after_ms: int,
 ) -> None:
     rates: dict[str, list[float]] = {}
     previous: dict[str, tuple[float, int]] = {}
@@ -602,7 +621,7 @@ def _watch_positions(
     try:
         while True:
             now = time.monotonic()
-            items = _read_positions(client, streams)
+            items = _read_positions(client, streams, stale_after_ms)
             for p in items:
                 if p.stream in previous:
                     then, linear = previous[p.stream]
@@ -711,19 +730,27 @@ def writers_prune(
     is_flag=True,
     help="Do what is safe first: retire expired writers, repair sequences behind used IDs.",
 )
+@_STALE_AFTER
 @click.option("--json", "as_json", is_flag=True)
 @common_options
 def doctor(
-    repair: bool, as_json: bool, database_url: str | None, redis_url: str | None, prefix: str | None
+    repair: bool,
+    stale_after: int,
+    as_json: bool,
+    database_url: str | None,
+    redis_url: str | None,
+    prefix: str | None,
 ) -> None:
     """Check connectivity, schema, sequences, declared tables, open writing transactions,
-    writer leases and the replication channel; exit 1 on any problem."""
+    writer leases, retention (reader groups that lost facts, or are stale: no commit for
+    --stale-after while holding retention back) and the replication channel; exit 1 on any
+    problem."""
     from .doctor import diagnose
     from .doctor import repair as do_repair
 
     settings = _settings(database_url, redis_url, prefix)
     actions = do_repair(settings) if repair else []
-    checks = diagnose(settings)
+    checks = diagnose(settings, stale_after_ms=stale_after)
     if as_json:
         data: Any = [c.as_dict() for c in checks]
         if repair:
@@ -777,6 +804,7 @@ def metrics_serve(
 
 
 main.add_command(bench)
+main.add_command(groups)
 
 
 @main.command()

@@ -9,6 +9,7 @@ import psycopg
 
 from ..config import Settings, redact_url
 from ..core.constants import replication_channel
+from ..core.groups import STALE_AFTER_MS
 from ..errors import StreamsError
 from ..store import connect as dbconnect
 from ..store.driver import run
@@ -25,6 +26,7 @@ from ..store.writers import (
     unseen_ids,
 )
 from ..transport.connect import connection_error
+from .render import age
 
 #: A reservation held open longer than this is reported: it holds every reader back.
 HELD_WARNING_SECONDS = 5.0
@@ -58,7 +60,9 @@ def repair(settings: Settings) -> list[str]:
     return done
 
 
-def diagnose(settings: Settings) -> list[Check]:
+def diagnose(settings: Settings, *, stale_after_ms: int = STALE_AFTER_MS) -> list[Check]:
+    """Every check, in order; a reader group idle ``stale_after_ms`` or longer while holding a
+    stream's retention back fails its stream's retention check."""
     checks: list[Check] = []
     where = redact_url(settings.database_url)
     try:
@@ -80,7 +84,7 @@ def diagnose(settings: Settings) -> list[Check]:
             return checks
         infos = run(conn, list_streams())
         for info in infos:
-            checks.extend(_stream_checks(conn, info))
+            checks.extend(_stream_checks(conn, info, stale_after_ms))
     if settings.redis_url:
         import redis
 
@@ -122,7 +126,9 @@ def diagnose(settings: Settings) -> list[Check]:
 UNSEEN_WINDOW = 10_000
 
 
-def _stream_checks(conn: psycopg.Connection[Any], info: StreamInfo) -> list[Check]:
+def _stream_checks(
+    conn: psycopg.Connection[Any], info: StreamInfo, stale_after_ms: int
+) -> list[Check]:
     state = run(conn, sequence_state(info))
     allocated = state.last_value or 0
     behind = state.repair_target is not None
@@ -162,7 +168,7 @@ def _stream_checks(conn: psycopg.Connection[Any], info: StreamInfo) -> list[Chec
         )
     checks.append(Check(f"stream {info.name}: fact tables", True, detail))
     checks.append(_held_check(conn, info))
-    retention = _retention_check(conn, info)
+    retention = _retention_check(conn, info, stale_after_ms)
     if retention is not None:
         checks.append(retention)
     expired = run(conn, expired_writer_count(info))
@@ -203,14 +209,20 @@ def _channel_check(settings: Settings, known: list[str]) -> Check:
     )
 
 
-def _retention_check(conn: psycopg.Connection[Any], info: StreamInfo) -> Check | None:
+def _retention_check(
+    conn: psycopg.Connection[Any], info: StreamInfo, stale_after_ms: int
+) -> Check | None:
     """Retention at a glance: how far it pruned, what waits for `streams prune` and what holds
-    it back; failing when a reader group lost facts (its position is below what was pruned)."""
+    it back; failing when a reader group lost facts (its position is below what was pruned) or
+    is stale (no commit for ``stale_after_ms`` while holding retention back: an abandoned
+    reader or Spark checkpoint, `streams.core.groups`)."""
     goal = run(conn, prune_target(info))
     if info.retention_ms is None and goal.pruned_through == 0:
         return None
     keeps = "forever" if info.retention_ms is None else f"{info.retention_ms} ms"
-    lost = [g for g in run(conn, list_groups(info)) if g.position < goal.pruned_through]
+    groups = run(conn, list_groups(info, stale_after_ms=stale_after_ms))
+    lost = [g for g in groups if g.position < goal.pruned_through]
+    stale = [g for g in groups if g.stale]
     detail = f"keeps {keeps}, pruned through {goal.pruned_through}"
     if goal.target > goal.pruned_through:
         detail += f"; IDs up to {goal.target} may go now (`streams prune {info.name}`)"
@@ -222,7 +234,16 @@ def _retention_check(conn: psycopg.Connection[Any], info: StreamInfo) -> Check |
             f"; reader group(s) {names} are below what was pruned and lost facts: their "
             "readers fail with FactsPruned (delete the group, or start it again)"
         )
-    return Check(f"stream {info.name}: retention", not lost, detail)
+    if stale:
+        names = ", ".join(
+            f"{g.group} (at {g.position}, last commit {age(g.idle_ms)} ago)" for g in stale
+        )
+        detail += (
+            f"; stale reader group(s) {names} hold retention back: no commit for "
+            f"{age(stale_after_ms)} or more; if its reader or Spark checkpoint is gone, "
+            f"`streams groups delete GROUP --stream {info.name}`"
+        )
+    return Check(f"stream {info.name}: retention", not lost and not stale, detail)
 
 
 def _held_check(conn: psycopg.Connection[Any], info: Any) -> Check:

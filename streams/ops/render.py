@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..store.groups import StreamPositions
+    from ..store.groups import GroupRow, StreamPositions
 
 __all__ = [
     "LAST_DATE_MS",
@@ -134,6 +134,14 @@ def print_tables(tables: Sequence[Table], out: IO[str], *, terminal: bool) -> No
             out.write(text + "\n")
 
 
+def _group_state(group: GroupRow) -> str:
+    """``stale`` (idle past the stale-after time, holding retention back: delete it if its
+    reader is gone), ``holds retention`` (the same, but it committed recently), or empty."""
+    if group.stale:
+        return "stale"
+    return "holds retention" if group.holds_retention else ""
+
+
 def positions_tables(
     items: Sequence[StreamPositions],
     show_all: bool,
@@ -156,8 +164,8 @@ def positions_tables(
     )
     groups = Table(
         "reader groups and Spark queries",
-        ["STREAM", "GROUP", "POSITION", "LAG", "LAG_MS"],
-        numeric=frozenset({"POSITION", "LAG", "LAG_MS"}),
+        ["STREAM", "GROUP", "POSITION", "LAG", "LAG_MS", "IDLE_MS", "STATE"],
+        numeric=frozenset({"POSITION", "LAG", "LAG_MS", "IDLE_MS"}),
     )
     for p in items:
         row = [p.stream, str(p.linear), str(p.max_allocated), str(p.scratchpad)]
@@ -174,5 +182,6 @@ def positions_tables(
                 [p.stream, name, str(w.position), str(w.pending), w.state, age(w.heartbeat_age_ms)]
             )
         for g in p.groups:
-            groups.rows.append([p.stream, g.group, str(g.position), str(g.lag), age(g.lag_ms)])
+            lags = [str(g.lag), age(g.lag_ms), age(g.idle_ms)]
+            groups.rows.append([p.stream, g.group, str(g.position), *lags, _group_state(g)])
     return [streams_table, writers, groups]

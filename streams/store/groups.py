@@ -1,8 +1,10 @@
 """Reader groups and the positions report (`streams positions`).
 
 ``streams_reader_groups`` holds each named group's committed position per stream (Kafka's
-consumer groups; a Spark query is a group too). `stream_positions` is everything ``streams
-positions`` shows of one stream, read in one database snapshot.
+consumer groups; a Spark query is a group too) and, in ``updated_at``, the time of its last
+commit (every commit sets it, even one that moves nothing): `list_groups` reports how long each
+group has been idle and whether it is stale (`streams.core.groups`). `stream_positions` is
+everything ``streams positions`` shows of one stream, read in one database snapshot.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ from typing import Any
 
 from psycopg import sql
 
+from ..core.groups import STALE_AFTER_MS, holds_retention, is_stale, retention_goal
 from ._common import NOW_MS_SQL
 from .driver import Commit, Gen, Query
 from .probe import probe
 from .registry import StreamInfo
+from .rows import position_before_time
 from .writers import (
     linear_from,
     max_allocated_sql,
@@ -115,6 +119,13 @@ class GroupRow:
     updated_at: str
     #: Age in ms of the oldest fact the group has not consumed (None when it is caught up).
     lag_ms: int | None = None
+    #: Milliseconds since the group's last commit (``updated_at``, by the database's clock).
+    idle_ms: int = 0
+    #: It stops `prune` short of what the stream's retention period allows
+    #: (`streams.core.groups.holds_retention`).
+    holds_retention: bool = False
+    #: Idle for the stale-after time while holding retention back (`streams.core.groups`).
+    stale: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -123,6 +134,9 @@ class GroupRow:
             "lag": self.lag,
             "lag_ms": self.lag_ms,
             "updated_at": self.updated_at,
+            "idle_ms": self.idle_ms,
+            "holds_retention": self.holds_retention,
+            "stale": self.stale,
         }
 
 
@@ -175,9 +189,23 @@ def delete_group(info: StreamInfo, group: str) -> Gen[bool]:
     return bool(rows)
 
 
-def list_groups(info: StreamInfo, linear: int | None = None) -> Gen[list[GroupRow]]:
-    """Every group of the stream with its lag: the linear position (by `probe` unless given)
-    minus the committed one."""
+def streams_of_group(group: str) -> Gen[list[str]]:
+    """The names of the streams ``group`` has committed on, sorted."""
+    rows = yield Query(
+        "SELECT r.name FROM streams_reader_groups g JOIN streams_registry r ON r.id = g.stream "
+        "WHERE g.group_name = %s ORDER BY r.name",
+        (group,),
+    )
+    yield Commit()
+    return [str(name) for (name,) in rows]
+
+
+def list_groups(
+    info: StreamInfo, linear: int | None = None, *, stale_after_ms: int = STALE_AFTER_MS
+) -> Gen[list[GroupRow]]:
+    """Every group of the stream with its lag (the linear position, by `probe` unless given,
+    minus the committed one), its idle time and whether it holds retention back and is stale
+    (idle ``stale_after_ms`` or longer while holding it: `streams.core.groups`)."""
     if linear is None:
         probes = yield from probe([info])
         linear = probes[info.name].complete
@@ -189,29 +217,46 @@ def list_groups(info: StreamInfo, linear: int | None = None) -> Gen[list[GroupRo
                {NOW_MS_SQL} - (SELECT f.ts FROM streams_facts f
                                  WHERE f.stream = g.stream AND f.stream_id > g.position
                                    AND f.stream_id <= %(linear)s
-                                 ORDER BY f.stream_id LIMIT 1)
-        FROM streams_reader_groups g
+                                 ORDER BY f.stream_id LIMIT 1),
+               (extract(epoch FROM clock_timestamp() - g.updated_at) * 1000)::bigint,
+               {NOW_MS_SQL}, r.pruned_through
+        FROM streams_reader_groups g JOIN streams_registry r ON r.id = g.stream
         WHERE g.stream = %(stream)s ORDER BY g.group_name
         """,
         {"stream": info.id, "linear": linear},
     )
     yield Commit()
-    return [
-        GroupRow(
-            stream=info.name,
-            group=name,
-            position=int(position),
-            ts_floor=int(ts_floor),
-            lag=max(0, linear - int(position)),
-            updated_at=updated_at.isoformat(),
-            lag_ms=None if lag_ms is None else max(0, int(lag_ms)),
+    goal: int | None = None
+    if rows and info.retention_ms is not None:
+        # Where retention alone would prune to (as `retention.prune_target` computes it).
+        before = yield from position_before_time(info, int(rows[0][6]) - info.retention_ms)
+        goal = retention_goal(info.retention_ms, linear, before)
+    found = []
+    for name, position, ts_floor, updated_at, lag_ms, idle_ms, _, pruned in rows:
+        holds = holds_retention(int(position), int(pruned), goal)
+        idle = max(0, int(idle_ms))
+        found.append(
+            GroupRow(
+                stream=info.name,
+                group=name,
+                position=int(position),
+                ts_floor=int(ts_floor),
+                lag=max(0, linear - int(position)),
+                updated_at=updated_at.isoformat(),
+                lag_ms=None if lag_ms is None else max(0, int(lag_ms)),
+                idle_ms=idle,
+                holds_retention=holds,
+                stale=is_stale(idle, holds, stale_after_ms),
+            )
         )
-        for name, position, ts_floor, updated_at, lag_ms in rows
-    ]
+    return found
 
 
-def stream_positions(info: StreamInfo, *, retire: bool = True) -> Gen[StreamPositions]:
-    """Positions of a stream: linear, max allocated and every writer's row."""
+def stream_positions(
+    info: StreamInfo, *, retire: bool = True, stale_after_ms: int = STALE_AFTER_MS
+) -> Gen[StreamPositions]:
+    """Positions of a stream: linear, max allocated, every writer's row and every group's (stale
+    when idle ``stale_after_ms`` while holding retention back)."""
     if retire:
         yield from retire_expired_writers(info)
     # One statement: max allocated always comes back, with one row per writer (or one row
@@ -247,7 +292,7 @@ def stream_positions(info: StreamInfo, *, retire: bool = True) -> Gen[StreamPosi
         if row[1] is not None
     }
     probes = yield from probe([info])
-    groups = yield from list_groups(info, probes[info.name].complete)
+    groups = yield from list_groups(info, probes[info.name].complete, stale_after_ms=stale_after_ms)
     holders = yield from reservation_lock_holders(info)
     return StreamPositions(
         stream=info.name,

@@ -121,6 +121,7 @@ _BY_NAME: dict[str, list[str]] = {
     "ago": [*_DURATIONS, ""],
     "every": [*_DURATIONS, "0ms", "99ms", ""],
     "older_than": [*_DURATIONS, ""],
+    "stale_after": [*_DURATIONS, ""],
     "addr": ["999.1.1.1", "not a host", "::zz", "8.8.8.8"],
     "prefix": ["a b", "x" * 201, "a\x00", "ü", "semi;colon"],
     **_SECRET_URLS,

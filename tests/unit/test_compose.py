@@ -1,17 +1,28 @@
 """docker-compose.yml runs the whole system. There is no Docker engine (nor compose plugin) on
 the development machines, so this checks what can be checked without one: the file parses,
 every service the README names is there with a healthcheck where others wait on it, every
-`depends_on` and mounted path exists, and the commands it runs are real CLI commands."""
+`depends_on` and mounted path exists, and the commands it runs are real CLI commands; and the
+Spark image (deploy/spark/Dockerfile) has a Python that `requires-python` accepts, Java 17,
+streams[spark] from pip and Spark's own spark-class from the pip PySpark, as the cluster test
+(tests/spark/test_cluster.py) runs it."""
 
 from __future__ import annotations
 
+import re
+import tomllib
+from typing import Any
+
+import pytest
 import yaml
 from click.testing import CliRunner
 from helpers import REPO_ROOT
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
 from streams.ops.cli import main
 
 ROOT = REPO_ROOT
+SPARK_SERVICES = ("spark-master", "spark-worker", "demo", "metrics")
 
 
 def test_compose_file_runs_the_whole_system() -> None:
@@ -36,3 +47,84 @@ def test_compose_file_runs_the_whole_system() -> None:
     prometheus = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
     (target,) = prometheus["scrape_configs"][0]["static_configs"][0]["targets"]
     assert target == "metrics:9464"
+
+
+def _substitute(value: str) -> str:
+    """Compose's ``${VAR:-default}`` with VAR unset: the default."""
+    return re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", value)
+
+
+def image_python(dockerfile: str, build_args: dict[str, str]) -> Version:
+    """The Python version of the image a Dockerfile builds: its ``FROM`` resolved through the
+    ``ARG`` defaults and the build's args, which must name an official ``python:X.Y...`` image
+    (any other base, such as an apache/spark image, has a Python this cannot know)."""
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)$", dockerfile, re.M))
+    args.update(build_args)
+    (base,) = re.findall(r"^FROM (\S+)", dockerfile, re.M)
+    image = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], base)
+    found = re.fullmatch(r"(?:docker\.io/)?(?:library/)?python:(\d+\.\d+)(?:\.\d+)?(-\S+)?", image)
+    assert found, f"the Spark image starts FROM {image}: not an official python image"
+    return Version(found.group(1))
+
+
+def _spark_build() -> tuple[str, dict[str, str], dict[str, Any]]:
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    builds = {name: compose["services"][name]["build"] for name in SPARK_SERVICES}
+    build = builds["spark-master"]
+    assert all(b == build for b in builds.values()), "the Spark services share one image"
+    args = {k: _substitute(str(v)) for k, v in build.get("args", {}).items()}
+    dockerfile = (ROOT / build["context"] / build["dockerfile"]).read_text()
+    return dockerfile, args, compose
+
+
+def test_the_spark_image_has_a_python_the_project_accepts() -> None:
+    dockerfile, args, _ = _spark_build()
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    python = image_python(dockerfile, args)
+    assert python in SpecifierSet(requires), f"Python {python} in the image; needs {requires}"
+
+
+@pytest.mark.parametrize(
+    ("dockerfile", "args", "version"),
+    [
+        ("ARG PYTHON_IMAGE=python:3.12-slim-bookworm\nFROM ${PYTHON_IMAGE}\n", {}, "3.12"),
+        ("ARG PYTHON_IMAGE=python:3.12\nFROM ${PYTHON_IMAGE}\n", {"PYTHON_IMAGE": "python:3.10"},
+         "3.10"),
+        ("FROM python:3.11.9-bookworm\n", {}, "3.11"),
+    ],
+)  # fmt: skip
+def test_image_python_reads_the_base_image(
+    dockerfile: str, args: dict[str, str], version: str
+) -> None:
+    assert image_python(dockerfile, args) == Version(version)
+
+
+def test_image_python_refuses_a_base_whose_python_it_cannot_know() -> None:
+    official = "FROM apache/spark:4.2.0-preview5-scala2.13-java17-python3-ubuntu\n"
+    with pytest.raises(AssertionError, match="not an official python image"):
+        image_python(official, {})
+
+
+def test_the_spark_image_runs_spark_as_the_cluster_test_does() -> None:
+    dockerfile, _, compose = _spark_build()
+    assert "openjdk-17-jre-headless" in dockerfile  # Java 17
+    # streams with the spark extra from pip (which brings PySpark, and with it Spark), and
+    # /opt/spark is that PySpark's directory.
+    assert re.search(r'pip install [^\n]*"/opt/streams\[spark[,\]]', dockerfile)
+    assert re.search(r"ln -s .*pyspark.__file__.*\n\s*/opt/spark", dockerfile)
+    assert "SPARK_HOME=/opt/spark" in dockerfile
+    for path in re.findall(r"^COPY (.+) /opt/streams", dockerfile, re.M):
+        for source in path.split():
+            assert (ROOT / source).exists(), source
+    cluster_test = (ROOT / "tests" / "sparkcluster.py").read_text()
+    for service, cls in (("spark-master", "master.Master"), ("spark-worker", "worker.Worker")):
+        command = compose["services"][service]["command"]
+        assert command[:2] == ["/opt/spark/bin/spark-class", f"org.apache.spark.deploy.{cls}"]
+        assert command[1] in cluster_test
+    worker = compose["services"]["spark-worker"]["command"]
+    assert worker[2] == "spark://spark-master:7077"
+    assert (
+        worker[worker.index("--cores") + 1] == "2" and worker[worker.index("--memory") + 1] == "2g"
+    )
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert ".venv" in ignored and ".git" in ignored  # not sent as the build's context

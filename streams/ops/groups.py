@@ -1,0 +1,137 @@
+"""`streams groups list|delete`: reader groups (Python readers' and Spark queries'), stale ones
+first among them.
+
+A group is *stale* when it has not committed for the stale-after time (``--stale-after``,
+default one day) while holding a stream's retention back (`streams.core.groups`): typically a
+Spark query started without ``group`` (it commits to ``spark-<digest>``) whose checkpoint was
+abandoned. Nothing deletes a group by itself; ``streams groups delete GROUP`` does, once its
+reader is known to be gone. A reader or query still running re-creates its group at its next
+commit, from its own position.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+from ..client import connect
+from ..core.groups import STALE_AFTER_MS
+from .params import DURATION, GROUP_NAME, STREAM_NAME, common_options
+from .render import Table, age, print_tables
+
+__all__ = ["groups"]
+
+_STALE_AFTER_HELP = (
+    "A group that has not committed for this long while holding retention back is stale "
+    "(e.g. 12h, 7d)."
+)
+
+
+def _stdin_terminal() -> bool:
+    return sys.stdin.isatty()
+
+
+@click.group()
+def groups() -> None:
+    """Reader groups and Spark queries: `streams groups list`, `streams groups delete`."""
+
+
+@groups.command(name="list")
+@click.argument("streams", nargs=-1, type=STREAM_NAME)
+@click.option(
+    "--stale-after", type=DURATION, default=f"{STALE_AFTER_MS // 86_400_000}d",
+    show_default=True, help=_STALE_AFTER_HELP,
+)  # fmt: skip
+@click.option("--stale", "only_stale", is_flag=True, help="Only the stale groups.")
+@click.option("--json", "as_json", is_flag=True)
+@common_options
+def groups_list(
+    streams: tuple[str, ...],
+    stale_after: int,
+    only_stale: bool,
+    as_json: bool,
+    database_url: str | None,
+    redis_url: str | None,
+    prefix: str | None,
+) -> None:
+    """Every reader group of the STREAMS (default: all) with its position, lag, time since its
+    last commit, and whether it holds retention back or is stale."""
+    with connect(database_url, redis_url, prefix) as client:
+        names = list(streams) or [s.name for s in client.streams()]
+        rows = [
+            {"stream": name, **g.as_dict()}
+            for name in names
+            for g in client.groups(name, stale_after_ms=stale_after)
+            if g.stale or not only_stale
+        ]
+    if as_json:
+        click.echo(json.dumps(rows, sort_keys=True, separators=(",", ":")))
+        return
+    table = Table(
+        "reader groups and Spark queries",
+        ["STREAM", "GROUP", "POSITION", "LAG", "IDLE_MS", "STATE"],
+        numeric=frozenset({"POSITION", "LAG", "IDLE_MS"}),
+    )
+    for row in rows:
+        state = "stale" if row["stale"] else "holds retention" if row["holds_retention"] else ""
+        table.rows.append(
+            [row["stream"], row["group"], str(row["position"]), str(row["lag"]),
+             age(row["idle_ms"]), state]
+        )  # fmt: skip
+    print_tables([table], sys.stdout, terminal=sys.stdout.isatty())
+
+
+@groups.command(name="delete")
+@click.argument("group", type=GROUP_NAME)
+@click.option(
+    "--stream", "streams", multiple=True, type=STREAM_NAME,
+    help="Only on this stream (repeatable; default: every stream the group committed on).",
+)  # fmt: skip
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation (for scripts).")
+@click.option("--json", "as_json", is_flag=True)
+@common_options
+def groups_delete(
+    group: str,
+    streams: tuple[str, ...],
+    yes: bool,
+    as_json: bool,
+    database_url: str | None,
+    redis_url: str | None,
+    prefix: str | None,
+) -> None:
+    """Delete reader group GROUP: its committed positions no longer hold retention back.
+
+    A reader that uses the group again starts from its own start position (a Spark query
+    from its checkpoint, if it has one). Asks first on a terminal; scripts pass --yes.
+    """
+    with connect(database_url, redis_url, prefix) as client:
+        for name in streams:
+            client.stream(name)  # an unknown stream is an error of its own (UnknownStream)
+        holding = client.group_streams(group)
+        if not holding:
+            raise click.ClickException(f"no reader group {group!r} on any stream")
+        missing = [name for name in streams if name not in holding]
+        if missing:
+            raise click.ClickException(
+                f"reader group {group!r} has no position on {', '.join(missing)} "
+                f"(it has on: {', '.join(holding)})"
+            )
+        targets = list(dict.fromkeys(streams)) or holding
+        if not yes:
+            if not _stdin_terminal():
+                raise click.UsageError(
+                    f"deleting reader group {group!r} on {', '.join(targets)} needs confirming: "
+                    "pass --yes (no terminal to ask on)"
+                )
+            click.confirm(
+                f"Delete reader group {group!r} on {', '.join(targets)}?", abort=True, err=True
+            )
+        deleted = [name for name in targets if client.delete_group(name, group)]
+    result: dict[str, Any] = {"group": group, "deleted": deleted}
+    if as_json:
+        click.echo(json.dumps(result, sort_keys=True, separators=(",", ":")))
+    else:
+        click.echo(f"deleted reader group {group!r} on {', '.join(deleted) or 'no stream'}")
