@@ -19,6 +19,7 @@ from streams.migrate import current_revision, upgrade
 
 TABLES = (
     "streams_facts",
+    "streams_idempotency_keys",
     "streams_keys",
     "streams_proofs",
     "streams_reader_groups",
@@ -26,7 +27,7 @@ TABLES = (
     "streams_writers",
 )
 VERSION_TABLE = "streams_alembic_version"
-HEAD = "0007_replication_keys"
+HEAD = "0009_idempotency_keys"
 
 
 # ---------------------------------------------------------------------------------------------

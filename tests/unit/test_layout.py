@@ -62,7 +62,7 @@ TABLES = (
     "streams_writers",
 )
 VERSION_TABLE = "streams_alembic_version"
-HEAD = "0007_replication_keys"
+HEAD = "0009_idempotency_keys"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,7 +197,7 @@ LAYERS = (
     ("streams.errors", "streams.config", "streams._aio"),
     ("streams.core",),
     ("streams.store", "streams.transport"),
-    ("streams.writer", "streams.reader", "streams.proofs", "streams.migrate"),
+    ("streams.writer", "streams.reader", "streams.proofs", "streams.migrate", "streams.orm"),
     ("streams.client", "streams.metrics", "streams"),
     ("streams.ops", "streams.bench", "streams.__main__"),
 )
