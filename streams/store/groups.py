@@ -16,7 +16,7 @@ from psycopg import sql
 from ._common import NOW_MS_SQL
 from .driver import Commit, Gen, Query
 from .probe import probe
-from .registry import StreamInfo
+from .registry import DEFAULT_KEY_WINDOW_MS, StreamInfo
 from .writers import (
     linear_from,
     max_allocated_sql,
@@ -77,6 +77,8 @@ class StreamPositions:
     oldest_pending_ms: int | None = None
     #: Every fact ``<=`` it may have been removed by retention (`prune`); 0: none was.
     pruned_through: int = 0
+    #: How long an append's idempotency key names it (`streams.store.idempotency`).
+    key_window_ms: int = DEFAULT_KEY_WINDOW_MS
 
     @property
     def scratchpad(self) -> int:
@@ -94,6 +96,7 @@ class StreamPositions:
             "scratchpad": self.scratchpad,
             "oldest_pending_ms": self.oldest_pending_ms,
             "pruned_through": self.pruned_through,
+            "key_window_ms": self.key_window_ms,
             "groups": {g.group: g.as_dict() for g in self.groups},
             "writers": {name: row.as_dict() for name, row in shown.items()},
             "retired_writers": sum(w.retired for w in self.writers.values()),
@@ -280,13 +283,14 @@ def stream_positions(info: StreamInfo, *, retire: bool = True) -> Gen[StreamPosi
                    (extract(epoch FROM w.lease_expires_at - clock_timestamp()) * 1000)::bigint,
                    w.pending,
                    (extract(epoch FROM clock_timestamp() - w.heartbeat_at) * 1000)::bigint,
-                   (SELECT r.pruned_through FROM streams_registry r WHERE r.id = %s)
+                   (SELECT r.pruned_through FROM streams_registry r WHERE r.id = %s),
+                   (SELECT r.key_window_ms FROM streams_registry r WHERE r.id = %s)
             FROM (SELECT 1) AS one
             LEFT JOIN streams_writers w ON w.stream = %s
             ORDER BY w.instance
             """
         ).format(max_allocated=max_allocated_sql(info)),
-        (info.id, info.id),
+        (info.id, info.id, info.id),
     )
     yield Commit()
     max_allocated = int(rows[0][0])
@@ -319,4 +323,5 @@ def stream_positions(info: StreamInfo, *, retire: bool = True) -> Gen[StreamPosi
             round(max(h.transaction_seconds for h in holders) * 1000) if holders else None
         ),
         pruned_through=int(rows[0][8] or 0),
+        key_window_ms=int(rows[0][9]),
     )
