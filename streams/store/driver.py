@@ -166,9 +166,11 @@ class Pipeline:
     The generator receives ``[Row(rows_of_query_1), Row(rows_of_query_2), ...]``: one tuple of
     rows per query (empty for a statement without a result).
 
-    ``commit``: the pipeline ends with ``COMMIT`` (one round trip for a whole transaction). If a
-    statement fails, the server skips the rest, ``COMMIT`` included; if the connection breaks,
-    the outcome is unknown (`CommitUnknown`), as for `Commit`.
+    ``commit``: the pipeline is a whole transaction, ``BEGIN`` to ``COMMIT``, in one round trip
+    (the connection must be idle). If a statement fails, the server skips the rest, ``COMMIT``
+    included; if the connection breaks, the outcome is unknown (`CommitUnknown`), as for
+    `Commit`. (Without it, psycopg begins the transaction of a pipeline with a round trip of
+    its own.)
     """
 
     queries: Sequence[Query]
@@ -277,11 +279,24 @@ def _execute(conn: psycopg.Connection[Any], op: Op) -> list[Row]:
                 with contextlib.suppress(psycopg.Error):
                     conn.autocommit = False
     if isinstance(op, Pipeline):
+        if op.commit and not conn.autocommit:
+            # psycopg begins an implicit transaction with a round trip of its own (it syncs
+            # after BEGIN): BEGIN and COMMIT are sent as statements instead, in autocommit (a
+            # client-side flag, as for `Autocommit`), so the transaction is one round trip.
+            conn.autocommit = True
+            try:
+                return _execute(conn, op)
+            finally:
+                if not conn.closed:
+                    with contextlib.suppress(psycopg.Error):
+                        conn.autocommit = False
         try:
             with conn.pipeline():
+                if op.commit:
+                    conn.execute("BEGIN")
                 cursors = [conn.execute(q.statement, q.params) for q in op.queries]
                 if op.commit:
-                    conn.commit()
+                    conn.execute("COMMIT")
         except BaseException:
             conn.close()  # see "Interruptions": a pipeline that failed is not reused
             raise
@@ -311,11 +326,21 @@ async def _aexecute(conn: psycopg.AsyncConnection[Any], op: Op) -> list[Row]:
                 with contextlib.suppress(psycopg.Error):
                     await conn.set_autocommit(False)
     if isinstance(op, Pipeline):
+        if op.commit and not conn.autocommit:
+            await conn.set_autocommit(True)  # as in `_execute`
+            try:
+                return await _aexecute(conn, op)
+            finally:
+                if not conn.closed:
+                    with contextlib.suppress(psycopg.Error):
+                        await conn.set_autocommit(False)
         try:
             async with conn.pipeline():
+                if op.commit:
+                    await conn.execute("BEGIN")
                 acursors = [await conn.execute(q.statement, q.params) for q in op.queries]
                 if op.commit:
-                    await conn.commit()
+                    await conn.execute("COMMIT")
         except BaseException:
             await conn.close()  # see "Interruptions": a pipeline that failed is not reused
             raise
