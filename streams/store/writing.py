@@ -26,6 +26,10 @@ Life of an append
      writes nothing) otherwise: nothing can run between that statement and its commit.
    * A batch: ``BEGIN`` and that statement in one pipeline (one round trip), then ``COPY`` of
      its rows and ``COMMIT``.
+   * With idempotency keys (`streams.store.idempotency`, "the claim argument"): a statement
+     that claims the keys comes first, in the same transaction, and the lease check is gated on
+     holding each key's claim; the reserved IDs are recorded in the keys' rows by the same
+     statement. One fact: ``BEGIN``, claim, reservation, ``COMMIT`` in one pipeline.
 4. Whatever happens (commit, error, rollback, cancellation), the IDs complete in the tracker in
    a ``finally``: a failure is a permanent gap, never a leaked pending ID. A connection lost
    while the one-fact statement (or a ``COMMIT``) runs leaves its outcome unknown to us; the
