@@ -120,10 +120,15 @@ SqlText: TypeAlias = sql.SQL | sql.Composed | str | bytes
 
 @dataclass(frozen=True, slots=True)
 class Query:
-    """Execute one statement; the generator receives ``list[Row]`` (empty if no result)."""
+    """Execute one statement; the generator receives ``list[Row]`` (empty if no result).
+
+    ``prepare``: psycopg's choice (None: prepared after a few executions), or False for a
+    statement whose generic plan would be poor (its parameters decide the plan).
+    """
 
     statement: SqlText
     params: Params = None
+    prepare: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,11 +171,11 @@ class Pipeline:
     The generator receives ``[Row(rows_of_query_1), Row(rows_of_query_2), ...]``: one tuple of
     rows per query (empty for a statement without a result).
 
-    ``commit``: the pipeline is a whole transaction, ``BEGIN`` to ``COMMIT``, in one round trip
-    (the connection must be idle). If a statement fails, the server skips the rest, ``COMMIT``
-    included; if the connection breaks, the outcome is unknown (`CommitUnknown`), as for
-    `Commit`. (Without it, psycopg begins the transaction of a pipeline with a round trip of
-    its own.)
+    ``commit``: the pipeline is a whole transaction of its own (the connection must be idle),
+    in one round trip: run in autocommit, its statements are one implicit transaction that
+    commits at the pipeline's sync, or rolls back whole if one of them fails. If the connection
+    breaks, the outcome is unknown (`CommitUnknown`), as for `Commit`. (Without it, psycopg
+    begins the transaction of a pipeline with a round trip of its own.)
     """
 
     queries: Sequence[Query]
@@ -280,9 +285,11 @@ def _execute(conn: psycopg.Connection[Any], op: Op) -> list[Row]:
                     conn.autocommit = False
     if isinstance(op, Pipeline):
         if op.commit and not conn.autocommit:
-            # psycopg begins an implicit transaction with a round trip of its own (it syncs
-            # after BEGIN): BEGIN and COMMIT are sent as statements instead, in autocommit (a
-            # client-side flag, as for `Autocommit`), so the transaction is one round trip.
+            # psycopg begins a transaction with a round trip of its own (it syncs after its
+            # BEGIN). In autocommit (a client-side flag, as for `Autocommit`) the statements of
+            # a pipeline up to its one sync are one implicit transaction instead (the extended
+            # query protocol's rule; psycopg syncs only when the block ends): it commits at the
+            # sync, or rolls back whole if a statement fails. One round trip.
             conn.autocommit = True
             try:
                 return _execute(conn, op)
@@ -292,11 +299,9 @@ def _execute(conn: psycopg.Connection[Any], op: Op) -> list[Row]:
                         conn.autocommit = False
         try:
             with conn.pipeline():
-                if op.commit:
-                    conn.execute("BEGIN")
-                cursors = [conn.execute(q.statement, q.params) for q in op.queries]
-                if op.commit:
-                    conn.execute("COMMIT")
+                cursors = [
+                    conn.execute(q.statement, q.params, prepare=q.prepare) for q in op.queries
+                ]
         except BaseException:
             conn.close()  # see "Interruptions": a pipeline that failed is not reused
             raise
@@ -336,11 +341,9 @@ async def _aexecute(conn: psycopg.AsyncConnection[Any], op: Op) -> list[Row]:
                         await conn.set_autocommit(False)
         try:
             async with conn.pipeline():
-                if op.commit:
-                    await conn.execute("BEGIN")
-                acursors = [await conn.execute(q.statement, q.params) for q in op.queries]
-                if op.commit:
-                    await conn.execute("COMMIT")
+                acursors = [
+                    await conn.execute(q.statement, q.params, prepare=q.prepare) for q in op.queries
+                ]
         except BaseException:
             await conn.close()  # see "Interruptions": a pipeline that failed is not reused
             raise
