@@ -32,7 +32,7 @@ evaluates the parts of one statement):
    recorded. The gate is a data dependency: the writer's lease check scans the key's row and
    passes only where its token is ours, and no ``nextval`` is evaluated without a row from it;
    even if one were, the ID would complete as a gap (nothing is written under it).
-3. ``COMMIT``.
+3. ``COMMIT`` (for one fact, the implicit commit at the pipeline's sync).
 
 Hence: two transactions racing with one key write one fact (the second waits in its claim,
 then returns the first's `Ack`), and if the first rolls back (a failure, a kill), the second's
@@ -46,10 +46,12 @@ transaction with it. Its fact and its key commit together, or neither does; so a
 got `streams.CommitUnknown` and retries with the same key gets the original `Ack` if the first
 attempt committed, and writes the fact (once) if it did not.
 
-The single-fact append sends ``BEGIN``, the claim, the reservation and ``COMMIT`` in one
-pipeline: one round trip, like an append without a key. A batch claims all its keys in one
-statement (in key order, so two batches with common keys wait for each other rather than
-deadlock), reserves one ID per key it holds, copies those payloads' rows and commits. A fact
+The single-fact append sends the claim and the reservation in one pipeline, in autocommit:
+up to the pipeline's sync they are one implicit transaction (`streams.store.driver.Pipeline`),
+which commits there, or rolls back whole: one round trip, like an append without a key. A
+batch claims all its keys in one statement (in key order, so two batches with common keys
+wait for each other rather than deadlock), reserves one ID per key it holds, copies those
+payloads' rows and commits. A fact
 written in the caller's transaction (``writer.fact(conn, key=...)``) claims and reserves in the
 caller's transaction, so the claim, the fact and the caller's own rows commit together.
 

@@ -29,7 +29,8 @@ Life of an append
    * With idempotency keys (`streams.store.idempotency`, "the claim argument"): a statement
      that claims the keys comes first, in the same transaction, and the lease check is gated on
      holding each key's claim; the reserved IDs are recorded in the keys' rows by the same
-     statement. One fact: ``BEGIN``, claim, reservation, ``COMMIT`` in one pipeline.
+     statement. One fact: the claim and the reservation in one pipeline, one implicit
+     transaction (one round trip).
 4. Whatever happens (commit, error, rollback, cancellation), the IDs complete in the tracker in
    a ``finally``: a failure is a permanent gap, never a leaked pending ID. A connection lost
    while the one-fact statement (or a ``COMMIT``) runs leaves its outcome unknown to us; the
@@ -721,7 +722,7 @@ class WriterCore:
             if single is not None:
                 params.update(key=found_keys[0], ts=stamps[0], payload=single)
                 try:
-                    # BEGIN, the claim, the reservation and COMMIT: one round trip.
+                    # The claim and the reservation, one transaction, one round trip.
                     _, rows = yield Pipeline(
                         [Query(self._claim_one, params), Query(self._reserve_one_keyed, params)],
                         commit=True,
@@ -737,7 +738,8 @@ class WriterCore:
                 ack = Ack.of(ids, [found.timestamp])
             else:
                 params.update(keys=found_keys, stamps=stamps)
-                # BEGIN, the claim and the reservation in one round trip; then COPY, COMMIT.
+                # The claim and the reservation in one pipeline (after psycopg's BEGIN, which
+                # syncs: a round trip of its own); then COPY, COMMIT.
                 # Not prepared: a generic plan knows nothing of the keys, and hashed every key
                 # row of the stream for each batch (measured: 7x slower after 5 batches).
                 _, rows = yield Pipeline(
