@@ -47,6 +47,7 @@ from .store.registry import (
     list_streams,
     load_stream,
     set_fact_tables,
+    set_key_window,
     set_retention,
 )
 from .store.retention import PRUNE_BATCH, PruneResult, prune
@@ -137,6 +138,7 @@ class Client:
         uncapped: bool = False,
         retention_ms: int | None = None,
         fact_tables: Sequence[FactTableSpec] | None = None,
+        key_window_ms: int | None = None,
     ) -> StreamInfo:
         """Create a stream (idempotent when the settings match).
 
@@ -146,6 +148,9 @@ class Client:
         stream's: ``"order_lines.stream_id WHERE stream = 'orders'"`` / ``(table, column,
         {"stream": "orders"})`` / a `streams.store.FactTable`: sequence repair looks at them
         (see `set_fact_tables`). None: whatever is declared already.
+
+        ``key_window_ms``: how long an append's idempotency key names it (default 24 hours;
+        None: whatever is set already).
         """
         with self._db() as conn:
             return run(
@@ -156,6 +161,7 @@ class Client:
                     uncapped=uncapped,
                     retention_ms=retention_ms,
                     fact_tables=fact_tables,
+                    key_window_ms=key_window_ms,
                 ),
             )
 
@@ -286,11 +292,18 @@ class Client:
         with self._db() as conn:
             return run(conn, set_retention(stream, retention_ms))
 
+    def set_key_window(self, stream: str, key_window_ms: int) -> StreamInfo:
+        """Name appends of ``stream`` by their idempotency keys for ``key_window_ms`` (for
+        every key, at once: `streams.store.idempotency`)."""
+        with self._db() as conn:
+            return run(conn, set_key_window(stream, key_window_ms))
+
     def prune(self, stream: str, *, batch: int = PRUNE_BATCH) -> PruneResult:
         """Apply the retention of ``stream``: remove facts older than its ``retention_ms``, in
         short transactions of about ``batch`` rows, never past its complete position or a
         reader group's committed position (``streams prune``; run it on a schedule, or
-        ``streams prune --every``). A reader that needs removed facts gets `FactsPruned`."""
+        ``streams prune --every``). A reader that needs removed facts gets `FactsPruned`.
+        Idempotency keys older than the stream's key window are removed too."""
         with self._db() as conn:
             info = run(conn, load_stream(stream))
             return run(conn, prune(info, batch=batch))
@@ -381,6 +394,7 @@ class AsyncClient:
         uncapped: bool = False,
         retention_ms: int | None = None,
         fact_tables: Sequence[FactTableSpec] | None = None,
+        key_window_ms: int | None = None,
     ) -> StreamInfo:
         """Create a stream (idempotent when the settings match).
 
@@ -390,6 +404,9 @@ class AsyncClient:
         stream's: ``"order_lines.stream_id WHERE stream = 'orders'"`` / ``(table, column,
         {"stream": "orders"})`` / a `streams.store.FactTable`: sequence repair looks at them
         (see `set_fact_tables`). None: whatever is declared already.
+
+        ``key_window_ms``: how long an append's idempotency key names it (default 24 hours;
+        None: whatever is set already).
         """
         async with self._db() as conn:
             return await arun(
@@ -400,6 +417,7 @@ class AsyncClient:
                     uncapped=uncapped,
                     retention_ms=retention_ms,
                     fact_tables=fact_tables,
+                    key_window_ms=key_window_ms,
                 ),
             )
 
@@ -498,6 +516,11 @@ class AsyncClient:
         """See `Client.set_retention`."""
         async with self._db() as conn:
             return await arun(conn, set_retention(stream, retention_ms))
+
+    async def set_key_window(self, stream: str, key_window_ms: int) -> StreamInfo:
+        """See `Client.set_key_window`."""
+        async with self._db() as conn:
+            return await arun(conn, set_key_window(stream, key_window_ms))
 
     async def prune(self, stream: str, *, batch: int = PRUNE_BATCH) -> PruneResult:
         """See `Client.prune`."""

@@ -17,6 +17,7 @@ catch everything with one clause and still tell the cases apart::
     ├── UsageError                  the API was used in a way it cannot honour
     ├── WaitTimeout                 wait_for_position() gave up (also a TimeoutError)
     ├── FactsPruned                 the facts asked for were removed by the stream's retention
+    ├── GroupMoved                  commit(conn=...) found the group moved by another consumer
     ├── RedisUnavailable            Redis is needed here and failed (down, refused, bad password)
     └── StoreError                  PostgreSQL failed underneath us (down, timed out, ...)
         ├── ConnectionLost          the connection broke mid-operation (restart, network)
@@ -35,6 +36,7 @@ __all__ = [
     "ConfigurationError",
     "ConnectionLost",
     "FactsPruned",
+    "GroupMoved",
     "InvalidFact",
     "InvalidFactTables",
     "InvalidStreamName",
@@ -183,6 +185,27 @@ class FactsPruned(StreamsError):
             f"retention (every fact <= {pruned_through} may be gone) and this read starts "
             f"after {position}; start from 'earliest' (the oldest fact kept) or later, or "
             "commit a reader group so retention waits for it"
+        )
+
+
+class GroupMoved(StreamsError):
+    """``reader.commit(conn=...)`` found the group's position no longer where this reader left
+    it (when it opened the group or last committed it): another consumer of the group committed
+    meanwhile (this one is stale), or the transaction of this reader's previous commit rolled
+    back. Nothing was committed, and the caller's transaction can only roll back (its effects
+    must not commit: they may repeat another consumer's). Roll it back, close the reader and
+    open a new one of the group: it resumes at the group's position.
+    """
+
+    def __init__(self, group: str, stream: str, base: int | None) -> None:
+        self.group = group
+        self.stream = stream
+        self.base = base
+        where = "had no position" if base is None else f"was at {base}"
+        super().__init__(
+            f"group {group!r} on stream {stream!r} moved since this reader found it (it {where}):"
+            " another consumer committed it, or the transaction of this reader's last commit "
+            "rolled back; roll back, then reopen the reader (it resumes at the group's position)"
         )
 
 

@@ -25,6 +25,7 @@ from .core.epochs import Epoch, Fact
 from .core.frontier import Antichain, FrontierProbe
 from .core.replication import Hint, backoff_delay
 from .errors import ConnectionLost, StoreError, UsageError, WaitTimeout
+from .orm import async_target, sync_target
 from .store import connect as dbconnect
 from .store.driver import Gen, arun, run
 from .store.probe import (
@@ -408,11 +409,23 @@ class Reader(_ReaderBase):
         """
         self._drive(self._wait_plan(stream, token, instance, timeout))
 
-    def commit(self, through: Fact | None = None) -> dict[str, int]:
+    def commit(self, through: Fact | None = None, *, conn: Any = None) -> dict[str, int]:
         """Commit this reader's positions for its group; a restart of the group resumes here.
         ``through``: only up to that delivered fact (see `ReaderCore.commit`). Tried again for
-        `COMMIT_RETRY_SECONDS` if the connection breaks."""
-        return self._drive(self._commit_plan(through))
+        `COMMIT_RETRY_SECONDS` if the connection breaks.
+
+        ``conn``: write the positions in *your* transaction instead (a psycopg connection, a
+        SQLAlchemy ``Connection`` or ``Session``, a Django connection inside
+        ``transaction.atomic()``: `streams.orm`), so that your effects and the group's
+        position commit or roll back together. Never committed, rolled back or retried here.
+        The group must still be where this reader left it (when it opened the group or last
+        committed it): otherwise `GroupMoved`, and your transaction can only roll back
+        (`streams.store.groups.commit_group_in`).
+        """
+        if conn is None:
+            return self._drive(self._commit_plan(through))
+        target = sync_target(conn)
+        return run(target.conn, self._core.commit_in(through), joined=True)
 
     def close(self) -> None:
         if self._closed:
@@ -546,8 +559,13 @@ class AsyncReader(_ReaderBase):
     ) -> None:
         await self._drive(self._wait_plan(stream, token, instance, timeout))
 
-    async def commit(self, through: Fact | None = None) -> dict[str, int]:
-        return await self._drive(self._commit_plan(through))
+    async def commit(self, through: Fact | None = None, *, conn: Any = None) -> dict[str, int]:
+        """The asyncio twin of `Reader.commit` (``conn``: a psycopg ``AsyncConnection``, or a
+        SQLAlchemy ``AsyncConnection`` or ``AsyncSession``)."""
+        if conn is None:
+            return await self._drive(self._commit_plan(through))
+        target = await async_target(conn)
+        return await arun(target.conn, self._core.commit_in(through), joined=True)
 
     async def aclose(self) -> None:
         if self._closed:

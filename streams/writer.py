@@ -33,8 +33,19 @@ from psycopg.pq import TransactionStatus
 from ._aio import wait_event
 from .core.replication import Announcer
 from .errors import CommitUnknown, ConnectionLost, StoreError, UsageError, WriterFenced
+from .orm import async_target, sync_target
 from .store import connect as dbconnect
-from .store.driver import Gen, arun, asettle, commit_unknown, gone, run, settle
+from .store.driver import (
+    Gen,
+    afail_joined,
+    arun,
+    asettle,
+    commit_unknown,
+    fail_joined,
+    gone,
+    run,
+    settle,
+)
 from .store.registry import StreamInfo
 from .store.writing import Ack, FactChunk, FactHandle, WriterCore
 
@@ -56,6 +67,28 @@ BEAT_RETRY_INTERVAL = 0.25
 
 def _retry_interval(core: WriterCore) -> float:
     return min(BEAT_RETRY_INTERVAL, core.lease_seconds / 8)
+
+
+def _beat_wait(core: WriterCore, interval: float, failing: bool) -> float:
+    """Seconds until the next heartbeat: sooner after a failure, and every `FLUSH_INTERVAL`
+    while facts written in transactions of callers' are pending (the heartbeat is how the
+    writer learns that those transactions ended: `WriterCore.resolve_joined`)."""
+    if failing:
+        return _retry_interval(core)
+    return min(interval, FLUSH_INTERVAL) if core.joined_pending else interval
+
+
+def _written(ack: Ack) -> tuple[tuple[int, ...], int]:
+    """The IDs an append wrote (not its duplicates') and the timestamp to announce them with."""
+    if not ack.duplicates:
+        return ack.ids, ack.last_timestamp
+    return tuple(i for n, i in enumerate(ack.ids) if n not in ack.duplicates), ack.last_timestamp
+
+
+_FAILED_IN_BLOCK = (
+    "a statement of the fact failed inside the block (an error was caught there): "
+    "its transaction can only roll back, and nothing of it was written"
+)
 
 
 def _log_beat(writer: _Announcing, failing: bool, exc: Exception | None) -> None:
@@ -90,14 +123,6 @@ async def _aconnect(url: str, core: WriterCore) -> psycopg.AsyncConnection[Any]:
     return conn
 
 
-def _check_idle(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
-    if conn.info.transaction_status != TransactionStatus.IDLE:
-        raise UsageError(
-            "writer.fact(conn) must start the transaction itself: the ID completes when that "
-            "transaction ends, so conn must not be inside a transaction already"
-        )
-
-
 def _check_committable(
     conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], failed: bool
 ) -> None:
@@ -122,13 +147,11 @@ def _check_committable(
         )
 
 
-class OpenFact:
-    """A fact being written in the caller's transaction: its ID and timestamp, and `add`."""
+class _FactView:
+    """What `OpenFact` and `AsyncOpenFact` share: the fact's ID, timestamp and `Ack`."""
 
-    def __init__(self, core: WriterCore, conn: psycopg.Connection[Any], handle: FactHandle):
-        self._core, self._conn, self._handle = core, conn, handle
-        #: An `add` failed (its transaction was rolled back): the fact can only be abandoned.
-        self.failed = False
+    _handle: FactHandle
+    _joined: bool
 
     @property
     def stream_id(self) -> int:
@@ -138,35 +161,67 @@ class OpenFact:
     def timestamp(self) -> int:
         return self._handle.timestamp
 
+    @property
+    def duplicate(self) -> bool:
+        """The fact's key had been written already: `stream_id`, `timestamp` and `ack` are the
+        original fact's, and nothing may be written for it (`add` refuses)."""
+        return self._handle.duplicate
+
+    @property
+    def ack(self) -> Ack:
+        """The fact's `Ack` (the original's for a duplicate): known before anything is added,
+        and final once the transaction commits."""
+        return self._handle.ack
+
+    def _check_addable(self) -> None:
+        if self._handle.duplicate:
+            raise UsageError(
+                f"the fact's key was written already (fact {self.stream_id}): check "
+                "fact.duplicate and write nothing for a duplicate"
+            )
+
+
+class OpenFact(_FactView):
+    """A fact being written in the caller's transaction: its ID and timestamp, and `add`."""
+
+    def __init__(
+        self,
+        core: WriterCore,
+        conn: psycopg.Connection[Any],
+        handle: FactHandle,
+        joined: bool = False,
+    ):
+        self._core, self._conn, self._handle, self._joined = core, conn, handle, joined
+        #: An `add` failed (its transaction was rolled back): the fact can only be abandoned.
+        self.failed = False
+
     def add(self, *payloads: Any) -> None:
         """Add rows with this fact's stream ID to the built-in facts table."""
+        self._check_addable()
         try:
-            run(self._conn, self._core.add_rows(self._handle, payloads))
+            run(self._conn, self._core.add_rows(self._handle, payloads), joined=self._joined)
         except BaseException:
             self.failed = True
             raise
 
 
-class AsyncOpenFact:
+class AsyncOpenFact(_FactView):
     """The asyncio twin of `OpenFact`."""
 
     def __init__(
-        self, core: WriterCore, conn: psycopg.AsyncConnection[Any], handle: FactHandle
+        self,
+        core: WriterCore,
+        conn: psycopg.AsyncConnection[Any],
+        handle: FactHandle,
+        joined: bool = False,
     ) -> None:
-        self._core, self._conn, self._handle = core, conn, handle
+        self._core, self._conn, self._handle, self._joined = core, conn, handle, joined
         self.failed = False
 
-    @property
-    def stream_id(self) -> int:
-        return self._handle.stream_id
-
-    @property
-    def timestamp(self) -> int:
-        return self._handle.timestamp
-
     async def add(self, *payloads: Any) -> None:
+        self._check_addable()
         try:
-            await arun(self._conn, self._core.add_rows(self._handle, payloads))
+            await arun(self._conn, self._core.add_rows(self._handle, payloads), joined=self._joined)
         except BaseException:  # a cancellation too: the transaction was rolled back
             self.failed = True
             raise
@@ -267,20 +322,40 @@ class Writer(_Announcing):
 
     # ------------------------------------------------------------------ writing
 
-    def append(self, payload: Any, *, timestamp: int | None = None) -> Ack:
-        """Append one fact; returns its `Ack` once committed."""
-        return self._append([payload], [timestamp])
+    def append(self, payload: Any, *, timestamp: int | None = None, key: str | None = None) -> Ack:
+        """Append one fact; returns its `Ack` once committed.
+
+        ``key``: an idempotency key. If an append with this key was written to the stream
+        within its key window (by any process), nothing is written and the original `Ack`
+        comes back (``ack.duplicate``); two processes racing with one key write one fact. Retry
+        an append that raised `CommitUnknown` with the same key: it writes the fact at most once.
+        """
+        return self._append([payload], [timestamp], None if key is None else [key])
 
     def append_batch(
-        self, payloads: Sequence[Any], *, timestamps: Sequence[int | None] | None = None
+        self,
+        payloads: Sequence[Any],
+        *,
+        timestamps: Sequence[int | None] | None = None,
+        keys: Sequence[str] | None = None,
     ) -> Ack:
-        """Append several facts in one transaction (IDs ascending, maybe not contiguous)."""
+        """Append several facts in one transaction (IDs ascending, maybe not contiguous).
+
+        ``keys``: one idempotency key per payload (distinct). Payloads whose key was written
+        already are not written again: their positions are in ``ack.duplicates`` and their
+        IDs in ``ack.ids`` are the original facts' (see `Ack`); the others are written.
+        """
         stamps = list(timestamps) if timestamps is not None else [None] * len(payloads)
         if len(stamps) != len(payloads):
             raise UsageError("timestamps must have one entry per payload")
-        return self._append(list(payloads), stamps)
+        return self._append(list(payloads), stamps, None if keys is None else list(keys))
 
-    def _append(self, payloads: Sequence[Any], stamps: Sequence[int | None]) -> Ack:
+    def _append(
+        self,
+        payloads: Sequence[Any],
+        stamps: Sequence[int | None],
+        keys: Sequence[str] | None = None,
+    ) -> Ack:
         ack: Ack | None = None
         try:
             with self._lock:
@@ -292,7 +367,7 @@ class Writer(_Announcing):
                         self._conn.close()
                         self._conn = _connect(self._url, self._core)
                     try:
-                        ack = run(self._conn, self._core.append(payloads, stamps))
+                        ack = run(self._conn, self._core.append(payloads, stamps, keys))
                         break
                     except CommitUnknown:
                         raise  # it may have committed: never written twice by us
@@ -305,7 +380,7 @@ class Writer(_Announcing):
             return ack
         finally:
             if ack is not None:
-                self._after_completion(ack.ids, ack.last_timestamp)
+                self._after_completion(*_written(ack))
             else:
                 self._after_completion()
 
@@ -333,38 +408,58 @@ class Writer(_Announcing):
 
     @contextlib.contextmanager
     def fact(
-        self, conn: psycopg.Connection[Any], *, timestamp: int | None = None
+        self, conn: Any, *, timestamp: int | None = None, key: str | None = None
     ) -> Iterator[OpenFact]:
         """Reserve an ID for a fact written in *your* transaction on *your* connection.
 
-        The block is the transaction: it begins here and commits when the block exits (rolls
-        back on an exception). Write the fact's rows in your own tables with `fact.stream_id`
-        (and/or `fact.add(...)` rows in the built-in table). The ID completes when the
-        transaction ends, as a gap if it rolled back.
+        ``conn``: a psycopg connection, a SQLAlchemy ``Connection`` or ``Session``, or a Django
+        connection inside ``transaction.atomic()`` (`streams.orm`).
+
+        * An idle psycopg connection: the block is the transaction: it begins here and commits
+          when the block exits (rolls back on an exception).
+        * A psycopg connection already in a transaction, or an ORM's: the fact *joins* that
+          transaction, which you commit (or roll back) as usual, after the block. An error
+          in the block (yours or ours) leaves the transaction able only to roll back.
+
+        Write the fact's rows in your own tables with `fact.stream_id` (and/or `fact.add(...)`
+        rows in the built-in table), inside the block. The ID completes when the transaction
+        ends, as a gap if it rolled back.
+
+        ``key``: an idempotency key (see `append`). If it was written already,
+        ``fact.duplicate`` is true, ``fact.ack`` is the original's, and nothing may be written:
+        return without writing (a block that is its own transaction is rolled back anyway).
 
         The transaction holds back the linear position while open, so it must not sit idle:
         the server aborts it if it is idle (no statement running) for longer than the lease.
         """
-        _check_idle(conn)
+        target = sync_target(conn)
+        if target.joined:
+            with self._joined_fact(target.conn, timestamp, key) as joined:
+                yield joined
+            return
+        conn = target.conn
         core = self._core
         autocommit = conn.autocommit
-        token, stamp = core.begin_fact(timestamp)
+        token, stamp = core.begin_fact(timestamp, key)
         handle: FactHandle | None = None
         ok = False
         try:
             if autocommit:
                 conn.execute("BEGIN")
-            handle = run(conn, core.reserve_fact(token, stamp))
+            handle = run(conn, core.reserve_fact(token, stamp, key))
             fact = OpenFact(core, conn, handle)
             yield fact
             _check_committable(conn, fact.failed)
-            try:
-                conn.commit()
-            except psycopg.Error as exc:
-                unknown = commit_unknown(exc, conn)
-                if unknown is None:
-                    raise
-                raise unknown from exc
+            if handle.duplicate:
+                settle(conn, autocommit)  # nothing of a duplicate's block is written
+            else:
+                try:
+                    conn.commit()
+                except psycopg.Error as exc:
+                    unknown = commit_unknown(exc, conn)
+                    if unknown is None:
+                        raise
+                    raise unknown from exc
             ok = True
         finally:
             try:
@@ -374,10 +469,39 @@ class Writer(_Announcing):
                         settle(conn, autocommit)
             finally:
                 core.finish_fact(token, handle, ok)
-                if ok and handle is not None:
+                if ok and handle is not None and not handle.duplicate:
                     self._after_completion((handle.stream_id,), handle.timestamp)
                 else:
                     self._after_completion()
+
+    @contextlib.contextmanager
+    def _joined_fact(
+        self, conn: psycopg.Connection[Any], timestamp: int | None, key: str | None
+    ) -> Iterator[OpenFact]:
+        """`fact` in a transaction of the caller's: never begun, committed or rolled back here.
+        The ID stays pending until the heartbeat finds that transaction ended
+        (`WriterCore.resolve_joined`); a failure leaves it failed (`fail_joined`)."""
+        core = self._core
+        token, stamp = core.begin_fact(timestamp, key)
+        handle: FactHandle | None = None
+        ok = False
+        try:
+            handle = run(conn, core.reserve_fact(token, stamp, key), joined=True)
+            fact = OpenFact(core, conn, handle, joined=True)
+            yield fact
+            if fact.failed:
+                raise StoreError(_FAILED_IN_BLOCK)
+            ok = True
+        finally:
+            if not ok:
+                with contextlib.suppress(psycopg.Error):
+                    fail_joined(conn)
+            if ok and handle is not None and not handle.duplicate:
+                core.join_fact(handle)
+                self._wake.set()
+            else:
+                core.finish_fact(token, handle, False)
+                self._after_completion()
 
     # ------------------------------------------------------------------ heartbeat
 
@@ -396,13 +520,16 @@ class Writer(_Announcing):
     def _beat_loop(self) -> None:
         interval, failing = self._core.lease_seconds / 4, False
         while not self._stopped.is_set():
-            woken = self._wake.wait(_retry_interval(self._core) if failing else interval)
+            woken = self._wake.wait(_beat_wait(self._core, interval, failing))
             self._wake.clear()
             if self._stopped.is_set():
                 break
             try:
                 with self._beat_lock:
                     conn = self._beat_connection()
+                    if self._core.joined_pending:
+                        for stream_id, ts in run(conn, self._core.resolve_joined()):
+                            self._announce((stream_id,), ts)
                     if woken:  # by an append: persist the position, nothing else
                         run(conn, self._core.heartbeat())
                     else:
@@ -509,18 +636,31 @@ class AsyncWriter(_Announcing):
             raise UsageError("writer is closed")
         return self._conn
 
-    async def append(self, payload: Any, *, timestamp: int | None = None) -> Ack:
-        return await self._append([payload], [timestamp])
+    async def append(
+        self, payload: Any, *, timestamp: int | None = None, key: str | None = None
+    ) -> Ack:
+        """The asyncio twin of `Writer.append`."""
+        return await self._append([payload], [timestamp], None if key is None else [key])
 
     async def append_batch(
-        self, payloads: Sequence[Any], *, timestamps: Sequence[int | None] | None = None
+        self,
+        payloads: Sequence[Any],
+        *,
+        timestamps: Sequence[int | None] | None = None,
+        keys: Sequence[str] | None = None,
     ) -> Ack:
+        """The asyncio twin of `Writer.append_batch`."""
         stamps = list(timestamps) if timestamps is not None else [None] * len(payloads)
         if len(stamps) != len(payloads):
             raise UsageError("timestamps must have one entry per payload")
-        return await self._append(list(payloads), stamps)
+        return await self._append(list(payloads), stamps, None if keys is None else list(keys))
 
-    async def _append(self, payloads: Sequence[Any], stamps: Sequence[int | None]) -> Ack:
+    async def _append(
+        self,
+        payloads: Sequence[Any],
+        stamps: Sequence[int | None],
+        keys: Sequence[str] | None = None,
+    ) -> Ack:
         conn = self._connection()
         ack: Ack | None = None
         try:
@@ -530,7 +670,7 @@ class AsyncWriter(_Announcing):
                         await conn.close()
                         conn = self._conn = await _aconnect(self._url, self._core)
                     try:
-                        ack = await arun(conn, self._core.append(payloads, stamps))
+                        ack = await arun(conn, self._core.append(payloads, stamps, keys))
                         break
                     except CommitUnknown:
                         raise
@@ -542,7 +682,7 @@ class AsyncWriter(_Announcing):
             return ack
         finally:
             if ack is not None:
-                self._after_completion(ack.ids, ack.last_timestamp)
+                self._after_completion(*_written(ack))
             else:
                 self._after_completion()
 
@@ -567,36 +707,46 @@ class AsyncWriter(_Announcing):
 
     @contextlib.asynccontextmanager
     async def fact(
-        self, conn: psycopg.AsyncConnection[Any], *, timestamp: int | None = None
+        self, conn: Any, *, timestamp: int | None = None, key: str | None = None
     ) -> AsyncIterator[AsyncOpenFact]:
-        """The asyncio twin of `Writer.fact`.
+        """The asyncio twin of `Writer.fact` (``conn``: a psycopg ``AsyncConnection``, or a
+        SQLAlchemy ``AsyncConnection`` or ``AsyncSession``).
 
         A cancellation anywhere (in the block or in ours) rolls the transaction back before it
         propagates (`streams.store.driver.asettle`: to the end, even if cancelled again) and
-        completes the ID as a gap. A cancelled ``COMMIT`` has an unknown outcome, as a lost
+        completes the ID as a gap; in a transaction of yours it leaves that transaction able
+        only to roll back. A cancelled ``COMMIT`` has an unknown outcome, as a lost
         connection has: the ID completes either way, and readers learn the fact from PostgreSQL if
         it was committed.
         """
-        _check_idle(conn)
+        target = await async_target(conn)
+        if target.joined:
+            async with self._joined_fact(target.conn, timestamp, key) as joined:
+                yield joined
+            return
+        conn = target.conn
         core = self._core
         autocommit = conn.autocommit
-        token, stamp = core.begin_fact(timestamp)
+        token, stamp = core.begin_fact(timestamp, key)
         handle: FactHandle | None = None
         ok = False
         try:
             if autocommit:
                 await conn.execute("BEGIN")
-            handle = await arun(conn, core.reserve_fact(token, stamp))
+            handle = await arun(conn, core.reserve_fact(token, stamp, key))
             fact = AsyncOpenFact(core, conn, handle)
             yield fact
             _check_committable(conn, fact.failed)
-            try:
-                await conn.commit()
-            except psycopg.Error as exc:
-                unknown = commit_unknown(exc, conn)
-                if unknown is None:
-                    raise
-                raise unknown from exc
+            if handle.duplicate:
+                await asettle(conn, autocommit)  # nothing of a duplicate's block is written
+            else:
+                try:
+                    await conn.commit()
+                except psycopg.Error as exc:
+                    unknown = commit_unknown(exc, conn)
+                    if unknown is None:
+                        raise
+                    raise unknown from exc
             ok = True
         finally:
             try:
@@ -605,9 +755,38 @@ class AsyncWriter(_Announcing):
                         await asettle(conn, autocommit)
             finally:
                 core.finish_fact(token, handle, ok)
-                if ok and handle is not None:
+                if ok and handle is not None and not handle.duplicate:
                     self._after_completion((handle.stream_id,), handle.timestamp)
                 else:
+                    self._after_completion()
+
+    @contextlib.asynccontextmanager
+    async def _joined_fact(
+        self, conn: psycopg.AsyncConnection[Any], timestamp: int | None, key: str | None
+    ) -> AsyncIterator[AsyncOpenFact]:
+        """The asyncio twin of `Writer._joined_fact`."""
+        core = self._core
+        token, stamp = core.begin_fact(timestamp, key)
+        handle: FactHandle | None = None
+        ok = False
+        try:
+            handle = await arun(conn, core.reserve_fact(token, stamp, key), joined=True)
+            fact = AsyncOpenFact(core, conn, handle, joined=True)
+            yield fact
+            if fact.failed:
+                raise StoreError(_FAILED_IN_BLOCK)
+            ok = True
+        finally:
+            try:
+                if not ok:
+                    with contextlib.suppress(psycopg.Error):
+                        await afail_joined(conn)
+            finally:
+                if ok and handle is not None and not handle.duplicate:
+                    core.join_fact(handle)
+                    self._wake.set()
+                else:
+                    core.finish_fact(token, handle, False)
                     self._after_completion()
 
     async def heartbeat(self) -> None:
@@ -626,14 +805,16 @@ class AsyncWriter(_Announcing):
     async def _beat_loop(self) -> None:
         interval, failing = self._core.lease_seconds / 4, False
         while not self._stopped.is_set():
-            timeout = _retry_interval(self._core) if failing else interval
-            woken = await wait_event(self._wake, timeout)
+            woken = await wait_event(self._wake, _beat_wait(self._core, interval, failing))
             self._wake.clear()
             if self._stopped.is_set():
                 break
             try:
                 async with self._beat_lock:
                     conn = await self._beat_connection()
+                    if self._core.joined_pending:
+                        for stream_id, ts in await arun(conn, self._core.resolve_joined()):
+                            self._announce((stream_id,), ts)
                     if woken:  # by an append: persist the position, nothing else
                         await arun(conn, self._core.heartbeat())
                     else:

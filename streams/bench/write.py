@@ -9,6 +9,9 @@ measured in the same run is a fair comparison.
   a table of the same shape as ``streams_facts``. Streams: ``Writer.append``.
 * **batch**: 1000 facts per transaction. Raw: the 1000 IDs in one ``nextval`` round trip, the
   rows by ``COPY`` (the fastest raw method), ``COMMIT``. Streams: ``Writer.append_batch``.
+* **keyed** (a configuration of both, Redis off): the same appends, each fact with an
+  idempotency key of its own (``key=`` / ``keys=``: `streams.store.idempotency`), beside the
+  unkeyed ones (``keyed/unkeyed``).
 
 Beside each rate it prints the client CPU per append (all threads of the writer processes, from
 ``getrusage``) and its split by thread (``pthread_getcpuclockid`` of each live thread: ``main``,
@@ -22,10 +25,12 @@ are dropped, and the writer processes ended, when it ends, also on Ctrl-C or an 
 
 from __future__ import annotations
 
+import itertools
 import json
 import multiprocessing
 import os
 import resource
+import secrets
 import statistics
 import threading
 import time
@@ -45,8 +50,9 @@ from .common import PAYLOAD, Scratch, ignore_interrupts, progress_report, scratc
 
 __all__ = ["WriteBenchResult", "bench_write_command", "run_write_bench", "tracker_memory"]
 
-#: The configurations of one round, in the order they run: raw first, then `streams`.
-KINDS = ("raw", "redis-off", "redis-on")
+#: The configurations of one round, in the order they run: raw first, then `streams` (keyed
+#: appends with Redis off, beside ``redis-off``).
+KINDS = ("raw", "redis-off", "keyed", "redis-on")
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +101,14 @@ class WriteBenchResult:
             "writers": self.writers,
             "kinds": {k: m.as_dict() for k, m in self.kinds.items()},
             "ratios": {k: round(self.ratio_of(k), 3) for k in self.kinds if k != "raw"},
+            "keyed_vs_unkeyed": round(self.keyed_ratio, 3),
         }
+
+    @property
+    def keyed_ratio(self) -> float:
+        """Keyed appends per second over unkeyed ones (both with Redis off)."""
+        keyed, plain = self.kinds.get("keyed"), self.kinds.get("redis-off")
+        return keyed.per_s / plain.per_s if keyed and plain and plain.per_s else float("nan")
 
 
 def _setup_raw(url: str, table: str, sequence: str) -> None:
@@ -146,7 +159,13 @@ def _raw_worker(
 
 
 def _streams_worker(
-    url: str, redis_url: str | None, mode: str, batch: int, instance: str, stream: str
+    url: str,
+    redis_url: str | None,
+    mode: str,
+    batch: int,
+    instance: str,
+    stream: str,
+    keyed: bool = False,
 ) -> Callable[[], int]:
     from ..client import connect
 
@@ -155,13 +174,16 @@ def _streams_worker(
     client = connect(url, redis_url)
     writer = client.writer(stream, instance=instance)
     payloads = [PAYLOAD] * batch
+    # Keys never seen before (each round's processes reuse the instance names).
+    prefix, counter = f"{instance}-{secrets.token_hex(6)}-", itertools.count()
 
     def single() -> int:
-        writer.append(PAYLOAD)
+        writer.append(PAYLOAD, key=f"{prefix}{next(counter)}" if keyed else None)
         return 1
 
     def many() -> int:
-        return writer.append_batch(payloads).count
+        keys = [f"{prefix}{next(counter)}" for _ in payloads] if keyed else None
+        return writer.append_batch(payloads, keys=keys).count
 
     return single if mode == "single" else many
 
@@ -213,7 +235,13 @@ def _child(
         _raw_worker(url, mode, batch, instance, *raw)
         if kind == "raw"
         else _streams_worker(
-            url, redis_url if kind == "redis-on" else None, mode, batch, instance, stream
+            url,
+            redis_url if kind == "redis-on" else None,
+            mode,
+            batch,
+            instance,
+            stream,
+            keyed=kind == "keyed",
         )
     )
     for _ in range(3):  # warm up: connections, prepared statements, caches
@@ -323,7 +351,7 @@ def run_write_bench(
     report: Callable[[str], None] = print,
 ) -> list[WriteBenchResult]:
     """Medians of `rounds` rounds of raw, Redis off and (with `redis_url`) Redis on."""
-    kinds = KINDS if redis_url is not None else KINDS[:2]
+    kinds = KINDS if redis_url is not None else KINDS[:3]
     results = []
     with scratch_streams(url, "write") as scratch:
         stream = scratch.create().name
@@ -337,7 +365,7 @@ def run_write_bench(
                         args = (kind, url, redis_url, mode, writers, batch, stream, raw, seconds)
                         runs[kind].append(_measure(scratch, *args))
                 measured = {k: _median(v) for k, v in runs.items()}
-                headline = measured[kinds[-1]]
+                headline = measured["redis-on" if "redis-on" in measured else "redis-off"]
                 result = WriteBenchResult(
                     mode, writers, measured["raw"].per_s, headline.per_s, measured
                 )
@@ -347,6 +375,7 @@ def run_write_bench(
                     rate, ratio = measured[kind].per_s, result.ratio_of(kind)
                     parts.append(f"{kind} {rate:>9,.0f}/s ratio {ratio:.2f}")
                 report(f"{mode:>6} x{writers} writer(s): " + " | ".join(parts))
+                report(f"{'':>8}keyed/unkeyed (Redis off): {result.keyed_ratio:.2f}")
                 for kind in kinds:
                     report(f"{'':>8}client CPU per append, {kind:>9}: {_cpu_text(measured[kind])}")
     return results
@@ -399,7 +428,8 @@ def bench_write_command(
     prefix: str | None,
 ) -> None:
     """Appends/s (single and 1000-per-transaction) for 1 and 4 writer processes vs raw,
-    with Redis off and (when a Redis URL is configured) on, and client CPU per append."""
+    with Redis off, keyed (each fact with an idempotency key, Redis off) and (when a Redis URL
+    is configured) Redis on, and client CPU per append."""
     settings = Settings.resolve(database_url, redis_url, prefix)
     redis_text = redact_url(settings.redis_url) if settings.redis_url else "none (Redis off only)"
     click.echo(

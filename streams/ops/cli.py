@@ -48,7 +48,15 @@ from .params import (
     FiniteFloat,
     common_options,
 )
-from .render import Table, positions_tables, print_tables, render_plain, rich_renderable, timestamp
+from .render import (
+    Table,
+    format_duration_ms,
+    positions_tables,
+    print_tables,
+    render_plain,
+    rich_renderable,
+    timestamp,
+)
 
 
 def _settings(database_url: str | None, redis_url: str | None, prefix: str | None) -> Settings:
@@ -102,6 +110,12 @@ def migrate(database_url: str | None, redis_url: str | None, prefix: str | None)
     help="Retention in ms.",
 )
 @click.option(
+    "--key-window",
+    "key_window_ms",
+    type=Duration(min_ms=1),
+    help="How long an append's idempotency key names it (e.g. 24h, the default; 30m).",
+)
+@click.option(
     "--table",
     "tables",
     multiple=True,
@@ -118,6 +132,7 @@ def create(
     timestamping: str,
     uncapped: bool,
     retention_ms: int | None,
+    key_window_ms: int | None,
     tables: tuple[str, ...],
     as_json: bool,
     database_url: str | None,
@@ -132,6 +147,7 @@ def create(
             uncapped=uncapped,
             retention_ms=retention_ms,
             fact_tables=list(tables) if tables else None,
+            key_window_ms=key_window_ms,
         )
     _emit(info.as_dict(), as_json, _stream_text)
 
@@ -142,8 +158,32 @@ def _stream_text(d: dict[str, Any]) -> Iterator[str]:
     yield (
         f"stream {d['name']}: timestamping {d['timestamping']}"
         f"{' uncapped' if d['uncapped'] else ''}, retention {retention}, "
+        f"key window {format_duration_ms(d['key_window_ms'])}, "
         f"fact tables besides streams_facts: {tables}"
     )
+
+
+@main.command(name="key-window")
+@click.argument("name", type=STREAM_NAME)
+@click.argument("window", required=False, metavar="[DURATION]", type=Duration(min_ms=1))
+@click.option("--json", "as_json", is_flag=True)
+@common_options
+def key_window(
+    name: str,
+    window: int | None,
+    as_json: bool,
+    database_url: str | None,
+    redis_url: str | None,
+    prefix: str | None,
+) -> None:
+    """Show or set how long an append's idempotency key names it on stream NAME (24h, 30m).
+
+    A keyed append whose key was written within the window returns the original acknowledgement
+    and writes nothing; `streams prune` removes older keys.
+    """
+    with _client(database_url, redis_url, prefix) as client:
+        info = client.stream(name) if window is None else client.set_key_window(name, window)
+    _emit(info.as_dict(), as_json, _stream_text)
 
 
 @main.command()
@@ -265,11 +305,13 @@ def prune_(
     prefix: str | None,
 ) -> None:
     """Apply retention: remove facts older than each stream's retention (default: every
-    stream that has one), in short transactions, never past a reader group's position."""
+    stream), in short transactions, never past a reader group's position; and idempotency
+    keys older than each stream's key window."""
     interval = None if every is None else every / 1000
     with _client(database_url, redis_url, prefix) as client:
         while True:
-            names = list(streams) or [s.name for s in client.streams() if s.retention_ms]
+            # Every stream by default: each may have idempotency keys past its key window.
+            names = list(streams) or [s.name for s in client.streams()]
             for name in names:
                 _emit(client.prune(name, batch=batch).as_dict(), as_json, _prune_text)
             if interval is None:

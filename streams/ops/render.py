@@ -39,6 +39,17 @@ class Table:
     numeric: frozenset[str] = frozenset()
 
 
+def format_duration_ms(ms: int) -> str:
+    """Milliseconds as a duration that ``--key-window`` and the like read back: ``24h``,
+    ``1h30m``, ``250ms`` (hours at most, so a day reads ``24h``)."""
+    parts = []
+    for unit, size in (("h", 3_600_000), ("m", 60_000), ("s", 1000), ("ms", 1)):
+        count, ms = divmod(ms, size)
+        if count:
+            parts.append(f"{count}{unit}")
+    return "".join(parts) or "0ms"
+
+
 def age(ms: int | float | None) -> str:
     """``850ms``, ``12.5s``, ``3m20s``, ``2h05m``, ``3d04h``; ``-`` for None."""
     if ms is None:
@@ -151,7 +162,15 @@ def positions_tables(
     ``rates`` (facts/s samples per stream) adds a RATE column with a sparkline."""
     streams_table = Table(
         "streams",
-        ["STREAM", "LINEAR", "MAX_ALLOCATED", "SCRATCHPAD", "OLDEST_PENDING_MS", "PRUNED_THROUGH"]
+        [
+            "STREAM",
+            "LINEAR",
+            "MAX_ALLOCATED",
+            "SCRATCHPAD",
+            "OLDEST_PENDING_MS",
+            "PRUNED_THROUGH",
+            "KEY_WINDOW",
+        ]
         + (["RATE"] if rates is not None else []),
         numeric=frozenset(
             {"LINEAR", "MAX_ALLOCATED", "SCRATCHPAD", "OLDEST_PENDING_MS", "PRUNED_THROUGH"}
@@ -170,6 +189,7 @@ def positions_tables(
     for p in items:
         row = [p.stream, str(p.linear), str(p.max_allocated), str(p.scratchpad)]
         row += [age(p.oldest_pending_ms), str(p.pruned_through)]
+        row.append(format_duration_ms(p.key_window_ms))
         if rates is not None:
             history = rates.get(p.stream, [])
             now = f"{history[-1]:,.0f}/s" if history else "-"

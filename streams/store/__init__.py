@@ -17,6 +17,7 @@ statements it is about.
   retention check every read makes.
 * `groups`: reader groups, and the positions report of ``streams positions``.
 * `retention`: pruning facts older than a stream's retention (the retention argument).
+* `idempotency`: idempotency keys: a keyed append is written once (the claim argument).
 * `writing`: `WriterCore`, one writer instance: registration, appends, heartbeats.
 * `reading`: `ReaderCore`, one reader: starts, steps (epochs), group commits.
 

@@ -102,9 +102,11 @@ __all__ = [
     "Pipeline",
     "Query",
     "Row",
+    "afail_joined",
     "arun",
     "asettle",
     "commit_unknown",
+    "fail_joined",
     "gone",
     "run",
     "settle",
@@ -119,10 +121,15 @@ SqlText: TypeAlias = sql.SQL | sql.Composed | str | bytes
 
 @dataclass(frozen=True, slots=True)
 class Query:
-    """Execute one statement; the generator receives ``list[Row]`` (empty if no result)."""
+    """Execute one statement; the generator receives ``list[Row]`` (empty if no result).
+
+    ``prepare``: psycopg's choice (None: prepared after a few executions), or False for a
+    statement whose generic plan would be poor (its parameters decide the plan).
+    """
 
     statement: SqlText
     params: Params = None
+    prepare: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,10 +170,17 @@ class Pipeline:
     The server still runs them one after the other, each with its own snapshot under READ
     COMMITTED, so a later statement sees what an earlier one left behind (e.g. ``set_config``).
     The generator receives ``[Row(rows_of_query_1), Row(rows_of_query_2), ...]``: one tuple of
-    rows per query.
+    rows per query (empty for a statement without a result).
+
+    ``commit``: the pipeline is a whole transaction of its own (the connection must be idle),
+    in one round trip: run in autocommit, its statements are one implicit transaction that
+    commits at the pipeline's sync, or rolls back whole if one of them fails. If the connection
+    breaks, the outcome is unknown (`CommitUnknown`), as for `Commit`. (Without it, psycopg
+    begins the transaction of a pipeline with a round trip of its own.)
     """
 
     queries: Sequence[Query]
+    commit: bool = False
 
 
 Op: TypeAlias = Query | Autocommit | CopyIn | Commit | Pipeline
@@ -186,7 +200,7 @@ def _wrap(
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     kind: type[StoreError] = StoreError
     if conn is not None and _lost(error, conn):
-        if isinstance(op, Commit | Autocommit):
+        if isinstance(op, Commit | Autocommit) or (isinstance(op, Pipeline) and op.commit):
             kind = CommitUnknown
             text += "; it may or may not have committed"
         else:
@@ -289,13 +303,28 @@ def _execute(conn: psycopg.Connection[Any], op: Op) -> list[Row]:
                 with contextlib.suppress(psycopg.Error):
                     conn.autocommit = False
     if isinstance(op, Pipeline):
+        if op.commit and not conn.autocommit:
+            # psycopg begins a transaction with a round trip of its own (it syncs after its
+            # BEGIN). In autocommit (a client-side flag, as for `Autocommit`) the statements of
+            # a pipeline up to its one sync are one implicit transaction instead (the extended
+            # query protocol's rule; psycopg syncs only when the block ends): it commits at the
+            # sync, or rolls back whole if a statement fails. One round trip.
+            conn.autocommit = True
+            try:
+                return _execute(conn, op)
+            finally:
+                if not conn.closed:
+                    with contextlib.suppress(psycopg.Error):
+                        conn.autocommit = False
         try:
             with conn.pipeline():
-                cursors = [conn.execute(q.statement, q.params) for q in op.queries]
+                cursors = [
+                    conn.execute(q.statement, q.params, prepare=q.prepare) for q in op.queries
+                ]
         except BaseException:
             conn.close()  # see "Interruptions": a pipeline that failed is not reused
             raise
-        return [tuple(cur.fetchall()) for cur in cursors]
+        return [tuple(cur.fetchall()) if cur.description else () for cur in cursors]
     with conn.cursor() as cur:
         if isinstance(op, CopyIn):
             with cur.copy(op.statement) as copy:
@@ -321,13 +350,23 @@ async def _aexecute(conn: psycopg.AsyncConnection[Any], op: Op) -> list[Row]:
                 with contextlib.suppress(psycopg.Error):
                     await conn.set_autocommit(False)
     if isinstance(op, Pipeline):
+        if op.commit and not conn.autocommit:
+            await conn.set_autocommit(True)  # as in `_execute`
+            try:
+                return await _aexecute(conn, op)
+            finally:
+                if not conn.closed:
+                    with contextlib.suppress(psycopg.Error):
+                        await conn.set_autocommit(False)
         try:
             async with conn.pipeline():
-                acursors = [await conn.execute(q.statement, q.params) for q in op.queries]
+                acursors = [
+                    await conn.execute(q.statement, q.params, prepare=q.prepare) for q in op.queries
+                ]
         except BaseException:
             await conn.close()  # see "Interruptions": a pipeline that failed is not reused
             raise
-        return [tuple(await cur.fetchall()) for cur in acursors]
+        return [tuple(await cur.fetchall()) if cur.description else () for cur in acursors]
     async with conn.cursor() as cur:
         if isinstance(op, CopyIn):
             try:
@@ -423,6 +462,71 @@ async def asettle(conn: psycopg.AsyncConnection[Any], autocommit: bool) -> None:
     await uninterrupted(_asettle_now(conn, autocommit))
 
 
+#: The statement by which the drivers fail a caller's transaction that an operation of ours
+#: joined and that failed (`fail_joined`): it fails whenever it runs, and PostgreSQL answers the
+#: ``COMMIT`` of a failed transaction with a rollback.
+FAIL_JOINED = (
+    "SELECT 'streams: an operation of the streams library failed in this transaction; "
+    "it can only roll back'::int"
+)
+
+
+def _failed(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:
+    return conn.info.transaction_status == TransactionStatus.INERROR
+
+
+def fail_joined(conn: psycopg.Connection[Any]) -> None:
+    """After a failure of ours in a transaction of the caller's that we joined (``fact()`` or
+    ``commit(conn=...)`` on a connection already in a transaction, an ORM's): leave that
+    transaction able only to roll back, or the connection closed, never half-done and still
+    committable. We never roll back or commit a transaction we joined (the caller's ORM would
+    carry on outside it): a statement of ours that failed has failed it already, and any
+    other failure fails it with `FAIL_JOINED`. What only closing clears (see "Interruptions")
+    closes the connection: the caller's transaction is then over, and nothing of it commits."""
+    try:
+        if conn.closed:
+            return
+        if _unsettled(conn):
+            conn.close()
+            return
+        if conn.info.transaction_status == TransactionStatus.INTRANS:
+            with contextlib.suppress(psycopg.Error):
+                conn.execute(FAIL_JOINED)
+            if not _failed(conn):
+                conn.close()
+    except BaseException:
+        conn.close()
+        raise
+
+
+async def _afail_joined_now(conn: psycopg.AsyncConnection[Any]) -> None:
+    try:
+        if conn.closed:
+            return
+        if _unsettled(conn):
+            await conn.close()
+            return
+        if conn.info.transaction_status == TransactionStatus.INTRANS:
+            async with asyncio.timeout(SETTLE_TIMEOUT):
+                with contextlib.suppress(psycopg.Error):
+                    await conn.execute(FAIL_JOINED)
+            if not _failed(conn):
+                await conn.close()
+    except BaseException as exc:
+        await conn.close()
+        if not isinstance(exc, Exception):
+            raise
+
+
+async def afail_joined(conn: psycopg.AsyncConnection[Any]) -> None:
+    """The asyncio twin of `fail_joined`, run to the end even if cancelled meanwhile."""
+    await uninterrupted(_afail_joined_now(conn))
+
+
+#: The drivers shadow these names with closures that honour ``joined``.
+_settle, _asettle = settle, asettle
+
+
 def _advance(gen: Gen[T], result: list[Row] | None, error: BaseException | None) -> Op:
     if error is not None:
         return gen.throw(error)
@@ -431,9 +535,17 @@ def _advance(gen: Gen[T], result: list[Row] | None, error: BaseException | None)
     return gen.send(result)
 
 
-def run(conn: psycopg.Connection[Any], gen: Gen[T]) -> T:
-    """Drive `gen` on a synchronous connection."""
+def run(conn: psycopg.Connection[Any], gen: Gen[T], *, joined: bool = False) -> T:
+    """Drive `gen` on a synchronous connection. ``joined``: the connection is in a transaction
+    of the caller's, which a failure leaves failed (`fail_joined`) rather than rolled back."""
     autocommit = conn.autocommit
+
+    def settle(conn: psycopg.Connection[Any], autocommit: bool) -> None:
+        if joined:
+            fail_joined(conn)
+        else:
+            _settle(conn, autocommit)
+
     result: list[Row] | None = None
     error: BaseException | None = None
     while True:
@@ -458,9 +570,17 @@ def run(conn: psycopg.Connection[Any], gen: Gen[T]) -> T:
                 error = again
 
 
-async def arun(conn: psycopg.AsyncConnection[Any], gen: Gen[T]) -> T:
-    """Drive `gen` on an asyncio connection; a cancellation completes reserved IDs as gaps."""
+async def arun(conn: psycopg.AsyncConnection[Any], gen: Gen[T], *, joined: bool = False) -> T:
+    """Drive `gen` on an asyncio connection; a cancellation completes reserved IDs as gaps.
+    ``joined``: as for `run`."""
     autocommit = conn.autocommit
+
+    async def asettle(conn: psycopg.AsyncConnection[Any], autocommit: bool) -> None:
+        if joined:
+            await afail_joined(conn)
+        else:
+            await _asettle(conn, autocommit)
+
     result: list[Row] | None = None
     error: BaseException | None = None
     while True:

@@ -19,7 +19,7 @@ from ..core.groups import STALE_AFTER_MS, holds_retention, is_stale, retention_g
 from ._common import NOW_MS_SQL
 from .driver import Commit, Gen, Query
 from .probe import probe
-from .registry import StreamInfo
+from .registry import DEFAULT_KEY_WINDOW_MS, StreamInfo
 from .rows import position_before_time
 from .writers import (
     linear_from,
@@ -81,6 +81,8 @@ class StreamPositions:
     oldest_pending_ms: int | None = None
     #: Every fact ``<=`` it may have been removed by retention (`prune`); 0: none was.
     pruned_through: int = 0
+    #: How long an append's idempotency key names it (`streams.store.idempotency`).
+    key_window_ms: int = DEFAULT_KEY_WINDOW_MS
 
     @property
     def scratchpad(self) -> int:
@@ -98,6 +100,7 @@ class StreamPositions:
             "scratchpad": self.scratchpad,
             "oldest_pending_ms": self.oldest_pending_ms,
             "pruned_through": self.pruned_through,
+            "key_window_ms": self.key_window_ms,
             "groups": {g.group: g.as_dict() for g in self.groups},
             "writers": {name: row.as_dict() for name, row in shown.items()},
             "retired_writers": sum(w.retired for w in self.writers.values()),
@@ -177,6 +180,63 @@ def commit_group(group: str, commits: Sequence[tuple[StreamInfo, int, int]]) -> 
         },
     )
     yield Commit()
+    return {by_id[int(stream)]: int(position) for stream, position in rows}
+
+
+#: Marker of the text cast by which `commit_group_in` fails the caller's transaction.
+GROUP_MOVED = "streams-group-moved"
+
+
+def commit_group_in(
+    group: str, commits: Sequence[tuple[StreamInfo, int, int, int | None]]
+) -> Gen[dict[str, int]]:
+    """`commit_group` inside the caller's transaction, *exactly* from where this reader left
+    the group: ``(info, position, ts_floor, base)`` per stream, ``base`` being the group's
+    position when this reader opened it or last committed it (None: the group had no row).
+
+    Why a consumer that writes its effects and this commit in one transaction applies each fact
+    once (the group argument): the row of each stream moves from ``base`` to ``position`` only
+    where it still holds ``base``; ``ON CONFLICT DO UPDATE`` locks the row and judges its
+    newest committed version, so of two consumers that read the same facts from ``base``
+    (a stale process and its replacement, two processes of one group) the second to commit
+    waits for the first, finds the row moved, and fails: the statement raises
+    (`GROUP_MOVED`), which fails the caller's whole transaction, its effects with it. And the
+    position commits or rolls back with the effects, so a consumer killed at any point has
+    either committed both (it resumes after them) or neither (it resumes at ``base`` and applies
+    them again, for the first time as far as the database knows). Forward-only as
+    `commit_group`: a position below the row's never lowers it. Returns the committed position by
+    stream name."""
+    by_id = {info.id: info.name for info, _, _, _ in commits}
+    rows = yield Query(
+        f"""
+        WITH c AS (
+            SELECT * FROM unnest(%(streams)s::integer[], %(positions)s::bigint[],
+                                 %(floors)s::bigint[], %(bases)s::bigint[])
+                   AS c(stream, position, ts_floor, base)
+        ), i AS (
+            INSERT INTO streams_reader_groups AS g (stream, group_name, position, ts_floor)
+            SELECT c.stream, %(group)s, c.position, c.ts_floor FROM c
+            ON CONFLICT (stream, group_name) DO UPDATE
+            SET position = GREATEST(g.position, EXCLUDED.position),
+                ts_floor = GREATEST(g.ts_floor, EXCLUDED.ts_floor),
+                updated_at = now()
+            WHERE g.position = (SELECT c.base FROM c WHERE c.stream = g.stream)
+            RETURNING g.stream, g.position
+        )
+        SELECT c.stream,
+               CASE WHEN i.stream IS NOT NULL THEN i.position
+                    ELSE ('{GROUP_MOVED} ' || c.stream || ' ' || COALESCE(c.base, -1))::bigint
+               END
+        FROM c LEFT JOIN i ON i.stream = c.stream
+        """,
+        {
+            "group": group,
+            "streams": [info.id for info, _, _, _ in commits],
+            "positions": [position for _, position, _, _ in commits],
+            "floors": [floor for _, _, floor, _ in commits],
+            "bases": [base for _, _, _, base in commits],
+        },
+    )
     return {by_id[int(stream)]: int(position) for stream, position in rows}
 
 
@@ -268,13 +328,14 @@ def stream_positions(
                    (extract(epoch FROM w.lease_expires_at - clock_timestamp()) * 1000)::bigint,
                    w.pending,
                    (extract(epoch FROM clock_timestamp() - w.heartbeat_at) * 1000)::bigint,
-                   (SELECT r.pruned_through FROM streams_registry r WHERE r.id = %s)
+                   (SELECT r.pruned_through FROM streams_registry r WHERE r.id = %s),
+                   (SELECT r.key_window_ms FROM streams_registry r WHERE r.id = %s)
             FROM (SELECT 1) AS one
             LEFT JOIN streams_writers w ON w.stream = %s
             ORDER BY w.instance
             """
         ).format(max_allocated=max_allocated_sql(info)),
-        (info.id, info.id),
+        (info.id, info.id, info.id),
     )
     yield Commit()
     max_allocated = int(rows[0][0])
@@ -307,4 +368,5 @@ def stream_positions(
             round(max(h.transaction_seconds for h in holders) * 1000) if holders else None
         ),
         pruned_through=int(rows[0][8] or 0),
+        key_window_ms=int(rows[0][9]),
     )

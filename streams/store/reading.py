@@ -50,9 +50,9 @@ from ..core.frontier import Antichain, FrontierProbe, FrontierSnapshot, LiveFilt
 from ..core.replication import Hint, is_proof_hint
 from ..core.signing import KEY_REFRESH, SignedRange, verify_range
 from ..core.stalls import HeldStreams
-from ..errors import ConnectionLost, FactsPruned, StoreError, UsageError
+from ..errors import ConnectionLost, FactsPruned, GroupMoved, StoreError, UsageError
 from .driver import Gen, Pipeline
-from .groups import commit_group, group_position
+from .groups import GROUP_MOVED, commit_group, commit_group_in, group_position
 from .keys import live_keys
 from .probe import PROBE_STATEMENTS, Probe, probe, probe_queries, probes_from_rows
 from .registry import StreamInfo, load_streams
@@ -151,6 +151,9 @@ class ReaderCore:
         self.infos: dict[str, StreamInfo] = {}
         self.positions: dict[str, int] = {}
         self.ts_floors: dict[str, int] = {}
+        #: The group's position on each stream as this reader last knew it (when it opened the
+        #: group, or its last commit; None: no row): where `commit_in` expects to find it.
+        self.committed: dict[str, int | None] = {}
         self._targets: dict[str, int] = {}
         self._filters: dict[str, LiveFilter[int]] = {}
         self._start_ts: dict[str, int] = {}
@@ -204,6 +207,7 @@ class ReaderCore:
             committed = None
             if self.group is not None:
                 committed = yield from group_position(info, self.group)
+                self.committed[info.name] = None if committed is None else committed[0]
             if committed is not None:
                 self.positions[info.name], self.ts_floors[info.name] = committed
                 continue
@@ -558,6 +562,14 @@ class ReaderCore:
         for a consumer that stopped in the middle of an epoch (the rest of the epoch is
         delivered again after a restart of the group; nothing is skipped).
         """
+        commits = self._commits(through)
+        assert self.group is not None
+        committed = yield from commit_group(self.group, commits)
+        self.committed.update(committed)
+        return committed
+
+    def _commits(self, through: Fact | None) -> list[tuple[StreamInfo, int, int]]:
+        """``(info, position, ts_floor)`` of each stream a commit writes."""
         if self.group is None:
             raise UsageError("this reader has no group: pass group= to commit positions")
         if through is not None:
@@ -566,14 +578,42 @@ class ReaderCore:
                 raise UsageError(
                     f"fact {through.stream_id} of {through.stream!r} was not delivered yet"
                 )
-            commit = (info, through.stream_id, through.timestamp)
-            return (yield from commit_group(self.group, [commit]))
-        return (
-            yield from commit_group(
-                self.group,
-                [(self.infos[n], self.positions[n], self.ts_floors[n]) for n in self.names],
+            return [(info, through.stream_id, through.timestamp)]
+        return [(self.infos[n], self.positions[n], self.ts_floors[n]) for n in self.names]
+
+    def commit_in(self, through: Fact | None = None) -> Gen[dict[str, int]]:
+        """`commit` in the caller's open transaction, from exactly where this reader left the
+        group (see `streams.store.groups.commit_group_in`, "the group argument"): `GroupMoved`
+        (and the caller's transaction failed) if another consumer moved it meanwhile.
+
+        The reader takes the new positions as the group's at once; if the caller's transaction
+        then rolls back, the next `commit_in` finds the group where it was and raises
+        `GroupMoved`: reopen the reader to deliver those facts again.
+        """
+        commits = self._commits(through)
+        assert self.group is not None
+        group = self.group
+        for info, position, _ in commits:
+            base = self.committed.get(info.name)
+            if base is not None and position < base:
+                raise UsageError(
+                    f"group {group!r} is at {base} on {info.name!r}: a commit "
+                    f"through {position} would move it back"
+                )
+        try:
+            committed = yield from commit_group_in(
+                group, [(i, p, f, self.committed.get(i.name)) for i, p, f in commits]
             )
-        )
+        except StoreError as exc:
+            if GROUP_MOVED not in str(exc):
+                raise
+            moved = next(
+                (i.name for i, _, _ in commits if f"{GROUP_MOVED} {i.id} " in str(exc)),
+                commits[0][0].name,
+            )
+            raise GroupMoved(group, moved, self.committed.get(moved)) from None
+        self.committed.update(committed)
+        return committed
 
     def _info(self, stream: str) -> StreamInfo:
         try:

@@ -33,7 +33,10 @@ from ..errors import (
 )
 from .driver import Autocommit, Commit, Gen, Query
 
-ALEMBIC_HEAD = "0008_sink_commits"
+ALEMBIC_HEAD = "0009_idempotency_keys"
+
+#: A stream's key window unless set otherwise: an idempotency key names its append for 24 hours.
+DEFAULT_KEY_WINDOW_MS = 24 * 3600 * 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +51,8 @@ class StreamInfo:
     retention_ms: int | None
     #: User tables that hold facts of this stream, besides ``streams_facts``.
     fact_tables: tuple[FactTable, ...] = ()
+    #: How long an append's idempotency key names it (`streams.store.idempotency`).
+    key_window_ms: int = DEFAULT_KEY_WINDOW_MS
 
     @property
     def sequence(self) -> sql.Identifier:
@@ -60,6 +65,7 @@ class StreamInfo:
             "uncapped": self.uncapped,
             "retention_ms": self.retention_ms,
             "fact_tables": [str(t) for t in self.fact_tables],
+            "key_window_ms": self.key_window_ms,
         }
 
 
@@ -240,7 +246,9 @@ class FactTable:
 FactTableSpec: TypeAlias = "str | tuple[str, str] | tuple[str, str, Mapping[str, str]] | FactTable"
 
 
-_STREAM_COLUMNS = "id, name, sequence_name, timestamping, uncapped, retention_ms, fact_tables"
+_STREAM_COLUMNS = (
+    "id, name, sequence_name, timestamping, uncapped, retention_ms, fact_tables, key_window_ms"
+)
 
 
 def _stream_from_row(row: tuple[Any, ...]) -> StreamInfo:
@@ -252,6 +260,7 @@ def _stream_from_row(row: tuple[Any, ...]) -> StreamInfo:
         uncapped=row[4],
         retention_ms=row[5],
         fact_tables=tuple(FactTable.from_json(t) for t in row[6] or ()),
+        key_window_ms=int(row[7]),
     )
 
 
@@ -297,13 +306,17 @@ def create_stream(
     retention_ms: int | None = None,
     fact_tables: Sequence[object] | None = None,
     exist_ok: bool = True,
+    key_window_ms: int | None = None,
 ) -> Gen[StreamInfo]:
     """Create a stream and its sequence (idempotent when the settings match; ``fact_tables``
-    None means "whatever is declared")."""
+    None means "whatever is declared", ``key_window_ms`` None "whatever is set", or the
+    default of 24 hours for a new stream)."""
     validate_stream_name(name)
     mode = TimestampMode(timestamping)
     if retention_ms is not None and (isinstance(retention_ms, bool) or retention_ms <= 0):
         raise ValueError("retention_ms must be a positive number of milliseconds or None")
+    if key_window_ms is not None:
+        check_key_window(key_window_ms)
     tables = None if fact_tables is None else parse_fact_tables(fact_tables)
     if tables:
         yield from check_fact_tables(tables)
@@ -319,6 +332,7 @@ def create_stream(
             not exist_ok
             or (existing.timestamping, existing.uncapped, existing.retention_ms) != wanted
             or (tables is not None and existing.fact_tables != tables)
+            or (key_window_ms is not None and existing.key_window_ms != key_window_ms)
         ):
             raise StreamExists(f"stream {name!r} exists already with settings {existing.as_dict()}")
         yield Commit()
@@ -328,9 +342,10 @@ def create_stream(
     rows = yield Query(
         f"""
         INSERT INTO streams_registry
-            (id, name, sequence_name, timestamping, uncapped, retention_ms, fact_tables)
+            (id, name, sequence_name, timestamping, uncapped, retention_ms, fact_tables,
+             key_window_ms)
         OVERRIDING SYSTEM VALUE
-        VALUES (%s, %s, %s, %s, %s, %s, %s)
+        VALUES (%s, %s, %s, %s, %s, %s, %s, %s)
         RETURNING {_STREAM_COLUMNS}
         """,
         (
@@ -341,6 +356,7 @@ def create_stream(
             uncapped,
             retention_ms,
             Jsonb([t.as_json() for t in tables or ()]),
+            DEFAULT_KEY_WINDOW_MS if key_window_ms is None else key_window_ms,
         ),
     )
     info = _stream_from_row(rows[0])
@@ -388,6 +404,9 @@ def drop_stream(name: str) -> Gen[bool]:
         return False
     name_of_partition, sequence = facts_partition(int(rows[0][0])), str(rows[0][1])
     partition = sql.Identifier(name_of_partition)
+    # Its idempotency keys (no foreign key: see revision 0009); no new row can appear, since
+    # no writer can open the stream any more.
+    yield Autocommit("DELETE FROM streams_idempotency_keys WHERE stream = %s", (int(rows[0][0]),))
     attached = yield Autocommit(
         "SELECT 1 FROM pg_inherits WHERE inhrelid = to_regclass(%s)", (name_of_partition,)
     )
@@ -489,6 +508,29 @@ def set_retention(name: str, retention_ms: int | None) -> Gen[StreamInfo]:
         "UPDATE streams_registry SET retention_ms = %s WHERE name = %s "
         f"RETURNING {_STREAM_COLUMNS}",
         (retention_ms, validate_stream_name(name)),
+    )
+    yield Commit()
+    if not rows:
+        raise UnknownStream(name)
+    return _stream_from_row(rows[0])
+
+
+def check_key_window(key_window_ms: object) -> int:
+    """A key window is a positive whole number of milliseconds."""
+    if isinstance(key_window_ms, bool) or not isinstance(key_window_ms, int) or key_window_ms <= 0:
+        raise ValueError("key_window_ms must be a positive number of milliseconds")
+    return key_window_ms
+
+
+def set_key_window(name: str, key_window_ms: int) -> Gen[StreamInfo]:
+    """Name appends of stream ``name`` by their idempotency keys for ``key_window_ms``. Applies
+    at once to every key, old and new: a key is a duplicate while its row is younger than the
+    window in force (`streams.store.idempotency`)."""
+    check_key_window(key_window_ms)
+    rows = yield Query(
+        "UPDATE streams_registry SET key_window_ms = %s WHERE name = %s "
+        f"RETURNING {_STREAM_COLUMNS}",
+        (key_window_ms, validate_stream_name(name)),
     )
     yield Commit()
     if not rows:

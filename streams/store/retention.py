@@ -10,6 +10,7 @@ from ..errors import (
 )
 from ._common import NOW_MS_SQL
 from .driver import Commit, Gen, Query
+from .idempotency import prune_keys
 from .probe import probe
 from .registry import StreamInfo
 from .rows import position_before_time
@@ -143,6 +144,8 @@ class PruneResult:
     limited_by: str
     rows_deleted: int
     transactions: int
+    #: Idempotency keys older than the stream's key window, removed (`prune_keys`).
+    keys_deleted: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -153,13 +156,15 @@ class PruneResult:
             "limited_by": self.limited_by,
             "rows_deleted": self.rows_deleted,
             "transactions": self.transactions,
+            "keys_deleted": self.keys_deleted,
         }
 
 
 def prune(
     info: StreamInfo, *, batch: int = PRUNE_BATCH, now_ms: int | None = None
 ) -> Gen[PruneResult]:
-    """Apply the stream's retention: `prune_step` after `prune_step` up to `prune_target`."""
+    """Apply the stream's retention: `prune_step` after `prune_step` up to `prune_target`; then
+    remove its idempotency keys older than its key window (`prune_keys`)."""
     if batch < 1:
         raise ValueError("batch must be a positive number of rows")
     goal = yield from prune_target(info, now_ms)
@@ -171,7 +176,8 @@ def prune(
         if reached <= position:
             break  # a group holds it (created since the target was computed)
         position = reached
+    keys = yield from prune_keys(info, batch)
     return PruneResult(
         info.name, goal.pruned_through, position, goal.target, goal.limited_by, deleted,
-        transactions,
+        transactions, keys,
     )  # fmt: skip

@@ -26,6 +26,11 @@ Life of an append
      writes nothing) otherwise: nothing can run between that statement and its commit.
    * A batch: ``BEGIN`` and that statement in one pipeline (one round trip), then ``COPY`` of
      its rows and ``COMMIT``.
+   * With idempotency keys (`streams.store.idempotency`, "the claim argument"): a statement
+     that claims the keys comes first, in the same transaction, and the lease check is gated on
+     holding each key's claim; the reserved IDs are recorded in the keys' rows by the same
+     statement. One fact: the claim and the reservation in one pipeline, one implicit
+     transaction (one round trip).
 4. Whatever happens (commit, error, rollback, cancellation), the IDs complete in the tracker in
    a ``finally``: a failure is a permanent gap, never a leaked pending ID. A connection lost
    while the one-fact statement (or a ``COMMIT``) runs leaves its outcome unknown to us; the
@@ -44,8 +49,10 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
+import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, repeat
 from typing import Any
@@ -65,6 +72,15 @@ from ..errors import (
     WriterFenced,
 )
 from .driver import Autocommit, Commit, CopyIn, Gen, Pipeline, Query, Row
+from .idempotency import (
+    FENCED,
+    KEY_ROW_CTE,
+    RECORD_CTE,
+    RESULT_SELECT,
+    check_keys,
+    claim_sql,
+    keyed_fact,
+)
 from .registry import StreamInfo, load_stream
 from .writers import (
     end_expired_sessions,
@@ -89,7 +105,16 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class Ack:
-    """Acknowledgement of an append: IDs (ascending, not necessarily contiguous) and times."""
+    """Acknowledgement of an append: IDs (ascending, not necessarily contiguous) and times.
+
+    ``first_id``/``last_id`` are the lowest and highest ID, ``first_timestamp``/
+    ``last_timestamp`` the timestamps of those two facts, ``ids`` the ID of each payload's fact
+    in the order of the payloads. With idempotency keys (`streams.store.idempotency`),
+    ``duplicates`` are the positions of the payloads whose key had been written already: their
+    IDs are the original facts' (so ``ids`` need not ascend then) and this append wrote
+    nothing for them. ``duplicates`` takes no part in comparisons: a retried append's `Ack`
+    equals the original's.
+    """
 
     first_id: int
     last_id: int
@@ -97,6 +122,21 @@ class Ack:
     last_timestamp: int
     count: int
     ids: tuple[int, ...] = field(repr=False)
+    duplicates: tuple[int, ...] = field(default=(), compare=False)
+
+    @property
+    def duplicate(self) -> bool:
+        """Every payload's key had been written already: this append wrote nothing."""
+        return len(self.duplicates) == self.count
+
+    @classmethod
+    def of(cls, ids: Sequence[int], stamps: Sequence[int], duplicates: Sequence[int] = ()) -> Ack:
+        """The `Ack` of facts ``ids`` (in payload order) with timestamps ``stamps``."""
+        low = min(range(len(ids)), key=ids.__getitem__)
+        high = max(range(len(ids)), key=ids.__getitem__)
+        return cls(
+            ids[low], ids[high], stamps[low], stamps[high], len(ids), tuple(ids), tuple(duplicates)
+        )
 
 
 # One encoder for every payload: json.dumps with options builds a new encoder per call.
@@ -183,11 +223,31 @@ class FactChunk:
 
 @dataclass(slots=True)
 class FactHandle:
-    """A fact being written in the caller's own transaction (see `Writer.fact`)."""
+    """A fact being written in the caller's own transaction (see `Writer.fact`).
+
+    ``duplicate``: its idempotency key had been written already; ``stream_id`` and
+    ``timestamp`` are then the original fact's, and nothing may be written. ``xid``: the
+    caller's transaction (``txid_current()``), by which a writer learns when a transaction it
+    joined has ended (`WriterCore.resolve_joined`).
+    """
 
     stream_id: int
     timestamp: int
     rows: int = 0
+    duplicate: bool = False
+    xid: int = 0
+
+    @property
+    def ack(self) -> Ack:
+        return Ack(
+            self.stream_id,
+            self.stream_id,
+            self.timestamp,
+            self.timestamp,
+            1,
+            (self.stream_id,),
+            (0,) if self.duplicate else (),
+        )
 
 
 #: SQLSTATE of a unique violation: a reserved ID that is already stored.
@@ -226,6 +286,13 @@ class WriterCore:
         self._reserve_one: bytes | None = None
         self._reserve_many: bytes | None = None
         self._reserve_fact: bytes | None = None
+        self._reserve_one_keyed = self._reserve_fact_keyed = self._reserve_many_keyed = b""
+        self._claim_one = self._claim_many = b""
+        #: IDs reserved in transactions of callers that this writer joined (``fact()`` on a
+        #: connection already in a transaction), by transaction ID, with their timestamps:
+        #: pending until `resolve_joined` finds the transaction ended.
+        self._joined: dict[int, list[tuple[int, int]]] = {}
+        self._joined_lock = threading.Lock()
         self._beats = 0
         #: Facts this writer committed (for metrics).
         self.appended = 0
@@ -352,17 +419,19 @@ class WriterCore:
         # longer, and it holds the writer's own lock, by which the sessions of an expired writer
         # are found and ended. A caller's connection (``fact()``) also gets, for this
         # transaction, the TCP settings our own connections have for their whole session.
-        def prefix_with(guards: sql.Composable) -> sql.Composed:
+        def prefix_with(guards: sql.Composable, head: str = "", gate: str = "") -> sql.Composed:
+            # head: CTEs before w; gate: a further condition of the lease check (keyed appends
+            # reserve only where they hold the key's claim: streams.store.idempotency).
             return sql.SQL(
                 """
-                WITH w AS (
+                WITH {head} w AS (
                     SELECT set_config('idle_in_transaction_session_timeout', %(lease_ms)s, true)
                            || set_config('statement_timeout', %(lease_ms)s, true) {guards}
                            AS bounded,
                            {writer_lock} AS held
                     FROM streams_writers
                     WHERE stream = %(stream)s AND instance = %(instance)s
-                      AND generation = %(generation)s AND NOT retired
+                      AND generation = %(generation)s AND NOT retired {gate}
                     FOR KEY SHARE
                 ), k AS (
                     SELECT {allocated} + 1 AS floor FROM w
@@ -373,6 +442,8 @@ class WriterCore:
                 )
                 """
             ).format(
+                head=sql.SQL(head),
+                gate=sql.SQL(gate),
                 guards=guards,
                 writer_lock=writer_lock_sql(sql.SQL("%(stream)s"), sql.SQL("%(instance)s")),
                 allocated=max_allocated_sql(info),
@@ -411,9 +482,106 @@ class WriterCore:
             sql.SQL("set_config({}, {}, true)").format(sql.Literal(name), sql.Placeholder(name))
             for name in self._tcp_settings()
         )
-        self._reserve_fact = many.format(
-            prefix=prefix_with(sql.SQL("|| ") + guards), seq=seq
-        ).as_bytes(None)
+        # For a fact in the caller's transaction, also that transaction's ID (`FactHandle.xid`):
+        # free, since the lease check's row lock has given it one.
+        self._reserve_fact = (
+            sql.SQL(
+                "{prefix} SELECT nextval({seq}), g.floor, txid_current() "
+                "FROM g, generate_series(1, %(count)s)"
+            )
+            .format(prefix=prefix_with(sql.SQL("|| ") + guards), seq=seq)
+            .as_bytes(None)
+        )
+        self._prepare_keyed(prefix_with, guards, seq)
+
+    def _prepare_keyed(
+        self, prefix_with: Callable[..., sql.Composed], guards: sql.Composable, seq: sql.Literal
+    ) -> None:
+        """The reservation statements of keyed appends (statement 2 of "the claim argument" in
+        `streams.store.idempotency`): the lease check is gated on holding the key's claim, and
+        the reserved ID is recorded in the key's row. The checks of ``_reserve_one`` (ID >= L,
+        above what this process knew) are made in the statement, which fails otherwise."""
+        checked = sql.SQL(
+            "CASE WHEN r.id >= r.floor AND r.id > %(known)s THEN r.id "
+            "ELSE ({rewound} || r.id || ' ' || r.floor)::bigint END"
+        ).format(rewound=sql.Literal(_REWOUND + " "))
+        head, gate = KEY_ROW_CTE + ",", "AND (SELECT c.mine FROM c)"
+        reserve = sql.SQL("{prefix}, r AS (SELECT nextval({seq}) AS id, g.floor FROM g)")
+        # One fact: the row, and its ID recorded in the key's row (from the inserted row).
+        self._reserve_one_keyed = (
+            sql.SQL(
+                """{reserve},
+                f AS (
+                    INSERT INTO streams_facts (stream, stream_id, row_no, instance, ts, payload)
+                    SELECT %(stream)s, {checked}, 0, %(instance)s, %(ts)s, %(payload)s::jsonb
+                    FROM r RETURNING stream_id
+                ), {record} {result}"""
+            )
+            .format(
+                reserve=reserve.format(prefix=prefix_with(sql.SQL(""), head, gate), seq=seq),
+                checked=checked,
+                record=sql.SQL(RECORD_CTE).format(id=sql.SQL("f.stream_id"), source=sql.SQL("f")),
+                result=sql.SQL(RESULT_SELECT).format(extra=sql.SQL("")),
+            )
+            .as_bytes(None)
+        )
+        # A fact in the caller's transaction: its ID recorded at once (rows come later).
+        self._reserve_fact_keyed = (
+            sql.SQL("{reserve}, {record} {result}")
+            .format(
+                reserve=reserve.format(
+                    prefix=prefix_with(sql.SQL("|| ") + guards, head, gate), seq=seq
+                ),
+                record=sql.SQL(RECORD_CTE).format(id=checked, source=sql.SQL("r")),
+                result=sql.SQL(RESULT_SELECT).format(extra=sql.SQL(", txid_current()")),
+            )
+            .as_bytes(None)
+        )
+        # A batch: one ID per key this transaction holds, given to those keys in payload order
+        # (both sides ordered by value, not by evaluation), and every key's row back, in
+        # payload order. ``k.key = ANY(keys)`` makes the key rows primary-key probes: joined on
+        # ``p.key`` alone, the planner hashed every key row of the stream, once per batch (and
+        # so does a generic plan: these statements are not prepared). The client checks ID >= L
+        # and the recorded count before its COPY and COMMIT, as for a batch without keys.
+        batch_head = """c AS (
+                SELECT p.ord, p.key, p.ts AS new_ts, k.stream_id, k.ts,
+                       k.claim = %(claim)s AS mine
+                FROM unnest(%(keys)s::text[], %(stamps)s::bigint[]) WITH ORDINALITY
+                     AS p(key, ts, ord)
+                LEFT JOIN streams_idempotency_keys k
+                       ON k.stream = %(stream)s AND k.key = p.key
+                      AND k.key = ANY(%(keys)s::text[])
+            ), n AS (SELECT count(*) AS count FROM c WHERE c.mine),"""
+        self._reserve_many_keyed = (
+            sql.SQL(
+                """{prefix}, r AS (
+                    SELECT nextval({seq}) AS id, g.floor
+                    FROM g, generate_series(1, (SELECT n.count FROM n))
+                ), a AS (
+                    SELECT o.ord, o.key, o.new_ts, i.id, i.floor
+                    FROM (SELECT row_number() OVER (ORDER BY c.ord) AS i, c.*
+                          FROM c WHERE c.mine) o
+                    JOIN (SELECT row_number() OVER (ORDER BY r.id) AS i, r.* FROM r) i
+                      ON i.i = o.i
+                ), u AS (
+                    UPDATE streams_idempotency_keys k SET stream_id = a.id, ts = a.new_ts
+                    FROM a
+                    WHERE k.stream = %(stream)s AND k.key = ANY(%(keys)s::text[])
+                      AND k.key = a.key AND k.claim = %(claim)s
+                    RETURNING k.key
+                )
+                SELECT c.ord, COALESCE(c.mine, false), COALESCE(a.id, c.stream_id),
+                       COALESCE(a.new_ts, c.ts), a.floor, (SELECT count(*) FROM u)
+                FROM c LEFT JOIN a ON a.ord = c.ord ORDER BY c.ord"""
+            )
+            .format(
+                prefix=prefix_with(sql.SQL(""), batch_head, "AND (SELECT n.count FROM n) > 0"),
+                seq=seq,
+            )
+            .as_bytes(None)
+        )
+        self._claim_one = claim_sql(many=False).encode()
+        self._claim_many = claim_sql(many=True).encode()
 
     def _tcp_settings(self) -> dict[str, str]:
         """Server-side settings that find a client that is gone or cut off within about the
@@ -477,11 +645,19 @@ class WriterCore:
 
     # ------------------------------------------------------------------ appends
 
-    def append(self, payloads: Sequence[Any], timestamps: Sequence[int | None]) -> Gen[Ack]:
-        """Append facts (one row each) in one transaction."""
+    def append(
+        self,
+        payloads: Sequence[Any],
+        timestamps: Sequence[int | None],
+        keys: Sequence[str] | None = None,
+    ) -> Gen[Ack]:
+        """Append facts (one row each) in one transaction; with ``keys`` (one per payload), an
+        idempotent append (`streams.store.idempotency`)."""
         if not payloads:
             raise UsageError("append_batch needs at least one payload")
         self._check_usable()
+        if keys is not None:
+            return (yield from self._append_keyed(payloads, timestamps, keys))
         info, tracker = self.info, self.tracker
         limit = self.max_payload_bytes
         # A batch encodes its payloads while COPY streams them (the server stores the first
@@ -510,18 +686,7 @@ class WriterCore:
                     # The whole append: one statement, its own transaction (see the module doc).
                     rows = yield Autocommit(self._reserve_one, params)
                 except StoreError as exc:
-                    if exc.sqlstate == INVALID_TEXT and _REWOUND in str(exc):
-                        raise SequenceRewound(
-                            f"stream {self.stream_name!r}: the sequence was set back during the "
-                            "reservation; nothing was written. Open a new writer (it repairs the "
-                            "sequence) or run `streams doctor --repair`"
-                        ) from None
-                    if exc.sqlstate == UNIQUE_VIOLATION:  # the new ID is stored already
-                        raise SequenceRewound(
-                            f"stream {self.stream_name!r}: the sequence handed out an ID that "
-                            "is stored already: it was set back; nothing was written. Open a "
-                            "new writer (it repairs the sequence) or run `streams doctor --repair`"
-                        ) from None
+                    self._raise_refusal(exc)
                     raise
                 if not rows:
                     self.fenced = True
@@ -641,6 +806,106 @@ class WriterCore:
         assert self._reserve_many is not None
         return self._reserve_many
 
+    def _raise_refusal(self, exc: StoreError) -> None:
+        """Raise what a reservation statement's own refusal means (the text casts by which it
+        fails its transaction, a stored ID); return for any other error."""
+        if exc.sqlstate == INVALID_TEXT and _REWOUND in str(exc):
+            raise SequenceRewound(
+                f"stream {self.stream_name!r}: the sequence was set back during the "
+                "reservation; nothing was written. Open a new writer (it repairs the "
+                "sequence) or run `streams doctor --repair`"
+            ) from None
+        if exc.sqlstate == INVALID_TEXT and FENCED in str(exc):
+            self.fenced = True
+            self._check_usable()
+        if exc.sqlstate == UNIQUE_VIOLATION and "streams_idempotency_keys" not in str(exc):
+            raise SequenceRewound(
+                f"stream {self.stream_name!r}: the sequence handed out an ID that "
+                "is stored already: it was set back; nothing was written. Open a "
+                "new writer (it repairs the sequence) or run `streams doctor --repair`"
+            ) from None
+
+    def _append_keyed(
+        self, payloads: Sequence[Any], timestamps: Sequence[int | None], keys: Sequence[str]
+    ) -> Gen[Ack]:
+        """An idempotent append: claim the keys, reserve IDs for the keys this transaction
+        holds, write those facts, record them in the keys' rows, commit ("the claim argument"
+        in `streams.store.idempotency`). Duplicates come back with the original facts."""
+        found_keys = check_keys(keys, len(payloads))
+        info, tracker, limit = self.info, self.tracker, self.max_payload_bytes
+        single = encode_payload(payloads[0], limit) if len(payloads) == 1 else None
+        stamps = resolve_timestamps(
+            timestamps,
+            mode=info.timestamping,
+            uncapped=info.uncapped,
+            arrival_ms=self.clock.now_ms(),
+            floor=self._ts_floor,
+        )
+        token = tracker.begin_reservation()
+        ids: list[int] = []
+        params = {**self._lease_params(), "claim": secrets.randbits(63), "known": token.floor}
+        try:
+            if single is not None:
+                params.update(key=found_keys[0], ts=stamps[0], payload=single)
+                try:
+                    # The claim and the reservation, one transaction, one round trip.
+                    _, rows = yield Pipeline(
+                        [Query(self._claim_one, params), Query(self._reserve_one_keyed, params)],
+                        commit=True,
+                    )
+                except StoreError as exc:
+                    self._raise_refusal(exc)
+                    raise
+                found = keyed_fact(rows)
+                if not found.written:
+                    return Ack.of([found.stream_id], [found.timestamp], [0])
+                ids = [found.stream_id]  # committed: it completes, whatever happens next
+                tracker.reserved(token, ids)
+                ack = Ack.of(ids, [found.timestamp])
+            else:
+                params.update(keys=found_keys, stamps=stamps)
+                # The claim and the reservation in one pipeline (after psycopg's BEGIN, which
+                # syncs: a round trip of its own); then COPY, COMMIT.
+                # Not prepared: a generic plan knows nothing of the keys, and hashed every key
+                # row of the stream for each batch (measured: 7x slower after 5 batches).
+                _, rows = yield Pipeline(
+                    [
+                        Query(self._claim_many, params, prepare=False),
+                        Query(self._reserve_many_keyed, params, prepare=False),
+                    ]
+                )
+                new = [row for row in rows if row[1]]
+                if any(row[2] is None for row in rows) or (new and new[0][5] != len(new)):
+                    if new and new[0][2] is None:  # held the claims, reserved nothing
+                        self.fenced = True
+                        self._check_usable()
+                    raise StoreError("an idempotency key's row had no fact: report this")
+                if new:
+                    ids = self._check_floor([(row[2], row[4]) for row in new])
+                    tracker.reserved(token, ids)
+                    yield CopyIn(
+                        "COPY streams_facts (stream, stream_id, row_no, instance, ts, payload) "
+                        "FROM STDIN",
+                        (
+                            (info.id, row[2], 0, self.instance, row[3], encode_payload(p, limit))
+                            for row in new
+                            for p in (payloads[int(row[0]) - 1],)
+                        ),
+                    )
+                yield Commit()
+                ack = Ack.of(
+                    [int(row[2]) for row in rows],
+                    [int(row[3]) for row in rows],
+                    [int(row[0]) - 1 for row in rows if not row[1]],
+                )
+        finally:
+            self._complete(token, ids)
+        if ids:
+            written = [stamp for n, stamp in enumerate(stamps) if n not in ack.duplicates]
+            self._ts_floor = max(self._ts_floor, *written)
+            self.appended += len(ids)
+        return ack
+
     def _complete(self, token: ReservationToken, ids: Sequence[int]) -> None:
         if ids:
             self.tracker.complete(ids)
@@ -649,10 +914,14 @@ class WriterCore:
 
     # ------------------------------------------------------------ facts in the caller's transaction
 
-    def begin_fact(self, timestamp: int | None) -> tuple[ReservationToken, int]:
+    def begin_fact(
+        self, timestamp: int | None, key: str | None = None
+    ) -> tuple[ReservationToken, int]:
         """Pure first half of `reserve_fact`: validate, resolve the timestamp, go in flight."""
         self._check_usable()
         validate_client_timestamp(timestamp)
+        if key is not None:
+            check_keys([key], 1)
         (stamp,) = resolve_timestamps(
             [timestamp],
             mode=self.info.timestamping,
@@ -662,17 +931,37 @@ class WriterCore:
         )
         return self.tracker.begin_reservation(), stamp
 
-    def reserve_fact(self, token: ReservationToken, stamp: int) -> Gen[FactHandle]:
-        """Reserve one ID inside the caller's (already open) transaction."""
+    def reserve_fact(
+        self, token: ReservationToken, stamp: int, key: str | None = None
+    ) -> Gen[FactHandle]:
+        """Reserve one ID inside the caller's transaction (open, or begun by this statement).
+
+        With ``key``: claim it first, then reserve and record the ID only if this transaction
+        holds the claim (two statements: "the claim argument" in `streams.store.idempotency`);
+        otherwise the handle is a duplicate carrying the original fact's ID and timestamp.
+        """
         assert self._reserve_fact is not None
         params = {**self._lease_params(), **self._tcp_settings(), "count": 1}
-        rows = yield Query(self._reserve_fact, params)
-        if not rows:
-            self.fenced = True
-            self._check_usable()
-        (stream_id,) = self._check_floor(rows)
-        self.tracker.reserved(token, [stream_id])
-        return FactHandle(stream_id=stream_id, timestamp=stamp)
+        if key is None:
+            rows = yield Query(self._reserve_fact, params)
+            if not rows:
+                self.fenced = True
+                self._check_usable()
+            (stream_id,) = self._check_floor(rows)
+            self.tracker.reserved(token, [stream_id])
+            return FactHandle(stream_id=stream_id, timestamp=stamp, xid=int(rows[0][2]))
+        params.update(key=key, claim=secrets.randbits(63), ts=stamp, known=token.floor)
+        yield Query(self._claim_one, params)
+        try:
+            rows = yield Query(self._reserve_fact_keyed, params)
+        except StoreError as exc:
+            self._raise_refusal(exc)
+            raise
+        found = keyed_fact(rows)
+        if not found.written:
+            return FactHandle(found.stream_id, found.timestamp, duplicate=True)
+        self.tracker.reserved(token, [found.stream_id])
+        return FactHandle(found.stream_id, found.timestamp, xid=int(rows[0][4]))
 
     def add_rows(self, handle: FactHandle, payloads: Sequence[Any]) -> Gen[None]:
         """Add rows of the fact to the built-in facts table (same transaction)."""
@@ -690,11 +979,50 @@ class WriterCore:
         )
 
     def finish_fact(self, token: ReservationToken, handle: FactHandle | None, ok: bool) -> None:
-        """The caller's transaction ended (committed if `ok`): complete the ID either way."""
-        self._complete(token, [handle.stream_id] if handle is not None else [])
-        if ok and handle is not None:
+        """The caller's transaction ended (committed if `ok`), or can only roll back: complete
+        the ID either way (a duplicate reserved none)."""
+        written = handle is not None and not handle.duplicate
+        self._complete(token, [handle.stream_id] if handle is not None and written else [])
+        if ok and handle is not None and written:
             self._ts_floor = max(self._ts_floor, handle.timestamp)
             self.appended += 1
+
+    # ------------------------------------------------------------ facts in transactions joined
+
+    def join_fact(self, handle: FactHandle) -> None:
+        """A fact written in a transaction of the caller's that this writer joined (and does
+        not end): its ID stays pending until `resolve_joined` finds that transaction ended."""
+        with self._joined_lock:
+            self._joined.setdefault(handle.xid, []).append((handle.stream_id, handle.timestamp))
+
+    @property
+    def joined_pending(self) -> bool:
+        return bool(self._joined)
+
+    def resolve_joined(self) -> Gen[list[tuple[int, int]]]:
+        """Complete the IDs of joined transactions that have ended, committed or not (by
+        ``txid_status``: the server's commit log, which keeps each outcome; NULL only for a
+        transaction so old that it ended long ago); returns ``(ID, timestamp)`` of the facts
+        that committed. A writer's per-writer position thus never passes an ID whose
+        transaction is still open, though nobody tells it when a joined transaction ends."""
+        with self._joined_lock:
+            xids = list(self._joined)
+        if not xids:
+            return []
+        rows = yield Query("SELECT x, txid_status(x) FROM unnest(%s::bigint[]) AS x", (xids,))
+        yield Commit()
+        committed: list[tuple[int, int]] = []
+        for xid, status in rows:
+            if status == "in progress":
+                continue
+            with self._joined_lock:
+                facts = self._joined.pop(int(xid), [])
+            self.tracker.complete([stream_id for stream_id, _ in facts])
+            if status == "committed" and facts:
+                committed += facts
+                self.appended += len(facts)
+                self._ts_floor = max(self._ts_floor, *(ts for _, ts in facts))
+        return committed
 
     # ------------------------------------------------------------------ heartbeats
 

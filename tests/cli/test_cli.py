@@ -129,7 +129,7 @@ def read(url: str, name: str, *options: str) -> list[dict[str, Any]]:
 def test_migrate_is_idempotent_and_redacts_the_url(fresh_url: str) -> None:
     outputs = [ok(cli(fresh_url, "migrate")) for _ in range(2)]
     for out in outputs:
-        assert out.strip() == f"{redact_url(fresh_url)}: schema at 0008_sink_commits"
+        assert out.strip() == f"{redact_url(fresh_url)}: schema at 0009_idempotency_keys"
     password = urlsplit(fresh_url).password
     if password:
         assert password not in "".join(outputs)
@@ -158,6 +158,7 @@ def test_create_json_prints_the_settings(streams_url: str, unique_name: str) -> 
         "uncapped": False,
         "retention_ms": None,
         "fact_tables": [],
+        "key_window_ms": 86_400_000,
     }
     # Idempotent when the settings match.
     assert create(streams_url, unique_name)["name"] == unique_name
@@ -183,6 +184,8 @@ def test_create_options_are_honoured(streams_url: str, unique_name: str) -> None
         "--uncapped",
         "--retention",
         "60000",
+        "--key-window",
+        "90m",
     )
     expected = {
         "name": unique_name,
@@ -190,6 +193,7 @@ def test_create_options_are_honoured(streams_url: str, unique_name: str) -> None
         "uncapped": True,
         "retention_ms": 60000,
         "fact_tables": [],
+        "key_window_ms": 90 * 60_000,
     }
     assert info == expected
     row = listed(streams_url)[unique_name]
@@ -206,7 +210,14 @@ def test_list_json_is_one_document(streams_url: str, unique_name: str) -> None:
     row = listed(streams_url)[unique_name]
     assert row["linear"] == 2
     assert row["max_allocated"] == 2
-    assert set(row) == {"name", "timestamping", "uncapped", "retention_ms", "fact_tables"} | {
+    assert set(row) == {
+        "name",
+        "timestamping",
+        "uncapped",
+        "retention_ms",
+        "fact_tables",
+        "key_window_ms",
+    } | {
         "linear",
         "max_allocated",
     }
@@ -415,6 +426,7 @@ def test_positions_json(streams_url: str, stream: str) -> None:
         "scratchpad",
         "oldest_pending_ms",
         "pruned_through",
+        "key_window_ms",
         "writers",
         "retired_writers",
         "groups",
@@ -460,8 +472,9 @@ def test_positions_text(streams_url: str, stream: str) -> None:
         "SCRATCHPAD",
         "OLDEST_PENDING_MS",
         "PRUNED_THROUGH",
+        "KEY_WINDOW",
     ]
-    assert row.split() == [stream, "1", "1", "0", "-", "0"]
+    assert row.split() == [stream, "1", "1", "0", "-", "0", "24h"]
     out = ok(cli(streams_url, "positions", stream, "--all"))
     assert "WRITER" in out and "retired" in out
 
@@ -629,6 +642,8 @@ def test_bench_write_small_run(fresh_url: str) -> None:
     assert len(ratios) == 2, out
     assert any(line.lstrip().startswith("single x1") for line in ratios), out
     assert any(line.lstrip().startswith("batch x1") for line in ratios), out
+    assert all("keyed" in line for line in ratios), out  # keyed appends beside unkeyed ones
+    assert out.count("keyed/unkeyed (Redis off): ") == 2, out
     assert "tracker memory over 1,000 completed facts" in out
     assert out.startswith(f"database {redact_url(fresh_url)}")
 

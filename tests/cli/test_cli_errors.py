@@ -118,6 +118,8 @@ _BY_NAME: dict[str, list[str]] = {
         '"' + "x" * (1 << 20) + '"',
     ],
     "keep": [*_DURATIONS, "0ms", ""],
+    "key_window_ms": [*_DURATIONS, "0ms", ""],
+    "window": [*_DURATIONS, "0ms", ""],
     "ago": [*_DURATIONS, ""],
     "every": [*_DURATIONS, "0ms", "99ms", ""],
     "older_than": [*_DURATIONS, ""],

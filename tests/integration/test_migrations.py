@@ -19,6 +19,7 @@ from streams.migrate import current_revision, upgrade
 
 TABLES = (
     "streams_facts",
+    "streams_idempotency_keys",
     "streams_keys",
     "streams_proofs",
     "streams_reader_groups",
@@ -28,7 +29,7 @@ TABLES = (
     "streams_writers",
 )
 VERSION_TABLE = "streams_alembic_version"
-HEAD = "0008_sink_commits"
+HEAD = "0009_idempotency_keys"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -160,6 +160,7 @@ def test_cli_retention_and_prune(client: Client, stream: str, streams_url: str) 
         "limited_by": "retention",
         "rows_deleted": 6,
         "transactions": 1,
+        "keys_deleted": 0,
     }
     assert "nothing to remove" in cli("prune", stream).stdout
     failed = cli("read", stream, "--from-id", "1")

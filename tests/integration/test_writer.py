@@ -248,10 +248,16 @@ def test_fact_in_callers_tables_commit_and_rollback(
         assert writer.core.tracker.pending_count == 0
         after = writer.append({"after": "gap"})
         assert writer.position >= after.first_id > gap > committed
+        # A connection already in a transaction: the fact joins it, and the block does not
+        # end it; the ID stays pending until the caller's rollback, found by the heartbeat.
         conn.execute("BEGIN")
-        with pytest.raises(streams.UsageError), writer.fact(conn):
-            pass
+        with writer.fact(conn) as joined:
+            conn.execute(f"INSERT INTO {table} VALUES (%s, 'rolled back')", (joined.stream_id,))
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+        assert writer.core.tracker.pending_count == 1
         conn.rollback()
+        wait_until(lambda: writer.core.tracker.pending_count == 0, what="the rollback noticed")
+        assert writer.position >= joined.stream_id
     with psycopg.connect(streams_url) as check:
         rows = check.execute(f"SELECT stream_id, item FROM {table} ORDER BY item").fetchall()
     assert rows == [(committed, "a"), (committed, "b"), (committed, "c")]

@@ -64,7 +64,7 @@ TABLES = (
     "streams_writers",
 )
 VERSION_TABLE = "streams_alembic_version"
-HEAD = "0008_sink_commits"
+HEAD = "0009_idempotency_keys"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,7 +199,7 @@ LAYERS = (
     ("streams.errors", "streams.config", "streams._aio"),
     ("streams.core",),
     ("streams.store", "streams.transport"),
-    ("streams.writer", "streams.reader", "streams.proofs", "streams.migrate"),
+    ("streams.writer", "streams.reader", "streams.proofs", "streams.migrate", "streams.orm"),
     ("streams.client", "streams.metrics", "streams"),
     ("streams.ops", "streams.bench", "streams.__main__"),
 )
