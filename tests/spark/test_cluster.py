@@ -192,6 +192,17 @@ def test_the_shipped_environment_is_what_executors_run(
     assert not _batches(tmp_path / "out")
 
 
+def _sample_workers(
+    app_id: str, found: list[tuple[list[str], Path]], stop: threading.Event
+) -> None:
+    """Add to ``found`` every Python worker of the application's executors, until ``stop``."""
+    while not stop.wait(0.1):
+        for pid in executor_pids(app_id):
+            for worker in python_workers(pid):
+                if worker not in found:
+                    found.append(worker)
+
+
 def test_consume_on_a_cluster_is_exactly_once_across_executor_and_driver_kills(
     cluster: Cluster,
     packed_env: PackedEnv,
@@ -225,10 +236,17 @@ def test_consume_on_a_cluster_is_exactly_once_across_executor_and_driver_kills(
     first = submit(cluster, packed_env, CONSUME, args, cwd=cwd, log=log, env=env, conf=ui_conf)
     try:
         app_id = _app_id(ui)
+        # The executors' Python workers, sampled all along (a worker lives only while the
+        # executor has Python work; one look just before the kill can miss it).
+        workers: list[tuple[list[str], Path]] = []
+        sampling = threading.Event()
+        sampler = threading.Thread(
+            target=_sample_workers, args=(app_id, workers, sampling), daemon=True
+        )
+        sampler.start()
         # Kill the executor JVM while a task reads a batch's facts and writes its files (the
         # batch's folder is being written, not yet committed): Spark retries the task on a new
         # executor, and the batch's files must still hold exactly its facts.
-        workers: list[tuple[list[str], Path]] = []
         killed_in: int | None = None
         for _ in range(10):
             try:
@@ -242,7 +260,6 @@ def test_consume_on_a_cluster_is_exactly_once_across_executor_and_driver_kills(
             batch_id, pids = _writing(output), executor_pids(app_id)
             if batch_id is None or not pids:
                 continue
-            workers += [w for pid in pids for w in python_workers(pid)]
             lost_before = _lost_tasks(log)
             for pid in pids:
                 os.kill(pid, signal.SIGKILL)
@@ -256,6 +273,8 @@ def test_consume_on_a_cluster_is_exactly_once_across_executor_and_driver_kills(
             "no task was lost to an executor kill:\n" + (log.read_text(errors="replace")[-3000:])
         )
         # The Python workers ran from the archive, unpacked in the executor's own directory.
+        sampling.set()
+        sampler.join(10)
         assert workers, "no Python worker seen under the executor"
         for command, workdir in workers:
             assert command[0] == "./environment/bin/python", command
