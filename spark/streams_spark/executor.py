@@ -9,8 +9,9 @@ A read first probes (`streams.store.probe`: two statements on its session), then
 in a later statement, then checks retention in a later one still. So the range it reads is
 complete *now*, not only when the driver planned it: a database restored to an older state in
 between (the range's end above what PostgreSQL proves) is the ``failOnDataLoss`` case here too.
-The four statements cost about 1 ms per partition (measured), beside about 150 ms of a
-micro-batch, so they stay four: the probe argument needs its statements in this order.
+A partition of one fact costs about 2 ms this way (two of the four statements are the probe),
+beside about 150 ms for a whole micro-batch (`streams bench spark`): not worth weakening the
+order the probe argument rests on.
 
 Costs of a Python worker that are not the rows' own (measured with ``streams bench spark``):
 Spark's worker runs a full garbage collection after every task, which walks every object the
