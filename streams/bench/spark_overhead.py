@@ -223,8 +223,8 @@ def overhead_lines(out: Mapping[str, Any]) -> list[str]:
     lines += [
         f"  checkpoint logs (walCommit + commitOffsets of rate-micro-batch): {logs:.0f} ms; "
         f"a Python source's planner calls and task (empty Python - rate-micro-batch): "
-        f"{empty['triggerExecution'] - rate['triggerExecution']:.0f} ms, of it "
-        f"{empty['addBatch'] - rate['addBatch']:.0f} ms in addBatch (the Python task); "
+        f"{empty['triggerExecution'] - rate['triggerExecution']:.0f} ms (addBatch, the Python "
+        f"task: {empty['addBatch'] - rate['addBatch']:+.0f} ms); "
         f"the streams source's own work (streams - empty Python): "
         f"{ours['triggerExecution'] - empty['triggerExecution']:.0f} ms",
         f"  the streams source's own calls, one fact per batch (median ms, in this process): "

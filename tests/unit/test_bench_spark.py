@@ -74,7 +74,7 @@ def test_the_report_shows_each_phase_and_where_the_time_goes() -> None:
     assert "  addBatch               75.0          70.0              15.0" in text
     assert "  total                 150.0         140.0              80.0" in text
     assert "checkpoint logs (walCommit + commitOffsets of rate-micro-batch): 55 ms" in text
-    assert "(empty Python - rate-micro-batch): 60 ms, of it 55 ms in addBatch" in text
+    assert "(empty Python - rate-micro-batch): 60 ms (addBatch, the Python task: +55 ms)" in text
     assert "own work (streams - empty Python): 10 ms" in text
     assert "executor read 2.5" in text
 
