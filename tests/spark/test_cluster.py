@@ -132,15 +132,16 @@ def _logged_offsets(checkpoint: Path, stream: str) -> dict[int, int]:
 def _keep_writing(
     client: Client, stream: str, stop: threading.Event, errors: list[BaseException]
 ) -> threading.Thread:
-    """A writer appending single and multi-row facts (about 20 a second, at most 300) until
-    ``stop``."""
+    """A writer appending single and multi-row facts (about 20 a second) until ``stop``: the
+    consumer always has batches to run while the test waits for one to kill an executor in
+    (a writer that stopped early left it nothing to do when the cluster started slowly)."""
 
     def run() -> None:
         rng = random.Random(7)
         try:
             with client.writer(stream, instance="live") as writer:
                 n = 0
-                while not stop.is_set() and n < 300:
+                while not stop.is_set() and n < 20_000:  # (a bound, should stop never come)
                     n += 1
                     if rng.random() < 0.3:
                         writer.append_batch([{"live": n, "i": i} for i in range(4)])
