@@ -406,10 +406,8 @@ def drop_stream(name: str) -> Gen[bool]:
     partition = sql.Identifier(name_of_partition)
     # Its idempotency keys and claims (no foreign key: see revision 0009); no new row can
     # appear, since no writer can open the stream any more.
-    yield Autocommit("DELETE FROM streams_idempotency_keys WHERE stream = %s", (int(rows[0][0]),))
-    yield Autocommit(
-        "DELETE FROM streams_idempotency_claims WHERE stream = %s", (int(rows[0][0]),)
-    )
+    for table in ("streams_idempotency_keys", "streams_idempotency_claims"):
+        yield Autocommit(f"DELETE FROM {table} WHERE stream = %s", (int(rows[0][0]),))
     attached = yield Autocommit(
         "SELECT 1 FROM pg_inherits WHERE inhrelid = to_regclass(%s)", (name_of_partition,)
     )

@@ -846,7 +846,7 @@ class WriterCore:
                     if stream_id is not None:
                         ids = [stream_id]  # committed: it completes, whatever happens next
                         tracker.reserved(token, ids)
-                        ack = Ack.of(ids, stamps)
+                        ack = Ack(stream_id, stream_id, stamps[0], stamps[0], 1, (stream_id,))
                         break
                     # A duplicate: its original, read by a statement that sees it.
                     (original,) = yield from read_originals(

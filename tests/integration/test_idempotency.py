@@ -25,6 +25,7 @@ import streams
 from streams import Client
 from streams.store.driver import run
 from streams.store.idempotency import FACT_ID
+from streams.store.registry import drop_stream
 
 
 def key_rows(url: str, stream: str) -> dict[str, int]:
@@ -217,6 +218,23 @@ def test_prune_removes_a_claims_row_only_with_the_last_of_its_keys(
     assert client.prune(unique_name).keys_deleted == 1
     assert key_rows(streams_url, unique_name) == {}
     assert claim_rows(streams_url, unique_name) == 0
+
+
+def test_dropping_a_stream_removes_its_keys_and_claims(
+    client: Client, unique_name: str, streams_url: str
+) -> None:
+    info = client.create_stream(unique_name)
+    with client.writer(unique_name) as writer:
+        writer.append({"n": 1}, key="a")
+        writer.append_batch([{"n": 2}, {"n": 3}], keys=["b", "c"])
+    with psycopg.connect(streams_url) as conn:
+        assert run(conn, drop_stream(unique_name))
+        counts = conn.execute(
+            "SELECT (SELECT count(*) FROM streams_idempotency_keys WHERE stream = %(id)s), "
+            "(SELECT count(*) FROM streams_idempotency_claims WHERE stream = %(id)s)",
+            {"id": info.id},
+        ).fetchone()
+    assert counts == (0, 0)
 
 
 def claim_rows(url: str, stream: str) -> int:
