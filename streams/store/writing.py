@@ -26,11 +26,11 @@ Life of an append
      writes nothing) otherwise: nothing can run between that statement and its commit.
    * A batch: ``BEGIN`` and that statement in one pipeline (one round trip), then ``COPY`` of
      its rows and ``COMMIT``.
-   * With idempotency keys (`streams.store.idempotency`, "the claim argument"): a statement
-     that claims the keys comes first, in the same transaction, and the lease check is gated on
-     holding each key's claim; the reserved IDs are recorded in the keys' rows by the same
-     statement. One fact: the claim and the reservation in one pipeline, one implicit
-     transaction (one round trip).
+   * With idempotency keys (`streams.store.idempotency`, "the claim argument"): the same
+     statement first claims the keys, and its lease check is gated (by data dependency) on the
+     claim having ended and holding a key; it records the reserved IDs in the claim's row. One
+     fact: that one statement in autocommit (one round trip; a duplicate reads its original
+     with a second). A batch: as above, then ``COPY`` of the rows of the keys it holds.
 4. Whatever happens (commit, error, rollback, cancellation), the IDs complete in the tracker in
    a ``finally``: a failure is a permanent gap, never a leaked pending ID. A connection lost
    while the one-fact statement (or a ``COMMIT``) runs leaves its outcome unknown to us; the
@@ -805,7 +805,7 @@ class WriterCore:
         if exc.sqlstate == INVALID_TEXT and FENCED in str(exc):
             self.fenced = True
             self._check_usable()
-        if exc.sqlstate == UNIQUE_VIOLATION and "streams_idempotency_keys" not in str(exc):
+        if exc.sqlstate == UNIQUE_VIOLATION and "streams_idempotency" not in str(exc):
             raise SequenceRewound(
                 f"stream {self.stream_name!r}: the sequence handed out an ID that "
                 "is stored already: it was set back; nothing was written. Open a "

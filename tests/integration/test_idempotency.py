@@ -327,6 +327,32 @@ def test_keys_expire_with_the_window_and_prune_removes_them(
         client.create_stream(unique_name, key_window_ms=1000)
 
 
+def test_a_batch_writes_its_expired_keys_anew_and_prune_removes_the_old_claims(
+    client: Client, unique_name: str, streams_url: str
+) -> None:
+    client.create_stream(unique_name, key_window_ms=300)
+    with client.writer(unique_name) as writer:
+        first = writer.append_batch([{"n": 1}, {"n": 2}], keys=["a", "b"])
+        time.sleep(0.4)
+        # "a" expired: claimed anew (its row now refers to the new claim), "c" is new.
+        second = writer.append_batch([{"n": 3}, {"n": 4}], keys=["a", "c"])
+        assert second.duplicates == () and min(second.ids) > max(first.ids)
+        assert writer.append_batch([{"n": 0}, {"n": 0}], keys=["c", "a"]).ids == (
+            second.ids[1],
+            second.ids[0],
+        )
+        assert key_rows(streams_url, unique_name) == {
+            "a": second.ids[0],
+            "b": first.ids[1],
+            "c": second.ids[1],
+        }
+        assert claim_rows(streams_url, unique_name) == 2  # the first's still has "b"
+        time.sleep(0.4)
+        assert client.prune(unique_name).keys_deleted == 3
+    assert key_rows(streams_url, unique_name) == {}
+    assert claim_rows(streams_url, unique_name) == 0
+
+
 def test_a_keyed_fact_in_its_own_transaction_and_its_duplicate(
     client: Client, stream: str, streams_url: str, unique_name: str
 ) -> None:
