@@ -97,6 +97,7 @@ __all__ = [
     "GATE",
     "MAX_KEY_LENGTH",
     "ORIGINALS",
+    "SINGLE_RESULT",
     "check_keys",
     "claim_ctes",
     "held",
