@@ -41,12 +41,12 @@ transaction, never on the order in which PostgreSQL evaluates independent parts 
    holds neither, and one whose keys are all duplicates reserves nothing at all. (A data
    dependency: no part can compute from a row that does not exist yet.)
 3. **The record** (``x``, `record_cte`): the claim's row, with the IDs reserved, from rows of
-   ``n`` and of the reservation. A statement that holds a key but recorded nothing (its writer
-   was fenced, so ``w`` gave no row) fails (`FENCED`), so a key's row never commits without
-   its claim's row: they are written by one statement and commit together, or neither does.
-   One fact: the statement runs in autocommit and is the whole transaction (one round trip,
-   as for an append without a key). A batch: ``BEGIN`` and the statement, then ``COPY`` of
-   the rows of the keys it holds, then ``COMMIT``.
+   ``n`` and of the reservation. One fact: the statement runs in autocommit and is the whole
+   transaction (one round trip, as for an append without a key); where it holds the key but
+   recorded nothing (its writer was fenced, so ``w`` gave no row) it fails (`FENCED`). A
+   batch: ``BEGIN`` and the statement, then ``COPY`` of the rows of the keys it holds, then
+   ``COMMIT``, which the writer sends only after it saw the claim's row written. So a key's
+   row never commits without its claim's row: they commit together, or neither does.
 4. **The originals** (`ORIGINALS`), read only when some key was a duplicate: the claim's
    statement cannot read them, since an original that committed while the claim waited for
    it is newer than that statement's snapshot. A later statement has a later snapshot. In a
