@@ -861,8 +861,8 @@ class WriterCore:
                         f"{ATTEMPTS} times between claim and read: report this"
                     )
             else:
-                ack, ids = yield from self._append_keyed_batch(
-                    payloads, stamps, found_keys, token, params
+                ack = yield from self._append_keyed_batch(
+                    payloads, stamps, found_keys, token, params, ids
                 )
         finally:
             self._complete(token, ids)
@@ -879,10 +879,12 @@ class WriterCore:
         keys: Sequence[str],
         token: ReservationToken,
         params: dict[str, Any],
-    ) -> Gen[tuple[Ack, list[int]]]:
+        ids: list[int],
+    ) -> Gen[Ack]:
         """A keyed batch: ``BEGIN`` and the claiming statement in one round trip, the originals
-        of its duplicates if any, ``COPY`` of the rows of the keys it holds, ``COMMIT``.
-        Returns the `Ack` and the IDs this append reserved."""
+        of its duplicates if any, ``COPY`` of the rows of the keys it holds, ``COMMIT``. The
+        IDs it reserves go into ``ids`` as soon as they are known: the caller completes them
+        whatever happens next (as gaps if the transaction rolls back)."""
         info, limit = self.info, self.max_payload_bytes
         params.update(keys=keys, stamps=stamps, count=len(payloads), claim=secrets.randbits(63))
         # A generic plan is as good as a custom one here: the statement looks nothing up (the
@@ -896,9 +898,8 @@ class WriterCore:
             raise StoreError("an idempotency claim recorded no fact: report this")
         fact_ids: list[int | None] = [None] * len(payloads)
         fact_stamps = list(stamps)
-        ids: list[int] = []
         if count:
-            ids = self._check_floor([(stream_id, floor) for stream_id in reserved])
+            ids += self._check_floor([(stream_id, floor) for stream_id in reserved])
             self.tracker.reserved(token, ids)
             for pos, stream_id in zip(ords, ids, strict=True):
                 fact_ids[pos - 1] = stream_id
@@ -921,7 +922,7 @@ class WriterCore:
             )
         yield Commit()
         final = [stream_id for stream_id in fact_ids if stream_id is not None]
-        return Ack.of(final, fact_stamps, duplicates), ids
+        return Ack.of(final, fact_stamps, duplicates)
 
     def _complete(self, token: ReservationToken, ids: Sequence[int]) -> None:
         if ids:

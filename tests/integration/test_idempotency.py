@@ -88,6 +88,23 @@ def test_a_batch_writes_its_new_keys_and_returns_the_originals_of_the_others(
     assert key_rows(streams_url, stream) == dict(zip(["k0", "k1", "k2"], mixed.ids, strict=True))
 
 
+def test_a_keyed_batch_that_fails_after_its_reservation_leaves_no_pending_id_or_key(
+    client: Client, stream: str, streams_url: str
+) -> None:
+    """A payload that cannot be stored fails the batch during its COPY, after its IDs were
+    reserved: the transaction rolls back (no fact, no key) and the IDs complete as gaps."""
+    with client.writer(stream) as writer:
+        with pytest.raises(streams.PayloadNotSerializable):
+            writer.append_batch([{"n": 1}, {"bad": float("nan")}], keys=["a", "b"])
+        assert writer.core.tracker.pending_count == 0
+        assert writer.core.tracker.in_flight_count == 0
+        assert key_rows(streams_url, stream) == {}
+        ack = writer.append_batch([{"n": 1}, {"n": 2}], keys=["a", "b"])
+        assert ack.duplicates == ()
+        assert writer.core.tracker.pending_count == 0
+    assert [r[4] for r in fact_rows(streams_url, stream)] == [{"n": 1}, {"n": 2}]
+
+
 def test_a_duplicate_waits_for_the_claim_without_a_reservation_and_writes_if_it_rolls_back(
     client: Client, stream: str, streams_url: str
 ) -> None:
