@@ -4,98 +4,126 @@ Terms. An append's **key** (a string the caller chooses: a request ID, an order 
 it within its stream for the stream's **key window** (``key_window_ms``, default 24 hours). An
 append whose key was written within the window is a **duplicate**: it writes nothing and
 returns the original append's `Ack` (same IDs and timestamps), whichever process wrote it and
-whether or not that process saw its own outcome. Each key's row in ``streams_idempotency_keys``
-(revision 0009) holds the fact its append wrote (``stream_id``, ``ts``), the time it was written,
-and ``claim``, a random token of the transaction that wrote it.
+whether or not that process saw its own outcome. A **claim** is one appending statement's
+attempt at its keys; its **token** (``claim``) is a random number of that statement. Each
+key's row in ``streams_idempotency_keys`` holds the token of the claim that wrote it, when
+(``written_at``), the fact's timestamp ``ts`` and ``ord``, the key's position in its append
+(from 1). The claim's row in ``streams_idempotency_claims`` (same ``stream``, ``written_at``
+and ``claim``) holds the IDs the append reserved (``ids``, ascending) and the positions of the
+keys it wrote (``ords``, ascending; NULL when it wrote all of them): a key's fact is ``ids[i]``
+where ``ords[i] = ord`` (`FACT_ID`). Revision 0010 has the tables.
 
 How a key is written once (the claim argument)
 ----------------------------------------------
-A keyed append is one transaction whose statements run in this order (the argument rests only
-on the order of *statements* in one transaction, never on the order in which PostgreSQL
-evaluates the parts of one statement):
+A keyed append writes its keys, reserves its IDs and records them in **one statement**
+(`claim_ctes`, `GATE`, `record_cte`, assembled by `streams.store.writing`); the argument rests
+on data dependencies between the parts of that statement and on the order of statements in a
+transaction, never on the order in which PostgreSQL evaluates independent parts of a statement.
 
-1. **the claim** (`claim_sql`): ``INSERT`` the key's row with this transaction's token, ``ON
-   CONFLICT DO UPDATE`` only where the existing row is older than the window (its key expired:
-   the append is written anew). The primary key ``(stream, key)`` makes this statement wait for
-   any other open transaction that inserted the same key, then insert (that transaction rolled
-   back) or conflict (it committed). So when the claim statement ends, exactly one of these
-   holds: this transaction's row carries its token (it *holds the claim*), or the row that
-   committed before, younger than the window, carries another token; and no other transaction
-   can hold the key's claim until this one ends. Either way the row is locked until this
-   transaction ends (inserted or updated by it; on a conflict, ``DO UPDATE`` locks the row even
-   where its ``WHERE`` is false), so nothing deletes it meanwhile (`prune_keys` skips it).
-2. **the reservation** (`streams.store.writing`): one statement that reads the key's row and
-   reserves an ID, writes the fact and records it in the row *only if the row carries this
-   transaction's token*; otherwise it reserves nothing and returns the row's fact, the original
-   append's. This statement starts after the claim ended, so its snapshot (READ COMMITTED: one
-   per statement) sees this transaction's own row, or the other's *committed* row with its fact
-   recorded. The gate is a data dependency: the writer's lease check scans the key's row and
-   passes only where its token is ours, and no ``nextval`` is evaluated without a row from it;
-   even if one were, the ID would complete as a gap (nothing is written under it).
-3. ``COMMIT`` (for one fact, the implicit commit at the pipeline's sync).
+1. **The claim** (the statement's ``q``): ``INSERT`` each key's row with the claim's token,
+   ``ON CONFLICT DO UPDATE`` only where the existing row is older than the window (its key
+   expired: the append is written anew), ``RETURNING`` the rows it inserted or updated. The
+   primary key ``(stream, key)`` makes the insert of a key wait for any other open
+   transaction that inserted it, then insert (that transaction rolled back) or conflict (it
+   committed, or the row committed long ago). ``RETURNING`` yields exactly the keys this
+   transaction now **holds**; a key whose younger row committed yields nothing (a duplicate),
+   and that row is locked by this transaction until it ends all the same (``DO UPDATE``
+   locks the row even where its ``WHERE`` is false). No other transaction can hold a key
+   this one holds until this one ends. A batch inserts its keys in key order, so two batches
+   with common keys wait for each other rather than deadlock.
+2. **The gate** (``n``, `GATE`): ``n`` aggregates the claim's rows (how many, their positions,
+   ``written_at``). An aggregate has no row to give before it has consumed all of its input,
+   so ``n`` exists only once the claim has inserted, or waited for and found written, every
+   key. The writer's lease check (``w`` in `streams.store.writing`) reads its row only where
+   ``n`` counts a key held; the reservation lock, ``nextval``, the facts and the claim's row
+   are computed from rows derived from ``w``. Hence no ID is reserved and no reservation lock
+   is taken before every key of the append is claimed: a statement that waits in its claim
+   holds neither, and one whose keys are all duplicates reserves nothing at all. (A data
+   dependency: no part can compute from a row that does not exist yet.)
+3. **The record** (``x``, `record_cte`): the claim's row, with the IDs reserved, from rows of
+   ``n`` and of the reservation. One fact: the statement runs in autocommit and is the whole
+   transaction (one round trip, as for an append without a key); where it holds the key but
+   recorded nothing (its writer was fenced, so ``w`` gave no row) it fails (`FENCED`). A
+   batch: ``BEGIN`` and the statement, then ``COPY`` of the rows of the keys it holds, then
+   ``COMMIT``, which the writer sends only after it saw the claim's row written. So a key's
+   row never commits without its claim's row: they commit together, or neither does.
+4. **The originals** (`ORIGINALS`), read only when some key was a duplicate: the claim's
+   statement cannot read them, since an original that committed while the claim waited for
+   it is newer than that statement's snapshot. A later statement has a later snapshot. In a
+   batch, and in a fact written in the caller's transaction, it runs in the same transaction,
+   whose claim still locks the duplicates' rows: they are there. For one fact it runs after the
+   claim's autocommit transaction, and a row found missing then was pruned meanwhile (its
+   window passed): the append starts over, and its claim now writes the key.
 
-Hence: two transactions racing with one key write one fact (the second waits in its claim,
-then returns the first's `Ack`), and if the first rolls back (a failure, a kill), the second's
-claim succeeds and it writes the fact. The waiting happens in the claim, *before* any ID is
-reserved: a duplicate holds no reserved ID and no reservation lock, so it never leaves a pending
-ID and never holds the linear position back (it waits at most as long as the first transaction
-stays open, which the lease bounds: "the liveness argument" in `streams.store.writers`). A row
-committed without its fact is impossible: where this transaction holds the claim but reserved
-nothing (its writer was fenced), the reservation statement fails (`FENCED`), and the
-transaction with it. Its fact and its key commit together, or neither does; so a caller that
-got `streams.CommitUnknown` and retries with the same key gets the original `Ack` if the first
-attempt committed, and writes the fact (once) if it did not.
+Rows go only in pairs that are consistent in every snapshot: `prune_keys` deletes key rows
+(never a locked one) and then claim rows *to which no key row refers* (seen in one snapshot;
+a key row only ever refers to the claim that wrote it, so none can appear later). Hence a
+snapshot that sees a key's row sees its claim's row.
 
-The single-fact append sends the claim and the reservation in one pipeline, in autocommit:
-up to the pipeline's sync they are one implicit transaction (`streams.store.driver.Pipeline`),
-which commits there, or rolls back whole: one round trip, like an append without a key. A
-batch claims all its keys in one statement (in key order, so two batches with common keys
-wait for each other rather than deadlock), reserves one ID per key it holds, copies those
-payloads' rows and commits. A fact
-written in the caller's transaction (``writer.fact(conn, key=...)``) claims and reserves in the
-caller's transaction, so the claim, the fact and the caller's own rows commit together.
+So: two transactions racing with one key write one fact (the second waits in its claim, then
+returns the first's `Ack`), and if the first rolls back (a failure, a kill), the second's claim
+succeeds and it writes the fact. The waiting happens in the claim, *before* any ID is reserved:
+a duplicate holds no reserved ID and no reservation lock, so it never leaves a pending ID and
+never holds the linear position back (it waits at most as long as the first transaction stays
+open, which the lease bounds: "the liveness argument" in `streams.store.writers`). A fact and
+its key commit together, or neither does; so a caller that got `streams.CommitUnknown` and
+retries with the same key gets the original `Ack` if the first attempt committed, and writes
+the fact (once) if it did not. A fact written in the caller's transaction (``writer.fact(conn,
+key=...)``) claims, reserves and records in one statement of that transaction (its rows come
+later), so the key, the fact and the caller's own rows commit together.
 
 What a key does not check: the payload. A duplicate returns the original `Ack` even when its
 payload differs (as Kafka's idempotent producer and S2's ``match_seq_num`` do); the key, not the
 content, names the append.
 
 Expiry: a key older than the stream's window is written anew (the claim's ``DO UPDATE``), and
-`prune_keys` deletes such rows (``streams prune``, with the facts' retention): the window is the
-one in force when the claim or the prune runs, read from ``streams_registry``.
+`prune_keys` deletes such rows (``streams prune``, with the facts' retention), and then the
+claim rows left without keys: the window is the one in force when the claim or the prune runs,
+read from ``streams_registry``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from ..errors import StoreError, UsageError
-from .driver import Commit, Gen, Query, Row
+from .driver import Autocommit, Commit, Gen, Query, Row
 from .registry import StreamInfo
 
 __all__ = [
+    "ATTEMPTS",
+    "FACT_ID",
     "FENCED",
+    "GATE",
     "MAX_KEY_LENGTH",
-    "KeyedFact",
+    "ORIGINALS",
+    "SINGLE_RESULT",
     "check_keys",
-    "claim_sql",
-    "keyed_fact",
+    "claim_ctes",
+    "held",
     "prune_keys",
+    "read_originals",
+    "record_cte",
 ]
 
 #: The longest key accepted, in characters.
 MAX_KEY_LENGTH = 512
 
-#: Marker of the text cast by which a reservation statement fails its transaction when this
-#: transaction holds a key's claim but its writer was fenced (nothing reserved, nothing to
-#: record): the claim must not commit without its fact.
+#: Marker of the text cast by which an appending statement fails when it holds a key's claim
+#: but its writer was fenced (nothing reserved, nothing recorded): the key must not commit
+#: without its fact.
 FENCED = "streams-writer-fenced"
 
+#: How many times one keyed fact starts over when the originals it found written were pruned
+#: before it could read them (step 4 of the claim argument): each start over needs a prune
+#: between two statements of it.
+ATTEMPTS = 3
 
-def _expired(stream: str, now: str) -> str:
-    """The existing row (``k``) of a key is older than the key window of stream ``stream``
-    (an SQL expression) at ``now``: the key expired."""
-    return f"""k.written_at < {now} - make_interval(secs => (
+
+def _expired(stream: str, column: str, now: str) -> str:
+    """Time ``column`` (a key's or claim's ``written_at``) is older than the key window of
+    stream ``stream`` at ``now`` (an SQL expression): the key expired."""
+    return f"""{column} < {now} - make_interval(secs => (
         SELECT r.key_window_ms / 1000.0 FROM streams_registry r WHERE r.id = {stream}))"""
 
 
@@ -121,85 +149,128 @@ def check_keys(keys: Sequence[object], count: int) -> list[str]:
     return found  # type: ignore[return-value]
 
 
-def claim_sql(many: bool) -> str:
-    """Statement 1 of a keyed append (see "the claim argument"): claim ``%(key)s`` (or every
-    key of ``%(keys)s``, in key order) for token ``%(claim)s`` on stream ``%(stream)s``."""
-    rows = (
-        "SELECT %(stream)s, key, %(claim)s FROM unnest(%(keys)s::text[]) AS key ORDER BY key"
-        if many
-        else "VALUES (%(stream)s, %(key)s, %(claim)s)"
-    )
-    return f"""
-        INSERT INTO streams_idempotency_keys AS k (stream, key, claim)
+def claim_ctes(many: bool) -> str:
+    """Steps 1 and 2 of the claim argument, as the leading CTEs of an appending statement:
+    ``q`` claims key ``%(key)s`` with timestamp ``%(ts)s`` (or every key of ``%(keys)s``, with
+    ``%(stamps)s``, in key order) for token ``%(claim)s`` on stream ``%(stream)s``; ``n`` is
+    one row: ``count`` (keys held), ``ords`` (their positions, ascending) and ``at`` (their
+    ``written_at``). Ends with a comma."""
+    if many:
+        # One written_at for every key (a CTE is computed once): the claim's row has it too.
+        rows = """
+            SELECT %(stream)s, p.key, %(claim)s, t.at, p.ts, p.ord
+            FROM t, unnest(%(keys)s::text[], %(stamps)s::bigint[])
+                    WITH ORDINALITY AS p(key, ts, ord)
+            ORDER BY p.key COLLATE "C"
+            """
+        head = "t AS (SELECT clock_timestamp() AS at),"
+    else:
+        rows = "VALUES (%(stream)s, %(key)s, %(claim)s, clock_timestamp(), %(ts)s, 1)"
+        head = ""
+    return f"""{head} q AS (
+        INSERT INTO streams_idempotency_keys AS k (stream, key, claim, written_at, ts, ord)
         {rows}
         ON CONFLICT (stream, key) DO UPDATE
-        SET claim = EXCLUDED.claim, written_at = clock_timestamp(), stream_id = NULL, ts = NULL
-        WHERE {_expired("k.stream", "clock_timestamp()")}
-        """
+        SET claim = EXCLUDED.claim, written_at = EXCLUDED.written_at, ts = EXCLUDED.ts,
+            ord = EXCLUDED.ord
+        WHERE {_expired("k.stream", "k.written_at", "clock_timestamp()")}
+        RETURNING k.ord, k.written_at
+    ), n AS (
+        SELECT count(*) AS count, array_agg(q.ord ORDER BY q.ord) AS ords,
+               min(q.written_at) AS at
+        FROM q
+    ),"""
 
 
-#: The key's row as the reservation statement reads it (``c``): its fact, and whether this
-#: transaction holds its claim.
-KEY_ROW_CTE = """c AS (
-    SELECT k.stream_id, k.ts, k.claim = %(claim)s AS mine
-    FROM streams_idempotency_keys k WHERE k.stream = %(stream)s AND k.key = %(key)s
-)"""
+#: Step 2: the further condition of the lease check (``w``) of a keyed append.
+GATE = "AND (SELECT n.count FROM n) > 0"
 
-#: Record the reserved ID (``{id}``, from the CTE ``{source}`` of the reservation) in the
-#: key's row.
-RECORD_CTE = """u AS (
-    UPDATE streams_idempotency_keys k SET stream_id = {id}, ts = %(ts)s FROM {source}
-    WHERE k.stream = %(stream)s AND k.key = %(key)s AND k.claim = %(claim)s
-    RETURNING k.stream_id
-)"""
 
-#: The reservation's one row: whether this transaction wrote the fact, its ID and timestamp
-#: (or the original's), L; and the failure that keeps a claim without a fact from committing.
-RESULT_SELECT = f"""
-SELECT c.mine,
-       CASE WHEN NOT c.mine THEN c.stream_id
-            WHEN u.stream_id IS NOT NULL THEN u.stream_id
-            ELSE ('{FENCED} ' || c.mine)::bigint END,
-       CASE WHEN c.mine THEN %(ts)s ELSE c.ts END,
+def record_cte(ids: str, source: str, ords: str = "NULL", where: str = "") -> str:
+    """Step 3: ``x``, the claim's row, with IDs ``ids`` (an SQL array, ascending) and
+    positions ``ords`` computed from ``source`` (rows derived from the reservation); returns
+    its ``ids``."""
+    return f"""x AS (
+        INSERT INTO streams_idempotency_claims (stream, written_at, claim, ords, ids)
+        SELECT %(stream)s, n.at, %(claim)s, {ords}, {ids} FROM n, {source} {where}
+        RETURNING ids
+    )"""
+
+
+#: The one row of a one-fact statement (after `record_cte`): keys held (0 or 1), the fact's
+#: ID (NULL for a duplicate) and L (the reservation floor); the cast fails the statement where
+#: it holds the key but recorded no ID (`FENCED`).
+SINGLE_RESULT = f"""
+SELECT n.count,
+       CASE WHEN n.count = 0 THEN NULL
+            WHEN x.ids IS NOT NULL THEN x.ids[1]
+            ELSE ('{FENCED} ' || n.count)::bigint END,
        (SELECT g.floor FROM g){{extra}}
-FROM c LEFT JOIN u ON true
+FROM n LEFT JOIN x ON true
+"""
+
+#: The fact of a key's row ``k`` in its claim's row ``c``.
+FACT_ID = "c.ids[CASE WHEN c.ords IS NULL THEN k.ord ELSE array_position(c.ords, k.ord) END]"
+
+#: Step 4: the originals of keys ``%(keys)s`` on stream ``%(stream)s``: (position in
+#: ``keys`` from 1, ID, timestamp) for each key written. One primary-key probe per key (a
+#: LATERAL subquery with LIMIT is never turned into a join that scans the stream's keys).
+ORIGINALS = f"""
+SELECT p.pos, {FACT_ID}, k.ts
+FROM unnest(%(keys)s::text[]) WITH ORDINALITY AS p(key, pos)
+CROSS JOIN LATERAL (
+    SELECT k.written_at, k.claim, k.ord, k.ts FROM streams_idempotency_keys k
+    WHERE k.stream = %(stream)s AND k.key = p.key LIMIT 1
+) k
+JOIN streams_idempotency_claims c
+  ON c.stream = %(stream)s AND c.written_at = k.written_at AND c.claim = k.claim
 """
 
 
-@dataclass(frozen=True, slots=True)
-class KeyedFact:
-    """What the reservation statement of a keyed append found: ``written`` (this transaction
-    holds the claim and wrote the fact) or not (a duplicate), and the fact's ID and timestamp
-    (the original's for a duplicate)."""
-
-    written: bool
-    stream_id: int
-    timestamp: int
+def held(rows: Sequence[Row]) -> int | None:
+    """The ID of a one-fact statement's fact (`SINGLE_RESULT`), or None: a duplicate."""
+    if not rows:
+        raise StoreError("a keyed append's statement returned nothing: report this")
+    return None if not rows[0][0] else int(rows[0][1])
 
 
-def keyed_fact(rows: Sequence[Row]) -> KeyedFact:
-    """The reservation statement's row (see `RESULT_SELECT`)."""
-    # The claim locked the key's row (inserted or updated it, or, on a conflict, locked it:
-    # ON CONFLICT DO UPDATE locks the row even where its WHERE is false), so nothing deleted it
-    # before the reservation; and a row commits with its fact or not at all.
-    if not rows or rows[0][1] is None or rows[0][2] is None:
-        raise StoreError("an idempotency key's row was missing or had no fact: report this")
-    mine, stream_id, ts = rows[0][0], rows[0][1], rows[0][2]
-    return KeyedFact(bool(mine), int(stream_id), int(ts))
+def read_originals(
+    stream: int, keys: Sequence[str], *, own_transaction: bool
+) -> Gen[list[tuple[int, int] | None]]:
+    """Step 4: the (ID, timestamp) of each key's original, None where its row is gone (pruned
+    since the claim: only possible with ``own_transaction``, a statement of its own after the
+    claim's transaction; otherwise it is an error). In the claim's transaction when not
+    ``own_transaction``."""
+    params = {"stream": stream, "keys": list(keys)}
+    if own_transaction:
+        rows = yield Autocommit(ORIGINALS, params)
+    else:
+        rows = yield Query(ORIGINALS, params, prepare=False)
+    found: list[tuple[int, int] | None] = [None] * len(keys)
+    for pos, stream_id, ts in rows:
+        if stream_id is None or ts is None:
+            raise StoreError("an idempotency key's claim had no fact: report this")
+        found[int(pos) - 1] = (int(stream_id), int(ts))
+    if not own_transaction and None in found:
+        raise StoreError("a claimed idempotency key's row was missing: report this")
+    return found
 
 
 def prune_keys(info: StreamInfo, batch: int = 10_000) -> Gen[int]:
     """Delete the stream's key rows older than its key window, ``batch`` at a time (each its
-    own short transaction); returns how many. Safe at any time: a key older than the window
-    is written anew whether or not its row is still there (the claim's ``DO UPDATE``), and a
-    claim in progress holds its row locked, which the ``DELETE`` skips."""
+    own short transaction), then its claim rows to which no key row refers any more; returns
+    how many key rows. Safe at any time: a key older than the window is written anew whether or
+    not its row is still there (the claim's ``DO UPDATE``), a claim in progress holds its row
+    locked, which the ``DELETE`` skips, and a claim row goes only once no key row refers to it
+    (see the module doc)."""
     deleted = 0
     while True:
         rows = yield Query(
             f"""
             WITH old AS (
                 SELECT k.ctid FROM streams_idempotency_keys k
-                WHERE k.stream = %(stream)s AND {_expired("%(stream)s", "now()")}
+                WHERE k.stream = %(stream)s
+                  AND {_expired("%(stream)s", "k.written_at", "now()")}
                 ORDER BY k.written_at LIMIT %(batch)s FOR UPDATE SKIP LOCKED
             ), d AS (
                 DELETE FROM streams_idempotency_keys k USING old WHERE k.ctid = old.ctid
@@ -213,4 +284,29 @@ def prune_keys(info: StreamInfo, batch: int = 10_000) -> Gen[int]:
         count = int(rows[0][0])
         deleted += count
         if count < batch:
+            break
+    while True:
+        # Only claims older than the window can have lost their keys (a key is claimed anew
+        # only once it expired): that bounds the scan; the NOT EXISTS is what makes it safe.
+        rows = yield Query(
+            f"""
+            WITH old AS (
+                SELECT c.ctid FROM streams_idempotency_claims c
+                WHERE c.stream = %(stream)s
+                  AND {_expired("%(stream)s", "c.written_at", "now()")}
+                  AND NOT EXISTS (
+                      SELECT FROM streams_idempotency_keys k
+                      WHERE k.stream = c.stream AND k.written_at = c.written_at
+                        AND k.claim = c.claim)
+                ORDER BY c.written_at LIMIT %(batch)s FOR UPDATE SKIP LOCKED
+            ), d AS (
+                DELETE FROM streams_idempotency_claims c USING old WHERE c.ctid = old.ctid
+                RETURNING 1
+            )
+            SELECT count(*) FROM d
+            """,
+            {"stream": info.id, "batch": batch},
+        )
+        yield Commit()
+        if int(rows[0][0]) < batch:
             return deleted

@@ -33,7 +33,7 @@ from ..errors import (
 )
 from .driver import Autocommit, Commit, Gen, Query
 
-ALEMBIC_HEAD = "0009_idempotency_keys"
+ALEMBIC_HEAD = "0010_idempotency_claims"
 
 #: A stream's key window unless set otherwise: an idempotency key names its append for 24 hours.
 DEFAULT_KEY_WINDOW_MS = 24 * 3600 * 1000
@@ -404,9 +404,10 @@ def drop_stream(name: str) -> Gen[bool]:
         return False
     name_of_partition, sequence = facts_partition(int(rows[0][0])), str(rows[0][1])
     partition = sql.Identifier(name_of_partition)
-    # Its idempotency keys (no foreign key: see revision 0009); no new row can appear, since
-    # no writer can open the stream any more.
-    yield Autocommit("DELETE FROM streams_idempotency_keys WHERE stream = %s", (int(rows[0][0]),))
+    # Its idempotency keys and claims (no foreign key: see revision 0009); no new row can
+    # appear, since no writer can open the stream any more.
+    for table in ("streams_idempotency_keys", "streams_idempotency_claims"):
+        yield Autocommit(f"DELETE FROM {table} WHERE stream = %s", (int(rows[0][0]),))
     attached = yield Autocommit(
         "SELECT 1 FROM pg_inherits WHERE inhrelid = to_regclass(%s)", (name_of_partition,)
     )

@@ -26,11 +26,11 @@ Life of an append
      writes nothing) otherwise: nothing can run between that statement and its commit.
    * A batch: ``BEGIN`` and that statement in one pipeline (one round trip), then ``COPY`` of
      its rows and ``COMMIT``.
-   * With idempotency keys (`streams.store.idempotency`, "the claim argument"): a statement
-     that claims the keys comes first, in the same transaction, and the lease check is gated on
-     holding each key's claim; the reserved IDs are recorded in the keys' rows by the same
-     statement. One fact: the claim and the reservation in one pipeline, one implicit
-     transaction (one round trip).
+   * With idempotency keys (`streams.store.idempotency`, "the claim argument"): the same
+     statement first claims the keys, and its lease check is gated (by data dependency) on the
+     claim having ended and holding a key; it records the reserved IDs in the claim's row. One
+     fact: that one statement in autocommit (one round trip; a duplicate reads its original
+     with a second). A batch: as above, then ``COPY`` of the rows of the keys it holds.
 4. Whatever happens (commit, error, rollback, cancellation), the IDs complete in the tracker in
    a ``finally``: a failure is a permanent gap, never a leaked pending ID. A connection lost
    while the one-fact statement (or a ``COMMIT``) runs leaves its outcome unknown to us; the
@@ -73,13 +73,15 @@ from ..errors import (
 )
 from .driver import Autocommit, Commit, CopyIn, Gen, Pipeline, Query, Row
 from .idempotency import (
+    ATTEMPTS,
     FENCED,
-    KEY_ROW_CTE,
-    RECORD_CTE,
-    RESULT_SELECT,
+    GATE,
+    SINGLE_RESULT,
     check_keys,
-    claim_sql,
-    keyed_fact,
+    claim_ctes,
+    held,
+    read_originals,
+    record_cte,
 )
 from .registry import StreamInfo, load_stream
 from .writers import (
@@ -287,7 +289,6 @@ class WriterCore:
         self._reserve_many: bytes | None = None
         self._reserve_fact: bytes | None = None
         self._reserve_one_keyed = self._reserve_fact_keyed = self._reserve_many_keyed = b""
-        self._claim_one = self._claim_many = b""
         #: IDs reserved in transactions of callers that this writer joined (``fact()`` on a
         #: connection already in a transaction), by transaction ID, with their timestamps:
         #: pending until `resolve_joined` finds the transaction ended.
@@ -497,17 +498,17 @@ class WriterCore:
     def _prepare_keyed(
         self, prefix_with: Callable[..., sql.Composed], guards: sql.Composable, seq: sql.Literal
     ) -> None:
-        """The reservation statements of keyed appends (statement 2 of "the claim argument" in
-        `streams.store.idempotency`): the lease check is gated on holding the key's claim, and
-        the reserved ID is recorded in the key's row. The checks of ``_reserve_one`` (ID >= L,
-        above what this process knew) are made in the statement, which fails otherwise."""
+        """The statements of keyed appends ("the claim argument" in
+        `streams.store.idempotency`): each claims its keys, then (gated on holding one) checks
+        the lease, reserves and records the IDs in the claim's row, in one statement. The checks
+        of ``_reserve_one`` (ID >= L, above what this process knew) are made in the statement,
+        which fails otherwise; a batch's are made by the client before its COPY and COMMIT."""
         checked = sql.SQL(
             "CASE WHEN r.id >= r.floor AND r.id > %(known)s THEN r.id "
             "ELSE ({rewound} || r.id || ' ' || r.floor)::bigint END"
         ).format(rewound=sql.Literal(_REWOUND + " "))
-        head, gate = KEY_ROW_CTE + ",", "AND (SELECT c.mine FROM c)"
-        reserve = sql.SQL("{prefix}, r AS (SELECT nextval({seq}) AS id, g.floor FROM g)")
-        # One fact: the row, and its ID recorded in the key's row (from the inserted row).
+        one = sql.SQL("{prefix}, r AS (SELECT nextval({seq}) AS id, g.floor FROM g)")
+        # One fact: its row, and its ID recorded in the claim's row (from the inserted row).
         self._reserve_one_keyed = (
             sql.SQL(
                 """{reserve},
@@ -518,70 +519,56 @@ class WriterCore:
                 ), {record} {result}"""
             )
             .format(
-                reserve=reserve.format(prefix=prefix_with(sql.SQL(""), head, gate), seq=seq),
+                reserve=one.format(
+                    prefix=prefix_with(sql.SQL(""), claim_ctes(many=False), GATE), seq=seq
+                ),
                 checked=checked,
-                record=sql.SQL(RECORD_CTE).format(id=sql.SQL("f.stream_id"), source=sql.SQL("f")),
-                result=sql.SQL(RESULT_SELECT).format(extra=sql.SQL("")),
+                record=sql.SQL(record_cte("ARRAY[f.stream_id]", "f")),
+                result=sql.SQL(SINGLE_RESULT.format(extra="")),
             )
             .as_bytes(None)
         )
-        # A fact in the caller's transaction: its ID recorded at once (rows come later).
+        # A fact in the caller's transaction: its ID recorded at once (its rows come later),
+        # and that transaction's ID (`FactHandle.xid`).
         self._reserve_fact_keyed = (
             sql.SQL("{reserve}, {record} {result}")
             .format(
-                reserve=reserve.format(
-                    prefix=prefix_with(sql.SQL("|| ") + guards, head, gate), seq=seq
+                reserve=one.format(
+                    prefix=prefix_with(sql.SQL("|| ") + guards, claim_ctes(many=False), GATE),
+                    seq=seq,
                 ),
-                record=sql.SQL(RECORD_CTE).format(id=checked, source=sql.SQL("r")),
-                result=sql.SQL(RESULT_SELECT).format(extra=sql.SQL(", txid_current()")),
+                record=sql.SQL(record_cte("ARRAY[{}]", "r")).format(checked),
+                result=sql.SQL(SINGLE_RESULT.format(extra=", txid_current()")),
             )
             .as_bytes(None)
         )
-        # A batch: one ID per key this transaction holds, given to those keys in payload order
-        # (both sides ordered by value, not by evaluation), and every key's row back, in
-        # payload order. ``k.key = ANY(keys)`` makes the key rows primary-key probes: joined on
-        # ``p.key`` alone, the planner hashed every key row of the stream, once per batch (and
-        # so does a generic plan: these statements are not prepared). The client checks ID >= L
-        # and the recorded count before its COPY and COMMIT, as for a batch without keys.
-        batch_head = """c AS (
-                SELECT p.ord, p.key, p.ts AS new_ts, k.stream_id, k.ts,
-                       k.claim = %(claim)s AS mine
-                FROM unnest(%(keys)s::text[], %(stamps)s::bigint[]) WITH ORDINALITY
-                     AS p(key, ts, ord)
-                LEFT JOIN streams_idempotency_keys k
-                       ON k.stream = %(stream)s AND k.key = p.key
-                      AND k.key = ANY(%(keys)s::text[])
-            ), n AS (SELECT count(*) AS count FROM c WHERE c.mine),"""
+        # A batch: one ID per key held; the IDs (ascending) go to the keys held in the order of
+        # their positions (both ordered by value, not by evaluation: the client pairs them).
+        # Back: keys held, their positions, the IDs, L, and whether the claim's row was written.
         self._reserve_many_keyed = (
             sql.SQL(
                 """{prefix}, r AS (
                     SELECT nextval({seq}) AS id, g.floor
                     FROM g, generate_series(1, (SELECT n.count FROM n))
-                ), a AS (
-                    SELECT o.ord, o.key, o.new_ts, i.id, i.floor
-                    FROM (SELECT row_number() OVER (ORDER BY c.ord) AS i, c.*
-                          FROM c WHERE c.mine) o
-                    JOIN (SELECT row_number() OVER (ORDER BY r.id) AS i, r.* FROM r) i
-                      ON i.i = o.i
-                ), u AS (
-                    UPDATE streams_idempotency_keys k SET stream_id = a.id, ts = a.new_ts
-                    FROM a
-                    WHERE k.stream = %(stream)s AND k.key = ANY(%(keys)s::text[])
-                      AND k.key = a.key AND k.claim = %(claim)s
-                    RETURNING k.key
-                )
-                SELECT c.ord, COALESCE(c.mine, false), COALESCE(a.id, c.stream_id),
-                       COALESCE(a.new_ts, c.ts), a.floor, (SELECT count(*) FROM u)
-                FROM c LEFT JOIN a ON a.ord = c.ord ORDER BY c.ord"""
+                ), i AS (
+                    SELECT array_agg(r.id ORDER BY r.id) AS ids, min(r.floor) AS floor FROM r
+                ), {record}
+                SELECT n.count, n.ords, i.ids, i.floor, (SELECT count(*) FROM x) FROM n, i"""
             )
             .format(
-                prefix=prefix_with(sql.SQL(""), batch_head, "AND (SELECT n.count FROM n) > 0"),
+                prefix=prefix_with(sql.SQL(""), claim_ctes(many=True), GATE),
                 seq=seq,
+                record=sql.SQL(
+                    record_cte(
+                        "i.ids",
+                        "i",
+                        ords="CASE WHEN n.count = %(count)s THEN NULL ELSE n.ords END",
+                        where="WHERE i.ids IS NOT NULL",
+                    )
+                ),
             )
             .as_bytes(None)
         )
-        self._claim_one = claim_sql(many=False).encode()
-        self._claim_many = claim_sql(many=True).encode()
 
     def _tcp_settings(self) -> dict[str, str]:
         """Server-side settings that find a client that is gone or cut off within about the
@@ -818,7 +805,7 @@ class WriterCore:
         if exc.sqlstate == INVALID_TEXT and FENCED in str(exc):
             self.fenced = True
             self._check_usable()
-        if exc.sqlstate == UNIQUE_VIOLATION and "streams_idempotency_keys" not in str(exc):
+        if exc.sqlstate == UNIQUE_VIOLATION and "streams_idempotency" not in str(exc):
             raise SequenceRewound(
                 f"stream {self.stream_name!r}: the sequence handed out an ID that "
                 "is stored already: it was set back; nothing was written. Open a "
@@ -828,9 +815,9 @@ class WriterCore:
     def _append_keyed(
         self, payloads: Sequence[Any], timestamps: Sequence[int | None], keys: Sequence[str]
     ) -> Gen[Ack]:
-        """An idempotent append: claim the keys, reserve IDs for the keys this transaction
-        holds, write those facts, record them in the keys' rows, commit ("the claim argument"
-        in `streams.store.idempotency`). Duplicates come back with the original facts."""
+        """An idempotent append: one statement claims the keys and, for the keys it holds,
+        reserves IDs and records them ("the claim argument" in `streams.store.idempotency`);
+        duplicates come back with the original facts."""
         found_keys = check_keys(keys, len(payloads))
         info, tracker, limit = self.info, self.tracker, self.max_payload_bytes
         single = encode_payload(payloads[0], limit) if len(payloads) == 1 else None
@@ -843,60 +830,39 @@ class WriterCore:
         )
         token = tracker.begin_reservation()
         ids: list[int] = []
-        params = {**self._lease_params(), "claim": secrets.randbits(63), "known": token.floor}
+        params = {**self._lease_params(), "known": token.floor}
         try:
             if single is not None:
                 params.update(key=found_keys[0], ts=stamps[0], payload=single)
-                try:
-                    # The claim and the reservation, one transaction, one round trip.
-                    _, rows = yield Pipeline(
-                        [Query(self._claim_one, params), Query(self._reserve_one_keyed, params)],
-                        commit=True,
+                for _ in range(ATTEMPTS):
+                    params["claim"] = secrets.randbits(63)
+                    try:
+                        # The whole append when the key is new: one statement in autocommit.
+                        rows = yield Autocommit(self._reserve_one_keyed, params)
+                    except StoreError as exc:
+                        self._raise_refusal(exc)
+                        raise
+                    stream_id = held(rows)
+                    if stream_id is not None:
+                        ids = [stream_id]  # committed: it completes, whatever happens next
+                        tracker.reserved(token, ids)
+                        ack = Ack(stream_id, stream_id, stamps[0], stamps[0], 1, (stream_id,))
+                        break
+                    # A duplicate: its original, read by a statement that sees it.
+                    (original,) = yield from read_originals(
+                        info.id, found_keys, own_transaction=True
                     )
-                except StoreError as exc:
-                    self._raise_refusal(exc)
-                    raise
-                found = keyed_fact(rows)
-                if not found.written:
-                    return Ack.of([found.stream_id], [found.timestamp], [0])
-                ids = [found.stream_id]  # committed: it completes, whatever happens next
-                tracker.reserved(token, ids)
-                ack = Ack.of(ids, [found.timestamp])
+                    if original is not None:
+                        return Ack.of([original[0]], [original[1]], [0])
+                    # Pruned between the two statements (it expired): claim it again.
+                else:
+                    raise StoreError(
+                        f"idempotency key {found_keys[0][:40]!r}: its original was pruned "
+                        f"{ATTEMPTS} times between claim and read: report this"
+                    )
             else:
-                params.update(keys=found_keys, stamps=stamps)
-                # The claim and the reservation in one pipeline (after psycopg's BEGIN, which
-                # syncs: a round trip of its own); then COPY, COMMIT.
-                # Not prepared: a generic plan knows nothing of the keys, and hashed every key
-                # row of the stream for each batch (measured: 7x slower after 5 batches).
-                _, rows = yield Pipeline(
-                    [
-                        Query(self._claim_many, params, prepare=False),
-                        Query(self._reserve_many_keyed, params, prepare=False),
-                    ]
-                )
-                new = [row for row in rows if row[1]]
-                if any(row[2] is None for row in rows) or (new and new[0][5] != len(new)):
-                    if new and new[0][2] is None:  # held the claims, reserved nothing
-                        self.fenced = True
-                        self._check_usable()
-                    raise StoreError("an idempotency key's row had no fact: report this")
-                if new:
-                    ids = self._check_floor([(row[2], row[4]) for row in new])
-                    tracker.reserved(token, ids)
-                    yield CopyIn(
-                        "COPY streams_facts (stream, stream_id, row_no, instance, ts, payload) "
-                        "FROM STDIN",
-                        (
-                            (info.id, row[2], 0, self.instance, row[3], encode_payload(p, limit))
-                            for row in new
-                            for p in (payloads[int(row[0]) - 1],)
-                        ),
-                    )
-                yield Commit()
-                ack = Ack.of(
-                    [int(row[2]) for row in rows],
-                    [int(row[3]) for row in rows],
-                    [int(row[0]) - 1 for row in rows if not row[1]],
+                ack = yield from self._append_keyed_batch(
+                    payloads, stamps, found_keys, token, params, ids
                 )
         finally:
             self._complete(token, ids)
@@ -905,6 +871,58 @@ class WriterCore:
             self._ts_floor = max(self._ts_floor, *written)
             self.appended += len(ids)
         return ack
+
+    def _append_keyed_batch(
+        self,
+        payloads: Sequence[Any],
+        stamps: Sequence[int],
+        keys: Sequence[str],
+        token: ReservationToken,
+        params: dict[str, Any],
+        ids: list[int],
+    ) -> Gen[Ack]:
+        """A keyed batch: ``BEGIN`` and the claiming statement in one round trip, the originals
+        of its duplicates if any, ``COPY`` of the rows of the keys it holds, ``COMMIT``. The
+        IDs it reserves go into ``ids`` as soon as they are known: the caller completes them
+        whatever happens next (as gaps if the transaction rolls back)."""
+        info, limit = self.info, self.max_payload_bytes
+        params.update(keys=keys, stamps=stamps, count=len(payloads), claim=secrets.randbits(63))
+        # A generic plan is as good as a custom one here: the statement looks nothing up (the
+        # claim finds conflicts through the primary key itself), so it may be prepared.
+        ((row,),) = yield Pipeline([Query(self._reserve_many_keyed, params)])
+        count, ords, reserved, floor, recorded = row
+        if count and (reserved is None or recorded != 1):
+            if reserved is None:  # held keys, reserved nothing: fenced (rolled back)
+                self.fenced = True
+                self._check_usable()
+            raise StoreError("an idempotency claim recorded no fact: report this")
+        fact_ids: list[int | None] = [None] * len(payloads)
+        fact_stamps = list(stamps)
+        if count:
+            ids += self._check_floor([(stream_id, floor) for stream_id in reserved])
+            self.tracker.reserved(token, ids)
+            for pos, stream_id in zip(ords, ids, strict=True):
+                fact_ids[pos - 1] = stream_id
+        duplicates = [n for n, stream_id in enumerate(fact_ids) if stream_id is None]
+        if duplicates:
+            originals = yield from read_originals(
+                info.id, [keys[n] for n in duplicates], own_transaction=False
+            )
+            for n, original in zip(duplicates, originals, strict=True):
+                assert original is not None  # read_originals raises otherwise
+                fact_ids[n], fact_stamps[n] = original
+        if count:
+            yield CopyIn(
+                "COPY streams_facts (stream, stream_id, row_no, instance, ts, payload) FROM STDIN",
+                (
+                    (info.id, stream_id, 0, self.instance, stamps[n - 1], encode_payload(p, limit))
+                    for n, stream_id in zip(ords, ids, strict=True)
+                    for p in (payloads[n - 1],)
+                ),
+            )
+        yield Commit()
+        final = [stream_id for stream_id in fact_ids if stream_id is not None]
+        return Ack.of(final, fact_stamps, duplicates)
 
     def _complete(self, token: ReservationToken, ids: Sequence[int]) -> None:
         if ids:
@@ -951,17 +969,19 @@ class WriterCore:
             self.tracker.reserved(token, [stream_id])
             return FactHandle(stream_id=stream_id, timestamp=stamp, xid=int(rows[0][2]))
         params.update(key=key, claim=secrets.randbits(63), ts=stamp, known=token.floor)
-        yield Query(self._claim_one, params)
         try:
             rows = yield Query(self._reserve_fact_keyed, params)
         except StoreError as exc:
             self._raise_refusal(exc)
             raise
-        found = keyed_fact(rows)
-        if not found.written:
-            return FactHandle(found.stream_id, found.timestamp, duplicate=True)
-        self.tracker.reserved(token, [found.stream_id])
-        return FactHandle(found.stream_id, found.timestamp, xid=int(rows[0][4]))
+        fact_id = held(rows)
+        if fact_id is None:
+            # In the claim's transaction, which locks the key's row: it is there (or raises).
+            (original,) = yield from read_originals(self.info.id, [key], own_transaction=False)
+            assert original is not None
+            return FactHandle(original[0], original[1], duplicate=True)
+        self.tracker.reserved(token, [fact_id])
+        return FactHandle(fact_id, stamp, xid=int(rows[0][3]))
 
     def add_rows(self, handle: FactHandle, payloads: Sequence[Any]) -> Gen[None]:
         """Add rows of the fact to the built-in facts table (same transaction)."""

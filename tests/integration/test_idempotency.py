@@ -23,13 +23,20 @@ from psycopg.pq import TransactionStatus
 
 import streams
 from streams import Client
+from streams.store.driver import run
+from streams.store.idempotency import FACT_ID
+from streams.store.registry import drop_stream
 
 
 def key_rows(url: str, stream: str) -> dict[str, int]:
+    """Each key of the stream and its fact's ID, as its key row and its claim's row say."""
     with psycopg.connect(url, autocommit=True) as conn:
         rows = conn.execute(
-            "SELECT k.key, k.stream_id FROM streams_idempotency_keys k "
-            "JOIN streams_registry r ON r.id = k.stream WHERE r.name = %s",
+            f"SELECT k.key, {FACT_ID} FROM streams_idempotency_keys k "
+            "JOIN streams_registry r ON r.id = k.stream "
+            "LEFT JOIN streams_idempotency_claims c "
+            "  ON c.stream = k.stream AND c.written_at = k.written_at AND c.claim = k.claim "
+            "WHERE r.name = %s",
             (stream,),
         ).fetchall()
     return dict(rows)
@@ -81,6 +88,23 @@ def test_a_batch_writes_its_new_keys_and_returns_the_originals_of_the_others(
     assert key_rows(streams_url, stream) == dict(zip(["k0", "k1", "k2"], mixed.ids, strict=True))
 
 
+def test_a_keyed_batch_that_fails_after_its_reservation_leaves_no_pending_id_or_key(
+    client: Client, stream: str, streams_url: str
+) -> None:
+    """A payload that cannot be stored fails the batch during its COPY, after its IDs were
+    reserved: the transaction rolls back (no fact, no key) and the IDs complete as gaps."""
+    with client.writer(stream) as writer:
+        with pytest.raises(streams.PayloadNotSerializable):
+            writer.append_batch([{"n": 1}, {"bad": float("nan")}], keys=["a", "b"])
+        assert writer.core.tracker.pending_count == 0
+        assert writer.core.tracker.in_flight_count == 0
+        assert key_rows(streams_url, stream) == {}
+        ack = writer.append_batch([{"n": 1}, {"n": 2}], keys=["a", "b"])
+        assert ack.duplicates == ()
+        assert writer.core.tracker.pending_count == 0
+    assert [r[4] for r in fact_rows(streams_url, stream)] == [{"n": 1}, {"n": 2}]
+
+
 def test_a_duplicate_waits_for_the_claim_without_a_reservation_and_writes_if_it_rolls_back(
     client: Client, stream: str, streams_url: str
 ) -> None:
@@ -107,6 +131,138 @@ def test_a_duplicate_waits_for_the_claim_without_a_reservation_and_writes_if_it_
     rows = fact_rows(streams_url, stream)
     assert [(r[0], r[4]) for r in rows] == [(ack.first_id, {"attempt": 2})]
     assert key_rows(streams_url, stream) == {"k": ack.first_id}
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["single", "batch"])
+def test_a_duplicate_that_waited_reads_the_original_committed_meanwhile(
+    client: Client, stream: str, streams_url: str, batch: bool
+) -> None:
+    """The first claim is held in an open transaction; a second append with the key (alone,
+    or in a batch with a new key) waits in its claim, holding no reservation lock; the first
+    commits. The original is newer than the snapshot of the second's claiming statement, so
+    only its second statement (the originals) can read it: it returns the first's `Ack`."""
+    with (
+        client.writer(stream, instance="first") as first,
+        client.writer(stream, instance="second") as second,
+        psycopg.connect(streams_url) as conn,
+    ):
+        conn.execute("SELECT 1")  # a transaction of ours, which the fact joins
+        with first.fact(conn, key="k") as fact:
+            fact.add({"attempt": 1})
+        pid = second._conn.info.backend_pid
+        thread, out = in_thread(
+            (lambda: second.append_batch([{"new": 1}, {"attempt": 2}], keys=["n", "k"]))
+            if batch
+            else (lambda: second.append({"attempt": 2}, key="k"))
+        )
+        wait_until(lambda: waits_for_a_lock(streams_url, pid), 10, "the claim to wait")
+        assert reservation_locks(streams_url) == {conn.info.backend_pid}
+        conn.commit()
+        thread.join(10)
+        (ack,) = out
+        assert isinstance(ack, streams.Ack), ack
+        if batch:
+            assert ack.duplicates == (1,) and ack.ids[1] == fact.stream_id
+            assert ack.ids[0] > fact.stream_id
+            assert ack.first_timestamp == fact.timestamp  # the original's (lowest ID)
+        else:
+            assert ack.duplicate and ack == fact.ack
+            assert ack.first_timestamp == fact.timestamp
+    rows = fact_rows(streams_url, stream)
+    expected = [(fact.stream_id, {"attempt": 1})]
+    if batch:
+        expected.append((ack.ids[0], {"new": 1}))
+    assert [(r[0], r[4]) for r in rows] == expected
+    keys = {"k": fact.stream_id, **({"n": ack.ids[0]} if batch else {})}
+    assert key_rows(streams_url, stream) == keys
+
+
+def test_a_duplicate_whose_original_is_pruned_before_it_is_read_claims_the_key_again(
+    client: Client, unique_name: str, streams_url: str
+) -> None:
+    """A single keyed append claims in one autocommit statement and reads a duplicate's
+    original in the next: a prune in between (the key expired) leaves nothing to read, and the
+    append starts over and writes the key anew (it has expired)."""
+    client.create_stream(unique_name, key_window_ms=60_000)
+    with client.writer(unique_name) as writer:
+        original = writer.append({"n": 1}, key="k")
+
+        def prune_between(gen: Any) -> Any:
+            """Forward ``gen``'s operations, pruning the expired key after the first."""
+            op, first = next(gen), True
+            while True:
+                result = yield op
+                if first:
+                    first = False
+                    assert result[0][0] == 0  # the claim found the key written: a duplicate
+                    client.set_key_window(unique_name, 1)
+                    time.sleep(0.01)
+                    assert client.prune(unique_name).keys_deleted == 1
+                    assert claim_rows(streams_url, unique_name) == 0
+                try:
+                    op = gen.send(result)
+                except StopIteration as stop:
+                    return stop.value
+
+        core = writer.core
+        ack = run(writer._conn, prune_between(core.append([{"n": 2}], [None], ["k"])))
+        assert not ack.duplicate and ack.first_id > original.first_id
+        assert core.tracker.pending_count == 0
+    assert [r[4] for r in fact_rows(streams_url, unique_name)] == [{"n": 1}, {"n": 2}]
+    assert key_rows(streams_url, unique_name) == {"k": ack.first_id}
+
+
+def test_prune_removes_a_claims_row_only_with_the_last_of_its_keys(
+    client: Client, unique_name: str, streams_url: str
+) -> None:
+    """A batch's keys share one claim row. A prune skips a key row that a transaction holds
+    locked (a claim in progress), and keeps the claim row that key still refers to; the next
+    prune removes both."""
+    client.create_stream(unique_name, key_window_ms=200)
+    with client.writer(unique_name) as writer:
+        batch = writer.append_batch([{"n": 1}, {"n": 2}], keys=["a", "b"])
+    time.sleep(0.3)
+    with psycopg.connect(streams_url) as locker:
+        locker.execute(
+            "SELECT 1 FROM streams_idempotency_keys k JOIN streams_registry r ON r.id = k.stream "
+            "WHERE r.name = %s AND k.key = 'a' FOR UPDATE OF k",
+            (unique_name,),
+        ).fetchall()
+        assert client.prune(unique_name).keys_deleted == 1
+        assert set(key_rows(streams_url, unique_name)) == {"a"}
+        assert key_rows(streams_url, unique_name)["a"] == batch.ids[0]  # its claim row is kept
+        assert claim_rows(streams_url, unique_name) == 1
+    assert client.prune(unique_name).keys_deleted == 1
+    assert key_rows(streams_url, unique_name) == {}
+    assert claim_rows(streams_url, unique_name) == 0
+
+
+def test_dropping_a_stream_removes_its_keys_and_claims(
+    client: Client, unique_name: str, streams_url: str
+) -> None:
+    info = client.create_stream(unique_name)
+    with client.writer(unique_name) as writer:
+        writer.append({"n": 1}, key="a")
+        writer.append_batch([{"n": 2}, {"n": 3}], keys=["b", "c"])
+    with psycopg.connect(streams_url) as conn:
+        assert run(conn, drop_stream(unique_name))
+        counts = conn.execute(
+            "SELECT (SELECT count(*) FROM streams_idempotency_keys WHERE stream = %(id)s), "
+            "(SELECT count(*) FROM streams_idempotency_claims WHERE stream = %(id)s)",
+            {"id": info.id},
+        ).fetchone()
+    assert counts == (0, 0)
+
+
+def claim_rows(url: str, stream: str) -> int:
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM streams_idempotency_claims c "
+            "JOIN streams_registry r ON r.id = c.stream WHERE r.name = %s",
+            (stream,),
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
 
 
 def waits_for_a_lock(url: str, pid: int) -> bool:
@@ -186,6 +342,32 @@ def test_keys_expire_with_the_window_and_prune_removes_them(
         client.set_key_window(unique_name, 0)
     with pytest.raises(streams.StreamExists):
         client.create_stream(unique_name, key_window_ms=1000)
+
+
+def test_a_batch_writes_its_expired_keys_anew_and_prune_removes_the_old_claims(
+    client: Client, unique_name: str, streams_url: str
+) -> None:
+    client.create_stream(unique_name, key_window_ms=300)
+    with client.writer(unique_name) as writer:
+        first = writer.append_batch([{"n": 1}, {"n": 2}], keys=["a", "b"])
+        time.sleep(0.4)
+        # "a" expired: claimed anew (its row now refers to the new claim), "c" is new.
+        second = writer.append_batch([{"n": 3}, {"n": 4}], keys=["a", "c"])
+        assert second.duplicates == () and min(second.ids) > max(first.ids)
+        assert writer.append_batch([{"n": 0}, {"n": 0}], keys=["c", "a"]).ids == (
+            second.ids[1],
+            second.ids[0],
+        )
+        assert key_rows(streams_url, unique_name) == {
+            "a": second.ids[0],
+            "b": first.ids[1],
+            "c": second.ids[1],
+        }
+        assert claim_rows(streams_url, unique_name) == 2  # the first's still has "b"
+        time.sleep(0.4)
+        assert client.prune(unique_name).keys_deleted == 3
+    assert key_rows(streams_url, unique_name) == {}
+    assert claim_rows(streams_url, unique_name) == 0
 
 
 def test_a_keyed_fact_in_its_own_transaction_and_its_duplicate(

@@ -19,6 +19,7 @@ from streams.migrate import current_revision, upgrade
 
 TABLES = (
     "streams_facts",
+    "streams_idempotency_claims",
     "streams_idempotency_keys",
     "streams_keys",
     "streams_proofs",
@@ -29,7 +30,7 @@ TABLES = (
     "streams_writers",
 )
 VERSION_TABLE = "streams_alembic_version"
-HEAD = "0009_idempotency_keys"
+HEAD = "0010_idempotency_claims"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -105,3 +106,33 @@ def test_alembic_upgrade_downgrade_and_streams_migrate(empty_database: str) -> N
     assert current_revision(url) == HEAD
     with streams.connect(url) as client:
         assert client.streams() == []
+
+
+def test_idempotency_keys_survive_downgrade_to_0009_and_upgrade_again(empty_database: str) -> None:
+    """Revision 0010 moves keyed facts' IDs from the key rows (0009) into claim rows, and its
+    downgrade moves them back: keys written before either step still return their originals."""
+    url = empty_database
+    _alembic(url, "upgrade", "head")
+    with streams.connect(url) as client:
+        client.create_stream("keyed")
+        with client.writer("keyed") as writer:
+            batch = writer.append_batch([{"n": 1}, {"n": 2}, {"n": 3}], keys=["a", "b", "c"])
+            mixed = writer.append_batch([{"n": 4}, {"n": 2}], keys=["d", "b"])
+            single = writer.append({"n": 5}, key="e")
+    assert mixed.duplicates == (1,)
+    written = {"a": batch.ids[0], "b": batch.ids[1], "c": batch.ids[2], "d": mixed.ids[0]}
+    written["e"] = single.first_id
+
+    _alembic(url, "downgrade", "0009_idempotency_keys")
+    with psycopg.connect(url, autocommit=True) as conn:
+        rows = conn.execute("SELECT key, stream_id FROM streams_idempotency_keys").fetchall()
+    assert dict(rows) == written
+
+    _alembic(url, "upgrade", "head")
+    with psycopg.connect(url, autocommit=True) as conn:
+        claims = conn.execute("SELECT count(*) FROM streams_idempotency_claims").fetchone()
+    assert claims == (3,)  # one per claim: the two batches and the single
+    with streams.connect(url) as client, client.writer("keyed") as writer:
+        again = writer.append_batch([{"n": 0}] * 5, keys=["e", "d", "c", "b", "a"])
+        assert again.duplicate and list(again.ids) == [written[k] for k in "edcba"]
+        assert writer.append({"n": 6}, key="f").first_id > max(written.values())

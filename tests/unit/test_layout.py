@@ -64,7 +64,7 @@ TABLES = (
     "streams_writers",
 )
 VERSION_TABLE = "streams_alembic_version"
-HEAD = "0009_idempotency_keys"
+HEAD = "0010_idempotency_claims"
 
 
 # ---------------------------------------------------------------------------------------------
