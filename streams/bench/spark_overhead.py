@@ -11,7 +11,7 @@ worker), ``commitOffsets`` (the commit log written) and ``triggerExecution`` (al
 
 * **sources**, in rounds that alternate: the ``streams`` source with ``maxFactsPerTrigger=1``
   over a new stream of ``batches`` facts (``trigger(availableNow=True)``); the empty Python source
-  (`streams.bench.spark_empty`: no I/O at all, the floor any Python source pays) with as many
+  (`streams_spark.bench_empty`: no I/O at all, the floor any Python source pays) with as many
   one-row batches and the same trigger; ``rate-micro-batch`` (``rowsPerBatch=1``,
   ``processingTime="0 seconds"``), stopped after as many batches. Medians over every batch with
   a row, but the first two of each query (Python workers start there).
@@ -167,7 +167,7 @@ def micro_batch_overhead(
     report: Callable[[str], None],
 ) -> dict[str, Any]:
     """Run the rounds (see the module doc); returns the figures, also reported line by line."""
-    from .spark_empty import EmptySource
+    from streams_spark.bench_empty import EmptySource
 
     spark.dataSource.register(EmptySource)
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in SOURCES}

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def test_the_empty_python_source_gives_one_row_per_micro_batch(spark: Any, tmp_path: Path) -> None:
-    from streams.bench.spark_empty import EmptySource
+    from streams_spark.bench_empty import EmptySource
 
     spark.dataSource.register(EmptySource)
     seen: list[tuple[int, list[int]]] = []

@@ -12,7 +12,7 @@ Options: ``batches``, how many one-row micro-batches there are (it supports
 ``trigger(availableNow=True)``, which then runs them all and stops, as the ``streams`` source
 does in the bench).
 
-Only the bench imports this module (it needs PySpark); executors import it to unpickle the
+Only `streams bench spark` uses this module; executors import it to unpickle the
 reader, so it lives in the installed package, not in a script.
 """
 
