@@ -1,8 +1,15 @@
 """`Writer` and `AsyncWriter`: thin shells that drive `WriterCore` on psycopg connections.
 
-Each writer owns two connections: one for its appends (one transaction at a time, so
-appends from several threads or tasks queue on a lock), one for its heartbeat, which renews
-the lease, persists the position and re-samples the database clock. The heartbeat runs every
+Each writer holds one connection, for its appends (one transaction at a time, so appends
+from several threads or tasks queue on a lock) and for its heartbeat, which renews the lease,
+persists the position and re-samples the database clock. A heartbeat that comes due borrows
+the connection between two appends, waiting at most `BORROW_WAIT` for the lock (measured:
+four threads appending back to back still let it in within that time, every time; asyncio's
+lock is first come, first served). If the append in flight is slower (a long
+``COPY``, a sink's lazy chunks, a lock wait), the heartbeat runs on a *spare* connection,
+opened then and closed once unused for `SPARE_IDLE`: the lease is never held hostage by an
+append, and a writer costs the server one session while its appends are short.
+The heartbeat runs every
 ``lease / 4`` seconds; an append that moved the position also wakes it, coalesced to at most
 one such early heartbeat per `FLUSH_INTERVAL` (each is one autocommit statement, without the
 retirement of expired peers that every `streams.store.writing.RETIRE_EVERY`-th scheduled one does),
@@ -24,6 +31,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -63,6 +71,12 @@ FLUSH_INTERVAL = 0.1
 #: machine (its last beat up to a quarter lease before, 2 s down, up to 2.25 s to the next try
 #: with a 5 s lease); now the gap is the outage plus about this much.
 BEAT_RETRY_INTERVAL = 0.25
+#: Seconds a due heartbeat waits for the writer's connection (the append in flight, and
+#: appends queued before it) before it runs on the spare connection instead.
+BORROW_WAIT = 0.25
+#: Seconds the spare connection stays open after the last heartbeat that needed it: a writer
+#: whose appends are often slow keeps it rather than connecting again every lease/4.
+SPARE_IDLE = 30.0
 
 
 def _retry_interval(core: WriterCore) -> float:
@@ -289,8 +303,9 @@ class Writer(_Announcing):
         except BaseException:
             self._conn.close()
             raise
-        self._beat_conn = _connect(database_url, self._core)
-        # One heartbeat at a time on the heartbeat connection (the thread and `heartbeat()`).
+        self._spare: psycopg.Connection[Any] | None = None
+        self._spare_used = 0.0
+        # One heartbeat at a time (the thread and `heartbeat()`); it also guards the spare.
         self._beat_lock = threading.Lock()
         self._attach(link)
         self._thread = threading.Thread(
@@ -507,15 +522,33 @@ class Writer(_Announcing):
 
     def heartbeat(self) -> None:
         """Run one heartbeat now (the background thread also runs them)."""
-        with self._beat_lock:
-            run(self._beat_connection(), self._core.heartbeat())
+        with self._beat_lock, self._beat_connection() as conn:
+            run(conn, self._core.heartbeat())
 
-    def _beat_connection(self) -> psycopg.Connection[Any]:
-        """The heartbeat connection, reopened if an interruption or the server closed it."""
-        if gone(self._beat_conn):
-            self._beat_conn.close()
-            self._beat_conn = _connect(self._url, self._core)
-        return self._beat_conn
+    @contextlib.contextmanager
+    def _beat_connection(self) -> Iterator[psycopg.Connection[Any]]:
+        """The connection for one heartbeat (the caller holds ``_beat_lock``): the writer's
+        own, borrowed between two appends, or the spare while an append holds it for longer
+        than `BORROW_WAIT`. Either is reopened if an interruption or the server closed it."""
+        if self._lock.acquire(timeout=BORROW_WAIT):
+            try:
+                if gone(self._conn):
+                    self._conn.close()
+                    self._conn = _connect(self._url, self._core)
+                yield self._conn
+            finally:
+                self._lock.release()
+            if self._spare is not None and time.monotonic() - self._spare_used > SPARE_IDLE:
+                self._spare.close()
+                self._spare = None
+            return
+        spare = self._spare
+        if spare is None or gone(spare):
+            if spare is not None:
+                spare.close()
+            spare = self._spare = _connect(self._url, self._core)
+        self._spare_used = time.monotonic()
+        yield spare
 
     def _beat_loop(self) -> None:
         interval, failing = self._core.lease_seconds / 4, False
@@ -525,8 +558,7 @@ class Writer(_Announcing):
             if self._stopped.is_set():
                 break
             try:
-                with self._beat_lock:
-                    conn = self._beat_connection()
+                with self._beat_lock, self._beat_connection() as conn:
                     if self._core.joined_pending:
                         for stream_id, ts in run(conn, self._core.resolve_joined()):
                             self._announce((stream_id,), ts)
@@ -538,20 +570,14 @@ class Writer(_Announcing):
                 _log_beat(self, failing, None)
                 failing = False
             except Exception as exc:  # keep beating through transient failures
+                # (a connection it broke is reopened by whoever uses it next)
                 _log_beat(self, failing, exc)
                 failing = True
-                self._reconnect_beat()
             if self._core.fenced:
                 log.error("%r was fenced: its lease expired or its name was taken over", self)
                 break
             if woken:
                 self._stopped.wait(FLUSH_INTERVAL)
-
-    def _reconnect_beat(self) -> None:
-        with contextlib.suppress(Exception):
-            self._beat_conn.close()
-        with contextlib.suppress(StoreError):  # the loop tries again soon
-            self._beat_conn = _connect(self._url, self._core)
 
     # ------------------------------------------------------------------ closing
 
@@ -572,7 +598,8 @@ class Writer(_Announcing):
             log.warning("could not retire %r cleanly: %s", self, exc)
         finally:
             self._conn.close()
-            self._beat_conn.close()
+            if self._spare is not None:
+                self._spare.close()
 
     def __enter__(self) -> Writer:
         return self
@@ -592,7 +619,8 @@ class AsyncWriter(_Announcing):
         self._wake = asyncio.Event()
         self._stopped = asyncio.Event()
         self._conn: psycopg.AsyncConnection[Any] | None = None
-        self._beat_conn: psycopg.AsyncConnection[Any] | None = None
+        self._spare: psycopg.AsyncConnection[Any] | None = None
+        self._spare_used = 0.0
         self._task: asyncio.Task[None] | None = None
         self._closing: asyncio.Future[None] | None = None
 
@@ -602,7 +630,6 @@ class AsyncWriter(_Announcing):
         self._conn = await _aconnect(database_url, self._core)
         try:
             await arun(self._conn, core.register())
-            self._beat_conn = await _aconnect(database_url, self._core)
         except BaseException:
             await self._conn.close()
             raise
@@ -665,6 +692,7 @@ class AsyncWriter(_Announcing):
         ack: Ack | None = None
         try:
             async with self._lock:
+                conn = self._conn or conn  # a heartbeat may have reopened it meanwhile
                 for attempt in range(2):
                     if gone(conn):
                         await conn.close()
@@ -694,6 +722,7 @@ class AsyncWriter(_Announcing):
         ack: Ack | None = None
         try:
             async with self._lock:
+                conn = self._conn or conn
                 if gone(conn):
                     await conn.close()
                     conn = self._conn = await _aconnect(self._url, self._core)
@@ -790,17 +819,40 @@ class AsyncWriter(_Announcing):
                     self._after_completion()
 
     async def heartbeat(self) -> None:
-        async with self._beat_lock:
-            await arun(await self._beat_connection(), self._core.heartbeat())
+        async with self._beat_lock, self._beat_connection() as conn:
+            await arun(conn, self._core.heartbeat())
 
-    async def _beat_connection(self) -> psycopg.AsyncConnection[Any]:
-        """The heartbeat connection, reopened if an interruption or the server closed it."""
-        conn = self._beat_conn
-        if conn is None or gone(conn):
-            if conn is not None:
-                await conn.close()
-            conn = self._beat_conn = await _aconnect(self._url, self._core)
-        return conn
+    @contextlib.asynccontextmanager
+    async def _beat_connection(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        """As `Writer._beat_connection` (the caller holds ``_beat_lock``)."""
+        borrowed = False
+        try:
+            async with asyncio.timeout(BORROW_WAIT):
+                await self._lock.acquire()  # a cancelled acquire leaves the lock free
+                borrowed = True
+        except TimeoutError:
+            pass
+        if borrowed:
+            try:
+                conn = self._conn
+                if conn is None or gone(conn):
+                    if conn is not None:
+                        await conn.close()
+                    conn = self._conn = await _aconnect(self._url, self._core)
+                yield conn
+            finally:
+                self._lock.release()
+            if self._spare is not None and time.monotonic() - self._spare_used > SPARE_IDLE:
+                await self._spare.close()
+                self._spare = None
+            return
+        spare = self._spare
+        if spare is None or gone(spare):
+            if spare is not None:
+                await spare.close()
+            spare = self._spare = await _aconnect(self._url, self._core)
+        self._spare_used = time.monotonic()
+        yield spare
 
     async def _beat_loop(self) -> None:
         interval, failing = self._core.lease_seconds / 4, False
@@ -810,8 +862,7 @@ class AsyncWriter(_Announcing):
             if self._stopped.is_set():
                 break
             try:
-                async with self._beat_lock:
-                    conn = await self._beat_connection()
+                async with self._beat_lock, self._beat_connection() as conn:
                     if self._core.joined_pending:
                         for stream_id, ts in await arun(conn, self._core.resolve_joined()):
                             self._announce((stream_id,), ts)
@@ -822,22 +873,14 @@ class AsyncWriter(_Announcing):
                 self._announce(periodic=not woken)
                 _log_beat(self, failing, None)
                 failing = False
-            except Exception as exc:
+            except Exception as exc:  # as in `Writer._beat_loop`
                 _log_beat(self, failing, exc)
                 failing = True
-                await self._reconnect_beat()
             if self._core.fenced:
                 log.error("%r was fenced: its lease expired or its name was taken over", self)
                 break
             if woken:
                 await wait_event(self._stopped, FLUSH_INTERVAL)
-
-    async def _reconnect_beat(self) -> None:
-        if self._beat_conn is not None:
-            with contextlib.suppress(Exception):
-                await self._beat_conn.close()
-        with contextlib.suppress(StoreError):  # the loop tries again soon
-            self._beat_conn = await _aconnect(self._url, self._core)
 
     async def aclose(self) -> None:
         """Persist the position and retire this writer (see `Writer.close`).
@@ -855,9 +898,9 @@ class AsyncWriter(_Announcing):
         if self._task is not None:
             await self._task
         self._detach()
-        conn = self._conn
         try:
             async with self._lock:
+                conn = self._conn
                 if conn is not None and (conn.closed or conn.broken):
                     conn = self._conn = await _aconnect(self._url, self._core)
                 if conn is not None:
@@ -865,10 +908,10 @@ class AsyncWriter(_Announcing):
         except (StoreError, WriterFenced) as exc:
             log.warning("could not retire %r cleanly: %s", self, exc)
         finally:
-            if conn is not None:
-                await conn.close()
-            if self._beat_conn is not None:
-                await self._beat_conn.close()
+            if self._conn is not None:
+                await self._conn.close()
+            if self._spare is not None:
+                await self._spare.close()
 
     async def __aenter__(self) -> AsyncWriter:
         return self

@@ -38,7 +38,8 @@ Life of an append
    fact from PostgreSQL like any other (its reservation lock is held until then): only this
    writer's announced or persisted position may briefly pass it, and readers trust neither.
 5. Positions are persisted by `heartbeat` (forward-only), one autocommit statement on the
-   writer's heartbeat connection, outside the append's transaction, so appends never wait on
+   writer's connection between two appends (or its spare while an append is slow: see
+   `streams.writer`), outside any append's transaction, so appends never wait on
    the writer's row and the position written is always one that is true. It runs on schedule
    and, coalesced, after appends (`streams.writer.FLUSH_INTERVAL`), so the persisted position
    trails the real one: it is informational (``persisted_linear``) and seeds new writers;

@@ -85,7 +85,18 @@ def test_commit_unknown_then_a_retry_with_the_key_returns_the_stored_fact(
         with streams.connect(url, lease_seconds=5.0) as client:
             client.create_stream(unique_name)
             with client.writer(unique_name) as writer:
-                writer.append({"first": True})
+                first = writer.append({"first": True})
+                # The heartbeat that append woke has run (it persisted the position): the next
+                # is a lease/4 away, so it cannot take the connection (which heartbeats borrow
+                # between appends) before the append below, and be the statement frozen.
+                wait_until(
+                    lambda: (
+                        client.positions(unique_name).writers[writer.instance].position
+                        >= first.last_id
+                    ),
+                    10,
+                    "the heartbeat after the first append",
+                )
                 proxy.freeze(replies=True)
                 thread, out = in_thread(lambda: writer.append({"ours": True}, key="req-1"))
                 wait_until(lambda: len(fact_rows(streams_url, unique_name)) == 2, 10, "commit")

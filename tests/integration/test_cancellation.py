@@ -158,7 +158,8 @@ def test_append_batch_at_every_await_point(streams_url: str, unique_name: str) -
 
             async def check(n: int) -> None:
                 assert_nothing_pending(writer)
-                assert_clean(writer._conn, autocommit=False)  # type: ignore[arg-type]
+                async with writer._lock:  # the heartbeat borrows the connection too
+                    assert_clean(writer._conn, autocommit=False)  # type: ignore[arg-type]
                 # Usable: the next batch goes through (on a reopened connection if need be).
                 ack = await writer.append_batch([{"check": n}] * 3)
                 assert ack.count == 3
@@ -188,7 +189,8 @@ def test_single_append_at_every_await_point(streams_url: str, unique_name: str) 
 
             async def check(n: int) -> None:
                 assert_nothing_pending(writer)
-                assert_clean(writer._conn, autocommit=False)  # type: ignore[arg-type]
+                async with writer._lock:  # the heartbeat borrows the connection too
+                    assert_clean(writer._conn, autocommit=False)  # type: ignore[arg-type]
 
             points, ack = await every_point(lambda: writer.append({"single": 1}), check)
             assert points >= 2 and ack.count == 1
@@ -246,8 +248,10 @@ def test_heartbeat_at_every_await_point(streams_url: str, unique_name: str) -> N
 
             async def check(n: int) -> None:
                 async with writer._beat_lock:  # the background heartbeat uses it too
-                    assert writer._beat_conn is not None
-                    assert_clean(writer._beat_conn, autocommit=False)
+                    # it borrows the writer's connection (the spare only behind a slow append)
+                    assert writer._conn is not None and not writer._lock.locked()
+                    assert_clean(writer._conn, autocommit=False)
+                    assert writer._spare is None
 
             points, _ = await every_point(writer.heartbeat, check)
             assert points >= 2
@@ -274,7 +278,7 @@ def test_close_at_every_await_point(streams_url: str, unique_name: str) -> None:
                 cancelled, _ = await attempt(writer.aclose, n)
                 await writer.aclose()  # waits for the same close
                 assert writer._conn is not None and writer._conn.closed
-                assert writer._beat_conn is not None and writer._beat_conn.closed
+                assert writer._spare is None or writer._spare.closed
                 row = (await client.positions(unique_name)).writers[f"closing-{n}"]
                 assert row.retired
                 if not cancelled:

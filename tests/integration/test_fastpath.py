@@ -117,7 +117,8 @@ def test_fenced_single_append_writes_nothing(client: Client, stream: str) -> Non
         writer._wake.set()
         writer._thread.join()
         writer._conn.close()
-        writer._beat_conn.close()
+        if writer._spare is not None:
+            writer._spare.close()
 
 
 def test_appends_do_not_run_a_heartbeat_each(client: Client, stream: str) -> None:

@@ -379,7 +379,8 @@ def test_expired_lease_is_retired_and_stops_pinning(
         with pytest.raises(streams.WriterFenced):
             stuck.append({"too": "late"})
         stuck._conn.close()
-        stuck._beat_conn.close()
+        if stuck._spare is not None:
+            stuck._spare.close()
 
 
 # ---------------------------------------------------------------------------- asyncio
