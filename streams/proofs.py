@@ -123,12 +123,6 @@ class ProofService:
         return f"<ProofService {self.instance} proving {sorted(self._held)}>"
 
     @property
-    def patient(self) -> bool:
-        """May its hints come late (`streams.transport.link.LinkListener`)? Not while it
-        proves: writers' hints are what it proves on."""
-        return not self._held
-
-    @property
     def proving(self) -> frozenset[str]:
         """The streams this process is the prober of."""
         with self._cond:

@@ -287,10 +287,6 @@ class Reader(_ReaderBase):
     """A synchronous reader. Iterate it for epochs; see `ReaderCore` for the model."""
 
     _wake: threading.Event
-    # While it waits for a hint it reads the link's subscription itself when the link lends
-    # it (`streams.transport.link.RedisLink.wait`): one thread wake-up per hint, not two.
-    lends = True
-    patient = True
 
     def __init__(
         self,
@@ -328,8 +324,6 @@ class Reader(_ReaderBase):
 
     def _wakeup(self) -> None:
         self._wake.set()
-        if self._link is not None:
-            self._link.interrupt_wait()
 
     def poll(self, timeout: float | None = 0.0) -> Epoch | None:
         """The next epoch, waiting up to ``timeout`` seconds (None: forever) for one.
@@ -351,10 +345,7 @@ class Reader(_ReaderBase):
                 return stop.value  # type: ignore[no-any-return]
             error = None
             if isinstance(op, _WaitWake):
-                if self._link is None:
-                    result = self._wake.wait(op.seconds)
-                else:
-                    result = self._link.wait(self._wake, op.seconds)
+                result = self._wake.wait(op.seconds)
             elif isinstance(op, _Pause):
                 time.sleep(op.seconds)
                 result = None

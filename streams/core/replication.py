@@ -230,8 +230,6 @@ class LinkStats:
     skipped: int = 0
     #: Writers' lines not published: nobody listened on their data channel at the last check.
     unheard: int = 0
-    #: Messages read by a waiting reader's own thread (`streams.transport.link.RedisLink.wait`).
-    lent: int = 0
 
 
 ForeignReason = Literal["synapse-commands", "unknown-streams"]

@@ -108,17 +108,6 @@ PUBLISH_WINDOW = 0.002
 #: in bursts this many seconds apart.
 IDLE_READ_INTERVAL = 0.05
 
-#: Seconds the listener thread of a `RedisLink` stays away from a subscription it lends to
-#: waiting readers before it looks whether anything arrived that nobody read.
-LEND_PARK = 0.1
-#: Most seconds a reader thread keeps a lent subscription before it lets the listener thread
-#: run its own steps (keep-alive PINGs, subscriptions).
-LEND_HOLD = 0.25
-#: Seconds a reader that found the subscription busy waits before it tries again, and how
-#: many times it tries before it waits for its hint the usual way.
-LEND_RETRY = 0.002
-LEND_TRIES = 5
-
 #: What Redis refuses in a client name (spaces, newlines, quotes), replaced by ``_``.
 _CLIENT_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9._:@/-]")
 
@@ -129,14 +118,7 @@ _Out: TypeAlias = tuple[str, bytes]
 
 
 class LinkListener(Protocol):
-    """What a link tells a reader. Called on the link's thread (or event loop), or on the
-    thread of a reader that reads the subscription while it waits (`RedisLink.wait`): be
-    quick.
-
-    A listener may also have a ``patient`` attribute: True if its hints may come up to
-    `LEND_PARK` seconds late while no thread reads the subscription (see "Lending the
-    subscription" in `RedisLink`); without it, a listener is not patient.
-    """
+    """What a link tells a reader. Called on the link's thread (or event loop): be quick."""
 
     def on_hint(self, hint: Hint) -> None: ...
     def on_link_state(self, connected: bool) -> None: ...
@@ -280,7 +262,6 @@ class _LinkBase:
     # result, or throws the Redis error into the plan.
     _stopped: Any  # threading.Event or asyncio.Event: only is_set() is used here
     _resubscribe: Any
-    _last_pong = 0.0  # when the subscriber last heard a PONG (monotonic)
 
     def _listen_plan(self) -> Generator[_ListenOp, Any, None]:
         attempt = 0
@@ -289,7 +270,7 @@ class _LinkBase:
                 yield _Open()
                 channels = self.core.channels()
                 yield _Subscribe(tuple(channels))
-                self._last_pong = last_ping = time.monotonic()
+                last_pong = last_ping = time.monotonic()
                 draining = False
                 while not self._stopped.is_set():
                     if self._resubscribe.is_set():
@@ -307,7 +288,7 @@ class _LinkBase:
                     if message is not None:
                         attempt = 0
                         if message[0] == b"pong":
-                            self._last_pong = now
+                            last_pong = now
                         self._enqueue_control(self._handle(message))
                         # No reader here: drain what has arrived, then let more pile up.
                         draining = self._idle_read_interval > 0 and not self.core.readers
@@ -317,7 +298,7 @@ class _LinkBase:
                     if self._known_streams is not None and self.core.refresh_due(now):
                         yield from self._refresh_plan()
                     if now - last_ping >= KEEPALIVE:
-                        if now - self._last_pong > 2 * KEEPALIVE + 1:
+                        if now - last_pong > 2 * KEEPALIVE + 1:
                             raise redis.ConnectionError("no reply to keep-alive PING")
                         yield _Ping()
                         last_ping = now
@@ -453,23 +434,6 @@ class RedisLink(_LinkBase):
     published less than this many seconds after the previous send waits up to that long and
     goes out with the lines after it in one ``send`` (a flusher thread sends it if nothing
     follows; it only runs while lines come faster than the window). 0 sends every line at once.
-
-    Lending the subscription
-    ------------------------
-    A message that wakes a reader would cost two thread wake-ups if only the listener thread
-    read the subscription: the listener's, then the reader's (~100 us each on a small VM, far
-    more than the message's Python work). So a reader thread that waits for a hint reads the
-    subscription itself (`wait`), and a message costs one wake-up, as it costs a plain
-    subscriber. Whoever holds ``_sock_lock`` may use the subscriber connection and handle what
-    it reads (`_handle`, exactly as the listener does); the listener thread holds it except
-    while it is *parked*: when a lending reader is attached, every listener is patient (see
-    `LinkListener`) and a reader read the subscription within the last `LEND_PARK` seconds (or
-    asks to), the listener sets ``_lent`` and sleeps up to `LEND_PARK`; it then takes the lock
-    back (a reader keeps it at most `LEND_HOLD`), drains what arrived while nobody read, runs
-    its own steps (PINGs, subscriptions, reconnects: a reader that hits an error hands it to the
-    listener and never reconnects itself) and parks again. A reader that finds the
-    subscription busy waits for its hint the usual way (the holder dispatches it), so lending
-    changes who reads, never what is read: every message is handled once, under the lock.
     """
 
     def __init__(
@@ -496,18 +460,6 @@ class RedisLink(_LinkBase):
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        # Lending the subscription (see the class docstring).
-        self._sock_lock = threading.Lock()
-        self._lent: Subscriber | None = None
-        self._park = threading.Event()
-        self._lend_error: BaseException | None = None
-        self._lent_at = -LEND_PARK  # when a reader last held the subscription (monotonic)
-        self._want_lend = False
-        self._reclaim = False  # the parked listener wants the subscription back
-        self._plain_lock = threading.Lock()
-        self._plain_waiters = 0  # readers waiting while another thread reads
-        self._drain_lent = False
-        self._lender: int | None = None  # the thread holding a lent subscription
         self._listen_thread = threading.Thread(
             target=self._listen_loop, name="streams-redis-listen", daemon=True
         )
@@ -540,138 +492,8 @@ class RedisLink(_LinkBase):
 
     def _request_resubscribe(self) -> None:
         super()._request_resubscribe()
-        self._park.set()  # a parked listener takes the subscription back
-        self._poke()
-
-    def _poke(self) -> None:
-        """Wake whichever thread waits on the subscription (a reader gives it back)."""
         with contextlib.suppress(OSError):  # full (a wake-up is pending anyway) or closed
             os.write(self._wake_w, b"x")
-
-    # ------------------------------------------------------------ lending the subscription
-
-    def _lending_possible(self) -> bool:
-        with self._listeners_lock:
-            listeners = list(self._listeners)
-        return (
-            self.connected
-            and any(getattr(listener, "lends", False) for listener in listeners)
-            and all(getattr(listener, "patient", False) for listener in listeners)
-        )
-
-    def wait(self, event: threading.Event, seconds: float) -> bool:
-        """Wait up to ``seconds`` for ``event`` (set by a hint), as ``event.wait`` does, reading
-        the subscription on this thread meanwhile when the listener lends it (the class
-        docstring, "Lending the subscription"). For listeners whose ``lends`` is True."""
-        deadline = time.monotonic() + seconds
-        tries = 0
-        while not event.is_set():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            if self._stopped.is_set() or not self._lending_possible():
-                return self._wait_plain(event, remaining)
-            lent = False
-            if not self._reclaim and self._sock_lock.acquire(blocking=False):
-                try:
-                    subscriber = self._lent
-                    if subscriber is not None:
-                        lent = True
-                        self._read_lent(subscriber, event, min(remaining, LEND_HOLD))
-                finally:
-                    if lent:
-                        self._lent_at = time.monotonic()
-                    self._sock_lock.release()
-                if self._reclaim:
-                    self._park.set()  # the listener's turn: PINGs, subscriptions
-            if lent:
-                continue
-            if tries >= LEND_TRIES:  # still busy: the holder dispatches our hint
-                return self._wait_plain(event, remaining)
-            tries += 1
-            if time.monotonic() - self._lent_at >= LEND_PARK:
-                self._want_lend = True  # the listener parks at its next step
-                self._poke()  # (it may wait for a message meanwhile)
-            event.wait(min(remaining, LEND_RETRY))
-        return True
-
-    def _wait_plain(self, event: threading.Event, seconds: float) -> bool:
-        """Wait for ``event`` while another thread reads: the listener parks no more, and
-        stops parking now, until this wait ends (else nobody might read for `LEND_PARK`)."""
-        with self._plain_lock:
-            self._plain_waiters += 1
-        self._park.set()
-        try:
-            return event.wait(seconds)
-        finally:
-            with self._plain_lock:
-                self._plain_waiters -= 1
-
-    def _read_lent(self, subscriber: Subscriber, event: threading.Event, hold: float) -> None:
-        """Read and handle messages (holding ``_sock_lock``) until ``event`` is set, ``hold``
-        seconds passed, or the listener needs the subscription back."""
-        until = time.monotonic() + hold
-        self._lender = threading.get_ident()
-        try:
-            while not (
-                event.is_set()
-                or self._stopped.is_set()
-                or self._resubscribe.is_set()
-                or self._reclaim
-            ):
-                left = until - time.monotonic()
-                if left <= 0:
-                    return
-                message = subscriber.receive(left, self._wake_r)
-                if message is None:
-                    continue
-                self.core.stats.lent += 1
-                if message[0] == b"pong":
-                    self._last_pong = time.monotonic()
-                self._enqueue_control(self._handle(message))
-        except REDIS_ERRORS as exc:
-            self._lend_error = exc  # the listener reconnects
-            self._lent = None
-            self._park.set()
-        finally:
-            self._lender = None
-
-    def interrupt_wait(self) -> None:
-        """A reader's event was set by a thread other than the one reading a lent
-        subscription: that one stops reading now (it checks its event between reads)."""
-        lender = self._lender
-        if lender is not None and lender != threading.get_ident():
-            self._poke()
-
-    def _receive(self, subscriber: Subscriber, timeout: float) -> Message | None:
-        """The listener's `_Receive`: park while readers read (and drain after), or read."""
-        if self._drain_lent:
-            message = subscriber.receive(0.0, self._wake_r)
-            if message is not None:
-                return message
-            self._drain_lent = False
-        wanted = self._want_lend or time.monotonic() - self._lent_at < LEND_PARK
-        if timeout <= 0 or not wanted or self._plain_waiters or not self._lending_possible():
-            return subscriber.receive(timeout, self._wake_r)
-        self._want_lend = False
-        self._lent = subscriber
-        self._sock_lock.release()
-        # Never block on the lock: a blocked acquire is woken by every release, which would
-        # cost the wake-up lending saves. A reader holding it hands it over when its hold
-        # ends (it sees ``_reclaim`` and sets ``_park``).
-        while True:
-            self._park.wait(LEND_PARK)
-            self._park.clear()
-            if self._sock_lock.acquire(blocking=False):
-                break
-            self._reclaim = True  # (a plain waiter's hint is the holder's to dispatch)
-        self._reclaim = False
-        self._lent = None
-        error, self._lend_error = self._lend_error, None
-        if error is not None:
-            raise error
-        self._drain_lent = True
-        return None
 
     def _enqueue(self, lines: Sequence[_Out]) -> None:
         """Send now from the calling thread, or within `publish_window` if the previous send
@@ -722,7 +544,6 @@ class RedisLink(_LinkBase):
         subscriber: Subscriber | None = None
         result: Any = None
         error: BaseException | None = None
-        self._sock_lock.acquire()  # held but while parked (`_receive`)
         try:
             while True:
                 try:
@@ -745,7 +566,7 @@ class RedisLink(_LinkBase):
                             subscriber.send("UNSUBSCRIBE", *channels)
                         case _Receive(timeout=timeout):
                             assert subscriber is not None
-                            result = self._receive(subscriber, timeout)
+                            result = subscriber.receive(timeout, self._wake_r)
                         case _Ping():
                             assert subscriber is not None
                             subscriber.send("PING")
@@ -758,7 +579,6 @@ class RedisLink(_LinkBase):
         finally:
             if subscriber is not None:
                 subscriber.close()
-            self._sock_lock.release()
 
     def _read_known_streams(self) -> frozenset[str] | Exception:
         assert self._known_streams is not None
