@@ -21,10 +21,14 @@ The prover hears the writers' hints of the streams it proves (their data channel
 when one names a token beyond what it last proved, and at least every `REFRESH_INTERVAL`
 anyway (announcing even an unchanged position, so other processes hear it lives); proofs are
 never closer than `MIN_PROOF_GAP`, so a flood of hints costs a bounded probe rate and, at high
-rates, one proof covers many appends. Each proof is recorded in ``streams_proofs`` and
-announced on the stream's proof channel: as a *signed range* with the rows of the facts it
-covers (`streams.core.signing`: readers deliver them without PostgreSQL) as far as one line may
-carry them, and as ``POSITION <stream> _proof:<name> <prev> <complete>`` for the rest.
+rates, one proof covers many appends. Every proof line costs each follower process a wake-up,
+so with many followers proofs are spaced further (`proof_gap`: the lines all followers receive
+per second stay about constant): the prover counts a stream's followers (``PUBSUB NUMSUB`` of
+its proof channel) at most every `FOLLOWER_COUNT_INTERVAL`. Each proof is recorded in
+``streams_proofs`` and announced on the stream's proof channel: as a *signed range* with the
+rows of the facts it covers (`streams.core.signing`: readers deliver them without PostgreSQL)
+as far as one line may carry them, and as ``POSITION <stream> _proof:<name> <prev>
+<complete>`` for the rest.
 
 Followers (`streams.reader`) deliver signed ranges that fit where they are, and otherwise read
 the record together with the rows behind it, in one statement. While proofs are fresh they
@@ -47,7 +51,7 @@ from typing import Any
 import psycopg
 
 from .config import scrub_secrets, url_passwords
-from .core.constants import PROOF_INSTANCE_PREFIX, STALE_AFTER
+from .core.constants import PROOF_INSTANCE_PREFIX, STALE_AFTER, proof_channel
 from .core.protocol import Command, PositionCommand, ProtocolError, RdataCommand, serialize
 from .core.replication import Hint, is_proof_hint
 from .core.signing import KEY_REFRESH, MAX_SIGNED_ROWS, sign_range, split_for_signing
@@ -70,9 +74,12 @@ from .store.writers import retire_where_held
 
 __all__ = [
     "ELECTION_INTERVAL",
+    "FOLLOWER_LINES_PER_SECOND",
+    "MAX_PROOF_GAP",
     "MIN_PROOF_GAP",
     "REFRESH_INTERVAL",
     "ProofService",
+    "proof_gap",
 ]
 
 log = logging.getLogger(__name__)
@@ -86,9 +93,25 @@ REFRESH_INTERVAL = 1.0
 #: reader process two thread wake-ups, ~100 us each on a small VM), for at most 5 ms of latency.
 #: After a quiet spell the first hint is proved at once.
 MIN_PROOF_GAP = 0.005
+#: Proof lines per second that all follower processes of the proven streams may receive
+#: together before proofs are spaced further than `MIN_PROOF_GAP` (`proof_gap`): 8 followers
+#: get a line every 5 ms, 32 every 20 ms. With 32 readers and a line every 5 ms, the
+#: followers' wake-ups took most of two cores and the writers' throughput with them.
+FOLLOWER_LINES_PER_SECOND = 1600.0
+#: The widest gap between proofs, whatever the number of followers (it adds to latency).
+MAX_PROOF_GAP = 0.05
+#: Seconds between two counts of the followers (``PUBSUB NUMSUB``).
+FOLLOWER_COUNT_INTERVAL = 1.0
 #: A followed stream whose proof lines (from another process) were heard this recently (s) has
 #: a live prover: this process holds no election for it, and no connection for it.
 PROVER_ALIVE_WINDOW = STALE_AFTER / 1000
+
+
+def proof_gap(followers: int) -> float:
+    """Least seconds between two proofs when ``followers`` processes receive the proof lines:
+    `MIN_PROOF_GAP`, or more so that they receive `FOLLOWER_LINES_PER_SECOND` lines per
+    second together, at most `MAX_PROOF_GAP`."""
+    return min(MAX_PROOF_GAP, max(MIN_PROOF_GAP, followers / FOLLOWER_LINES_PER_SECOND))
 
 
 class ProofService:
@@ -112,6 +135,7 @@ class ProofService:
         self._thread: threading.Thread | None = None
         self._stopped = False
         self._last_election = self._last_refresh = self._last_proof = 0.0
+        self._gap, self._counted_at = MIN_PROOF_GAP, -FOLLOWER_COUNT_INTERVAL
         self.proofs = 0  # probes run as prober (for tests and metrics)
         self.signed = 0  # signed ranges published
         self._key: tuple[int, bytes] | None = None
@@ -269,11 +293,23 @@ class ProofService:
         else:
             due = hinted & held
         if due:
-            gap = self._last_proof + MIN_PROOF_GAP - time.monotonic()
+            if now - self._counted_at >= FOLLOWER_COUNT_INTERVAL:
+                self._counted_at = now
+                self._gap = self._count_followers(held)
+            gap = self._last_proof + self._gap - time.monotonic()
             if gap > 0:
                 time.sleep(gap)
             self._last_proof = time.monotonic()
             self._prove(conn, due, refresh)
+
+    def _count_followers(self, held: set[str]) -> float:
+        """The gap between proofs for the followers of ``held`` now (`proof_gap`); the
+        current one if Redis cannot say."""
+        prefix = self._link.core.prefix
+        counts = self._link.subscribers([proof_channel(prefix, name) for name in sorted(held)])
+        if counts is None:
+            return self._gap
+        return proof_gap(max(counts.values(), default=0))
 
     def _hold(self, names: set[str]) -> None:
         """The streams this process proves are now ``names``: hear writers' hints of those

@@ -486,6 +486,11 @@ class RedisLink(_LinkBase):
         if lines:
             self._enqueue(lines)
 
+    def subscribers(self, channels: Sequence[str]) -> dict[str, int] | None:
+        """``PUBSUB NUMSUB``: how many clients subscribe to each channel (None if Redis could
+        not say)."""
+        return self._publisher.numsub(channels, self._subscribed)
+
     def add_writer(self, announcer: Announcer) -> None:
         super().add_writer(announcer)
         self._request_resubscribe()  # its instance channel

@@ -20,7 +20,8 @@ from helpers import wait_until
 
 import streams
 from streams import Client
-from streams.core.constants import STALE_AFTER
+from streams.core.constants import STALE_AFTER, proof_channel
+from streams.proofs import MIN_PROOF_GAP, proof_gap
 from streams.reader import FOLLOWER_CHECK_INTERVAL, Reader
 
 pytestmark = pytest.mark.timeout(120)
@@ -292,3 +293,52 @@ def test_a_prover_signs_no_range_retention_may_have_cut(
         assert probes[stream].complete >= ids[-1] and stream not in rows
         _, rows = run(conn, prove_with_rows([info], {stream: pruned}, 100))
         assert [r[0] for r in rows[stream]] == [i for i in ids if i > pruned]
+
+
+def test_proofs_are_spaced_by_the_number_of_followers(
+    clients: list[Client], unique_name: str, redis_url: str, redis_prefix: str
+) -> None:
+    """Every proof line wakes every follower process: the prover counts them (``PUBSUB
+    NUMSUB`` of the proof channel) and spaces its proofs so that they receive about
+    `FOLLOWER_LINES_PER_SECOND` lines together (`streams.proofs.proof_gap`)."""
+    *reading, writing = clients
+    writing.create_stream(unique_name)
+    readers = [c.reader(unique_name, poll_interval=30.0) for c in reading]
+    # 60 more subscribers of the proof channel, standing in for 60 more follower processes.
+    extra = redis.Redis.from_url(redis_url)
+    listeners = [extra.pubsub() for _ in range(60)]  # type: ignore[no-untyped-call]
+    try:
+        for listener in listeners:
+            listener.subscribe(proof_channel(redis_prefix, unique_name))
+        services = [c._proofs for c in reading]
+        wait_until(
+            lambda: sum(unique_name in s.proving for s in services if s) == 1, 10, "a prober"
+        )
+        prover = next(s for s in services if s and unique_name in s.proving)
+        want = proof_gap(63)
+        assert want > 0.035
+        with writing.writer(unique_name, instance="w") as writer:
+            writer.append({"n": -1})
+            wait_until(lambda: prover._gap == want, 10, "the followers counted")
+            before, started = prover.proofs, time.monotonic()
+            ids = [writer.append({"n": n}).last_id for n in range(300)]
+            elapsed = time.monotonic() - started
+            proofs = prover.proofs - before
+        # One proof per gap at most while hints flood in (plus a refresh a second); with the
+        # 5 ms gap of few followers the same appends gave many more.
+        assert proofs <= elapsed / want + elapsed + 2, (proofs, elapsed)
+        for r in readers:
+            assert drain(r, ids[-1])[-300:] == ids  # every fact once, in order
+    finally:
+        for listener in listeners:
+            listener.close()
+        extra.close()
+        for r in readers:
+            r.close()
+
+
+@pytest.mark.parametrize(
+    ("followers", "gap"), [(0, MIN_PROOF_GAP), (8, MIN_PROOF_GAP), (32, 0.02), (10_000, 0.05)]
+)
+def test_proof_gap(followers: int, gap: float) -> None:
+    assert proof_gap(followers) == pytest.approx(gap)
