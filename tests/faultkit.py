@@ -25,6 +25,7 @@ from types import TracebackType
 from typing import Any
 
 import psycopg
+from helpers import wait_until
 
 import streams
 from streams import Client
@@ -40,6 +41,7 @@ __all__ = [
     "link_of",
     "partition_locked",
     "payload_counts",
+    "quiet_heartbeat",
     "restartable_postgres",
     "stored_ids",
     "terminate",
@@ -249,6 +251,18 @@ class Appender(threading.Thread):
 
 
 # ------------------------------------------------------------- breaking one append
+
+
+def quiet_heartbeat(client: Client, stream: str, writer: streams.Writer, ack: streams.Ack) -> None:
+    """Wait until the heartbeat woken by ``ack``'s append has run (it persisted the position):
+    the next is a lease/4 away. Heartbeats borrow the writer's connection between appends, so
+    a test that freezes the network right after an append would otherwise freeze that
+    heartbeat, not the append it means to."""
+    wait_until(
+        lambda: client.positions(stream).writers[writer.instance].position >= ack.last_id,
+        10,
+        "the heartbeat after the append",
+    )
 
 
 def backend_waits_for_a_lock(url: str, pid: int) -> Callable[[], bool]:

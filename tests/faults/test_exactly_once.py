@@ -21,7 +21,13 @@ from typing import Any
 
 import psycopg
 import pytest
-from faultkit import backend_waits_for_a_lock, in_thread, partition_locked, terminate
+from faultkit import (
+    backend_waits_for_a_lock,
+    in_thread,
+    partition_locked,
+    quiet_heartbeat,
+    terminate,
+)
 from helpers import TESTS_DIR, fact_rows, wait_until
 from proxy import Proxy
 
@@ -86,17 +92,7 @@ def test_commit_unknown_then_a_retry_with_the_key_returns_the_stored_fact(
             client.create_stream(unique_name)
             with client.writer(unique_name) as writer:
                 first = writer.append({"first": True})
-                # The heartbeat that append woke has run (it persisted the position): the next
-                # is a lease/4 away, so it cannot take the connection (which heartbeats borrow
-                # between appends) before the append below, and be the statement frozen.
-                wait_until(
-                    lambda: (
-                        client.positions(unique_name).writers[writer.instance].position
-                        >= first.last_id
-                    ),
-                    10,
-                    "the heartbeat after the first append",
-                )
+                quiet_heartbeat(client, unique_name, writer, first)
                 proxy.freeze(replies=True)
                 thread, out = in_thread(lambda: writer.append({"ours": True}, key="req-1"))
                 wait_until(lambda: len(fact_rows(streams_url, unique_name)) == 2, 10, "commit")

@@ -39,6 +39,7 @@ from faultkit import (
     in_thread,
     partition_locked,
     payload_counts,
+    quiet_heartbeat,
     restartable_postgres,
     stored_ids,
     terminate,
@@ -125,7 +126,7 @@ def test_an_append_whose_commit_answer_is_lost_is_unknown_and_stored_once(
         with streams.connect(url, lease_seconds=LEASE) as client:
             client.create_stream(unique_name)
             with client.writer(unique_name) as writer, psycopg.connect(url) as conn:
-                writer.append({"first": True})
+                quiet_heartbeat(client, unique_name, writer, writer.append({"first": True}))
 
                 def append() -> None:
                     if kind == "append":
