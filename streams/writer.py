@@ -5,16 +5,17 @@ from several threads or tasks queue on a lock) and for its heartbeat, which rene
 persists the position and re-samples the database clock. A heartbeat that comes due borrows
 the connection between two appends, waiting at most `BORROW_WAIT` for the lock (measured:
 four threads appending back to back still let it in within that time, every time; asyncio's
-lock is first come, first served). If the append in flight is slower (a long
-``COPY``, a sink's lazy chunks, a lock wait), the heartbeat runs on a *spare* connection,
-opened then and closed once unused for `SPARE_IDLE`: the lease is never held hostage by an
-append, and a writer costs the server one session while its appends are short.
-The heartbeat runs every
-``lease / 4`` seconds; an append that moved the position also wakes it, coalesced to at most
-one such early heartbeat per `FLUSH_INTERVAL` (each is one autocommit statement, without the
-retirement of expired peers that every `streams.store.writing.RETIRE_EVERY`-th scheduled one does),
-so the persisted position trails the real one by at most about `FLUSH_INTERVAL` while a writer is
-busy. It is informational (``persisted_linear``): readers ask PostgreSQL what is complete.
+lock is first come, first served). If the append in flight is slower (a long ``COPY``, a
+sink's lazy chunks, a lock wait), the heartbeat runs on a *spare* connection, opened then and
+closed once unused for `SPARE_IDLE`: the lease is never held hostage by an append, and a
+writer costs the server one session while its appends are short.
+
+The heartbeat runs every ``lease / 4`` seconds; an append that moved the position also wakes
+it, coalesced to at most one such early heartbeat per `FLUSH_INTERVAL` (each is one
+autocommit statement, without the retirement of expired peers that every
+`streams.store.writing.RETIRE_EVERY`-th scheduled one does), so the persisted position trails
+the real one by at most about `FLUSH_INTERVAL` while a writer is busy. It is informational
+(``persisted_linear``): readers ask PostgreSQL what is complete.
 
 With a Redis link, each writer also has an `Announcer`: after every completion the appending
 thread (or task) publishes ``RDATA``/``POSITION`` through the link, best effort and without
