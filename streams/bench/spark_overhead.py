@@ -74,34 +74,32 @@ def _append(url: str, stream: str, facts: int) -> None:
         w.append_batch([{"i": i} for i in range(facts)])
 
 
-def _streams_query(spark: Any, url: str, stream: str, checkpoint: Path) -> list[dict[str, Any]]:
+def _available_now(frame: Any, checkpoint: Path) -> list[dict[str, Any]]:
+    """Run ``frame`` into the ``noop`` sink until it has read what was there; its progress."""
     query = (
+        frame.writeStream.format("noop")
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination()
+    return list(query.recentProgress)
+
+
+def _streams_query(spark: Any, url: str, stream: str, checkpoint: Path) -> list[dict[str, Any]]:
+    frame = (
         spark.readStream.format("streams")
         .option("stream", stream)
         .option("databaseUrl", url)
         .option("maxFactsPerTrigger", "1")
         .load()
-        .writeStream.format("noop")
-        .option("checkpointLocation", str(checkpoint))
-        .trigger(availableNow=True)
-        .start()
     )
-    query.awaitTermination()
-    return list(query.recentProgress)
+    return _available_now(frame, checkpoint)
 
 
 def _empty_query(spark: Any, batches: int, checkpoint: Path) -> list[dict[str, Any]]:
-    query = (
-        spark.readStream.format("streams_bench_empty")
-        .option("batches", str(batches))
-        .load()
-        .writeStream.format("noop")
-        .option("checkpointLocation", str(checkpoint))
-        .trigger(availableNow=True)
-        .start()
-    )
-    query.awaitTermination()
-    return list(query.recentProgress)
+    frame = spark.readStream.format("streams_bench_empty").option("batches", str(batches)).load()
+    return _available_now(frame, checkpoint)
 
 
 def _rate_query(spark: Any, batches: int, checkpoint: Path) -> list[dict[str, Any]]:

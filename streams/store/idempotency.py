@@ -85,6 +85,7 @@ read from ``streams_registry``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from ..errors import StoreError, UsageError
 from .driver import Autocommit, Commit, Gen, Query, Row
@@ -263,50 +264,54 @@ def prune_keys(info: StreamInfo, batch: int = 10_000) -> Gen[int]:
     not its row is still there (the claim's ``DO UPDATE``), a claim in progress holds its row
     locked, which the ``DELETE`` skips, and a claim row goes only once no key row refers to it
     (see the module doc)."""
+    params = {"stream": info.id, "batch": batch}
+    deleted = yield from _delete_in_batches(
+        f"""
+        WITH old AS (
+            SELECT k.ctid FROM streams_idempotency_keys k
+            WHERE k.stream = %(stream)s
+              AND {_expired("%(stream)s", "k.written_at", "now()")}
+            ORDER BY k.written_at LIMIT %(batch)s FOR UPDATE SKIP LOCKED
+        ), d AS (
+            DELETE FROM streams_idempotency_keys k USING old WHERE k.ctid = old.ctid
+            RETURNING 1
+        )
+        SELECT count(*) FROM d
+        """,
+        params,
+    )
+    # Only claims older than the window can have lost their keys (a key is claimed anew only
+    # once it expired): that bounds the scan; the NOT EXISTS is what makes it safe.
+    yield from _delete_in_batches(
+        f"""
+        WITH old AS (
+            SELECT c.ctid FROM streams_idempotency_claims c
+            WHERE c.stream = %(stream)s
+              AND {_expired("%(stream)s", "c.written_at", "now()")}
+              AND NOT EXISTS (
+                  SELECT FROM streams_idempotency_keys k
+                  WHERE k.stream = c.stream AND k.written_at = c.written_at
+                    AND k.claim = c.claim)
+            ORDER BY c.written_at LIMIT %(batch)s FOR UPDATE SKIP LOCKED
+        ), d AS (
+            DELETE FROM streams_idempotency_claims c USING old WHERE c.ctid = old.ctid
+            RETURNING 1
+        )
+        SELECT count(*) FROM d
+        """,
+        params,
+    )
+    return deleted
+
+
+def _delete_in_batches(statement: str, params: dict[str, Any]) -> Gen[int]:
+    """Run ``statement`` (a delete of at most ``params["batch"]`` rows that returns how many
+    it deleted), each in a transaction of its own, until a run deletes fewer; the total."""
     deleted = 0
     while True:
-        rows = yield Query(
-            f"""
-            WITH old AS (
-                SELECT k.ctid FROM streams_idempotency_keys k
-                WHERE k.stream = %(stream)s
-                  AND {_expired("%(stream)s", "k.written_at", "now()")}
-                ORDER BY k.written_at LIMIT %(batch)s FOR UPDATE SKIP LOCKED
-            ), d AS (
-                DELETE FROM streams_idempotency_keys k USING old WHERE k.ctid = old.ctid
-                RETURNING 1
-            )
-            SELECT count(*) FROM d
-            """,
-            {"stream": info.id, "batch": batch},
-        )
+        rows = yield Query(statement, params)
         yield Commit()
         count = int(rows[0][0])
         deleted += count
-        if count < batch:
-            break
-    while True:
-        # Only claims older than the window can have lost their keys (a key is claimed anew
-        # only once it expired): that bounds the scan; the NOT EXISTS is what makes it safe.
-        rows = yield Query(
-            f"""
-            WITH old AS (
-                SELECT c.ctid FROM streams_idempotency_claims c
-                WHERE c.stream = %(stream)s
-                  AND {_expired("%(stream)s", "c.written_at", "now()")}
-                  AND NOT EXISTS (
-                      SELECT FROM streams_idempotency_keys k
-                      WHERE k.stream = c.stream AND k.written_at = c.written_at
-                        AND k.claim = c.claim)
-                ORDER BY c.written_at LIMIT %(batch)s FOR UPDATE SKIP LOCKED
-            ), d AS (
-                DELETE FROM streams_idempotency_claims c USING old WHERE c.ctid = old.ctid
-                RETURNING 1
-            )
-            SELECT count(*) FROM d
-            """,
-            {"stream": info.id, "batch": batch},
-        )
-        yield Commit()
-        if int(rows[0][0]) < batch:
+        if count < params["batch"]:
             return deleted
