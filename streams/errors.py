@@ -18,6 +18,10 @@ catch everything with one clause and still tell the cases apart::
     ├── WaitTimeout                 wait_for_position() gave up (also a TimeoutError)
     ├── FactsPruned                 the facts asked for were removed by the stream's retention
     ├── GroupMoved                  commit(conn=...) found the group moved by another consumer
+    ├── GroupFenced                 another consumer opened the group since this one did: a
+    │                               commit from this (older) generation moves nothing
+    ├── DatabaseChanged             the database is not the one this process, group row or Spark
+    │                               offset started on (recreated, restored, failed over)
     ├── RedisUnavailable            Redis is needed here and failed (down, refused, bad password)
     └── StoreError                  PostgreSQL failed underneath us (down, timed out, ...)
         ├── ConnectionLost          the connection broke mid-operation (restart, network)
@@ -35,7 +39,9 @@ __all__ = [
     "CommitUnknown",
     "ConfigurationError",
     "ConnectionLost",
+    "DatabaseChanged",
     "FactsPruned",
+    "GroupFenced",
     "GroupMoved",
     "InvalidFact",
     "InvalidFactTables",
@@ -206,6 +212,52 @@ class GroupMoved(StreamsError):
             f"group {group!r} on stream {stream!r} moved since this reader found it (it {where}):"
             " another consumer committed it, or the transaction of this reader's last commit "
             "rolled back; roll back, then reopen the reader (it resumes at the group's position)"
+        )
+
+
+class GroupFenced(StreamsError):
+    """A newer consumer opened this reader's group since this one did (it took a higher
+    *generation*, `streams.store.groups`): this consumer is a zombie (a stalled or partitioned
+    process, an orphan that outlived its replacement). Its commit moved nothing (with
+    ``commit(conn=...)`` the caller's transaction failed too, its effects with it). Stop
+    consuming: the group's live consumer owns it now; to take it back, open a new reader.
+
+    ``generation``: the one this reader holds; ``current``: the group's now (None if the group's
+    generation row is gone: the group was deleted or the stream dropped).
+    """
+
+    def __init__(self, group: str, stream: str, generation: int, current: int | None) -> None:
+        self.group = group
+        self.stream = stream
+        self.generation = generation
+        self.current = current
+        now = "was deleted" if current is None else f"is at generation {current}"
+        super().__init__(
+            f"group {group!r} on stream {stream!r}: this consumer holds generation {generation}"
+            f" but the group {now}: another consumer opened it since, so nothing was "
+            "committed; stop this consumer (open a new reader to take the group back)"
+        )
+
+
+class DatabaseChanged(StreamsError):
+    """The database is not the one this process (or a group row, or a Spark offset) started on.
+
+    A database's *incarnation* (`streams.store.incarnation`) is its system identifier, its OID,
+    the OID of its incarnation table and that table's random id (`streams migrate` writes it),
+    and its timeline. A database dropped and recreated, restored from a dump or a backup, or a
+    server failed over to a standby changes it: positions learned before then may name facts the
+    database no longer has, or skip facts written since under the same IDs. Nothing is delivered
+    or committed across the change. ``changed`` names what changed; ``where`` what noticed it.
+    What to do: see `streams incarnation` (docs/operations.md, "Restores and failovers").
+    """
+
+    def __init__(self, where: str, changed: str) -> None:
+        self.where = where
+        self.changed = changed
+        super().__init__(
+            f"{where}: the database changed under it ({changed}); positions from before the "
+            "change may skip or repeat facts, so nothing more is read or committed: see "
+            "`streams incarnation` for what changed and how to go on"
         )
 
 

@@ -19,8 +19,10 @@ from streams.migrate import current_revision, upgrade
 
 TABLES = (
     "streams_facts",
+    "streams_group_generations",
     "streams_idempotency_claims",
     "streams_idempotency_keys",
+    "streams_incarnation",
     "streams_keys",
     "streams_proofs",
     "streams_reader_groups",
@@ -30,7 +32,7 @@ TABLES = (
     "streams_writers",
 )
 VERSION_TABLE = "streams_alembic_version"
-HEAD = "0010_idempotency_claims"
+HEAD = "0011_incarnation_generations"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -64,7 +64,7 @@ TABLES = (
     "streams_writers",
 )
 VERSION_TABLE = "streams_alembic_version"
-HEAD = "0010_idempotency_claims"
+HEAD = "0011_incarnation_generations"
 
 
 # ---------------------------------------------------------------------------------------------
