@@ -24,6 +24,7 @@ import psycopg
 
 from .config import Settings
 from .core.groups import STALE_AFTER_MS
+from .core.incarnation import Guard
 from .core.timestamps import TimestampMode
 from .proofs import ProofService
 from .reader import AsyncReader, Reader
@@ -37,6 +38,7 @@ from .store.groups import (
     stream_positions,
     streams_of_group,
 )
+from .store.incarnation import verify
 from .store.keys import describe_keys, rotate_keys
 from .store.reading import ReaderCore, Start
 from .store.registry import (
@@ -82,12 +84,19 @@ def _known_streams(settings: Settings) -> list[str]:
 
 
 def _reader_core(
-    streams: str | Sequence[str], start: Start, group: str | None, page_size: int | None
+    streams: str | Sequence[str],
+    start: Start,
+    group: str | None,
+    page_size: int | None,
+    guard: Guard,
 ) -> ReaderCore:
     names = [streams] if isinstance(streams, str) else list(streams)
     if page_size is None:
-        return ReaderCore(names, start=start, group=group)
-    return ReaderCore(names, start=start, group=group, page_size=page_size)
+        core = ReaderCore(names, start=start, group=group)
+    else:
+        core = ReaderCore(names, start=start, group=group, page_size=page_size)
+    core.guard = guard
+    return core
 
 
 class Client:
@@ -101,10 +110,14 @@ class Client:
         # 96 connections otherwise, against PostgreSQL's default max_connections of 100).
         self._conn: psycopg.Connection[Any] | None = None
         self._conn_lock = threading.Lock()
+        #: The database history everything this client opens belongs to (its readers',
+        #: writers' and prover's sessions check it on every connect: `streams.store.incarnation`).
+        self.guard = Guard()
         with dbconnect.connect(
             settings.database_url, autocommit=False, connect_timeout=10, purpose="client"
         ) as conn:
             run(conn, check_schema())
+            run(conn, verify(self.guard, "client"))
         self._link: RedisLink | None = None
         self._link_lock = threading.Lock()
         self._proofs: ProofService | None = None
@@ -208,6 +221,7 @@ class Client:
             lease_seconds=self.settings.lease_seconds,
             max_payload_bytes=self.settings.max_payload_bytes,
         )
+        core.guard = self.guard
         writer = Writer(self.settings.database_url, core, self.link)
         self.writers.add(writer)
         return writer
@@ -231,7 +245,7 @@ class Client:
         positions one elected process proves for all readers of a stream instead of probing
         PostgreSQL on every hint (`streams.proofs`): for many reader processes per stream.
         """
-        core = _reader_core(streams, start, group, page_size)
+        core = _reader_core(streams, start, group, page_size, self.guard)
         link = self.link
         if shared_proofs is None:
             shared_proofs = self.settings.shared_proofs
@@ -246,7 +260,9 @@ class Client:
         with self._link_lock:
             if self._proofs is None:
                 assert self._link is not None
-                self._proofs = ProofService(self.settings.database_url, self._link, _link_name())
+                self._proofs = ProofService(
+                    self.settings.database_url, self._link, _link_name(), self.guard
+                )
             return self._proofs
 
     def groups(self, stream: str, *, stale_after_ms: int = STALE_AFTER_MS) -> list[GroupRow]:
@@ -329,12 +345,18 @@ class Client:
                 if conn is not None:
                     conn.close()
                 self._conn = None
-                conn = self._conn = dbconnect.connect(
+                conn = dbconnect.connect(
                     self.settings.database_url,
                     autocommit=False,
                     connect_timeout=10,
                     purpose="client",
                 )
+                try:
+                    run(conn, verify(self.guard, "client"))
+                except BaseException:
+                    conn.close()
+                    raise
+                self._conn = conn
             yield conn
 
     def __enter__(self) -> Client:
@@ -347,8 +369,12 @@ class Client:
 class AsyncClient:
     """The asyncio twin of `Client`."""
 
-    def __init__(self, settings: Settings, conn: psycopg.AsyncConnection[Any]) -> None:
+    def __init__(
+        self, settings: Settings, conn: psycopg.AsyncConnection[Any], guard: Guard | None = None
+    ) -> None:
         self.settings = settings
+        #: As `Client.guard`.
+        self.guard = guard or Guard()
         # As in `Client`: re-opened when broken. It stays open (`open` checked the schema on
         # it), as asyncio services rarely run one process per reader.
         self._conn: psycopg.AsyncConnection[Any] | None = conn
@@ -376,12 +402,14 @@ class AsyncClient:
         conn = await dbconnect.aconnect(
             settings.database_url, autocommit=False, connect_timeout=10, purpose="client"
         )
+        guard = Guard()
         try:
             await arun(conn, check_schema())
+            await arun(conn, verify(guard, "client"))
         except BaseException:
             await conn.close()
             raise
-        return cls(settings, conn)
+        return cls(settings, conn, guard)
 
     def __repr__(self) -> str:
         return f"<AsyncClient {self.settings!r}>"
@@ -465,6 +493,7 @@ class AsyncClient:
             lease_seconds=self.settings.lease_seconds,
             max_payload_bytes=self.settings.max_payload_bytes,
         )
+        core.guard = self.guard
         writer = await AsyncWriter.open(self.settings.database_url, core, self.link)
         self.writers.add(writer)
         return writer
@@ -479,7 +508,7 @@ class AsyncClient:
         poll_interval: float | None = None,
     ) -> AsyncReader:
         """The asyncio twin of `Client.reader`."""
-        core = _reader_core(streams, start, group, page_size)
+        core = _reader_core(streams, start, group, page_size, self.guard)
         reader = await AsyncReader.open(
             self.settings.database_url, core, self.link, poll_interval=poll_interval
         )
@@ -551,12 +580,18 @@ class AsyncClient:
                 if conn is not None:
                     await conn.close()
                 self._conn = None
-                conn = self._conn = await dbconnect.aconnect(
+                conn = await dbconnect.aconnect(
                     self.settings.database_url,
                     autocommit=False,
                     connect_timeout=10,
                     purpose="client",
                 )
+                try:
+                    await arun(conn, verify(self.guard, "client"))
+                except BaseException:
+                    await conn.close()
+                    raise
+                self._conn = conn
             yield conn
 
     async def __aenter__(self) -> AsyncClient:

@@ -52,6 +52,7 @@ import psycopg
 
 from .config import scrub_secrets, url_passwords
 from .core.constants import PROOF_INSTANCE_PREFIX, STALE_AFTER, proof_channel
+from .core.incarnation import Guard
 from .core.protocol import Command, PositionCommand, ProtocolError, RdataCommand, serialize
 from .core.replication import Hint, is_proof_hint
 from .core.signing import KEY_REFRESH, MAX_SIGNED_ROWS, sign_range, split_for_signing
@@ -59,6 +60,7 @@ from .core.stalls import HeldStreams
 from .errors import ConnectionLost, StoreError
 from .store import connect as dbconnect
 from .store.driver import Row, run
+from .store.incarnation import verify
 from .store.keys import live_keys, newest
 from .store.probe import (
     PROVER_SESSION_SETUP,
@@ -121,9 +123,11 @@ class ProofService:
     Thread-safe; the thread starts with the first `follow`.
     """
 
-    def __init__(self, database_url: str, link: Any, name: str) -> None:
+    def __init__(self, database_url: str, link: Any, name: str, guard: Guard | None = None) -> None:
         self._url = database_url
         self._link = link
+        #: The database history this process proves for (its client's).
+        self.guard = guard or Guard()
         self.instance = f"{PROOF_INSTANCE_PREFIX}{name}"
         self._cond = threading.Condition()
         self._followed: dict[str, int] = {}  # stream -> number of local readers
@@ -324,8 +328,14 @@ class ProofService:
 
     def _connect(self) -> psycopg.Connection[Any]:
         conn = dbconnect.connect(self._url, autocommit=True, connect_timeout=10, purpose="prober")
-        for statement in (*READER_SESSION_SETUP, *PROVER_SESSION_SETUP):
-            conn.execute(statement)
+        try:
+            for statement in (*READER_SESSION_SETUP, *PROVER_SESSION_SETUP):
+                conn.execute(statement)
+            # Proving in another database history would sign its ranges for this one's readers.
+            run(conn, verify(self.guard, "the prover"))
+        except BaseException:
+            conn.close()
+            raise
         return conn
 
     def _info_of(self, conn: psycopg.Connection[Any], names: set[str]) -> list[StreamInfo]:

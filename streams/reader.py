@@ -74,23 +74,31 @@ T = TypeVar("T")
 _Plan: TypeAlias = Generator["_WaitWake | _Pause | Gen[Any]", Any, T]
 
 
-def _connect(url: str) -> psycopg.Connection[Any]:
+def _connect(url: str, core: ReaderCore) -> psycopg.Connection[Any]:
+    """A reader session on the database history the reader started on (else
+    `streams.errors.DatabaseChanged`: `streams.store.incarnation`)."""
     try:
         conn = dbconnect.connect(url, autocommit=True, connect_timeout=10, purpose="reader")
-        for statement in READER_SESSION_SETUP:
-            conn.execute(statement)
+        try:
+            for statement in READER_SESSION_SETUP:
+                conn.execute(statement)
+            run(conn, core.verify_incarnation())
+        except BaseException:
+            conn.close()
+            raise
         set_json_loads(decode_jsonb, conn)
         return conn
     except psycopg.Error as exc:
         raise StoreError(f"cannot connect to PostgreSQL: {type(exc).__name__}") from None
 
 
-async def _aconnect(url: str) -> psycopg.AsyncConnection[Any]:
+async def _aconnect(url: str, core: ReaderCore) -> psycopg.AsyncConnection[Any]:
     try:
         conn = await dbconnect.aconnect(url, autocommit=True, connect_timeout=10, purpose="reader")
         try:
             for statement in READER_SESSION_SETUP:
                 await conn.execute(statement)
+            await arun(conn, core.verify_incarnation())
         except BaseException:
             await conn.close()
             raise
@@ -299,7 +307,7 @@ class Reader(_ReaderBase):
     ) -> None:
         self._core = core
         self._url = database_url
-        self._conn = _connect(database_url)
+        self._conn = _connect(database_url, core)
         self._wake = threading.Event()
         self._closed = False
         self._poll = poll_interval
@@ -364,7 +372,7 @@ class Reader(_ReaderBase):
                 raise UsageError("reader is closed")
             self._conn.close()
             try:
-                self._conn = _connect(self._url)
+                self._conn = _connect(self._url, self._core)
             except StoreError as exc:
                 raise ConnectionLost(str(exc)) from None
         return self._conn
@@ -467,7 +475,7 @@ class AsyncReader(_ReaderBase):
         *,
         poll_interval: float | None = None,
     ) -> AsyncReader:
-        conn = await _aconnect(database_url)
+        conn = await _aconnect(database_url, core)
         try:
             await arun(conn, core.open())
         except BaseException:
@@ -519,7 +527,7 @@ class AsyncReader(_ReaderBase):
                 raise UsageError("reader is closed")
             await self._conn.close()
             try:
-                self._conn = await _aconnect(self._url)
+                self._conn = await _aconnect(self._url, self._core)
             except StoreError as exc:
                 raise ConnectionLost(str(exc)) from None
         return self._conn

@@ -317,11 +317,12 @@ class RestartablePostgres:
     (``immediate``: no checkpoint, crash recovery at the next start) and starts it again.
     """
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, settings: dict[str, str] | None = None) -> None:
         from proxy import Proxy
 
         self.workdir = workdir
-        self.server = embedded.start_postgres(workdir, durable=True)
+        self.settings = dict(settings or {})
+        self.server = embedded.start_postgres(workdir, durable=True, settings=self.settings)
         self.proxy = Proxy("127.0.0.1", self.server.port)
         self.admin_url = self.proxy.url(self.server.url)
         self.restarts = 0
@@ -342,7 +343,7 @@ class RestartablePostgres:
             time.sleep(0.01)
         old.stop()  # releases this handle (the server is gone already)
         time.sleep(down_for)
-        self.server = embedded.start_postgres(self.workdir, durable=True)
+        self.server = embedded.start_postgres(self.workdir, durable=True, settings=self.settings)
         self.proxy.retarget("127.0.0.1", self.server.port)
         self.restarts += 1
         return time.monotonic() - started
@@ -354,12 +355,15 @@ class RestartablePostgres:
 
 
 @contextlib.contextmanager
-def restartable_postgres() -> Iterator[RestartablePostgres]:
-    """A `RestartablePostgres` in a fresh directory, removed afterwards. Not pytest's
-    ``tmp_path``: as root, PostgreSQL runs as another user, who cannot enter it."""
+def restartable_postgres(
+    settings: dict[str, str] | None = None,
+) -> Iterator[RestartablePostgres]:
+    """A `RestartablePostgres` in a fresh directory (server ``settings`` added to its command
+    line), removed afterwards. Not pytest's ``tmp_path``: as root, PostgreSQL runs as another
+    user, who cannot enter it."""
     workdir = Path(tempfile.mkdtemp(prefix="streams-restart-"))
     try:
-        server = RestartablePostgres(workdir)
+        server = RestartablePostgres(workdir, settings)
         try:
             yield server
         finally:

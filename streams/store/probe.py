@@ -40,6 +40,41 @@ scans the CTE taking the lock, and the writer checks ``ID >= L`` for every ID be
 transaction can commit (inside the statement itself for a single fact, which then commits by
 itself in autocommit; from the returned ``L`` for a batch): `SequenceRewound` otherwise.
 
+Durable IDs: what a crash may hand out again (the durability argument)
+---------------------------------------------------------------------
+``C`` is only safe to pass if no ID ``<= C`` can be handed out *again*. PostgreSQL does not
+make a sequence crash-safe for values given to transactions that never commit: ``nextval``
+writes a WAL record (covering the value and the next 32) but nothing flushes it until some
+transaction commits (or the WAL writer, within ``wal_writer_delay``, and only behind an
+asynchronous commit). A writer that reserved ID 6 and rolled back (or failed), a reader that
+passed 6 as a gap, then a crash (an immediate shutdown, an OOM-killed backend, a power loss)
+before anything flushed: recovery restores the sequence from the last checkpoint, the next
+append is given 6 again, commits, and the reader never delivers it. So statement 3 makes
+everything statement 1 read durable before the probe's transaction ends:
+
+3. statement 3 compares ``pg_current_wal_flush_lsn()`` with ``pg_current_wal_insert_lsn()``.
+   ``nextval`` inserts its WAL record while it holds the sequence's buffer lock, and statement
+   1 read the sequence under that lock, so the record of every value ``<= A[s]`` (and the commit
+   record of every transaction that held one ``<= C[s]``: they ended before statement 2) was
+   inserted before statement 3 began, at an LSN ``<=`` the insert position statement 3 reads.
+   If the flush position is already there (read in either order: both only grow, and the
+   flush position never passes the insert position), all of it is on disk. Otherwise the
+   statement writes a transactional logical message (``pg_logical_emit_message``: no table,
+   any role may call it) and sets ``synchronous_commit = on`` for this transaction only: its
+   commit then waits until the WAL up to its commit record, which is after all of that, is
+   flushed.
+
+The probe's transaction commits before its caller gets any result (a pipeline's results come
+back after its sync, where an implicit transaction commits; `probe` and `prove` commit
+explicitly): a reader delivers nothing up to ``C`` unless that flush succeeded, and a crash
+before it fails the step, which reads the same range again afterwards. A crash after it cannot
+take ``A[s]`` back: the sequence is recovered at or past it, and every fact ``<= C[s]`` that
+committed (even with ``synchronous_commit = off`` in the writer) is recovered too. The flush
+costs a WAL flush only when something was written since the last one (a busy stream: a group
+commit beside the writers'); an idle one pays a comparison. The same holds for a proof
+(`prove`): its transaction is the probe's, so a follower never reads a proof of an ID a crash
+could hand out again.
+
 Earlier versions read ``pg_locks`` in a correlated subquery of the statement that read the
 sequences. PostgreSQL evaluated ``pg_lock_status()`` once, at the first stream's row, and reused
 it for the others, whose sequences were therefore read *after* the lock snapshot: a reader of
@@ -145,6 +180,16 @@ CROSS JOIN LATERAL (
 ) AS c
 """
 
+#: Statement 3 of a probe: make durable every sequence value and commit statements 1 and 2 saw
+#: ("the durability argument"): flushed already, or flushed by this transaction's commit.
+_PROBE_DURABLE_SQL = """
+SELECT CASE
+    WHEN pg_current_wal_flush_lsn() >= pg_current_wal_insert_lsn() THEN false
+    ELSE (SELECT true FROM (SELECT set_config('synchronous_commit', 'on', true),
+                                   pg_logical_emit_message(true, 'streams', 'durable')) AS flush)
+END
+"""
+
 #: Settings of every session that reads facts behind a probe (readers): READ COMMITTED, which the
 #: probe argument needs; the statements that repeat (the probe, the page behind it) are prepared by
 #: psycopg, and generic plans halved a caught-up reader's round trip (688 -> 349 us per probe,
@@ -176,21 +221,26 @@ def _probe_queries(ids: tuple[int, ...]) -> tuple[Query, ...]:
     )
     # Rendered to bytes once: psycopg caches the conversion of a bytes query (empty parameters
     # still turn ``%%`` into ``%``).
-    return (Query(allocated.encode(), ()), Query(complete.encode(), ()))
+    return (
+        Query(allocated.encode(), ()),
+        Query(complete.encode(), ()),
+        Query(_PROBE_DURABLE_SQL.encode(), ()),
+    )
 
 
-def probe_texts(stream_keys: Sequence[int]) -> tuple[str, str]:
-    """The two statements of `probe` for the streams with these registry ids, as plain text,
-    for a session of another driver (ADBC, on Spark executors) that runs them in this order,
-    then reads rows ``<=`` the complete position in a later statement: the probe argument
-    holds for it as for `probe`. The second returns ``(name, max allocated, complete, _)`` per
-    stream. Ints only, inlined."""
+def probe_texts(stream_keys: Sequence[int]) -> tuple[str, ...]:
+    """The statements of `probe` for the streams with these registry ids, as plain text, for a
+    session of another driver (ADBC, on Spark executors) that runs them in this order, each in
+    autocommit (the last one's commit makes them durable), then reads rows ``<=`` the complete
+    position in a later statement: the probe and durability arguments hold for it as for
+    `probe`. The statement at `COMPLETE_STATEMENT` returns ``(name, max allocated, complete,
+    _)`` per stream. Ints only, inlined."""
     texts = []
     for query in _probe_queries(tuple(int(k) for k in stream_keys)):
         statement = query.statement
         assert isinstance(statement, bytes)
         texts.append(statement.decode().replace("%%", "%"))  # psycopg's escape, undone
-    return texts[0], texts[1]
+    return tuple(texts)
 
 
 def statement_timeout_setup(timeout_ms: int) -> str:
@@ -201,20 +251,29 @@ def statement_timeout_setup(timeout_ms: int) -> str:
 
 
 #: How many statements `probe_queries` returns (results before the rows behind a probe).
-PROBE_STATEMENTS = 2
+PROBE_STATEMENTS = 3
+#: Which of them returns the probe's rows (`probes_from_results`).
+COMPLETE_STATEMENT = 1
 
 
 def probes_from_rows(rows: Sequence[Row]) -> dict[str, Probe]:
+    """The `Probe` of each stream from the rows of statement `COMPLETE_STATEMENT`."""
     return {
         name: Probe(name, int(allocated), int(complete)) for name, allocated, complete, _ in rows
     }
+
+
+def probes_from_results(results: Sequence[Sequence[Row]]) -> dict[str, Probe]:
+    """The `Probe` of each stream from the results of a pipeline that began with
+    `probe_queries`."""
+    return probes_from_rows(results[COMPLETE_STATEMENT])
 
 
 def probe(infos: Sequence[StreamInfo]) -> Gen[dict[str, Probe]]:
     """`Probe` every stream in ``infos`` in one round trip (no transaction is left open)."""
     results = yield Pipeline(probe_queries(infos))
     yield Commit()
-    return probes_from_rows(results[-1])
+    return probes_from_results(results)
 
 
 #: Statement 3 of `prove`: record what statement 2 proved (forward-only) for every reader.
@@ -229,8 +288,9 @@ RETURNING stream
 """
 
 #: Settings of the prober's session, on top of `READER_SESSION_SETUP`: a proof row that a crash
-#: loses is recomputed by the next probe, and the facts it vouches for were durable before their
-#: locks went away, so its commit need not wait for the WAL flush.
+#: loses is recomputed by the next probe, and what it vouches for is durable before it commits
+#: (statement 3 of the probe turns ``synchronous_commit`` on for the transactions that need a
+#: flush: "the durability argument"), so the others need not wait for the WAL flush.
 PROVER_SESSION_SETUP = ("SET synchronous_commit = off",)
 
 
@@ -241,7 +301,7 @@ def prove(infos: Sequence[StreamInfo]) -> Gen[dict[str, Probe]]:
     queries.append(Query(_RECORD_PROOF_SQL, {"ids": [info.id for info in infos]}))
     results = yield Pipeline(queries)
     yield Commit()
-    return probes_from_rows(results[PROBE_STATEMENTS - 1])
+    return probes_from_results(results)
 
 
 def prove_with_rows(
@@ -272,7 +332,7 @@ def prove_with_rows(
         for info, page in zip(read, pages, strict=True):
             if pruned.get(info.name, 0) <= after[info.name]:
                 rows[info.name] = list(page)
-    return probes_from_rows(results[PROBE_STATEMENTS - 1]), rows
+    return probes_from_results(results), rows
 
 
 def try_become_prover(infos: Sequence[StreamInfo]) -> Gen[list[str]]:

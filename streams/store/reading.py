@@ -47,14 +47,16 @@ import orjson
 from ..core.constants import PROOF_GRACE, STALE_AFTER
 from ..core.epochs import Epoch, Fact, Row, plan_page
 from ..core.frontier import Antichain, FrontierProbe, FrontierSnapshot, LiveFilter, UpperAntichain
+from ..core.incarnation import Guard, Incarnation
 from ..core.replication import Hint, is_proof_hint
 from ..core.signing import KEY_REFRESH, SignedRange, verify_range
 from ..core.stalls import HeldStreams
 from ..errors import ConnectionLost, FactsPruned, GroupMoved, StoreError, UsageError
 from .driver import Gen, Pipeline
 from .groups import GROUP_MOVED, commit_group, commit_group_in, group_position
+from .incarnation import verify
 from .keys import live_keys
-from .probe import PROBE_STATEMENTS, Probe, probe, probe_queries, probes_from_rows
+from .probe import PROBE_STATEMENTS, Probe, probe, probe_queries, probes_from_results
 from .registry import StreamInfo, load_streams
 from .rows import (
     check_retained,
@@ -184,6 +186,15 @@ class ReaderCore:
         self.rejected_ranges: dict[str, int] = {}
         #: Rows read from PostgreSQL (catch-up and live), for metrics.
         self.rows = 0
+        #: The database history this reader's positions belong to: the first session records
+        #: it (or the client's, which shares its guard), every reconnect checks it.
+        self.guard = Guard()
+
+    def verify_incarnation(self) -> Gen[Incarnation]:
+        """On a new session, before anything else: is it the database history this reader
+        started on (`streams.store.incarnation`)? `DatabaseChanged` otherwise."""
+        what = "group " + repr(self.group) if self.group is not None else "reader"
+        return (yield from verify(self.guard, f"{what} of {', '.join(self.names)}"))
 
     # ---------------------------------------------------------------- initialization
 
@@ -360,7 +371,7 @@ class ReaderCore:
             queries.append(retention_query(infos))  # after the rows: see "retention" (store)
             results = yield Pipeline(queries)
             check_retained(results[-1], lower)
-            probes = probes_from_rows(results[PROBE_STATEMENTS - 1])
+            probes = probes_from_results(results)
             self._note_probe(probes)
             # A stream held back for a while: end an expired writer's sessions ("the liveness
             # argument" in streams.store.writers). Not a read: no position moves here.

@@ -62,6 +62,7 @@ from psycopg import sql
 
 from ..config import validate_instance_name
 from ..core.constants import reservation_lock_class
+from ..core.incarnation import Guard
 from ..core.positions import PositionTracker, ReservationToken
 from ..core.timestamps import resolve_timestamps, validate_client_timestamp
 from ..errors import (
@@ -84,6 +85,7 @@ from .idempotency import (
     read_originals,
     record_cte,
 )
+from .incarnation import verify
 from .registry import StreamInfo, load_stream
 from .writers import (
     end_expired_sessions,
@@ -276,6 +278,8 @@ class WriterCore:
         self.stream_name = stream
         self.instance = validate_instance_name(instance)
         self.lease_seconds = lease_seconds
+        #: The database history this writer's state belongs to (shared with its client's).
+        self.guard = Guard()
         self.max_payload_bytes = max_payload_bytes
         self.clock = DatabaseClock()
         self.generation = 0
@@ -585,9 +589,12 @@ class WriterCore:
         }
 
     def configure_session(self) -> Gen[None]:
-        """The writer's own connections (appends, heartbeats): the TCP settings of
-        `_tcp_settings` for the whole session, and, where the server has it (PostgreSQL 14+),
-        a check every second that the client is still connected while a statement runs."""
+        """The writer's own connections (appends, heartbeats), first checked to be on the
+        database history the writer started on (`guard`: `streams.store.incarnation`), then
+        the TCP settings of `_tcp_settings` for the whole session, and, where the server has it
+        (PostgreSQL 14+), a check every second that the client is still connected while a
+        statement runs."""
+        yield from verify(self.guard, f"writer {self.instance!r} of {self.stream_name!r}")
         settings = self._tcp_settings()
         yield Query(
             sql.SQL(

@@ -1,0 +1,139 @@
+"""The database's incarnation: which history of which database a process is talking to.
+
+Terms. A *position* (a reader's, a group's, a Spark offset) names stream IDs of one database's
+history. A URL does not name that history: the same URL can reach a database that was dropped
+and recreated, restored from a dump or a base backup, or a standby promoted after a failover,
+and positions learned before then may name facts that database never had (a reader would skip
+the facts written there since under the same IDs) or lack facts it delivered. The
+*incarnation* names the history, from what PostgreSQL itself keeps:
+
+* ``system_identifier``: the cluster's, from ``initdb`` (a restore into another cluster, or
+  ``pg_upgrade``, changes it; a streaming standby shares its primary's);
+* ``database_oid``: the database's OID (a dropped and recreated database, or a dump restored
+  into another database, gets a new one);
+* ``table_oid``: the OID of the incarnation table (``pg_restore --clean`` into the same
+  database recreates it);
+* ``id``: the random id `streams migrate` writes into that table once (two databases that
+  happen to share the other numbers still differ);
+* ``timeline``: the WAL timeline (a promotion after a failover, or a point-in-time recovery,
+  starts a new one; the standby may lack what the old primary acknowledged).
+
+A `Guard` holds the first incarnation a process (a client and everything it opened, a Spark
+query) saw and compares every later one with it: on connect and on every reconnect, so a
+process never goes on silently in another history. Group rows and Spark offsets carry the
+`Incarnation.token` they were written under, checked the same way when they are read back.
+This module is pure: `streams.store.incarnation` reads the numbers.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from ..errors import DatabaseChanged, UsageError
+
+__all__ = ["Guard", "Incarnation", "changes", "token_changes"]
+
+
+@dataclass(frozen=True, slots=True)
+class Incarnation:
+    """One database history (see the module docstring)."""
+
+    id: str
+    system_identifier: int
+    database_oid: int
+    table_oid: int
+    timeline: int
+
+    @property
+    def token(self) -> str:
+        """The compact form group rows and Spark offsets carry: ``id/system/database/table/tl``."""
+        return (
+            f"{self.id}/{self.system_identifier}/{self.database_oid}/{self.table_oid}"
+            f"/{self.timeline}"
+        )
+
+    @classmethod
+    def from_token(cls, token: str) -> Incarnation:
+        """The incarnation a `token` names; `UsageError` if it is not one."""
+        parts = token.split("/")
+        try:
+            if len(parts) != 5 or not parts[0]:
+                raise ValueError(token)
+            return cls(parts[0], int(parts[1]), int(parts[2]), int(parts[3]), int(parts[4]))
+        except ValueError:
+            raise UsageError(f"not a database incarnation: {token!r}") from None
+
+    def as_dict(self) -> dict[str, str | int]:
+        return {
+            "id": self.id,
+            "system_identifier": self.system_identifier,
+            "database_oid": self.database_oid,
+            "table_oid": self.table_oid,
+            "timeline": self.timeline,
+            "token": self.token,
+        }
+
+
+def changes(old: Incarnation, new: Incarnation) -> list[str]:
+    """What differs between two incarnations, in words an operator acts on (empty: the same
+    history). The most telling first: another cluster explains every other difference."""
+    found = []
+    if old.system_identifier != new.system_identifier:
+        found.append(
+            f"another cluster: system identifier {old.system_identifier} -> "
+            f"{new.system_identifier} (a restore into another server, pg_upgrade, or another "
+            "server behind the same address)"
+        )
+    if old.database_oid != new.database_oid:
+        found.append(
+            f"another database: OID {old.database_oid} -> {new.database_oid} (dropped and "
+            "recreated, or restored from a dump)"
+        )
+    if old.table_oid != new.table_oid or old.id != new.id:
+        found.append(
+            f"the streams schema was recreated: incarnation {old.id} -> {new.id} (a restore "
+            "with pg_restore --clean, or the tables dropped and migrated again)"
+        )
+    if old.timeline != new.timeline:
+        found.append(
+            f"timeline {old.timeline} -> {new.timeline} (a failover to a standby, or a "
+            "point-in-time recovery: what the old timeline acknowledged may be missing)"
+        )
+    return found
+
+
+def token_changes(old_token: str, new: Incarnation) -> list[str]:
+    """`changes` from a token read back (a group row, a Spark offset) to ``new``; a token that
+    is not one counts as a change of everything."""
+    try:
+        old = Incarnation.from_token(old_token)
+    except UsageError:
+        return [f"an unreadable incarnation {old_token!r}"]
+    return changes(old, new)
+
+
+class Guard:
+    """The incarnation a process started on, checked against every later one (thread-safe:
+    a client's readers, writers and prover share one)."""
+
+    def __init__(self, expected: Incarnation | None = None) -> None:
+        self._expected = expected
+        self._lock = threading.Lock()
+
+    @property
+    def expected(self) -> Incarnation | None:
+        return self._expected
+
+    def check(self, found: Incarnation, where: str) -> Incarnation:
+        """Take ``found`` as the process's incarnation if it has none yet, else raise
+        `DatabaseChanged` (naming ``where`` and what changed) unless it is the same."""
+        with self._lock:
+            if self._expected is None:
+                self._expected = found
+                return found
+            expected = self._expected
+        differences = changes(expected, found)
+        if differences:
+            raise DatabaseChanged(where, "; ".join(differences))
+        return found

@@ -1,0 +1,70 @@
+"""Reading the database's incarnation (`streams.core.incarnation` says what it is and why).
+
+Every connection the library opens for a long-lived role (a client's own, a reader's, a
+writer's, the prover's, the Spark source's) runs `verify` right after it connects, on the same
+session, before any other statement: the first one a process makes records the incarnation in
+its `Guard`, every later one (a reconnect after a restart, a failover, a recreated database)
+must find the same, or `DatabaseChanged` stops the role before it reads or writes anything in
+another history.
+
+Every number comes from the server the session is on: ``pg_control_system()`` (the system
+identifier), ``pg_database`` (the database OID), the incarnation table's OID and row, and the
+timeline: the one WAL is written on (``pg_walfile_name`` of the current position) on a primary,
+the last checkpoint's on a standby (which writes no WAL). All of it may be read by any role that
+may read the table (no superuser, no ``pg_monitor``).
+"""
+
+from __future__ import annotations
+
+from ..core.incarnation import Guard, Incarnation
+from ..errors import SchemaNotReady, StoreError
+from .driver import Commit, Gen, Query
+
+__all__ = ["INCARNATION_SQL", "read_incarnation", "verify"]
+
+#: One row: ``(id, system identifier, database OID, table OID, timeline)``. A plain text (no
+#: parameters) so that other drivers (ADBC on Spark executors) run it as it is.
+INCARNATION_SQL = """
+SELECT i.id::text, s.system_identifier, d.oid::bigint,
+       'streams_incarnation'::regclass::oid::bigint,
+       CASE WHEN pg_is_in_recovery()
+            THEN (SELECT c.timeline_id FROM pg_control_checkpoint() c)::bigint
+            ELSE ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint
+       END
+FROM streams_incarnation i
+CROSS JOIN pg_control_system() s
+JOIN pg_database d ON d.datname = current_database()
+"""
+
+
+def incarnation_from_row(row: tuple[object, ...]) -> Incarnation:
+    """The `Incarnation` of a row of `INCARNATION_SQL` (any driver's)."""
+    ident, system, database, table, timeline = row
+    return Incarnation(str(ident), int(str(system)), int(str(database)), int(str(table)),
+                       int(str(timeline)))  # fmt: skip
+
+
+def read_incarnation() -> Gen[Incarnation]:
+    """The incarnation of the database this session is on (no transaction is left open)."""
+    try:
+        rows = yield Query(INCARNATION_SQL)
+    except StoreError as exc:
+        if exc.sqlstate != "42P01":  # undefined_table
+            raise
+        raise SchemaNotReady(
+            "the streams schema has no incarnation table (revision 0011): run `streams migrate`"
+        ) from None
+    yield Commit()
+    if not rows:
+        raise SchemaNotReady(
+            "the incarnation table is empty (its row was deleted by hand): give this database a "
+            "new incarnation with INSERT INTO streams_incarnation DEFAULT VALUES"
+        )
+    return incarnation_from_row(rows[0])
+
+
+def verify(guard: Guard, where: str) -> Gen[Incarnation]:
+    """`read_incarnation` and check it against ``guard`` (recording it if it is the first):
+    `streams.errors.DatabaseChanged`, naming ``where``, if the history changed."""
+    found = yield from read_incarnation()
+    return guard.check(found, where)
