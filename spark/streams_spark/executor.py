@@ -5,11 +5,12 @@ Everything a task needs comes from the pickled `RangePartition` (the driver plan
 `range_rows_sql`, `pruned_through_sql`), run over ADBC, which returns Arrow record batches;
 the running-maximum timestamp is computed with pyarrow (or in SQL, ``timestampIn=sql``).
 
-A read first probes (`streams.store.probe`: three statements on its session), then reads the rows
-in a later statement, then checks retention in a later one still. So the range it reads is
+A read first checks that its session is on the database history the driver planned in
+(`streams.store.incarnation`), probes (`streams.store.probe`: three statements), then reads
+the rows in a later statement, then checks retention in a later one still. So the range it reads is
 complete *now*, not only when the driver planned it: a database restored to an older state in
 between (the range's end above what PostgreSQL proves) is the ``failOnDataLoss`` case here too.
-A partition of one fact costs about 2 ms this way (three of the five statements are the probe),
+A partition of one fact costs about 2 ms this way (four of the six statements are checks),
 beside about 150 ms for a whole micro-batch (`streams bench spark`): not worth weakening the
 order the probe argument rests on.
 
@@ -45,11 +46,13 @@ from pyspark.sql.types import (
 )
 
 from streams.config import redact_url
+from streams.core.incarnation import token_changes
 from streams.core.replication import backoff_delay
-from streams.errors import ConnectionLost, FactsPruned, StoreError
+from streams.errors import ConnectionLost, DatabaseChanged, FactsPruned, StoreError
 from streams.store import connect, rows
 from streams.store import probe as store_probe
 from streams.store.driver import transient_sqlstate
+from streams.store.incarnation import INCARNATION_SQL, incarnation_from_row
 
 from .options import DEFAULT_STATEMENT_TIMEOUT
 
@@ -134,6 +137,9 @@ class RangePartition(InputPartition):
     statement_timeout_ms: int = DEFAULT_TIMEOUT_MS
     #: Read the next record batches in a thread while Spark takes this one.
     prefetch: bool = True
+    #: The database history the driver planned in (`streams.core.incarnation`): a session on
+    #: another one fails the task with `streams.DatabaseChanged` (None: not checked).
+    incarnation: str | None = None
 
     def __repr__(self) -> str:
         return (
@@ -228,6 +234,21 @@ def _adbc_connection(
         return conn
 
 
+def _check_incarnation(cur: Any, part: RangePartition) -> None:
+    """The session a task reads on must be on the database history the driver planned in:
+    read on the session itself, at every try (a cached connection may be a stale one of a
+    database dropped since: its failure then is an outage, tried again on a fresh one)."""
+    if part.incarnation is None:
+        return
+    cur.execute(INCARNATION_SQL)
+    found = incarnation_from_row(tuple(cur.fetchone()))
+    if found.token != part.incarnation:
+        raise DatabaseChanged(
+            f"Spark task reading {part.stream!r} ({part.after}, {part.through}]",
+            "; ".join(token_changes(part.incarnation, found)),
+        )
+
+
 def _convert(
     batch: pa.RecordBatch, part: RangePartition, floor: int, stream_col: pa.Array | None
 ) -> tuple[pa.RecordBatch, int]:
@@ -314,6 +335,7 @@ def _complete_through(cur: Any, part: RangePartition) -> int:
     """Probe the stream on this session (before the rows: the probe argument) and return how
     far this task may read: ``through``, or less when the range is no longer complete and
     ``failOnDataLoss=false`` (else `StreamWentBackwards`)."""
+    _check_incarnation(cur, part)
     found: list[Any] = []
     for index, text in enumerate(store_probe.probe_texts([part.stream_key])):
         cur.execute(text)

@@ -26,6 +26,10 @@ Two more keys, both optional, so that offsets logged before they existed still r
 * ``"waiting": ["orders"]``: streams whose position was set by the start (``startingPosition``
   an ID or frontier beyond what is complete) and not reached yet: the query waits there, as
   the Python reader does, rather than take it for a stream that went backwards.
+* ``"incarnation": "<token>"``: the database history the positions belong to
+  (`streams.core.incarnation`): a checkpoint whose offsets name another one (the database was
+  recreated, restored or failed over since) stops the query with `streams.DatabaseChanged`
+  instead of reading on from positions that history never had.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ __all__ = [
     "floors_of",
     "frontier_from_json",
     "frontier_offset",
+    "incarnation_of",
     "positions_of",
     "since_of",
     "waiting_of",
@@ -55,6 +60,7 @@ def frontier_offset(
     *,
     floors: Mapping[str, int] | None = None,
     waiting: Collection[str] = (),
+    incarnation: str | None = None,
 ) -> dict[str, Any]:
     """The canonical offset of ``positions`` (keys sorted), with the start times ``since``
     still in force, the timestamp ``floors`` and the streams ``waiting`` for their start
@@ -69,7 +75,18 @@ def frontier_offset(
         offset["floors"] = {name: int(floors[name]) for name in sorted(floors)}
     if waiting:
         offset["waiting"] = sorted(waiting)
+    if incarnation:
+        offset["incarnation"] = incarnation
     return offset
+
+
+def incarnation_of(offset: Mapping[str, Any]) -> str | None:
+    """The database incarnation an offset was logged under (None: logged before offsets
+    carried it)."""
+    token = offset.get("incarnation")
+    if token is not None and not isinstance(token, str):
+        raise ConfigurationError(f"offset {json.dumps(offset)}: 'incarnation' must be a string")
+    return token
 
 
 def floors_of(offset: Mapping[str, Any], names: tuple[str, ...]) -> dict[str, int] | None:

@@ -65,11 +65,19 @@ from pyspark.sql.streaming.datasource import (
 from pyspark.sql.types import StructType
 
 from streams.client import default_instance_name
+from streams.core.incarnation import Guard, token_changes
 from streams.core.replication import backoff_delay
 from streams.core.stalls import HeldStreams
-from streams.errors import ConfigurationError, ConnectionLost, FactsPruned, StoreError
+from streams.errors import (
+    ConfigurationError,
+    ConnectionLost,
+    DatabaseChanged,
+    FactsPruned,
+    StoreError,
+)
 from streams.store import connect, driver, groups, reading, registry, rows, writers
 from streams.store import probe as store_probe
+from streams.store.incarnation import read_incarnation, verify
 from streams.transport.link import RedisLink
 
 from .executor import (
@@ -81,7 +89,14 @@ from .executor import (
     went_backwards,
     with_hint,
 )
-from .offsets import floors_of, frontier_offset, positions_of, since_of, waiting_of
+from .offsets import (
+    floors_of,
+    frontier_offset,
+    incarnation_of,
+    positions_of,
+    since_of,
+    waiting_of,
+)
 from .options import Position, SourceOptions, parse_options
 from .planning import lost_streams, running_floors, share_budget
 
@@ -172,6 +187,9 @@ class _Driver:
         self._warned: set[tuple[Any, ...]] = set()
         #: Statements run again after a transient error (for tests and metrics).
         self.retries = 0
+        #: The database history this query reads (`streams.store.incarnation`): every session
+        #: of the driver checks it, and offsets and partitions carry it.
+        self.guard = Guard()
 
     def __getstate__(self) -> dict[str, Any]:
         # Spark pickles a fresh reader to ship read() to executors: never a connection.
@@ -214,6 +232,11 @@ class _Driver:
                 conn.close()
                 kind = ConnectionLost if lost else StoreError
                 raise kind(f"Spark source session setup failed: {exc}") from None
+            try:
+                driver.run(conn, verify(self.guard, self._where()))
+            except BaseException:
+                conn.close()
+                raise
             self._conn = conn
         return self._conn
 
@@ -243,6 +266,36 @@ class _Driver:
                 attempt += 1
                 self.retries += 1
                 time.sleep(delay)
+
+    def _where(self) -> str:
+        group = f" (group {self.config.group!r})" if self.config.group else ""
+        return f"Spark source of {', '.join(self.config.streams)}{group}"
+
+    def incarnation(self) -> str:
+        """The token of the database history this query reads (connecting if needed)."""
+        if self.guard.expected is None:
+            self.run(read_incarnation)  # a session: its setup records the incarnation
+        expected = self.guard.expected
+        assert expected is not None
+        return expected.token
+
+    def check_offset(self, offset: dict[str, Any], what: str) -> None:
+        """An offset from Spark's log must belong to this database history: `DatabaseChanged`
+        otherwise (with ``failOnDataLoss=false``, a warning, and the query goes on from it).
+        Offsets logged before they carried an incarnation are taken as they are."""
+        token = incarnation_of(offset)
+        current = self.incarnation()
+        if token is None or token == current:
+            return
+        assert self.guard.expected is not None
+        changed = "; ".join(token_changes(token, self.guard.expected))
+        if self.config.fail_on_data_loss:
+            raise DatabaseChanged(f"{self._where()}: the {what} offset", changed)
+        self.warn_once(
+            ("incarnation", token),
+            f"{self._where()}: the {what} offset was logged in another database history "
+            f"({changed}); failOnDataLoss=false: going on from its positions",
+        )
 
     def infos(self) -> dict[str, StreamInfo]:
         if not self._infos:
@@ -417,6 +470,7 @@ class _Driver:
                         fail_on_data_loss=self.config.fail_on_data_loss,
                         statement_timeout_ms=self.config.statement_timeout_ms,
                         prefetch=self.config.prefetch,
+                        incarnation=self.incarnation(),
                     )
                 )
         return parts
@@ -555,7 +609,11 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
                 "streams %s start beyond what is complete: waiting for it", sorted(start.waiting)
             )
         return frontier_offset(
-            start.positions, start.since, floors=start.floors, waiting=start.waiting
+            start.positions,
+            start.since,
+            floors=start.floors,
+            waiting=start.waiting,
+            incarnation=self.incarnation(),
         )
 
     def getDefaultReadLimit(self) -> ReadLimit:
@@ -572,6 +630,8 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
         names = self.config.streams
         lower, since = positions_of(start, names), since_of(start, names)
         floors, waiting = floors_of(start, names), waiting_of(start, names)
+        self.check_offset(start, "start")
+        token = self.incarnation()
         had_probes = self.probes
         complete = self._refresh()
         if self.probes != had_probes:
@@ -598,7 +658,7 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
         if max_facts is not None and upper != lower:
             upper = self._admit(lower, upper, max_facts)
         if upper == lower:
-            return frontier_offset(lower, since, floors=floors, waiting=waiting)
+            return frontier_offset(lower, since, floors=floors, waiting=waiting, incarnation=token)
         self._last_batch = time.monotonic()
         moved = {n for n in names if upper[n] > lower[n]}
         end_floors = self.floors_after(lower, upper, floors or self.floors_at(lower))
@@ -607,6 +667,7 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
             self._since_after(since, lower, upper),
             floors=end_floors,
             waiting=waiting - moved,
+            incarnation=token,
         )
 
     def _since_after(
@@ -685,6 +746,7 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
         names = self.config.streams
         lower, upper = positions_of(start, names), positions_of(end, names)
+        self.check_offset(end, "end")
         if lower == upper:
             return []
         # A batch replayed after a restart is planned without a latestOffset call first: the
@@ -716,6 +778,7 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
     def commit(self, end: dict[str, Any]) -> None:
         names = self.config.streams
         positions = positions_of(end, names)
+        self.check_offset(end, "committed")
         floors = floors_of(end, names) or self.floors_at(positions)
         infos = self.infos()
         commits = [(infos[n], positions[n], floors[n]) for n in names]

@@ -125,6 +125,14 @@ class Guard:
     def expected(self) -> Incarnation | None:
         return self._expected
 
+    def __getstate__(self) -> dict[str, Incarnation | None]:
+        # Picklable (Spark ships its source to executors): the lock is the process's own.
+        return {"expected": self._expected}
+
+    def __setstate__(self, state: dict[str, Incarnation | None]) -> None:
+        self._expected = state["expected"]
+        self._lock = threading.Lock()
+
     def check(self, found: Incarnation, where: str) -> Incarnation:
         """Take ``found`` as the process's incarnation if it has none yet, else raise
         `DatabaseChanged` (naming ``where`` and what changed) unless it is the same."""
