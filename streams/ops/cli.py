@@ -34,6 +34,7 @@ from ..store.reading import Start
 from ..store.registry import check_schema
 from ..store.retention import PRUNE_BATCH
 from .groups import groups
+from .incarnation import incarnation
 from .params import (
     DURATION,
     GROUP_NAME,
@@ -847,6 +848,7 @@ def metrics_serve(
 
 main.add_command(bench)
 main.add_command(groups)
+main.add_command(incarnation)
 
 
 @main.command()

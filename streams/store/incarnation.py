@@ -16,11 +16,22 @@ may read the table (no superuser, no ``pg_monitor``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 from ..core.incarnation import Guard, Incarnation
 from ..errors import SchemaNotReady, StoreError
 from .driver import Commit, Gen, Query
 
-__all__ = ["INCARNATION_SQL", "read_incarnation", "verify"]
+__all__ = [
+    "INCARNATION_SQL",
+    "BoundGroup",
+    "accept_groups",
+    "bound_groups",
+    "incarnation_from_row",
+    "read_incarnation",
+    "verify",
+]
 
 #: One row: ``(id, system identifier, database OID, table OID, timeline)``. A plain text (no
 #: parameters) so that other drivers (ADBC on Spark executors) run it as it is.
@@ -68,3 +79,45 @@ def verify(guard: Guard, where: str) -> Gen[Incarnation]:
     `streams.errors.DatabaseChanged`, naming ``where``, if the history changed."""
     found = yield from read_incarnation()
     return guard.check(found, where)
+
+
+@dataclass(frozen=True, slots=True)
+class BoundGroup:
+    """A group row and the incarnation its last commit was made in (None: before revision
+    0011, or never committed since)."""
+
+    stream: str
+    group: str
+    position: int
+    incarnation: str | None
+
+
+def bound_groups() -> Gen[list[BoundGroup]]:
+    """Every group row with the incarnation it was committed in, by stream and group."""
+    rows = yield Query(
+        "SELECT r.name, g.group_name, g.position, g.incarnation "
+        "FROM streams_reader_groups g JOIN streams_registry r ON r.id = g.stream "
+        "ORDER BY r.name, g.group_name"
+    )
+    yield Commit()
+    return [
+        BoundGroup(str(s), str(g), int(p), None if i is None else str(i)) for s, g, p, i in rows
+    ]
+
+
+def accept_groups(token: str, groups: Sequence[str] | None) -> Gen[list[tuple[str, str]]]:
+    """Bind the rows of ``groups`` (None: every group) committed in another incarnation to the
+    one named ``token`` (the current one: an operator's decision that their positions hold in
+    this history, `streams incarnation accept`). Returns the ``(stream, group)`` rows bound."""
+    rows = yield Query(
+        """
+        UPDATE streams_reader_groups g SET incarnation = %(token)s
+        FROM streams_registry r
+        WHERE r.id = g.stream AND g.incarnation IS DISTINCT FROM %(token)s
+          AND (%(all)s OR g.group_name = ANY(%(groups)s::text[]))
+        RETURNING r.name, g.group_name
+        """,
+        {"token": token, "all": groups is None, "groups": list(groups or ())},
+    )
+    yield Commit()
+    return sorted((str(s), str(g)) for s, g in rows)
