@@ -87,3 +87,14 @@ def test_offsets_of_the_previous_version_still_read() -> None:
         floors_of({"v": 1, "streams": {"a": 1}, "floors": {"b": 5}}, ("a",))
     with pytest.raises(ConfigurationError, match="waiting"):
         waiting_of({"v": 1, "streams": {"a": 1}, "waiting": ["b"]}, ("a",))
+
+
+def test_offsets_carry_the_incarnation_and_older_ones_have_none() -> None:
+    from streams_spark.offsets import frontier_offset, incarnation_of
+
+    offset = frontier_offset({"b": 2, "a": 1}, incarnation="id/1/2/3/1")
+    assert offset == {"v": 1, "streams": {"a": 1, "b": 2}, "incarnation": "id/1/2/3/1"}
+    assert incarnation_of(offset) == "id/1/2/3/1"
+    assert incarnation_of(frontier_offset({"a": 1})) is None
+    with pytest.raises(ConfigurationError, match="'incarnation' must be a string"):
+        incarnation_of({"v": 1, "streams": {"a": 1}, "incarnation": 7})

@@ -1,0 +1,88 @@
+"""The database incarnation, pure (`streams.core.incarnation`)."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from streams.core.incarnation import Guard, Incarnation, changes, token_changes
+from streams.errors import DatabaseChanged, UsageError
+
+incarnations = st.builds(
+    Incarnation,
+    id=st.uuids().map(str),
+    system_identifier=st.integers(0, 2**64 - 1),
+    database_oid=st.integers(1, 2**32 - 1),
+    table_oid=st.integers(1, 2**32 - 1),
+    timeline=st.integers(1, 2**32 - 1),
+)
+
+
+@given(incarnations)
+def test_a_token_names_its_incarnation(found: Incarnation) -> None:
+    assert Incarnation.from_token(found.token) == found
+    assert changes(found, found) == []
+    assert token_changes(found.token, found) == []
+
+
+@given(incarnations, incarnations)
+def test_two_incarnations_differ_exactly_when_changes_says_so(
+    a: Incarnation, b: Incarnation
+) -> None:
+    assert (changes(a, b) == []) == (a == b)
+
+
+@pytest.mark.parametrize("token", ["", "x", "a/1/2/3", "a/1/2/3/x", "/1/2/3/4", "a/1/2/3/4/5"])
+def test_a_malformed_token_is_a_change_of_everything(token: str) -> None:
+    found = Incarnation("a", 1, 2, 3, 4)
+    with pytest.raises(UsageError):
+        Incarnation.from_token(token)
+    assert token_changes(token, found) == [f"an unreadable incarnation {token!r}"]
+
+
+def test_changes_name_what_changed_in_words_an_operator_acts_on() -> None:
+    old = Incarnation("a", 1, 2, 3, 1)
+    assert changes(old, Incarnation("a", 1, 2, 3, 2)) == [
+        "timeline 1 -> 2 (a failover to a standby, or a point-in-time recovery: what the old "
+        "timeline acknowledged may be missing)"
+    ]
+    found = changes(old, Incarnation("b", 9, 5, 6, 1))
+    assert [line.split(":")[0] for line in found] == [
+        "another cluster",
+        "another database",
+        "the streams schema was recreated",
+    ]
+
+
+def test_the_guard_records_the_first_and_refuses_another() -> None:
+    guard = Guard()
+    first = Incarnation("a", 1, 2, 3, 1)
+    assert guard.check(first, "reader") == first
+    assert guard.check(Incarnation("a", 1, 2, 3, 1), "reader") == first
+    with pytest.raises(DatabaseChanged, match=r"^writer 'w' of 's': the database changed") as e:
+        guard.check(Incarnation("a", 1, 7, 3, 1), "writer 'w' of 's'")
+    assert e.value.where == "writer 'w' of 's'"
+    assert "OID 2 -> 7" in e.value.changed
+    assert guard.expected == first  # a refused one is not taken
+
+
+def test_a_guard_survives_pickling_and_threads() -> None:
+    guard = pickle.loads(pickle.dumps(Guard(Incarnation("a", 1, 2, 3, 1))))
+    assert guard.expected == Incarnation("a", 1, 2, 3, 1)
+    fresh = Guard()
+    seen: list[Incarnation] = []
+    threads = [
+        threading.Thread(
+            target=lambda n=n: seen.append(fresh.check(Incarnation("a", 1, 2, 3, 1), str(n)))
+        )
+        for n in range(8)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(seen) == 8 and fresh.expected == Incarnation("a", 1, 2, 3, 1)
