@@ -85,3 +85,40 @@ def test_an_id_a_reader_passed_as_a_gap_is_not_handed_out_again_after_a_crash(
             delivered += _deliver_until(reader, ack.last_id)
         reader.close()
         assert delivered == acked, f"reader delivered {delivered}, acknowledged {acked}"
+
+
+@pytest.mark.parametrize("role", ["reader", "prover"])
+def test_a_probe_flushes_the_wal_past_what_it_proves(unique_name: str, role: str) -> None:
+    """The prover's session commits asynchronously (``synchronous_commit = off``) and a
+    reader's may too (a server or role default): the probe's durability statement turns it on
+    for the transactions that need a flush, so the WAL is on disk past every sequence value it
+    read when the probe returns."""
+    from streams.migrate import upgrade
+    from streams.store.driver import run
+    from streams.store.probe import PROVER_SESSION_SETUP, READER_SESSION_SETUP, probe, prove
+    from streams.store.registry import load_stream
+
+    with restartable_postgres({"wal_writer_delay": "10s"}) as server:
+        url = server.proxy.url(ensure_database(server.server.url, "streams"))
+        upgrade(url)
+        with streams.connect(url) as client:
+            info = client.create_stream(unique_name)
+        with psycopg.connect(url, autocommit=True) as session:
+            for statement in (*READER_SESSION_SETUP, *PROVER_SESSION_SETUP):
+                session.execute(statement)  # asynchronous commits, for both roles here
+            info = run(session, load_stream(unique_name))
+            for _ in range(3):
+                session.execute("CHECKPOINT")
+                # A reservation that never commits: its WAL record waits for someone's flush.
+                session.execute("SELECT nextval(%s::regclass)", (info.sequence_name,))
+                lsn, flushed = session.execute(
+                    "SELECT pg_current_wal_insert_lsn(), "
+                    "pg_current_wal_flush_lsn() >= pg_current_wal_insert_lsn()"
+                ).fetchone()
+                assert not flushed, "the test needs a WAL record nobody flushed yet"
+                found = run(session, (prove if role == "prover" else probe)([info]))
+                assert found[unique_name].max_allocated >= 1
+                (durable,) = session.execute(
+                    "SELECT pg_current_wal_flush_lsn() >= %s::pg_lsn", (lsn,)
+                ).fetchone()
+                assert durable, f"{role}: the WAL was not flushed past {lsn} by the probe"
