@@ -9,9 +9,11 @@ OID); a failover or a point-in-time recovery a new timeline. Every process check
 and reconnect, and group rows (``streams_reader_groups.incarnation``) and Spark offsets carry it.
 
 ``streams_group_generations`` holds, per (stream, group), the generation of the group's current
-consumer: opening a group takes the next one, and a commit under an older one fails
-(`streams.errors.GroupFenced`), so a consumer that outlived its replacement cannot move the
-group (`streams.store.groups`, "the fencing argument of groups").
+consumer: opening a group takes the next one (and a fresh random ``token``: a generation number
+starts again at 1 after the group is deleted, a token never repeats), and a commit under an
+older one fails (`streams.errors.GroupFenced`), so a consumer that outlived its replacement
+cannot move the group (`streams.store.groups`, "the fencing argument of groups"). Its rows go
+with their stream (``ON DELETE CASCADE``, as the group rows do).
 
 Revision ID: 0011_incarnation_generations
 Revises: 0010_idempotency_claims
@@ -42,11 +44,12 @@ def upgrade() -> None:
     op.execute(
         """
         CREATE TABLE streams_group_generations (
-            stream     integer     NOT NULL,
+            stream     integer     NOT NULL REFERENCES streams_registry (id) ON DELETE CASCADE,
             group_name text        NOT NULL,
             generation bigint      NOT NULL,
             owner      text        NOT NULL DEFAULT '',
             taken_at   timestamptz NOT NULL DEFAULT now(),
+            token      uuid        NOT NULL DEFAULT gen_random_uuid(),
             PRIMARY KEY (stream, group_name)
         )
         """

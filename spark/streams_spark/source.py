@@ -28,7 +28,13 @@ Spark starts for the query):
   running maximum timestamp at its start (from the offset's floor). Same offsets, same
   partitions: a batch replayed after a crash reads exactly the same facts.
 * ``commit(end)`` records ``end`` as the reader group (`streams.store.groups.commit_group`,
-  forward-only, so Spark repeating the last commit after a restart is harmless).
+  forward-only, so Spark repeating the last commit after a restart is harmless). Each run of
+  the query is the group's consumer: its first ``initialOffset`` or ``latestOffset`` takes the
+  group's next generation (`streams.store.groups.take_generations`, before the group's position
+  is read), so an older run still alive is fenced. A fenced run's commit fails the query with
+  `GroupFenced` when ``group`` is explicit; on the default group (shared by queries with the
+  same options) it logs a warning and commits no more: its checkpoint, not the group, is where
+  it resumes.
 
 Every driver statement has a timeout (``statementTimeout``) and is run again, with back-off,
 after a transient error (a broken connection, a cancelled statement, a restart:
@@ -39,9 +45,12 @@ after a transient error (a broken connection, a cancelled statement, a restart:
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import itertools
 import logging
+import os
 import random
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -73,6 +82,7 @@ from streams.errors import (
     ConnectionLost,
     DatabaseChanged,
     FactsPruned,
+    GroupFenced,
     StoreError,
 )
 from streams.store import connect, driver, groups, reading, registry, rows, writers
@@ -297,6 +307,26 @@ class _Driver:
             f"({changed}); failOnDataLoss=false: going on from its positions",
         )
 
+    def check_group_row(self, stream: str, token: str | None, position: int) -> None:
+        """The group's committed position, where a start takes it, must have been committed in
+        this database history (as for Python group readers); rows from before incarnations
+        existed (None) are taken as they are. ``failOnDataLoss=false``: a warning."""
+        current = self.incarnation()
+        if token is None or token == current:
+            return
+        assert self.guard.expected is not None
+        changed = "; ".join(token_changes(token, self.guard.expected))
+        what = f"group {self.config.group!r} on stream {stream!r}"
+        if self.config.fail_on_data_loss:
+            raise DatabaseChanged(
+                what, f"its position {position} was committed in another incarnation: {changed}"
+            )
+        self.warn_once(
+            ("group-incarnation", stream, token),
+            f"{what}: its position {position} was committed in another incarnation ({changed});"
+            " failOnDataLoss=false: starting from it",
+        )
+
     def infos(self) -> dict[str, StreamInfo]:
         if not self._infos:
             loaded = self.run(registry.load_streams, list(self.config.streams))
@@ -344,6 +374,7 @@ class _Driver:
             for n in names:
                 found = self.run(groups.group_position, infos[n], self.config.group)
                 if found is not None:
+                    self.check_group_row(n, found.incarnation, found.position)
                     committed[n], floors[n] = int(found[0]), int(found[1])
         if committed:
             committed = self.retained(committed)
@@ -548,6 +579,9 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
         #: The last fact count (minFactsPerTrigger): counted again only after a new probe.
         self._counted: tuple[tuple[Any, ...], dict[str, tuple[int, int]]] | None = None
         self.probes = 0
+        #: The group's generations this run took (`own_group`); fenced: another run took it.
+        self._generations: dict[str, groups.Generation] | None = None
+        self._fenced = False
 
     # ------------------------------------------------------------------ Redis (lazy)
 
@@ -600,7 +634,21 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
 
     # ------------------------------------------------------------------ offsets
 
+    def own_group(self) -> dict[str, groups.Generation]:
+        """Take the group's next generation on every stream, once per run of the query (as a
+        Python reader does when it opens its group: before its position is read)."""
+        if self._generations is None:
+            infos = self.infos()
+            self._generations = self.run(
+                groups.take_generations,
+                self.config.group,
+                [infos[n] for n in self.config.streams],
+                f"spark {socket.gethostname()}:{os.getpid()}",
+            )
+        return self._generations
+
     def initialOffset(self) -> dict[str, Any]:
+        self.own_group()
         complete = self._refresh(force=True)
         start = self.resolve(self.config.start, complete)
         log.info("streams source starts at %s (group %s)", start.positions, self.config.group)
@@ -627,6 +675,7 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
         self._target = self._refresh(force=True)
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
+        self.own_group()  # a run restarted from its checkpoint calls this first
         names = self.config.streams
         lower, since = positions_of(start, names), since_of(start, names)
         floors, waiting = floors_of(start, names), waiting_of(start, names)
@@ -776,13 +825,26 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
         return read_partition(partition)
 
     def commit(self, end: dict[str, Any]) -> None:
+        if self._fenced:
+            return
         names = self.config.streams
         positions = positions_of(end, names)
         self.check_offset(end, "committed")
         floors = floors_of(end, names) or self.floors_at(positions)
         infos = self.infos()
         commits = [(infos[n], positions[n], floors[n]) for n in names]
-        self.run(groups.commit_group, self.config.group, commits)
+        try:
+            self.run(
+                functools.partial(groups.commit_group, incarnation=self.incarnation()),
+                self.config.group,
+                commits,
+                self.own_group(),
+            )
+        except GroupFenced as fenced:
+            if self.config.group_explicit:
+                raise
+            self._fenced = True
+            log.warning("%s; this query no longer commits its progress to the group", fenced)
 
     def stop(self) -> None:
         if self._link is not None:

@@ -5,8 +5,8 @@ A group is *stale* when it has not committed for the stale-after time (``--stale
 default one day) while holding a stream's retention back (`streams.core.groups`): typically a
 Spark query started without ``group`` (it commits to ``spark-<digest>``) whose checkpoint was
 abandoned. Nothing deletes a group by itself; ``streams groups delete GROUP`` does, once its
-reader is known to be gone. A reader or query still running re-creates its group at its next
-commit, from its own position.
+reader is known to be gone. A reader or query still running is fenced by it (its next commit
+raises `GroupFenced`: deleting the group deletes its generations, `streams.store.groups`).
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ def groups_list(
     prefix: str | None,
 ) -> None:
     """Every reader group of the STREAMS (default: all) with its position, lag, time since its
-    last commit, and whether it holds retention back or is stale."""
+    last commit, and whether it holds retention back or is stale; its consumer's generation,
+    how long ago that consumer took the group, and who it is."""
     with connect(database_url, redis_url, prefix) as client:
         names = list(streams) or [s.name for s in client.streams()]
         rows = [
@@ -72,14 +73,17 @@ def groups_list(
         return
     table = Table(
         "reader groups and Spark queries",
-        ["STREAM", "GROUP", "POSITION", "LAG", "IDLE_MS", "STATE"],
-        numeric=frozenset({"POSITION", "LAG", "IDLE_MS"}),
-    )
+        ["STREAM", "GROUP", "POSITION", "LAG", "IDLE_MS", "GENERATION", "TAKEN_AGE_MS", "OWNER",
+         "STATE"],
+        numeric=frozenset({"POSITION", "LAG", "IDLE_MS", "GENERATION", "TAKEN_AGE_MS"}),
+    )  # fmt: skip
     for row in rows:
         state = "stale" if row["stale"] else "holds retention" if row["holds_retention"] else ""
+        held = row["generation"] is not None
         table.rows.append(
             [row["stream"], row["group"], str(row["position"]), str(row["lag"]),
-             age(row["idle_ms"]), state]
+             age(row["idle_ms"]), str(row["generation"]) if held else "-",
+             age(row["taken_age_ms"]) if held else "-", row["owner"] or "-", state]
         )  # fmt: skip
     print_tables([table], sys.stdout, terminal=sys.stdout.isatty())
 

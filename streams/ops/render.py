@@ -153,6 +153,14 @@ def _group_state(group: GroupRow) -> str:
     return "holds retention" if group.holds_retention else ""
 
 
+def _consumer(group: GroupRow) -> list[str]:
+    """GENERATION, TAKEN_AGE_MS (since the group last changed hands) and OWNER: ``-`` for a
+    group no consumer opened since generations exist."""
+    if group.generation is None:
+        return ["-", "-", "-"]
+    return [str(group.generation), age(group.taken_age_ms), group.owner or "-"]
+
+
 def positions_tables(
     items: Sequence[StreamPositions],
     show_all: bool,
@@ -183,9 +191,10 @@ def positions_tables(
     )
     groups = Table(
         "reader groups and Spark queries",
-        ["STREAM", "GROUP", "POSITION", "LAG", "LAG_MS", "IDLE_MS", "STATE"],
-        numeric=frozenset({"POSITION", "LAG", "LAG_MS", "IDLE_MS"}),
-    )
+        ["STREAM", "GROUP", "POSITION", "LAG", "LAG_MS", "IDLE_MS", "GENERATION", "TAKEN_AGE_MS",
+         "OWNER", "STATE"],
+        numeric=frozenset({"POSITION", "LAG", "LAG_MS", "IDLE_MS", "GENERATION", "TAKEN_AGE_MS"}),
+    )  # fmt: skip
     for p in items:
         row = [p.stream, str(p.linear), str(p.max_allocated), str(p.scratchpad)]
         row += [age(p.oldest_pending_ms), str(p.pruned_through)]
@@ -203,5 +212,7 @@ def positions_tables(
             )
         for g in p.groups:
             lags = [str(g.lag), age(g.lag_ms), age(g.idle_ms)]
-            groups.rows.append([p.stream, g.group, str(g.position), *lags, _group_state(g)])
+            groups.rows.append(
+                [p.stream, g.group, str(g.position), *lags, *_consumer(g), _group_state(g)]
+            )
     return [streams_table, writers, groups]

@@ -9,13 +9,16 @@ everything ``streams positions`` shows of one stream, read in one database snaps
 
 from __future__ import annotations
 
+import re
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from psycopg import sql
 
 from ..core.groups import STALE_AFTER_MS, holds_retention, is_stale, retention_goal
+from ..errors import GroupFenced, StoreError, UsageError
 from ._common import NOW_MS_SQL
 from .driver import Commit, Gen, Query
 from .probe import probe
@@ -129,6 +132,14 @@ class GroupRow:
     holds_retention: bool = False
     #: Idle for the stale-after time while holding retention back (`streams.core.groups`).
     stale: bool = False
+    #: The generation of the group's consumer (`take_generations`): how many times a consumer
+    #: opened the group on this stream; None if none did since the generations exist.
+    generation: int | None = None
+    #: Who opened it last (``host:pid`` of a reader, the Spark query), and when (ISO 8601).
+    owner: str | None = None
+    taken_at: str | None = None
+    #: Milliseconds since then (by the database's clock): since the group last changed hands.
+    taken_age_ms: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -140,45 +151,214 @@ class GroupRow:
             "idle_ms": self.idle_ms,
             "holds_retention": self.holds_retention,
             "stale": self.stale,
+            "generation": self.generation,
+            "owner": self.owner,
+            "taken_at": self.taken_at,
+            "taken_age_ms": self.taken_age_ms,
         }
 
 
-def group_position(info: StreamInfo, group: str) -> Gen[tuple[int, int] | None]:
-    """(position, ts_floor) committed by ``group`` on this stream, or None if it never did."""
+class GroupPosition(NamedTuple):
+    """A group's committed position on one stream, as `group_position` reads it."""
+
+    position: int
+    ts_floor: int
+    #: The database incarnation its last commit was made under (None: not recorded).
+    incarnation: str | None
+
+
+def group_position(info: StreamInfo, group: str) -> Gen[GroupPosition | None]:
+    """What ``group`` committed on this stream, or None if it never did."""
     rows = yield Query(
-        "SELECT position, ts_floor FROM streams_reader_groups "
+        "SELECT position, ts_floor, incarnation FROM streams_reader_groups "
         "WHERE stream = %s AND group_name = %s",
         (info.id, group),
     )
     yield Commit()
-    return (int(rows[0][0]), int(rows[0][1])) if rows else None
+    if not rows:
+        return None
+    position, ts_floor, incarnation = rows[0]
+    return GroupPosition(int(position), int(ts_floor), incarnation)
 
 
-def commit_group(group: str, commits: Sequence[tuple[StreamInfo, int, int]]) -> Gen[dict[str, int]]:
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """What a consumer holds of its group on one stream (`take_generations`): the generation
+    it took and that generation's token. Its commits move the group only while the group's
+    generation row still holds this token (`commit_group`)."""
+
+    generation: int
+    token: uuid.UUID
+
+
+def take_generations(
+    group: str, infos: Sequence[StreamInfo], owner: str
+) -> Gen[dict[str, Generation]]:
+    """Open ``group`` on these streams for a new consumer: take the next generation of each
+    (1 for a group never opened; ``owner`` and the time recorded, a fresh token drawn), one
+    statement, committed here. Call it before reading the group's positions: see "the fencing
+    argument of groups" (`commit_group`) for why that order. The rows are taken in stream
+    order, so two consumers opening overlapping sets of streams do not deadlock (if they did,
+    PostgreSQL would fail one open; nothing would move)."""
+    by_id = {info.id: info.name for info in infos}
+    rows = yield Query(
+        """
+        INSERT INTO streams_group_generations AS g (stream, group_name, generation, owner)
+        SELECT s.stream, %(group)s, 1, %(owner)s
+        FROM unnest(%(streams)s::integer[]) AS s(stream)
+        ORDER BY s.stream
+        ON CONFLICT (stream, group_name) DO UPDATE
+        SET generation = g.generation + 1, owner = EXCLUDED.owner, taken_at = now(),
+            token = gen_random_uuid()
+        RETURNING g.stream, g.generation, g.token
+        """,
+        {"group": group, "owner": owner, "streams": sorted(by_id)},
+    )
+    yield Commit()
+    return {by_id[int(s)]: Generation(int(generation), token) for s, generation, token in rows}
+
+
+#: Marker of the text cast by which a commit under a generation that is no longer the group's
+#: fails (`GroupFenced`), followed by the stream's id, the generation held and the group's now.
+GROUP_FENCED = "streams-group-fenced"
+
+# The fence of a commit (`commit_group`, `commit_group_in`), after a CTE ``c`` of the commit's
+# streams with the generation and token this consumer holds on each: ``held`` locks (FOR SHARE)
+# and reads the group's generation rows, ``fenced`` is every stream where the row is gone or
+# holds another token (any row: the commit moves nothing), and ``f`` the first of them (the one
+# the error names).
+_FENCE = """
+        held AS (
+            SELECT h.stream, h.generation, h.token FROM streams_group_generations h
+            WHERE h.group_name = %(group)s AND h.stream = ANY(%(streams)s::integer[])
+            ORDER BY h.stream
+            FOR SHARE
+        ), fenced AS (
+            SELECT c.stream, c.generation, held.generation AS current
+            FROM c LEFT JOIN held ON held.stream = c.stream
+            WHERE held.stream IS NULL OR held.token IS DISTINCT FROM c.token
+        ), f AS (
+            SELECT * FROM fenced ORDER BY stream LIMIT 1
+        )"""
+_FENCED_CAST = (
+    f"('{GROUP_FENCED} ' || f.stream || ' ' || f.generation || ' ' || COALESCE(f.current, -1))"
+    "::bigint"
+)
+_FENCED_TEXT = re.compile(rf"{GROUP_FENCED} (\d+) (-?\d+) (-?\d+)")
+
+
+def _fence_params(
+    group: str, infos: Sequence[StreamInfo], held: Mapping[str, Generation]
+) -> dict[str, Any]:
+    missing = [info.name for info in infos if info.name not in held]
+    if missing:
+        raise UsageError(f"group {group!r} was not opened on {', '.join(missing)}")
+    return {
+        "group": group,
+        "streams": [info.id for info in infos],
+        "generations": [held[info.name].generation for info in infos],
+        "tokens": [held[info.name].token for info in infos],
+    }
+
+
+def _fenced(group: str, infos: Sequence[StreamInfo], exc: StoreError) -> GroupFenced | None:
+    """The `GroupFenced` a commit's failing cast stands for (None: another error)."""
+    found = _FENCED_TEXT.search(str(exc))
+    if found is None:
+        return None
+    stream, generation, current = (int(x) for x in found.groups())
+    name = next((i.name for i in infos if i.id == stream), str(stream))
+    return GroupFenced(group, name, generation, None if current < 0 else current)
+
+
+def commit_group(
+    group: str,
+    commits: Sequence[tuple[StreamInfo, int, int]],
+    held: Mapping[str, Generation],
+    *,
+    incarnation: str | None = None,
+) -> Gen[dict[str, int]]:
     """Record that ``group`` consumed everything ``<= position`` of each stream, given as
     ``(info, position, ts_floor)``: one statement, one transaction, so a reader of several
     streams commits all of them or none. Forward-only; returns the committed position by
-    stream name, higher than the one given where another reader committed more."""
-    by_id = {info.id: info.name for info, _, _ in commits}
-    rows = yield Query(
-        """
-        INSERT INTO streams_reader_groups (stream, group_name, position, ts_floor)
-        SELECT c.stream, %(group)s, c.position, c.ts_floor
-        FROM unnest(%(streams)s::integer[], %(positions)s::bigint[], %(floors)s::bigint[])
-             AS c(stream, position, ts_floor)
-        ON CONFLICT (stream, group_name) DO UPDATE
-        SET position = GREATEST(streams_reader_groups.position, EXCLUDED.position),
-            ts_floor = GREATEST(streams_reader_groups.ts_floor, EXCLUDED.ts_floor),
-            updated_at = now()
-        RETURNING stream, position
-        """,
-        {
-            "group": group,
-            "streams": [info.id for info, _, _ in commits],
-            "positions": [position for _, position, _ in commits],
-            "floors": [floor for _, _, floor in commits],
-        },
-    )
+    stream name, higher than the one given where another reader committed more. ``held``: the
+    generation this consumer took of each stream (`take_generations`); `GroupFenced`, and
+    nothing moves on any stream, if the group's is another on one of them. ``incarnation``:
+    the database incarnation written into the group's rows.
+
+    Why a consumer that outlived its replacement can never move the group again, and why the
+    replacement resumes after everything the old one committed (the fencing argument of
+    groups). Opening a group (`take_generations`) replaces each stream's generation row (a new
+    generation, a new random token) and commits that *before* it reads the group's position.
+    A commit reads the rows of its streams ``FOR SHARE`` (``held``), and its ``INSERT``
+    reads those rows (a data dependency: it writes only the streams whose row holds this
+    consumer's token, and none at all when one does not, ``fenced``), so no group row moves
+    unless the commit first locked every one of its generation rows and found its own token
+    in each. That lock conflicts with the open's ``ON CONFLICT DO UPDATE`` (which locks the row
+    ``FOR NO KEY UPDATE``). So for one stream, an open and a commit are ordered by the row:
+
+    * the open locked it first: the commit waits for the open's transaction to end and, under
+      READ COMMITTED, then locks and judges the row's newest version (as it does a version
+      committed after its snapshot was taken). That version holds the new token: the commit
+      writes nothing, and its statement fails (`GROUP_FENCED`, cast like `GROUP_MOVED`), which
+      rolls back the statement and, in `commit_group_in`, fails the caller's transaction with
+      its effects. Every later commit of that consumer finds the same or a newer token (tokens
+      are drawn at random for each open, so never repeat, also when generations restart at 1
+      after the group was deleted), or no row (deleted: `delete_group`): fenced for good.
+    * the commit locked it first: the open waits until the commit's transaction has ended
+      (committed or rolled back; for `commit_group_in`, the caller's whole transaction), and
+      reads the group's position only after its own generation committed, in a later
+      statement whose snapshot therefore holds that commit's outcome.
+
+    Hence the new consumer starts from every position the old one committed, and the old one
+    moves the group no more once the new one holds it: what the new consumer delivers next is
+    what it found, and a position only the zombie reached is never committed after the new
+    consumer's start. Nothing rests on the order PostgreSQL runs the statement's parts: the
+    ``INSERT`` cannot produce a row before ``held`` returned (and locked) it, and the error is
+    raised from the rows of ``f``, which exist exactly when one stream is fenced (a failed
+    statement moves nothing anyway). The group argument (`commit_group_in`) is not touched: it
+    judges the group's row, and only commits that pass the fence reach it.
+    """
+    infos = [info for info, _, _ in commits]
+    by_id = {info.id: info.name for info in infos}
+    params = _fence_params(group, infos, held)
+    try:
+        rows = yield Query(
+            f"""
+            WITH c AS (
+                SELECT * FROM unnest(%(streams)s::integer[], %(positions)s::bigint[],
+                                     %(floors)s::bigint[], %(generations)s::bigint[],
+                                     %(tokens)s::uuid[])
+                       AS c(stream, position, ts_floor, generation, token)
+            ), {_FENCE}, i AS (
+                INSERT INTO streams_reader_groups AS g
+                    (stream, group_name, position, ts_floor, incarnation)
+                SELECT c.stream, %(group)s, c.position, c.ts_floor, %(incarnation)s
+                FROM c JOIN held ON held.stream = c.stream AND held.token = c.token
+                WHERE NOT EXISTS (SELECT FROM fenced)
+                ON CONFLICT (stream, group_name) DO UPDATE
+                SET position = GREATEST(g.position, EXCLUDED.position),
+                    ts_floor = GREATEST(g.ts_floor, EXCLUDED.ts_floor),
+                    incarnation = EXCLUDED.incarnation,
+                    updated_at = now()
+                RETURNING g.stream, g.position
+            )
+            SELECT c.stream, CASE WHEN f.stream IS NOT NULL THEN {_FENCED_CAST}
+                                  ELSE i.position END
+            FROM c LEFT JOIN i ON i.stream = c.stream LEFT JOIN f ON true
+            """,
+            {
+                **params,
+                "positions": [position for _, position, _ in commits],
+                "floors": [floor for _, _, floor in commits],
+                "incarnation": incarnation,
+            },
+        )
+    except StoreError as exc:
+        fenced = _fenced(group, infos, exc)
+        if fenced is None:
+            raise
+        raise fenced from None
     yield Commit()
     return {by_id[int(stream)]: int(position) for stream, position in rows}
 
@@ -188,11 +368,17 @@ GROUP_MOVED = "streams-group-moved"
 
 
 def commit_group_in(
-    group: str, commits: Sequence[tuple[StreamInfo, int, int, int | None]]
+    group: str,
+    commits: Sequence[tuple[StreamInfo, int, int, int | None]],
+    held: Mapping[str, Generation],
+    *,
+    incarnation: str | None = None,
 ) -> Gen[dict[str, int]]:
     """`commit_group` inside the caller's transaction, *exactly* from where this reader left
     the group: ``(info, position, ts_floor, base)`` per stream, ``base`` being the group's
     position when this reader opened it or last committed it (None: the group had no row).
+    Fenced as `commit_group` ("the fencing argument of groups"): `GroupFenced`, the caller's
+    transaction failed, if another consumer opened the group since this one did.
 
     Why a consumer that writes its effects and this commit in one transaction applies each fact
     once (the group argument): the row of each stream moves from ``base`` to ``position`` only
@@ -206,41 +392,64 @@ def commit_group_in(
     them again, for the first time as far as the database knows). Forward-only as
     `commit_group`: a position below the row's never lowers it. Returns the committed position by
     stream name."""
-    by_id = {info.id: info.name for info, _, _, _ in commits}
-    rows = yield Query(
-        f"""
-        WITH c AS (
-            SELECT * FROM unnest(%(streams)s::integer[], %(positions)s::bigint[],
-                                 %(floors)s::bigint[], %(bases)s::bigint[])
-                   AS c(stream, position, ts_floor, base)
-        ), i AS (
-            INSERT INTO streams_reader_groups AS g (stream, group_name, position, ts_floor)
-            SELECT c.stream, %(group)s, c.position, c.ts_floor FROM c
-            ON CONFLICT (stream, group_name) DO UPDATE
-            SET position = GREATEST(g.position, EXCLUDED.position),
-                ts_floor = GREATEST(g.ts_floor, EXCLUDED.ts_floor),
-                updated_at = now()
-            WHERE g.position = (SELECT c.base FROM c WHERE c.stream = g.stream)
-            RETURNING g.stream, g.position
+    infos = [info for info, _, _, _ in commits]
+    by_id = {info.id: info.name for info in infos}
+    params = _fence_params(group, infos, held)
+    try:
+        rows = yield Query(
+            f"""
+            WITH c AS (
+                SELECT * FROM unnest(%(streams)s::integer[], %(positions)s::bigint[],
+                                     %(floors)s::bigint[], %(bases)s::bigint[],
+                                     %(generations)s::bigint[], %(tokens)s::uuid[])
+                       AS c(stream, position, ts_floor, base, generation, token)
+            ), {_FENCE}, i AS (
+                INSERT INTO streams_reader_groups AS g
+                    (stream, group_name, position, ts_floor, incarnation)
+                SELECT c.stream, %(group)s, c.position, c.ts_floor, %(incarnation)s
+                FROM c JOIN held ON held.stream = c.stream AND held.token = c.token
+                WHERE NOT EXISTS (SELECT FROM fenced)
+                ON CONFLICT (stream, group_name) DO UPDATE
+                SET position = GREATEST(g.position, EXCLUDED.position),
+                    ts_floor = GREATEST(g.ts_floor, EXCLUDED.ts_floor),
+                    incarnation = EXCLUDED.incarnation,
+                    updated_at = now()
+                WHERE g.position = (SELECT c.base FROM c WHERE c.stream = g.stream)
+                RETURNING g.stream, g.position
+            )
+            SELECT c.stream,
+                   CASE WHEN f.stream IS NOT NULL THEN {_FENCED_CAST}
+                        WHEN i.stream IS NOT NULL THEN i.position
+                        ELSE ('{GROUP_MOVED} ' || c.stream || ' ' || COALESCE(c.base, -1))::bigint
+                   END
+            FROM c LEFT JOIN i ON i.stream = c.stream LEFT JOIN f ON true
+            """,
+            {
+                **params,
+                "positions": [position for _, position, _, _ in commits],
+                "floors": [floor for _, _, floor, _ in commits],
+                "bases": [base for _, _, _, base in commits],
+                "incarnation": incarnation,
+            },
         )
-        SELECT c.stream,
-               CASE WHEN i.stream IS NOT NULL THEN i.position
-                    ELSE ('{GROUP_MOVED} ' || c.stream || ' ' || COALESCE(c.base, -1))::bigint
-               END
-        FROM c LEFT JOIN i ON i.stream = c.stream
-        """,
-        {
-            "group": group,
-            "streams": [info.id for info, _, _, _ in commits],
-            "positions": [position for _, position, _, _ in commits],
-            "floors": [floor for _, _, floor, _ in commits],
-            "bases": [base for _, _, _, base in commits],
-        },
-    )
+    except StoreError as exc:
+        fenced = _fenced(group, infos, exc)
+        if fenced is None:
+            raise
+        raise fenced from None
     return {by_id[int(stream)]: int(position) for stream, position in rows}
 
 
 def delete_group(info: StreamInfo, group: str) -> Gen[bool]:
+    """Delete ``group`` on this stream: its generation row, then its position (True if it had
+    one). In this order, in one transaction of two statements: deleting the generation row
+    waits for a commit that holds it (``FOR SHARE``, `commit_group`) and fences every consumer
+    of the group (a commit finds no row), so the second statement, with a newer snapshot,
+    sees and deletes every position they committed: none survives the deletion."""
+    yield Query(
+        "DELETE FROM streams_group_generations WHERE stream = %s AND group_name = %s",
+        (info.id, group),
+    )
     rows = yield Query(
         "DELETE FROM streams_reader_groups WHERE stream = %s AND group_name = %s RETURNING 1",
         (info.id, group),
@@ -265,7 +474,9 @@ def list_groups(
 ) -> Gen[list[GroupRow]]:
     """Every group of the stream with its lag (the linear position, by `probe` unless given,
     minus the committed one), its idle time and whether it holds retention back and is stale
-    (idle ``stale_after_ms`` or longer while holding it: `streams.core.groups`)."""
+    (idle ``stale_after_ms`` or longer while holding it: `streams.core.groups`), and its
+    consumer's generation, owner and when it took the group. Groups that committed only: a
+    group opened but never committed has no position to show."""
     if linear is None:
         probes = yield from probe([info])
         linear = probes[info.name].complete
@@ -279,8 +490,11 @@ def list_groups(
                                    AND f.stream_id <= %(linear)s
                                  ORDER BY f.stream_id LIMIT 1),
                (extract(epoch FROM clock_timestamp() - g.updated_at) * 1000)::bigint,
-               {NOW_MS_SQL}, r.pruned_through
+               {NOW_MS_SQL}, r.pruned_through, n.generation, n.owner, n.taken_at,
+               (extract(epoch FROM clock_timestamp() - n.taken_at) * 1000)::bigint
         FROM streams_reader_groups g JOIN streams_registry r ON r.id = g.stream
+        LEFT JOIN streams_group_generations n
+               ON n.stream = g.stream AND n.group_name = g.group_name
         WHERE g.stream = %(stream)s ORDER BY g.group_name
         """,
         {"stream": info.id, "linear": linear},
@@ -292,7 +506,9 @@ def list_groups(
         before = yield from position_before_time(info, int(rows[0][6]) - info.retention_ms)
         goal = retention_goal(info.retention_ms, linear, before)
     found = []
-    for name, position, ts_floor, updated_at, lag_ms, idle_ms, _, pruned in rows:
+    for row in rows:
+        name, position, ts_floor, updated_at, lag_ms, idle_ms, _, pruned = row[:8]
+        generation, owner, taken_at, taken_age_ms = row[8:]
         holds = holds_retention(int(position), int(pruned), goal)
         idle = max(0, int(idle_ms))
         found.append(
@@ -307,6 +523,10 @@ def list_groups(
                 idle_ms=idle,
                 holds_retention=holds,
                 stale=is_stale(idle, holds, stale_after_ms),
+                generation=None if generation is None else int(generation),
+                owner=owner,
+                taken_at=None if taken_at is None else taken_at.isoformat(),
+                taken_age_ms=None if taken_age_ms is None else max(0, int(taken_age_ms)),
             )
         )
     return found

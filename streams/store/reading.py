@@ -37,6 +37,8 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import os
+import socket
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -47,13 +49,27 @@ import orjson
 from ..core.constants import PROOF_GRACE, STALE_AFTER
 from ..core.epochs import Epoch, Fact, Row, plan_page
 from ..core.frontier import Antichain, FrontierProbe, FrontierSnapshot, LiveFilter, UpperAntichain
-from ..core.incarnation import Guard, Incarnation
+from ..core.incarnation import Guard, Incarnation, token_changes
 from ..core.replication import Hint, is_proof_hint
 from ..core.signing import KEY_REFRESH, SignedRange, verify_range
 from ..core.stalls import HeldStreams
-from ..errors import ConnectionLost, FactsPruned, GroupMoved, StoreError, UsageError
+from ..errors import (
+    ConnectionLost,
+    DatabaseChanged,
+    FactsPruned,
+    GroupMoved,
+    StoreError,
+    UsageError,
+)
 from .driver import Gen, Pipeline
-from .groups import GROUP_MOVED, commit_group, commit_group_in, group_position
+from .groups import (
+    GROUP_MOVED,
+    Generation,
+    commit_group,
+    commit_group_in,
+    group_position,
+    take_generations,
+)
 from .incarnation import verify
 from .keys import live_keys
 from .probe import PROBE_STATEMENTS, Probe, probe, probe_queries, probes_from_results
@@ -156,6 +172,14 @@ class ReaderCore:
         #: The group's position on each stream as this reader last knew it (when it opened the
         #: group, or its last commit; None: no row): where `commit_in` expects to find it.
         self.committed: dict[str, int | None] = {}
+        #: The generation of the group this reader took on each stream when it opened it
+        #: (`streams.store.groups.take_generations`): its commits are fenced by it.
+        self.generations: dict[str, Generation] = {}
+        #: Who this reader is, in the group's generation rows (``streams positions`` shows it).
+        self.owner = f"{socket.gethostname()}:{os.getpid()}"
+        #: The database incarnation written into the group's rows at each commit (None: not
+        #: known; set by the shells).
+        self.incarnation: str | None = None
         self._targets: dict[str, int] = {}
         self._filters: dict[str, LiveFilter[int]] = {}
         self._start_ts: dict[str, int] = {}
@@ -194,14 +218,21 @@ class ReaderCore:
         """On a new session, before anything else: is it the database history this reader
         started on (`streams.store.incarnation`)? `DatabaseChanged` otherwise."""
         what = "group " + repr(self.group) if self.group is not None else "reader"
-        return (yield from verify(self.guard, f"{what} of {', '.join(self.names)}"))
+        found = yield from verify(self.guard, f"{what} of {', '.join(self.names)}")
+        self.incarnation = found.token
+        return found
 
     # ---------------------------------------------------------------- initialization
 
     def open(self) -> Gen[None]:
-        """Load the streams and resolve every starting position."""
+        """Load the streams and resolve every starting position. With a group, first take the
+        group's next generation on every stream (committed before its positions are read:
+        "the fencing argument of groups", `streams.store.groups.commit_group`): a consumer
+        that opened the group before this one is fenced from now on."""
         infos = yield from load_streams(list(self.names))
         self.infos = {info.name: info for info in infos}
+        if self.group is not None:
+            self.generations = yield from take_generations(self.group, infos, self.owner)
         probes = yield from probe(infos)
         self._note_probe(probes)
         pruned = yield from pruned_positions(infos)
@@ -218,9 +249,11 @@ class ReaderCore:
             committed = None
             if self.group is not None:
                 committed = yield from group_position(info, self.group)
-                self.committed[info.name] = None if committed is None else committed[0]
+                self.committed[info.name] = None if committed is None else committed.position
             if committed is not None:
-                self.positions[info.name], self.ts_floors[info.name] = committed
+                self._check_group_incarnation(info.name, committed.incarnation, committed.position)
+                self.positions[info.name] = committed.position
+                self.ts_floors[info.name] = committed.ts_floor
                 continue
             if start == "earliest":
                 position = pruned[info.name]  # the oldest fact retention kept is next
@@ -247,6 +280,20 @@ class ReaderCore:
             self.positions[info.name] = position
             self.ts_floors[info.name] = yield from ts_floor_at(info, position)
         yield from self.read_keys()
+
+    def _check_group_incarnation(self, stream: str, token: str | None, position: int) -> None:
+        """A group row committed in another database history (a restore, a failover: its
+        position may name facts this one lacks, or pass facts written here since under the same
+        IDs) stops the reader until an operator binds it to this one (`streams incarnation
+        accept`). Rows committed before incarnations existed (None) are taken as they are."""
+        current = self.guard.expected
+        if token is None or current is None or token == current.token:
+            return
+        changed = "; ".join(token_changes(token, current))
+        raise DatabaseChanged(
+            f"group {self.group!r} on stream {stream!r}",
+            f"its position {position} was committed in another incarnation: {changed}",
+        )
 
     # ---------------------------------------------------------------- computation
 
@@ -572,10 +619,15 @@ class ReaderCore:
         With ``through``, a fact this reader delivered, commit its stream only, up to that fact:
         for a consumer that stopped in the middle of an epoch (the rest of the epoch is
         delivered again after a restart of the group; nothing is skipped).
+
+        `GroupFenced` (nothing committed, on any stream) once another reader opened the group
+        since this one did: it is the group's consumer now, this one must stop.
         """
         commits = self._commits(through)
         assert self.group is not None
-        committed = yield from commit_group(self.group, commits)
+        committed = yield from commit_group(
+            self.group, commits, self.generations, incarnation=self.incarnation
+        )
         self.committed.update(committed)
         return committed
 
@@ -595,7 +647,8 @@ class ReaderCore:
     def commit_in(self, through: Fact | None = None) -> Gen[dict[str, int]]:
         """`commit` in the caller's open transaction, from exactly where this reader left the
         group (see `streams.store.groups.commit_group_in`, "the group argument"): `GroupMoved`
-        (and the caller's transaction failed) if another consumer moved it meanwhile.
+        (and the caller's transaction failed) if the group moved meanwhile, `GroupFenced` (the
+        same) if another reader opened it since this one did.
 
         The reader takes the new positions as the group's at once; if the caller's transaction
         then rolls back, the next `commit_in` finds the group where it was and raises
@@ -613,7 +666,10 @@ class ReaderCore:
                 )
         try:
             committed = yield from commit_group_in(
-                group, [(i, p, f, self.committed.get(i.name)) for i, p, f in commits]
+                group,
+                [(i, p, f, self.committed.get(i.name)) for i, p, f in commits],
+                self.generations,
+                incarnation=self.incarnation,
             )
         except StoreError as exc:
             if GROUP_MOVED not in str(exc):

@@ -111,14 +111,16 @@ def test_a_probe_flushes_the_wal_past_what_it_proves(unique_name: str, role: str
                 session.execute("CHECKPOINT")
                 # A reservation that never commits: its WAL record waits for someone's flush.
                 session.execute("SELECT nextval(%s::regclass)", (info.sequence_name,))
-                lsn, flushed = session.execute(
+                row = session.execute(
                     "SELECT pg_current_wal_insert_lsn(), "
                     "pg_current_wal_flush_lsn() >= pg_current_wal_insert_lsn()"
                 ).fetchone()
+                assert row is not None
+                lsn, flushed = row
                 assert not flushed, "the test needs a WAL record nobody flushed yet"
                 found = run(session, (prove if role == "prover" else probe)([info]))
                 assert found[unique_name].max_allocated >= 1
-                (durable,) = session.execute(
+                after = session.execute(
                     "SELECT pg_current_wal_flush_lsn() >= %s::pg_lsn", (lsn,)
                 ).fetchone()
-                assert durable, f"{role}: the WAL was not flushed past {lsn} by the probe"
+                assert after is not None and after[0], f"{role}: the WAL was not flushed past {lsn} by the probe"

@@ -439,8 +439,9 @@ def test_commit_in_the_callers_transaction_commits_with_it_or_not_at_all(
 def test_a_stale_consumer_cannot_commit_over_another(
     client: Client, stream: str, streams_url: str
 ) -> None:
-    """Two consumers of one group read the same facts; the second to commit in its
-    transaction waits for the first, finds the group moved, and its transaction fails."""
+    """Two consumers of one group read the same facts; the one that opened the group first is
+    fenced by the second (`GroupFenced`, tests/integration/test_group_fencing.py): its commit
+    in its transaction fails it, and the other's commits."""
     with client.writer(stream) as writer:
         writer.append_batch([{"n": n} for n in range(3)])
     with (
@@ -450,17 +451,15 @@ def test_a_stale_consumer_cannot_commit_over_another(
         psycopg.connect(streams_url) as c2,
     ):
         assert len(list(one.facts())) == len(list(two.facts())) == 3
-        one.commit(conn=c1)  # holds the group's row until c1 ends
-        thread, out = in_thread(lambda: two.commit(conn=c2))
-        wait_until(lambda: waits_for_a_lock(streams_url, c2.info.backend_pid), 10, "waiting")
-        c1.commit()
-        thread.join(10)
-        (error,) = out
-        assert isinstance(error, streams.GroupMoved), error
-        assert (error.group, error.stream, error.base) == ("g", stream, None)
-        assert c2.info.transaction_status == TransactionStatus.INERROR
+        with pytest.raises(streams.GroupFenced):
+            one.commit(conn=c1)
+        assert c1.info.transaction_status == TransactionStatus.INERROR
+        c1.rollback()
+        assert group_position(client, stream) is None
+        two.commit(conn=c2)
+        c2.commit()
         with pytest.raises(streams.UsageError, match="move it back"):
-            one.commit(through=_first(one, stream, client), conn=c1)
+            two.commit(through=_first(two, stream, client), conn=c2)
     assert group_position(client, stream) == 3
 
 

@@ -251,3 +251,52 @@ def test_every_statement_has_a_timeout_and_a_blocked_one_is_retried(
     with conn.cursor() as cur:
         cur.execute("SELECT current_setting('statement_timeout')")
         assert cur.fetchone() == ("700ms",)
+
+
+# ------------------------------------------------------------------ group fencing (issue 27)
+
+
+def test_a_newer_run_of_the_query_fences_the_group_of_an_older_one(
+    client: Client, stream: str, streams_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each run of a query takes its group's next generation (at its first offset call, before
+    the group's position is read): an older run still alive is fenced. With an explicit group
+    its commit fails with GroupFenced; on the default group it warns once and commits no more
+    (its checkpoint is where it resumes). The group never moves under the older run."""
+    import streams
+
+    with client.writer(stream, instance="w") as writer:
+        writer.append_batch([{"i": i} for i in range(6)])
+    old = _reader(stream, streams_url, group="g")
+    assert old.initialOffset()["streams"] == {stream: 0}
+    old.commit(_offset(**{stream: 2}))
+    new = _reader(stream, streams_url, group="g")
+    assert new.initialOffset()["streams"] == {stream: 2}  # it saw the older run's commit
+    with pytest.raises(streams.GroupFenced):
+        old.commit(_offset(**{stream: 5}))
+    (group,) = client.groups(stream)
+    assert (group.position, group.generation) == (2, 2)
+    assert group.owner is not None and group.owner.startswith("spark ")
+    new.commit(_offset(**{stream: 4}))
+    assert client.groups(stream)[0].position == 4
+    # A run restarted from its checkpoint calls latestOffset first: that takes the group too.
+    restarted = _reader(stream, streams_url, group="g")
+    _latest(restarted, _offset(**{stream: 4}))
+    with pytest.raises(streams.GroupFenced):
+        new.commit(_offset(**{stream: 6}))
+    # The default group (queries with the same options share it): a warning, no failure.
+    first, second = _reader(stream, streams_url), _reader(stream, streams_url)
+    first.initialOffset()
+    first.commit(_offset(**{stream: 1}))
+    second.initialOffset()
+    with caplog.at_level(logging.WARNING, logger="streams"):
+        first.commit(_offset(**{stream: 6}))
+        first.commit(_offset(**{stream: 6}))
+    warned = [r for r in caplog.records if "no longer commits" in r.getMessage()]
+    assert len(warned) == 1
+    assert {g.group: g.position for g in client.groups(stream)} == {
+        "g": 4,
+        first.config.group: 1,
+    }
+    for reader in (old, new, restarted, first, second):
+        reader.stop()
