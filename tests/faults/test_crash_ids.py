@@ -123,4 +123,6 @@ def test_a_probe_flushes_the_wal_past_what_it_proves(unique_name: str, role: str
                 after = session.execute(
                     "SELECT pg_current_wal_flush_lsn() >= %s::pg_lsn", (lsn,)
                 ).fetchone()
-                assert after is not None and after[0], f"{role}: the WAL was not flushed past {lsn} by the probe"
+                assert after is not None and after[0], (
+                    f"{role}: the WAL was not flushed past {lsn} by the probe"
+                )
