@@ -665,6 +665,39 @@ def test_chaos_every_fault_at_once(chaos: Chaos) -> None:
     summary["seconds"] = round(time.monotonic() - started, 1)
     print(f"chaos summary: {json.dumps(summary, sort_keys=True)}")
     assert not problems, (
-        f"STREAMS_CHAOS_SEED={SEED} (streams {chaos.names}): {len(problems)} problems:\n"
-        + "\n".join(problems[:40])
+        f"STREAMS_CHAOS_SEED={SEED} STREAMS_CHAOS_SECONDS={SECONDS:g} (streams {chaos.names}): "
+        f"{len(problems)} problems\n{report(problems)}\nsummary: {json.dumps(summary)}"
     )
+
+
+#: The kinds of problem, in the order a report shows them (a few of each).
+KINDS = [
+    ("not a library error", "not a library error"),
+    ("handed out twice", "an ID handed out twice"),
+    ("acked twice", "an ID handed out twice"),
+    ("is lost", "an acknowledged fact lost"),
+    ("is stored as", "an acknowledged fact stored otherwise"),
+    ("times:", "a write stored more than once"),
+    ("torn", "a torn fact"),
+    ("by no writer", "an invented fact"),
+    ("which is not stored", "an invented fact delivered"),
+    ("committed by the group twice", "a group consumed a fact twice"),
+    ("effects applied more than once", "a group's effects twice"),
+    ("effects missing", "a group's effects missing"),
+    ("never delivered", "a group skipped facts"),
+    ("delivered", "a reader delivered other than the stored facts"),
+]
+
+
+def report(problems: list[str]) -> str:
+    """The problems grouped by kind: how many, and the first few of each."""
+    groups: dict[str, list[str]] = defaultdict(list)
+    for problem in problems:
+        kind = next((k for marker, k in KINDS if marker in problem), "other")
+        groups[kind].append(problem)
+    lines = []
+    for kind in [*dict.fromkeys(k for _, k in KINDS), "other"]:
+        if kind in groups:
+            lines.append(f"-- {kind}: {len(groups[kind])}")
+            lines += [f"   {p}" for p in groups[kind][:6]]
+    return "\n".join(lines)
