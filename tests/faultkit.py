@@ -14,9 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
+import random
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,18 +30,29 @@ from types import TracebackType
 from typing import Any
 
 import psycopg
+import pytest
+import redis
 from helpers import wait_until
+from servers import docker_available, free_port
 
 import streams
 from streams import Client
+from streams.core.constants import data_channel, proof_channel, replication_channel
+from streams.core.protocol import ProtocolError, RdataCommand, parse, serialize
 from streams.ops import embedded
 from streams.transport.link import RedisLink
 
+LOCALHOST = "127.0.0.1"
+
 __all__ = [
     "Appender",
+    "Attacker",
+    "Child",
     "Follower",
     "RestartablePostgres",
+    "RestartableRedis",
     "backend_waits_for_a_lock",
+    "die_with_parent",
     "in_thread",
     "link_of",
     "partition_locked",
@@ -250,6 +266,378 @@ class Appender(threading.Thread):
         return {type(exc).__name__ for exc in self.errors}
 
 
+# ------------------------------------------------------------- child processes and Redis
+
+
+#: What a `Child` runs first (``python -c DIE_WITH_PARENT PARENT_PID -c CODE ...`` or ``...
+#: PARENT_PID SCRIPT ...``): ``prctl(PR_SET_PDEATHSIG, SIGKILL)``, so the kernel kills it when
+#: the test's process dies, however it dies; then, if that parent is gone already, exit; then
+#: the program. (Not ``preexec_fn``: unsafe in a process with threads.)
+DIE_WITH_PARENT = """
+import ctypes, os, runpy, signal, sys
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(70)
+if sys.argv[2] == "-c":
+    code, sys.argv = sys.argv[3], ["-c", *sys.argv[4:]]
+    exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
+else:
+    sys.argv = sys.argv[2:]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def die_with_parent(program: list[str]) -> list[str]:
+    """The command line that runs ``program`` (``["-c", CODE]`` or ``[SCRIPT]``, then its
+    arguments) with this interpreter, in a child that dies with this process."""
+    return [sys.executable, "-c", DIE_WITH_PARENT, str(os.getpid()), *program]
+
+
+class Child:
+    """A Python child process running ``code`` (or the file ``script``, then ``code`` is
+    ignored); its stdout lines arrive on a queue, and every one is also kept in `history`.
+
+    It dies with this process (`die_with_parent`) and leads a process group of its own, which
+    `close` kills whole: no child outlives its test.
+    """
+
+    def __init__(
+        self,
+        code: str,
+        args: list[str],
+        stderr_path: Path,
+        *,
+        script: Path | None = None,
+        name: str = "",
+    ) -> None:
+        self.name = name or stderr_path.stem
+        self.stderr_path = stderr_path
+        self._stderr = open(stderr_path, "wb")  # noqa: SIM115 (closed in close())
+        program = [str(script)] if script is not None else ["-c", textwrap.dedent(code)]
+        self.proc = subprocess.Popen(
+            die_with_parent([*program, *args]),
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,
+        )
+        self.history: list[str] = []
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self._pump = threading.Thread(target=self._read, daemon=True)
+        self._pump.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.endswith("\n"):  # a line cut short by SIGKILL is dropped
+                self.history.append(line.rstrip("\n"))
+                self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def stderr_tail(self) -> str:
+        with contextlib.suppress(OSError):
+            return " | ".join(self.stderr_path.read_text(errors="replace").splitlines()[-8:])
+        return ""
+
+    def next_line(self, timeout: float = 30.0) -> str:
+        try:
+            line = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"child silent for {timeout}s: {self.stderr_tail()}") from None
+        if line is None:
+            raise AssertionError(
+                f"child exited ({self.proc.poll()}) unexpectedly: {self.stderr_tail()}"
+            )
+        return line
+
+    def kill(self) -> None:
+        """SIGKILL, then collect everything it printed before dying."""
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        self._pump.join(timeout=30)
+
+    def remaining_lines(self) -> list[str]:
+        lines: list[str] = []
+        while True:
+            try:
+                line = self.lines.get_nowait()
+            except queue.Empty:
+                return lines
+            if line is not None:
+                lines.append(line)
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the child (nothing if it has exited and been collected)."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, sig)
+
+    def close(self) -> None:
+        """Kill the child's whole process group (it may be stopped: SIGKILL ends it too)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+        self._pump.join(timeout=30)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self._stderr.close()
+
+
+class RestartableRedis:
+    """A Redis server of this test alone, on a fixed port, that can be killed and restarted.
+
+    A private ``redis-server`` if the binary is installed, else a Docker container (via
+    testcontainers) bound to a fixed host port; neither means the test fails (never skips).
+    """
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.binary = shutil.which("redis-server")
+        self.host = LOCALHOST
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.container: Any = None
+        self._container_started = False
+        if self.binary is None:
+            if not docker_available():
+                pytest.fail(
+                    "the Redis restart test needs a redis-server binary on PATH or a Docker "
+                    "engine (testcontainers): found neither",
+                    pytrace=False,
+                )
+            try:
+                from testcontainers.community.redis import RedisContainer
+            except ImportError:
+                from testcontainers.redis import RedisContainer
+            self.container = RedisContainer("redis:7").with_bind_ports(6379, self.port)
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    def start(self, *, first: bool = False) -> None:
+        attempts = 3 if first else 10
+        for attempt in range(attempts):
+            if self._launch():
+                return
+            if first and self.binary is not None:
+                self.port = free_port()  # lost a race for the port: any other will do
+            else:
+                time.sleep(0.2 * (attempt + 1))  # same port: let the kernel release it
+        pytest.fail(f"could not start redis-server on port {self.port}", pytrace=False)
+
+    def _launch(self) -> bool:
+        if self.binary is not None:
+            argv = [
+                self.binary,
+                "--port", str(self.port),
+                "--bind", LOCALHOST,
+                "--dir", str(self.workdir),
+                "--save", "",
+                "--appendonly", "no",
+                "--daemonize", "no",
+            ]  # fmt: skip
+            with open(self.workdir / "redis.log", "ab") as log:
+                self.proc = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+        elif not self._container_started:
+            self.container.start()
+            self._container_started = True
+            self.host = self.container.get_container_host_ip()
+        else:
+            self.container.get_wrapped_container().start()
+        return self._wait_ready()
+
+    def _wait_ready(self) -> bool:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                return False
+            probe = redis.Redis(
+                host=self.host, port=self.port, socket_connect_timeout=1, socket_timeout=1
+            )
+            try:
+                if probe.ping():
+                    return True
+            except redis.RedisError:
+                time.sleep(0.05)
+            finally:
+                probe.close()
+        return False
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        else:
+            self.container.get_wrapped_container().kill()
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        if self.container is not None and self._container_started:
+            with contextlib.suppress(Exception):
+                self.container.stop()
+
+
+# ------------------------------------------------------------- forged and replayed lines
+
+
+class Attacker(threading.Thread):
+    """Hears every proof channel of the prefix and publishes every attack on the lines
+    (`tests/faults/test_signed_ranges.py`).
+
+    ``every_channel``: also hears the replication channel (``<prefix>``) and every data
+    channel (``<prefix>:data:<stream>``), and replays what it heard there, on the channel it
+    came from or on another, and forges ``POSITION`` and ``RDATA`` lines of the real writers
+    far ahead of the truth; it rides out Redis restarts (reconnects). ``pause``: seconds
+    between two attacks. ``seed``: its choices.
+    """
+
+    def __init__(
+        self,
+        redis_url: str,
+        prefix: str,
+        names: list[str],
+        *,
+        seed: int = 7,
+        every_channel: bool = False,
+        pause: float = 0.002,
+    ) -> None:
+        super().__init__(daemon=True)
+        self.client = redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
+        self.every_channel = every_channel
+        self.pause = pause
+        self.prefix = prefix
+        self.names = names
+        self.signed: list[RdataCommand] = []
+        self.heard: list[tuple[str, bytes]] = []  # (channel, line): every_channel only
+        self.writers: set[tuple[str, str]] = set()  # (stream, instance) heard
+        self.sent: dict[str, int] = {}
+        self.stop = threading.Event()
+        self.rng = random.Random(seed)
+        self.pubsub: Any = None
+        self._subscribe()
+
+    def _subscribe(self) -> None:
+        self.pubsub = self.client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+        self.pubsub.psubscribe(proof_channel(self.prefix, "*"))
+        if self.every_channel:
+            self.pubsub.psubscribe(data_channel(self.prefix, "*"))
+            self.pubsub.subscribe(replication_channel(self.prefix))
+
+    def _send(self, what: str, cmd: RdataCommand | bytes, stream: str) -> None:
+        try:
+            line = cmd if isinstance(cmd, bytes) else serialize(cmd)
+        except ProtocolError:
+            return
+        self.client.publish(proof_channel(self.prefix, stream), line)
+        self.sent[what] = self.sent.get(what, 0) + 1
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                self._step()
+            except (redis.RedisError, OSError):  # Redis restarting: hear it again when back
+                if not self.every_channel:
+                    raise
+                self.sent["redis-down"] = self.sent.get("redis-down", 0) + 1
+                self.stop.wait(0.2)
+                with contextlib.suppress(redis.RedisError, OSError):
+                    self.pubsub.close()
+                    self._subscribe()
+
+    def _step(self) -> None:
+        message = self.pubsub.get_message(timeout=0.01)
+        if message is not None and message["type"] in ("pmessage", "message"):
+            channel = message["channel"]
+            channel = channel.decode() if isinstance(channel, bytes) else str(channel)
+            with contextlib.suppress(ProtocolError):
+                cmd = parse(message["data"])
+                if isinstance(cmd, RdataCommand) and cmd.instance_name.startswith("_proof:"):
+                    self.signed.append(cmd)
+                    del self.signed[:-500]
+                name = getattr(cmd, "instance_name", "")
+                if name and not name.startswith("_proof:") and cmd.stream_name in self.names:
+                    self.writers.add((cmd.stream_name, name))
+            if self.every_channel:
+                self.heard.append((channel, bytes(message["data"])))
+                del self.heard[:-500]
+        if self.signed:
+            self._attack()
+        if self.every_channel and self.heard:
+            self._attack_every_channel()
+
+    def _attack(self) -> None:
+        rng = self.rng
+        cmd = rng.choice(self.signed)
+        row: Any = cmd.row
+        proof = row["proof"]
+        stream, inst, token = cmd.stream_name, cmd.instance_name, cmd.token
+        assert token is not None
+        other = next(n for n in self.names if n != stream)
+        attacks: dict[str, Any] = {
+            "replay": cmd,
+            "duplicate": cmd,
+            "other-stream": RdataCommand(other, inst, token, row),
+            "truncate": RdataCommand(stream, inst, token, {**row, "proof": {
+                **proof, "rows": proof["rows"][:-1]}}),
+            "alter": RdataCommand(stream, inst, token, {**row, "proof": {
+                **proof, "rows": [[r[0], r[1], r[2], r[3], '{"forged": true}']
+                                  for r in proof["rows"]]}}),
+            "stretch": RdataCommand(stream, inst, token + 1000, row),
+            "forge": RdataCommand(stream, "_proof:evil", token + 1, {"mac": "ab" * 32, "proof": {
+                "key": proof["key"], "after": token, "rows": [[token + 1, 0, "w", 1, "1"]]}}),
+            "beyond-truth": f"POSITION {stream} _proof:evil 0 999999999".encode(),
+        }  # fmt: skip
+        what = rng.choice(sorted(attacks))
+        self._send(what, attacks[what], stream if what != "other-stream" else other)
+        if what == "duplicate":
+            self._send(what, cmd, stream)
+        time.sleep(self.pause)
+
+    def _attack_every_channel(self) -> None:
+        rng = self.rng
+        channel, line = rng.choice(self.heard)
+        channels = [replication_channel(self.prefix)] + [
+            ch(self.prefix, n) for n in self.names for ch in (data_channel, proof_channel)
+        ]
+        what = rng.choice(["replay", "replay-elsewhere", "writer-ahead", "rdata-invented"])
+        if what == "replay":
+            self._publish(what, channel, line)
+        elif what == "replay-elsewhere":
+            self._publish(what, rng.choice(channels), line)
+        elif self.writers:
+            stream, name = rng.choice(sorted(self.writers))
+            ahead = rng.randint(1, 10**6)
+            if what == "writer-ahead":
+                forged = f"POSITION {stream} {name} 0 {ahead}".encode()
+            else:
+                body = f'{{"first":{ahead},"count":1,"ts":0}}'
+                forged = f"RDATA {stream} {name} {ahead} {body}".encode()
+            self._publish(what, rng.choice(channels), forged)
+
+    def _publish(self, what: str, channel: str, line: bytes) -> None:
+        self.client.publish(channel, line)
+        self.sent[what] = self.sent.get(what, 0) + 1
+
+    def close(self) -> None:
+        self.stop.set()
+        self.join(5)
+        with contextlib.suppress(redis.RedisError, OSError):
+            self.pubsub.close()
+        self.client.close()
+
+
 # ------------------------------------------------------------- breaking one append
 
 
@@ -321,6 +709,7 @@ class RestartablePostgres:
         from proxy import Proxy
 
         self.workdir = workdir
+        #: Server settings (``postgres -c``), kept across restarts.
         self.settings = dict(settings or {})
         self.server = embedded.start_postgres(workdir, durable=True, settings=self.settings)
         self.proxy = Proxy("127.0.0.1", self.server.port)

@@ -16,203 +16,24 @@ PostgreSQL proves (`Client.positions`).
 from __future__ import annotations
 
 import contextlib
-import os
-import queue
 import random
-import shutil
-import signal
 import socket
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import psycopg
 import pytest
 import redis
-from faultkit import Appender, Follower, link_of, stored_ids
+from faultkit import Appender, Child, Follower, RestartableRedis, link_of, stored_ids
 from helpers import wait_until
-from servers import docker_available, free_port, new_redis_prefix
+from servers import new_redis_prefix
 
 import streams
 from streams import Client
 from streams.core.protocol import MAX_LINE_BYTES, PositionCommand, RdataCommand, parse
 
 LOCALHOST = "127.0.0.1"
-
-
-# ---------------------------------------------------------------------------- helpers
-
-
-class Child:
-    """A Python child process running ``code``; its stdout lines arrive on a queue."""
-
-    def __init__(self, code: str, args: list[str], stderr_path: Path) -> None:
-        self.stderr_path = stderr_path
-        self._stderr = open(stderr_path, "wb")  # noqa: SIM115 (closed in close())
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", textwrap.dedent(code), *args],
-            stdout=subprocess.PIPE,
-            stderr=self._stderr,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        self._pump = threading.Thread(target=self._read, daemon=True)
-        self._pump.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.endswith("\n"):  # a line cut short by SIGKILL is dropped
-                self.lines.put(line.rstrip("\n"))
-        self.lines.put(None)
-
-    def stderr_tail(self) -> str:
-        with contextlib.suppress(OSError):
-            return " | ".join(self.stderr_path.read_text(errors="replace").splitlines()[-8:])
-        return ""
-
-    def next_line(self, timeout: float = 30.0) -> str:
-        try:
-            line = self.lines.get(timeout=timeout)
-        except queue.Empty:
-            raise AssertionError(f"child silent for {timeout}s: {self.stderr_tail()}") from None
-        if line is None:
-            raise AssertionError(
-                f"child exited ({self.proc.poll()}) unexpectedly: {self.stderr_tail()}"
-            )
-        return line
-
-    def kill(self) -> None:
-        """SIGKILL, then collect everything it printed before dying."""
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=30)
-        self._pump.join(timeout=30)
-
-    def remaining_lines(self) -> list[str]:
-        lines: list[str] = []
-        while True:
-            try:
-                line = self.lines.get_nowait()
-            except queue.Empty:
-                return lines
-            if line is not None:
-                lines.append(line)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        self._stderr.close()
-
-
-class RestartableRedis:
-    """A Redis server of this test alone, on a fixed port, that can be killed and restarted.
-
-    A private ``redis-server`` if the binary is installed, else a Docker container (via
-    testcontainers) bound to a fixed host port; neither means the test fails (never skips).
-    """
-
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.binary = shutil.which("redis-server")
-        self.host = LOCALHOST
-        self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.container: Any = None
-        self._container_started = False
-        if self.binary is None:
-            if not docker_available():
-                pytest.fail(
-                    "the Redis restart test needs a redis-server binary on PATH or a Docker "
-                    "engine (testcontainers): found neither",
-                    pytrace=False,
-                )
-            try:
-                from testcontainers.community.redis import RedisContainer
-            except ImportError:
-                from testcontainers.redis import RedisContainer
-            self.container = RedisContainer("redis:7").with_bind_ports(6379, self.port)
-
-    @property
-    def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
-
-    def start(self, *, first: bool = False) -> None:
-        attempts = 3 if first else 10
-        for attempt in range(attempts):
-            if self._launch():
-                return
-            if first and self.binary is not None:
-                self.port = free_port()  # lost a race for the port: any other will do
-            else:
-                time.sleep(0.2 * (attempt + 1))  # same port: let the kernel release it
-        pytest.fail(f"could not start redis-server on port {self.port}", pytrace=False)
-
-    def _launch(self) -> bool:
-        if self.binary is not None:
-            argv = [
-                self.binary,
-                "--port", str(self.port),
-                "--bind", LOCALHOST,
-                "--dir", str(self.workdir),
-                "--save", "",
-                "--appendonly", "no",
-                "--daemonize", "no",
-            ]  # fmt: skip
-            with open(self.workdir / "redis.log", "ab") as log:
-                self.proc = subprocess.Popen(
-                    argv,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-        elif not self._container_started:
-            self.container.start()
-            self._container_started = True
-            self.host = self.container.get_container_host_ip()
-        else:
-            self.container.get_wrapped_container().start()
-        return self._wait_ready()
-
-    def _wait_ready(self) -> bool:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                return False
-            probe = redis.Redis(
-                host=self.host, port=self.port, socket_connect_timeout=1, socket_timeout=1
-            )
-            try:
-                if probe.ping():
-                    return True
-            except redis.RedisError:
-                time.sleep(0.05)
-            finally:
-                probe.close()
-        return False
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-        else:
-            self.container.get_wrapped_container().kill()
-
-    def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-        if self.container is not None and self._container_started:
-            with contextlib.suppress(Exception):
-                self.container.stop()
 
 
 # ---------------------------------------------------------------------------- 1. forged commands

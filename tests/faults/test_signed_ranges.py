@@ -14,11 +14,11 @@ import random
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import psycopg
 import pytest
 import redis
+from faultkit import Attacker
 from helpers import wait_until
 
 import streams
@@ -26,7 +26,6 @@ from streams import Client
 from streams.bench.common import drop_streams
 from streams.core.constants import proof_channel
 from streams.core.epochs import Fact
-from streams.core.protocol import ProtocolError, RdataCommand, parse, serialize
 from streams.reader import Reader
 
 pytestmark = pytest.mark.timeout(180)
@@ -68,75 +67,6 @@ class Follow(threading.Thread):
         self.join(90)
         assert not self.is_alive() and self.error is None, self.error
         return self.got
-
-
-class Attacker(threading.Thread):
-    """Hears every proof channel of the prefix and publishes every attack on the lines."""
-
-    def __init__(self, redis_url: str, prefix: str, names: list[str]) -> None:
-        super().__init__(daemon=True)
-        self.client = redis.Redis.from_url(redis_url)
-        self.pubsub: Any = self.client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
-        self.pubsub.psubscribe(proof_channel(prefix, "*"))
-        self.prefix = prefix
-        self.names = names
-        self.signed: list[RdataCommand] = []
-        self.sent: dict[str, int] = {}
-        self.stop = threading.Event()
-        self.rng = random.Random(7)
-
-    def _send(self, what: str, cmd: RdataCommand | bytes, stream: str) -> None:
-        try:
-            line = cmd if isinstance(cmd, bytes) else serialize(cmd)
-        except ProtocolError:
-            return
-        self.client.publish(proof_channel(self.prefix, stream), line)
-        self.sent[what] = self.sent.get(what, 0) + 1
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            message = self.pubsub.get_message(timeout=0.01)
-            if message is not None and message["type"] == "pmessage":
-                with contextlib.suppress(ProtocolError):
-                    cmd = parse(message["data"])
-                    if isinstance(cmd, RdataCommand) and cmd.instance_name.startswith("_proof:"):
-                        self.signed.append(cmd)
-            if self.signed:
-                self._attack()
-
-    def _attack(self) -> None:
-        rng = self.rng
-        cmd = rng.choice(self.signed)
-        row: Any = cmd.row
-        proof = row["proof"]
-        stream, inst, token = cmd.stream_name, cmd.instance_name, cmd.token
-        assert token is not None
-        other = next(n for n in self.names if n != stream)
-        attacks: dict[str, Any] = {
-            "replay": cmd,
-            "duplicate": cmd,
-            "other-stream": RdataCommand(other, inst, token, row),
-            "truncate": RdataCommand(stream, inst, token, {**row, "proof": {
-                **proof, "rows": proof["rows"][:-1]}}),
-            "alter": RdataCommand(stream, inst, token, {**row, "proof": {
-                **proof, "rows": [[r[0], r[1], r[2], r[3], '{"forged": true}']
-                                  for r in proof["rows"]]}}),
-            "stretch": RdataCommand(stream, inst, token + 1000, row),
-            "forge": RdataCommand(stream, "_proof:evil", token + 1, {"mac": "ab" * 32, "proof": {
-                "key": proof["key"], "after": token, "rows": [[token + 1, 0, "w", 1, "1"]]}}),
-            "beyond-truth": f"POSITION {stream} _proof:evil 0 999999999".encode(),
-        }  # fmt: skip
-        what = rng.choice(sorted(attacks))
-        self._send(what, attacks[what], stream if what != "other-stream" else other)
-        if what == "duplicate":
-            self._send(what, cmd, stream)
-        time.sleep(0.002)
-
-    def close(self) -> None:
-        self.stop.set()
-        self.join(5)
-        self.pubsub.close()
-        self.client.close()
 
 
 @pytest.fixture
