@@ -567,8 +567,9 @@ class Attacker(threading.Thread):
                     self.signed.append(cmd)
                     del self.signed[:-500]
                 name = getattr(cmd, "instance_name", "")
-                if name and not name.startswith("_proof:") and cmd.stream_name in self.names:
-                    self.writers.add((cmd.stream_name, name))
+                stream = getattr(cmd, "stream_name", "")
+                if name and not name.startswith("_proof:") and stream in self.names:
+                    self.writers.add((stream, name))
             if self.every_channel:
                 self.heard.append((channel, bytes(message["data"])))
                 del self.heard[:-500]

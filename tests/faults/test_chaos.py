@@ -31,6 +31,7 @@ each run has its own data directory, database, streams and channel prefix.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import random
@@ -332,7 +333,7 @@ class Chaos:
         deadline = time.monotonic() + 60
         for name in self.names:
             while True:
-                positions = self.retrying(lambda n=name: self.admin.positions(n))
+                positions = self.retrying(functools.partial(self.admin.positions, name))
                 stored = max(stored_facts(self.url, name), default=0)
                 if positions.linear >= stored:
                     targets[name] = positions.linear
@@ -602,31 +603,31 @@ def check_lifetime(
             uncommitted.clear()
     if start is None:
         return problems
-    for stream, at in position.items():
-        facts = stored[stream]
-        got = delivered[stream]
+    for stream_name, upto_id in position.items():
+        kept = stored[stream_name]
+        got = delivered[stream_name]
         ids = [int(f.split(":")[0]) for f in got]
-        delivered_any[stream].update(ids)
-        owed = [i for i in sorted(facts) if start[stream] < i <= at]
-        upto = [i for i in ids if i <= at]
+        delivered_any[stream_name].update(ids)
+        owed = [i for i in sorted(kept) if start[stream_name] < i <= upto_id]
+        upto = [i for i in ids if i <= upto_id]
         if upto != owed:
             extra = sorted(set(upto) - set(owed))
             missing = sorted(set(owed) - set(upto))
             dups = [i for i, c in Counter(ids).items() if c > 1]
             problems.append(
-                f"{name}: {stream} from {start[stream]} to position {at}: delivered "
+                f"{name}: {stream_name} from {start[stream_name]} to position {upto_id}: delivered "
                 f"{len(upto)} of {len(owed)} stored facts; missing {missing[:10]}, not stored "
                 f"{extra[:10]}, duplicated {dups[:10]}, in order {ids == sorted(set(ids))}"
             )
         for fact in got:
             stream_id = int(fact.split(":")[0])
-            if stream_id in facts and describe(stream_id, facts[stream_id]) != fact:
+            if stream_id in kept and describe(stream_id, kept[stream_id]) != fact:
                 problems.append(
-                    f"{name}: {stream} delivered {fact}, stored is "
-                    f"{describe(stream_id, facts[stream_id])} (torn or invented)"
+                    f"{name}: {stream_name} delivered {fact}, stored is "
+                    f"{describe(stream_id, kept[stream_id])} (torn or invented)"
                 )
-            elif stream_id not in facts:
-                problems.append(f"{name}: {stream} delivered {fact}, which is not stored")
+            elif stream_id not in kept:
+                problems.append(f"{name}: {stream_name} delivered {fact}, which is not stored")
     return problems
 
 
