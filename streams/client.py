@@ -4,6 +4,22 @@ A `Client` holds the settings, one connection for administrative work (creating 
 reading positions and groups) and, when a Redis URL is configured, the process's Redis link,
 started on first use and shared by all its writers and readers (`streams.transport.link`). Every
 writer and reader opens its own PostgreSQL connections.
+
+Riding out a restart
+--------------------
+A *read-only call* is one of the client's calls that changes nothing a caller could see twice
+(`stream`, `streams`, `positions`, `groups`, `group_streams`, `replication_keys`; `positions`
+also retires writers whose lease expired, housekeeping every reader repeats anyway). When
+PostgreSQL restarts under a long-lived client, its connection breaks; a read-only call then runs
+again from the start on a new connection, with backoff, for up to `READ_RETRY_SECONDS`, as long
+as the failure is transient (`ConnectionLost`, or a SQLSTATE that
+`streams.store.driver.transient_sqlstate` accepts). Its ``COMMIT`` only ends a snapshot, so
+even a `CommitUnknown` there is harmless. The other calls write (`create_stream`, `prune`,
+`rotate_replication_keys`...): they are never sent twice here, since a broken connection may
+leave their outcome unknown. Every call (reads and writes) first checks that the client's idle
+connection was not ended by the server meanwhile (`streams.store.driver.gone`), and opening one
+waits for a starting server (`streams.store.connect`, ``connect_timeout``). The retry is one
+plan (`_read_plan`) that `Client` and `AsyncClient` both drive.
 """
 
 from __future__ import annotations
@@ -11,25 +27,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import os
+import random
 import re
 import secrets
 import socket
 import threading
+import time
 import weakref
-from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Generator, Iterator, Sequence
+from typing import Any, NamedTuple, TypeAlias, TypeVar
 
 import psycopg
 
 from .config import Settings
 from .core.groups import STALE_AFTER_MS
 from .core.incarnation import Guard
+from .core.replication import backoff_delay
 from .core.timestamps import TimestampMode
+from .errors import ConnectionLost, StoreError
 from .proofs import ProofService
 from .reader import AsyncReader, Reader
 from .store import connect as dbconnect
-from .store.driver import arun, run
+from .store.driver import Gen, arun, gone, run, transient_sqlstate
 from .store.groups import (
     GroupRow,
     StreamPositions,
@@ -58,7 +79,77 @@ from .store.writing import WriterCore
 from .transport.link import AsyncRedisLink, RedisLink
 from .writer import AsyncWriter, Writer
 
-__all__ = ["AsyncClient", "Client", "aconnect", "connect", "default_instance_name"]
+__all__ = [
+    "READ_RETRY_SECONDS",
+    "AsyncClient",
+    "Client",
+    "aconnect",
+    "connect",
+    "default_instance_name",
+]
+
+log = logging.getLogger("streams.client")
+
+#: Seconds a read-only call of a client keeps trying while PostgreSQL is restarting or the
+#: connection broke (see "Riding out a restart"): as long as a reader's group commit is tried
+#: again (`streams.reader.COMMIT_RETRY_SECONDS`), enough for a restart with a short recovery.
+READ_RETRY_SECONDS = 30.0
+
+T = TypeVar("T")
+
+
+class _Pause(NamedTuple):
+    seconds: float
+
+
+class _Run(NamedTuple):
+    """Run ``gen`` on the client's connection, opening one if needed by ``deadline``."""
+
+    gen: Gen[Any]
+    deadline: float
+
+
+_ReadPlan: TypeAlias = Generator[_Run | _Pause, Any, T]
+
+
+def _retryable(error: StoreError) -> bool:
+    """Worth running a read-only call again: the connection broke (a read's ``COMMIT``
+    included: it only ends a snapshot), or the server's error is transient."""
+    return isinstance(error, ConnectionLost) or transient_sqlstate(error.sqlstate)
+
+
+def _read_plan(what: str, operation: Callable[[], Gen[T]]) -> _ReadPlan[T]:
+    """``operation()`` (a read-only store generator), run again from the start with backoff
+    while it fails transiently, for up to `READ_RETRY_SECONDS`; the drivers send back its
+    result or throw in its `StoreError`. A connection that cannot be opened (the client waited
+    for it until the deadline, or the failure is not transient) ends the call."""
+    deadline = time.monotonic() + READ_RETRY_SECONDS
+    attempt = 0
+    while True:
+        try:
+            result: T = yield _Run(operation(), deadline)
+        except StoreError as error:
+            remaining = deadline - time.monotonic()
+            if not _retryable(error) or remaining <= 0:
+                raise
+            if attempt == 0:
+                log.warning("%s: PostgreSQL failed (%s); trying again", what, error)
+            attempt += 1
+            yield _Pause(min(remaining, backoff_delay(attempt - 1, jitter=random.random())))
+            continue
+        if attempt:
+            log.warning("%s: PostgreSQL answered again", what)
+        return result
+
+
+def _positions(stream: str, stale_after_ms: int) -> Gen[StreamPositions]:
+    info = yield from load_stream(stream)
+    return (yield from stream_positions(info, stale_after_ms=stale_after_ms))
+
+
+def _groups(stream: str, stale_after_ms: int) -> Gen[list[GroupRow]]:
+    info = yield from load_stream(stream)
+    return (yield from list_groups(info, stale_after_ms=stale_after_ms))
 
 
 def default_instance_name() -> str:
@@ -81,6 +172,13 @@ def _known_streams(settings: Settings) -> list[str]:
         settings.database_url, autocommit=True, connect_timeout=3, purpose="redis link"
     ) as conn:
         return [info.name for info in run(conn, list_streams())]
+
+
+def _open_within(connect_timeout: float, deadline: float | None) -> float:
+    """Seconds to wait for a connection: ``connect_timeout``, but not past ``deadline``."""
+    if deadline is None:
+        return connect_timeout
+    return max(0.0, min(connect_timeout, deadline - time.monotonic()))
 
 
 def _reader_core(
@@ -114,7 +212,10 @@ class Client:
         #: writers' and prover's sessions check it on every connect: `streams.store.incarnation`).
         self.guard = Guard()
         with dbconnect.connect(
-            settings.database_url, autocommit=False, connect_timeout=10, purpose="client"
+            settings.database_url,
+            autocommit=False,
+            connect_timeout=settings.connect_timeout,
+            purpose="client",
         ) as conn:
             run(conn, check_schema())
             run(conn, verify(self.guard, "client"))
@@ -200,19 +301,15 @@ class Client:
             return run(conn, set_fact_tables(name, fact_tables))
 
     def stream(self, name: str) -> StreamInfo:
-        with self._db() as conn:
-            return run(conn, load_stream(name))
+        return self._read("stream", lambda: load_stream(name))
 
     def streams(self) -> list[StreamInfo]:
-        with self._db() as conn:
-            return run(conn, list_streams())
+        return self._read("streams", list_streams)
 
     def positions(self, stream: str, *, stale_after_ms: int = STALE_AFTER_MS) -> StreamPositions:
         """Everything ``streams positions`` shows of ``stream``; a group idle ``stale_after_ms``
         or longer while holding retention back is marked stale."""
-        with self._db() as conn:
-            info = run(conn, load_stream(stream))
-            return run(conn, stream_positions(info, stale_after_ms=stale_after_ms))
+        return self._read("positions", lambda: _positions(stream, stale_after_ms))
 
     def writer(self, stream: str, *, instance: str | None = None) -> Writer:
         core = WriterCore(
@@ -222,7 +319,12 @@ class Client:
             max_payload_bytes=self.settings.max_payload_bytes,
         )
         core.guard = self.guard
-        writer = Writer(self.settings.database_url, core, self.link)
+        writer = Writer(
+            self.settings.database_url,
+            core,
+            self.link,
+            connect_timeout=self.settings.connect_timeout,
+        )
         self.writers.add(writer)
         return writer
 
@@ -251,7 +353,12 @@ class Client:
             shared_proofs = self.settings.shared_proofs
         proofs = self._proof_service() if shared_proofs and link is not None else None
         reader = Reader(
-            self.settings.database_url, core, link, poll_interval=poll_interval, proofs=proofs
+            self.settings.database_url,
+            core,
+            link,
+            poll_interval=poll_interval,
+            proofs=proofs,
+            connect_timeout=self.settings.connect_timeout,
         )
         self.readers.add(reader)
         return reader
@@ -268,14 +375,11 @@ class Client:
     def groups(self, stream: str, *, stale_after_ms: int = STALE_AFTER_MS) -> list[GroupRow]:
         """Every reader group of ``stream`` with its committed position, lag, idle time and
         whether it is stale (idle ``stale_after_ms`` or longer while holding retention back)."""
-        with self._db() as conn:
-            info = run(conn, load_stream(stream))
-            return run(conn, list_groups(info, stale_after_ms=stale_after_ms))
+        return self._read("groups", lambda: _groups(stream, stale_after_ms))
 
     def group_streams(self, group: str) -> list[str]:
         """The streams ``group`` has committed on (sorted; empty for an unknown group)."""
-        with self._db() as conn:
-            return run(conn, streams_of_group(group))
+        return self._read("group_streams", lambda: streams_of_group(group))
 
     def delete_group(self, stream: str, group: str) -> bool:
         """Forget ``group`` on ``stream`` (its readers start over from their own start
@@ -293,8 +397,7 @@ class Client:
     def replication_keys(self) -> list[dict[str, object]]:
         """The keys that sign the ranges readers take from Redis, newest first (never their
         secrets): ``id``, ``created_at``, ``retired_at``, ``live``."""
-        with self._db() as conn:
-            return run(conn, describe_keys())
+        return self._read("replication_keys", describe_keys)
 
     def rotate_replication_keys(self) -> int:
         """Add a replication key and retire every other one (after a leak, or a database
@@ -336,19 +439,40 @@ class Client:
                 self._conn.close()
                 self._conn = None
 
+    def _read(self, what: str, operation: Callable[[], Gen[T]]) -> T:
+        """Drive `_read_plan` (see "Riding out a restart")."""
+        plan = _read_plan(what, operation)
+        result: Any = None
+        error: StoreError | None = None
+        while True:
+            try:
+                step = plan.throw(error) if error is not None else plan.send(result)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
+            result, error = None, None
+            if isinstance(step, _Pause):
+                time.sleep(step.seconds)
+                continue
+            try:
+                with self._db(step.deadline) as conn:
+                    result = run(conn, step.gen)
+            except StoreError as exc:
+                error = exc
+
     @contextlib.contextmanager
-    def _db(self) -> Iterator[psycopg.Connection[Any]]:
-        """The client's own connection, (re)opened if needed; one call at a time uses it."""
+    def _db(self, deadline: float | None = None) -> Iterator[psycopg.Connection[Any]]:
+        """The client's own connection, (re)opened if needed (waiting for a starting server up
+        to ``connect_timeout``, and not past ``deadline``); one call at a time uses it."""
         with self._conn_lock:
             conn = self._conn
-            if conn is None or conn.closed or conn.broken:
+            if conn is None or gone(conn):
                 if conn is not None:
                     conn.close()
                 self._conn = None
                 conn = dbconnect.connect(
                     self.settings.database_url,
                     autocommit=False,
-                    connect_timeout=10,
+                    connect_timeout=_open_within(self.settings.connect_timeout, deadline),
                     purpose="client",
                 )
                 try:
@@ -400,7 +524,10 @@ class AsyncClient:
     @classmethod
     async def open(cls, settings: Settings) -> AsyncClient:
         conn = await dbconnect.aconnect(
-            settings.database_url, autocommit=False, connect_timeout=10, purpose="client"
+            settings.database_url,
+            autocommit=False,
+            connect_timeout=settings.connect_timeout,
+            purpose="client",
         )
         guard = Guard()
         try:
@@ -471,20 +598,16 @@ class AsyncClient:
             return await arun(conn, set_fact_tables(name, fact_tables))
 
     async def stream(self, name: str) -> StreamInfo:
-        async with self._db() as conn:
-            return await arun(conn, load_stream(name))
+        return await self._read("stream", lambda: load_stream(name))
 
     async def streams(self) -> list[StreamInfo]:
-        async with self._db() as conn:
-            return await arun(conn, list_streams())
+        return await self._read("streams", list_streams)
 
     async def positions(
         self, stream: str, *, stale_after_ms: int = STALE_AFTER_MS
     ) -> StreamPositions:
         """See `Client.positions`."""
-        async with self._db() as conn:
-            info = await arun(conn, load_stream(stream))
-            return await arun(conn, stream_positions(info, stale_after_ms=stale_after_ms))
+        return await self._read("positions", lambda: _positions(stream, stale_after_ms))
 
     async def writer(self, stream: str, *, instance: str | None = None) -> AsyncWriter:
         core = WriterCore(
@@ -494,7 +617,12 @@ class AsyncClient:
             max_payload_bytes=self.settings.max_payload_bytes,
         )
         core.guard = self.guard
-        writer = await AsyncWriter.open(self.settings.database_url, core, self.link)
+        writer = await AsyncWriter.open(
+            self.settings.database_url,
+            core,
+            self.link,
+            connect_timeout=self.settings.connect_timeout,
+        )
         self.writers.add(writer)
         return writer
 
@@ -510,21 +638,22 @@ class AsyncClient:
         """The asyncio twin of `Client.reader`."""
         core = _reader_core(streams, start, group, page_size, self.guard)
         reader = await AsyncReader.open(
-            self.settings.database_url, core, self.link, poll_interval=poll_interval
+            self.settings.database_url,
+            core,
+            self.link,
+            poll_interval=poll_interval,
+            connect_timeout=self.settings.connect_timeout,
         )
         self.readers.add(reader)
         return reader
 
     async def groups(self, stream: str, *, stale_after_ms: int = STALE_AFTER_MS) -> list[GroupRow]:
         """See `Client.groups`."""
-        async with self._db() as conn:
-            info = await arun(conn, load_stream(stream))
-            return await arun(conn, list_groups(info, stale_after_ms=stale_after_ms))
+        return await self._read("groups", lambda: _groups(stream, stale_after_ms))
 
     async def group_streams(self, group: str) -> list[str]:
         """See `Client.group_streams`."""
-        async with self._db() as conn:
-            return await arun(conn, streams_of_group(group))
+        return await self._read("group_streams", lambda: streams_of_group(group))
 
     async def delete_group(self, stream: str, group: str) -> bool:
         async with self._db() as conn:
@@ -533,8 +662,7 @@ class AsyncClient:
 
     async def replication_keys(self) -> list[dict[str, object]]:
         """See `Client.replication_keys`."""
-        async with self._db() as conn:
-            return await arun(conn, describe_keys())
+        return await self._read("replication_keys", describe_keys)
 
     async def rotate_replication_keys(self) -> int:
         """See `Client.rotate_replication_keys`."""
@@ -571,19 +699,41 @@ class AsyncClient:
                 await self._conn.close()
                 self._conn = None
 
+    async def _read(self, what: str, operation: Callable[[], Gen[T]]) -> T:
+        """The asyncio twin of `Client._read`."""
+        plan = _read_plan(what, operation)
+        result: Any = None
+        error: StoreError | None = None
+        while True:
+            try:
+                step = plan.throw(error) if error is not None else plan.send(result)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
+            result, error = None, None
+            if isinstance(step, _Pause):
+                await asyncio.sleep(step.seconds)
+                continue
+            try:
+                async with self._db(step.deadline) as conn:
+                    result = await arun(conn, step.gen)
+            except StoreError as exc:
+                error = exc
+
     @contextlib.asynccontextmanager
-    async def _db(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
-        """The client's own connection, (re)opened if needed; one call at a time uses it."""
+    async def _db(
+        self, deadline: float | None = None
+    ) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        """The asyncio twin of `Client._db`."""
         async with self._conn_lock:
             conn = self._conn
-            if conn is None or conn.closed or conn.broken:
+            if conn is None or gone(conn):
                 if conn is not None:
                     await conn.close()
                 self._conn = None
                 conn = await dbconnect.aconnect(
                     self.settings.database_url,
                     autocommit=False,
-                    connect_timeout=10,
+                    connect_timeout=_open_within(self.settings.connect_timeout, deadline),
                     purpose="client",
                 )
                 try:
@@ -610,7 +760,10 @@ def connect(
     """Open a `Client`; URLs default to ``STREAMS_DATABASE_URL`` / ``STREAMS_REDIS_URL``.
 
     Options: ``max_payload_bytes`` (default 1 MiB), ``lease_seconds`` (default 10),
-    ``shared_proofs`` (default ``STREAMS_SHARED_PROOFS`` or off; see `Client.reader`).
+    ``shared_proofs`` (default ``STREAMS_SHARED_PROOFS`` or off; see `Client.reader`),
+    ``connect_timeout``: seconds opening a PostgreSQL connection (this client's, and those of
+    its readers and writers) waits for a server that is starting, restarting or refusing
+    connections (default ``STREAMS_CONNECT_TIMEOUT`` or 30: `streams.store.connect`).
     """
     return Client(Settings.resolve(database_url, redis_url, prefix, **options))
 

@@ -4,7 +4,9 @@ Configuration comes from arguments first, then the environment:
 
 * ``STREAMS_DATABASE_URL``: a ``postgresql://`` URL (the truth);
 * ``STREAMS_REDIS_URL``: ``redis://`` or ``rediss://`` (the fast path);
-* ``STREAMS_PREFIX``: the Redis channel prefix, default ``streams``.
+* ``STREAMS_PREFIX``: the Redis channel prefix, default ``streams``;
+* ``STREAMS_CONNECT_TIMEOUT``: seconds spent opening a PostgreSQL connection while the server
+  is starting, restarting or refusing connections, default `DEFAULT_CONNECT_TIMEOUT`.
 
 Secrets never leave this module unredacted: anything that shows a URL uses `redact_url`.
 """
@@ -22,11 +24,13 @@ from urllib.parse import quote, quote_plus, unquote, unquote_plus, urlsplit
 from .errors import ConfigurationError, InvalidStreamName
 
 __all__ = [
+    "DEFAULT_CONNECT_TIMEOUT",
     "DEFAULT_LEASE_SECONDS",
     "DEFAULT_MAX_PAYLOAD_BYTES",
     "DEFAULT_PREFIX",
     "ENCODING_HINT",
     "Settings",
+    "default_connect_timeout",
     "redact_url",
     "scrub_secrets",
     "url_passwords",
@@ -41,6 +45,12 @@ DEFAULT_PREFIX = "streams"
 DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024
 #: How long a writer that stopped heartbeating may hold the linear position back.
 DEFAULT_LEASE_SECONDS = 10.0
+#: Seconds opening a PostgreSQL connection keeps trying while the server is starting up,
+#: shutting down, restarting or refusing connections (`streams.store.connect`): a restart
+#: (a fast shutdown, a start and a short crash recovery) takes a few seconds, a busy one tens;
+#: 30 s rides out most without hiding a server that is really down for long. Not retried at
+#: all: a bad password, an unknown database or role, a bad URL.
+DEFAULT_CONNECT_TIMEOUT = 30.0
 
 _STREAM_NAME = re.compile(r"[a-z][a-z0-9_.\-]{0,62}")
 _INSTANCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:\-]{0,127}")
@@ -313,13 +323,16 @@ class Settings:
     lease_seconds: float = DEFAULT_LEASE_SECONDS
     #: Readers follow one elected prober's proofs by default (`streams.proofs`; Redis only).
     shared_proofs: bool = False
+    #: Seconds opening a connection waits for a server that is starting (`connect_timeout`).
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
 
     def __repr__(self) -> str:
         redis = redact_url(self.redis_url) if self.redis_url else None
         return (
             f"Settings(database_url={redact_url(self.database_url)!r}, redis_url={redis!r}, "
             f"prefix={self.prefix!r}, max_payload_bytes={self.max_payload_bytes}, "
-            f"lease_seconds={self.lease_seconds}, shared_proofs={self.shared_proofs})"
+            f"lease_seconds={self.lease_seconds}, shared_proofs={self.shared_proofs}, "
+            f"connect_timeout={self.connect_timeout})"
         )
 
     @classmethod
@@ -333,6 +346,7 @@ class Settings:
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
         require_redis: bool = False,
         shared_proofs: bool | None = None,
+        connect_timeout: float | None = None,
     ) -> Settings:
         db = database_url or os.environ.get("STREAMS_DATABASE_URL")
         if not db:
@@ -362,6 +376,10 @@ class Settings:
             if flag not in ("", "0", "1", "true", "false", "yes", "no", "on", "off"):
                 raise ConfigurationError(f"STREAMS_SHARED_PROOFS must be 0 or 1, not {flag!r}")
             shared_proofs = flag in ("1", "true", "yes", "on")
+        if connect_timeout is None:
+            connect_timeout = default_connect_timeout()
+        else:
+            connect_timeout = _check_connect_timeout(connect_timeout, "connect_timeout")
         return cls(
             database_url=_plain_postgres_url(db),
             redis_url=redis,
@@ -369,7 +387,27 @@ class Settings:
             max_payload_bytes=max_payload_bytes,
             lease_seconds=lease_seconds,
             shared_proofs=shared_proofs,
+            connect_timeout=connect_timeout,
         )
+
+
+def default_connect_timeout() -> float:
+    """``STREAMS_CONNECT_TIMEOUT`` if set, else `DEFAULT_CONNECT_TIMEOUT` (the default of every
+    connection the library opens, the command line's included)."""
+    raw = os.environ.get("STREAMS_CONNECT_TIMEOUT", "").strip()
+    if not raw:
+        return DEFAULT_CONNECT_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    return _check_connect_timeout(value, "STREAMS_CONNECT_TIMEOUT")
+
+
+def _check_connect_timeout(value: float, what: str) -> float:
+    if not (isinstance(value, int | float) and 0 <= value <= 3600):  # also rejects NaN
+        raise ConfigurationError(f"{what} must be a number of seconds from 0 to 3600")
+    return float(value)
 
 
 def _plain_postgres_url(url: str) -> str:

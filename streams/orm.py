@@ -17,11 +17,13 @@ begins one on its first statement (the caller commits it, as after any statement
 Django connection must be inside ``atomic()``. A bare psycopg connection is joined when it is in
 a transaction already; when it is idle, ``fact()`` makes the block its transaction, as it always
 has. Nothing here imports SQLAlchemy or Django unless it is given one of their objects: the
-library does not need them.
+library does not need them; and only an asyncio object imports SQLAlchemy's asyncio extension
+(which needs greenlet, an optional dependency since SQLAlchemy 2.1).
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -86,10 +88,13 @@ def sync_target(obj: object) -> Target[psycopg.Connection[Any]]:
 
 def _sqlalchemy(obj: Any) -> Target[psycopg.Connection[Any]]:
     from sqlalchemy.engine import Connection
-    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
     from sqlalchemy.orm import Session, scoped_session
 
-    if isinstance(obj, AsyncConnection | AsyncSession):
+    # Never ``import sqlalchemy.ext.asyncio`` for a synchronous object: it needs greenlet,
+    # which SQLAlchemy 2.1 no longer installs (the import then raises ImportError). An object
+    # of its classes exists only once that module is imported, so looking it up is enough.
+    aio = sys.modules.get("sqlalchemy.ext.asyncio")
+    if aio is not None and isinstance(obj, aio.AsyncConnection | aio.AsyncSession):
         raise UsageError("an asyncio SQLAlchemy object: use it with the asyncio writer or reader")
     if isinstance(obj, scoped_session):
         obj = obj()

@@ -74,11 +74,17 @@ T = TypeVar("T")
 _Plan: TypeAlias = Generator["_WaitWake | _Pause | Gen[Any]", Any, T]
 
 
-def _connect(url: str, core: ReaderCore) -> psycopg.Connection[Any]:
+def _connect(
+    url: str, core: ReaderCore, connect_timeout: float | None = 0
+) -> psycopg.Connection[Any]:
     """A reader session on the database history the reader started on (else
-    `streams.errors.DatabaseChanged`: `streams.store.incarnation`)."""
+    `streams.errors.DatabaseChanged`: `streams.store.incarnation`). ``connect_timeout``: see
+    `streams.store.connect`; 0 (one attempt) when reopening: the plans try again with
+    backoff, within the caller's timeout."""
     try:
-        conn = dbconnect.connect(url, autocommit=True, connect_timeout=10, purpose="reader")
+        conn = dbconnect.connect(
+            url, autocommit=True, connect_timeout=connect_timeout, purpose="reader"
+        )
         try:
             for statement in READER_SESSION_SETUP:
                 conn.execute(statement)
@@ -92,9 +98,13 @@ def _connect(url: str, core: ReaderCore) -> psycopg.Connection[Any]:
         raise StoreError(f"cannot connect to PostgreSQL: {type(exc).__name__}") from None
 
 
-async def _aconnect(url: str, core: ReaderCore) -> psycopg.AsyncConnection[Any]:
+async def _aconnect(
+    url: str, core: ReaderCore, connect_timeout: float | None = 0
+) -> psycopg.AsyncConnection[Any]:
     try:
-        conn = await dbconnect.aconnect(url, autocommit=True, connect_timeout=10, purpose="reader")
+        conn = await dbconnect.aconnect(
+            url, autocommit=True, connect_timeout=connect_timeout, purpose="reader"
+        )
         try:
             for statement in READER_SESSION_SETUP:
                 await conn.execute(statement)
@@ -304,10 +314,11 @@ class Reader(_ReaderBase):
         *,
         poll_interval: float | None = None,
         proofs: Any = None,
+        connect_timeout: float | None = None,
     ) -> None:
         self._core = core
         self._url = database_url
-        self._conn = _connect(database_url, core)
+        self._conn = _connect(database_url, core, connect_timeout)  # None: the default wait
         self._wake = threading.Event()
         self._closed = False
         self._poll = poll_interval
@@ -474,8 +485,9 @@ class AsyncReader(_ReaderBase):
         link: Any = None,
         *,
         poll_interval: float | None = None,
+        connect_timeout: float | None = None,
     ) -> AsyncReader:
-        conn = await _aconnect(database_url, core)
+        conn = await _aconnect(database_url, core, connect_timeout)
         try:
             await arun(conn, core.open())
         except BaseException:

@@ -116,10 +116,16 @@ def _log_beat(writer: _Announcing, failing: bool, exc: Exception | None) -> None
         log.info("heartbeat of %r succeeded again", writer)
 
 
-def _connect(url: str, core: WriterCore) -> psycopg.Connection[Any]:
+def _connect(
+    url: str, core: WriterCore, connect_timeout: float | None = 0
+) -> psycopg.Connection[Any]:
     """One of the writer's own connections, with its session settings (TCP keepalives and
-    checks: `WriterCore.configure_session`)."""
-    conn = dbconnect.connect(url, autocommit=False, connect_timeout=10, purpose="writer")
+    checks: `WriterCore.configure_session`). ``connect_timeout``: see `streams.store.connect`;
+    0 (one attempt) when reopening, so an append fails at once while the server is down and
+    the heartbeat keeps its own pace of retries."""
+    conn = dbconnect.connect(
+        url, autocommit=False, connect_timeout=connect_timeout, purpose="writer"
+    )
     try:
         run(conn, core.configure_session())
     except BaseException:
@@ -128,8 +134,12 @@ def _connect(url: str, core: WriterCore) -> psycopg.Connection[Any]:
     return conn
 
 
-async def _aconnect(url: str, core: WriterCore) -> psycopg.AsyncConnection[Any]:
-    conn = await dbconnect.aconnect(url, autocommit=False, connect_timeout=10, purpose="writer")
+async def _aconnect(
+    url: str, core: WriterCore, connect_timeout: float | None = 0
+) -> psycopg.AsyncConnection[Any]:
+    conn = await dbconnect.aconnect(
+        url, autocommit=False, connect_timeout=connect_timeout, purpose="writer"
+    )
     try:
         await arun(conn, core.configure_session())
     except BaseException:
@@ -292,10 +302,18 @@ class _Announcing:
 class Writer(_Announcing):
     """A synchronous writer of one stream (thread-safe)."""
 
-    def __init__(self, database_url: str, core: WriterCore, link: Any = None) -> None:
+    def __init__(
+        self,
+        database_url: str,
+        core: WriterCore,
+        link: Any = None,
+        *,
+        connect_timeout: float | None = None,
+    ) -> None:
         self._url = database_url
         self._core = core
-        self._conn = _connect(database_url, self._core)
+        # Opening waits up to ``connect_timeout`` for a starting server (None: the default).
+        self._conn = _connect(database_url, self._core, connect_timeout)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopped = threading.Event()
@@ -626,9 +644,16 @@ class AsyncWriter(_Announcing):
         self._closing: asyncio.Future[None] | None = None
 
     @classmethod
-    async def open(cls, database_url: str, core: WriterCore, link: Any = None) -> AsyncWriter:
+    async def open(
+        cls,
+        database_url: str,
+        core: WriterCore,
+        link: Any = None,
+        *,
+        connect_timeout: float | None = None,
+    ) -> AsyncWriter:
         self = cls(database_url, core)
-        self._conn = await _aconnect(database_url, self._core)
+        self._conn = await _aconnect(database_url, self._core, connect_timeout)
         try:
             await arun(self._conn, core.register())
         except BaseException:

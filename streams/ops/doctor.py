@@ -66,8 +66,12 @@ def diagnose(settings: Settings, *, stale_after_ms: int = STALE_AFTER_MS) -> lis
     checks: list[Check] = []
     where = redact_url(settings.database_url)
     try:
+        # A health check waits for a starting server 5 s at most (less, if configured so).
         conn = dbconnect.connect(
-            settings.database_url, autocommit=True, connect_timeout=5, purpose="doctor"
+            settings.database_url,
+            autocommit=True,
+            connect_timeout=min(5.0, settings.connect_timeout),
+            purpose="doctor",
         )
     except StreamsError as exc:  # StoreError (unreachable) or ConfigurationError (bad URL)
         return [Check("database", False, str(exc))]

@@ -5,29 +5,72 @@
 it), then connect, and turn a failure into a `StoreError` that says three things on one line:
 what was tried (the URL, redacted), the server's own reason (the first line of libpq's message,
 with every form of the password scrubbed out) and what to do next.
+
+Waiting for a starting server
+-----------------------------
+A server that is starting up, shutting down or restarting refuses connections for a while
+(the socket is closed, or it answers SQLSTATE 57P03, "the database system is starting up").
+Such a failure is *transient*: the same attempt a little later succeeds. Both drivers try
+again, with backoff, until ``connect_timeout`` seconds have passed since the first attempt
+(default `streams.config.DEFAULT_CONNECT_TIMEOUT`, or ``STREAMS_CONNECT_TIMEOUT``), then raise
+the `StoreError` above, saying how long they tried. Everything else fails at once: a bad
+password, an unknown database or role, a host name that does not resolve, SSL settings. One
+attempt never waits longer than `ATTEMPT_TIMEOUT` (libpq's own ``connect_timeout``, for a host
+that does not answer at all) nor past the total. ``connect_timeout=0`` makes a single attempt
+of up to `ATTEMPT_TIMEOUT`, as before this wait existed: what readers and writers do when they
+reopen a connection, since they retry at their own pace (opening them waits).
+The retry logic is one generator (`_attempts`) that both drivers run.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import math
 import os
+import random
 import re
+import time
+from collections.abc import Generator
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from ..config import ENCODING_HINT, redact_url, scrub_secrets, url_passwords, validate_database_url
+from ..config import (
+    ENCODING_HINT,
+    default_connect_timeout,
+    redact_url,
+    scrub_secrets,
+    url_passwords,
+    validate_database_url,
+)
+from ..core.replication import backoff_delay
 from ..errors import ConfigurationError, StoreError
+from .driver import transient_sqlstate
 
 __all__ = [
+    "ATTEMPT_TIMEOUT",
     "CLIENT_TCP_SETTINGS",
     "aconnect",
     "connect",
     "connection_error",
     "parse_database_url",
     "secrets_of",
+    "transient_connect_error",
     "with_client_tcp_settings",
 ]
+
+log = logging.getLogger("streams.connect")
+
+#: Most seconds one attempt may take (libpq's ``connect_timeout``, whole seconds, at least 2):
+#: it matters only for a host that does not answer at all; a server that is down or starting
+#: answers at once.
+ATTEMPT_TIMEOUT = 10
+#: Most seconds between two attempts (the backoff starts at 50 ms): a server that has started
+#: is noticed within about this long.
+RETRY_CAP = 1.0
 
 #: libpq's TCP settings on every connection this library opens, unless the URL sets them: a
 #: server that stopped answering (a partition, a host that died without closing anything) is
@@ -61,7 +104,10 @@ _NEXT_STEPS = (
     ),
     (r"role \S+ does not exist", "check the user name in the URL, or create the role"),
     (r"password", f"check the user and password in the URL ({ENCODING_HINT})"),
-    (r"starting up|shutting down|recovery", "the server is not ready yet: retry shortly"),
+    (
+        r"starting up|shutting down|recovery|not (yet )?accepting connections",
+        "the server is not ready yet: retry shortly, or raise connect_timeout",
+    ),
     (r"ssl", "check sslmode and the server's SSL settings"),
 )
 _DEFAULT_STEP = "check the URL and that the server accepts connections (`streams doctor`)"
@@ -99,18 +145,96 @@ def secrets_of(url: str, params: dict[str, Any] | None = None) -> list[str]:
 
 
 def connection_error(
-    url: str, error: BaseException, *, purpose: str, secrets: list[str] | None = None
+    url: str,
+    error: BaseException,
+    *,
+    purpose: str,
+    secrets: list[str] | None = None,
+    tried: tuple[int, float] | None = None,
 ) -> StoreError:
-    """The `StoreError` for a failed connection: what, the server's reason, the next step."""
+    """The `StoreError` for a failed connection: what, the server's reason, the next step.
+    ``tried``: (attempts, seconds) when the failure was transient and waited for in vain."""
     text = str(error).strip()
     first = text.splitlines()[0].strip() if text else type(error).__name__
     first = first.removeprefix("connection failed: ")
     reason = " ".join(scrub_secrets(first, secrets or secrets_of(url)).split())
     lowered = reason.lower()
     step = next((s for key, s in _NEXT_STEPS if re.search(key, lowered)), _DEFAULT_STEP)
+    if tried is not None and tried[0] > 1:
+        reason += f" (still, after {tried[0]} attempts in {tried[1]:.1f} s)"
     return StoreError(
         f"cannot connect to PostgreSQL at {redact_url(url)} ({purpose}): {reason}; {step}"
     )
+
+
+#: libpq's reasons (lower case) for a failed connection that a server starting, stopping or
+#: restarting gives, when the error carries no SQLSTATE (libpq reports most failures of the
+#: connection phase as text only): nothing listens yet or any more (refused; a Unix socket not
+#: there), the server says it is not ready, ended the session, or did not answer in time.
+_TRANSIENT_REASONS = re.compile(
+    r"connection refused|no such file or directory|starting up|shutting down|"
+    r"not (yet )?accepting connections|recovery mode|timeout expired|timed out|"
+    r"server closed the connection|connection reset|could not receive data|"
+    r"could not send data|too many clients|terminating connection"
+)
+
+
+def transient_connect_error(error: BaseException) -> bool:
+    """Is this failure to connect worth another attempt soon (see "Waiting for a starting
+    server")? A SQLSTATE decides when there is one (`streams.store.driver.transient_sqlstate`:
+    57P03 "cannot connect now", 53300 "too many connections", class 08); otherwise libpq's
+    reason must be one of `_TRANSIENT_REASONS`. A bad password, an unknown database or role, a
+    host name that does not resolve are not."""
+    sqlstate = getattr(error, "sqlstate", None)
+    if sqlstate is not None:
+        return transient_sqlstate(sqlstate)
+    return bool(_TRANSIENT_REASONS.search(str(error).lower()))
+
+
+@dataclass(frozen=True, slots=True)
+class _Attempt:
+    """Try to connect, with this libpq ``connect_timeout``; the driver sends back the error."""
+
+    timeout: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Wait:
+    seconds: float
+
+
+def _attempts(
+    url: str, params: dict[str, Any], connect_timeout: float, purpose: str
+) -> Generator[_Attempt | _Wait, BaseException | None, None]:
+    """The attempts of one `connect`/`aconnect` (both drivers run it): yields `_Attempt` (the
+    driver returns the connection if it succeeds, else sends back its error) and `_Wait`;
+    raises the `StoreError` when a failure is not transient or ``connect_timeout`` is over."""
+    started = time.monotonic()
+    deadline = started + connect_timeout
+    attempt = 0
+    while True:
+        # One attempt (0) may take libpq's usual limit; several share the total.
+        limit = ATTEMPT_TIMEOUT if connect_timeout <= 0 else deadline - time.monotonic()
+        error = yield _Attempt(_timeout(min(ATTEMPT_TIMEOUT, limit)))
+        assert error is not None
+        attempt += 1
+        remaining = deadline - time.monotonic()
+        if not transient_connect_error(error) or remaining <= 0:
+            tried = (attempt, time.monotonic() - started)
+            raise connection_error(
+                url, error, purpose=purpose, secrets=secrets_of(url, params), tried=tried
+            )
+        if attempt == 1:
+            # Said once per connection: an operator sees why a start or a call is slow.
+            log.warning(
+                "%s; trying again for up to %.0f s",
+                connection_error(url, error, purpose=purpose, secrets=secrets_of(url, params)),
+                connect_timeout,
+            )
+        # The last attempt comes at the deadline, not a backoff step before it.
+        yield _Wait(
+            min(remaining, backoff_delay(attempt - 1, cap=RETRY_CAP, jitter=random.random()))
+        )
 
 
 def _tcp_options(params: dict[str, Any]) -> dict[str, str]:
@@ -129,43 +253,66 @@ def with_client_tcp_settings(url: str) -> str:
 
 
 def connect(
-    url: str, *, autocommit: bool, connect_timeout: float = 10, purpose: str = "streams"
+    url: str,
+    *,
+    autocommit: bool,
+    connect_timeout: float | None = None,
+    purpose: str = "streams",
 ) -> psycopg.Connection[Any]:
     """A psycopg connection to `url`; `purpose` (e.g. ``"writer"``) is named in errors.
 
-    Raises `ConfigurationError` for a URL libpq cannot parse and `StoreError` when the server
-    cannot be reached or refuses the connection (see the module docstring).
+    ``connect_timeout``: the most seconds to keep trying while the server is starting,
+    restarting or refusing connections (None: `streams.config.default_connect_timeout`; see
+    "Waiting for a starting server"). Raises `ConfigurationError` for a URL libpq cannot parse
+    and `StoreError` when the server cannot be reached or refuses the connection.
     """
     params = parse_database_url(url)
-    error: psycopg.Error | None = None
-    try:
-        return psycopg.connect(
-            make_conninfo(url, **_tcp_options(params)),
-            autocommit=autocommit,
-            connect_timeout=_timeout(connect_timeout),
-        )
-    except psycopg.Error as exc:
-        error = exc
-    raise connection_error(url, error, purpose=purpose, secrets=secrets_of(url, params))
+    conninfo = make_conninfo(url, **_tcp_options(params))
+    total = default_connect_timeout() if connect_timeout is None else connect_timeout
+    plan = _attempts(url, params, total, purpose)
+    step = next(plan)
+    while True:
+        if isinstance(step, _Wait):
+            time.sleep(step.seconds)
+            step = next(plan)
+            continue
+        error: psycopg.Error | None = None
+        try:
+            return psycopg.connect(conninfo, autocommit=autocommit, connect_timeout=step.timeout)
+        except psycopg.Error as exc:
+            error = exc
+        step = plan.send(error)  # outside the except block: no chained driver message
 
 
 async def aconnect(
-    url: str, *, autocommit: bool, connect_timeout: float = 10, purpose: str = "streams"
+    url: str,
+    *,
+    autocommit: bool,
+    connect_timeout: float | None = None,
+    purpose: str = "streams",
 ) -> psycopg.AsyncConnection[Any]:
     """The asyncio twin of `connect`."""
     params = parse_database_url(url)
-    error: psycopg.Error | None = None
-    try:
-        return await psycopg.AsyncConnection.connect(
-            make_conninfo(url, **_tcp_options(params)),
-            autocommit=autocommit,
-            connect_timeout=_timeout(connect_timeout),
-        )
-    except psycopg.Error as exc:
-        error = exc
-    raise connection_error(url, error, purpose=purpose, secrets=secrets_of(url, params))
+    conninfo = make_conninfo(url, **_tcp_options(params))
+    total = default_connect_timeout() if connect_timeout is None else connect_timeout
+    plan = _attempts(url, params, total, purpose)
+    step = next(plan)
+    while True:
+        if isinstance(step, _Wait):
+            await asyncio.sleep(step.seconds)
+            step = next(plan)
+            continue
+        error: psycopg.Error | None = None
+        try:
+            return await psycopg.AsyncConnection.connect(
+                conninfo, autocommit=autocommit, connect_timeout=step.timeout
+            )
+        except psycopg.Error as exc:
+            error = exc
+        step = plan.send(error)
 
 
 def _timeout(seconds: float) -> int:
-    # libpq's connect_timeout is whole seconds, and values below 2 are taken as 2.
-    return max(1, round(seconds))
+    # libpq's connect_timeout is whole seconds, and values below 2 are taken as 2; never 0
+    # (which libpq reads as "wait for ever").
+    return max(2, math.ceil(seconds))

@@ -37,6 +37,8 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """No command here may pick up the developer's or CI's real settings."""
     for name in ENV_VARS:
         monkeypatch.delenv(name, raising=False)
+    # DEAD_URL on purpose: one attempt, not the wait for a starting server.
+    monkeypatch.setenv("STREAMS_CONNECT_TIMEOUT", "0")
 
 
 @pytest.fixture

@@ -260,7 +260,11 @@ def servers(postgres_admin_url: str, redis_url: str) -> Iterator[dict[str, dict[
     down_redis = f"redis://:{SECRET}@127.0.0.1:{dead}/0"
     yield {
         "up": {"STREAMS_DATABASE_URL": _with_password(url), "STREAMS_REDIS_URL": redis_url},
-        "down": {"STREAMS_DATABASE_URL": down_db, "STREAMS_REDIS_URL": down_redis},
+        "down": {  # one attempt, not the wait for a starting server
+            "STREAMS_DATABASE_URL": down_db,
+            "STREAMS_REDIS_URL": down_redis,
+            "STREAMS_CONNECT_TIMEOUT": "0",
+        },
         "redis-down": {
             "STREAMS_DATABASE_URL": _with_password(url),
             "STREAMS_REDIS_URL": down_redis,

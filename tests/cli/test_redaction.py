@@ -81,6 +81,8 @@ def _clean_env() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as mp:
         for name in ENV_VARS:
             mp.delenv(name, raising=False)
+        # Closed ports on purpose: one attempt each, not the wait for a starting server.
+        mp.setenv("STREAMS_CONNECT_TIMEOUT", "0")
         yield
 
 

@@ -313,7 +313,10 @@ def test_bad_options_fail_the_write_with_a_clear_error(
         out.save()
 
 
-def test_overwrite_and_secrets(spark: Any, stream: str, streams_url: str) -> None:
+def test_overwrite_and_secrets(
+    spark: Any, stream: str, streams_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("STREAMS_CONNECT_TIMEOUT", "0")  # the dead URL below: one attempt
     df = spark.createDataFrame([("a",)], "name string")
     with pytest.raises(Exception, match="only appends"):
         df.write.format("streams").mode("overwrite").option("stream", stream).option(
