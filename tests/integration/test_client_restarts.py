@@ -199,10 +199,34 @@ def test_opening_a_client_reader_or_writer_waits_for_a_starting_server(
         time.sleep(1.0)
         assert [out for _, out in opening] == [[]] * 4
         started = time.monotonic()
-        pg.promote()
+        # Started for real: stopped and started again as a primary of the same timeline (a
+        # promotion would begin a new one: a failover, which the open client must refuse, as
+        # the next test shows).
+        pg.stop()
+        pg.start()
         results = [_joined(thread, out) for thread, out in opening]
         assert results == ["sync", "async", "reader", "writer"]
         assert time.monotonic() - started < 30
+
+
+def test_an_open_client_refuses_the_new_timeline_of_a_promotion(
+    pg: StartingPostgres, unique_name: str
+) -> None:
+    """A promoted standby is a failover: a client that knew the old timeline stops its new
+    readers and writers with `DatabaseChanged` naming the timeline; a new client opens."""
+    with streams.connect(pg.url) as client:
+        client.create_stream(unique_name)
+        pg.stop()
+        pg.start(standby=True)
+        wait_until(lambda: "not accepting connections" in (pg.refusal() or ""), timeout=30)
+        pg.promote()
+        wait_until(pg.ready, timeout=30, what="the promoted server")
+        with pytest.raises(streams.DatabaseChanged, match=r"timeline (\d+) -> (\d+)"):
+            client.reader(unique_name)
+        with pytest.raises(streams.DatabaseChanged, match="timeline"):
+            client.writer(unique_name)
+    with streams.connect(pg.url) as fresh, fresh.reader(unique_name) as reader:
+        assert list(reader.facts()) == []
 
 
 def test_a_server_that_never_starts_fails_after_connect_timeout(pg: StartingPostgres) -> None:
