@@ -186,8 +186,8 @@ def read(url: str, redis_url: str, prefix: str, names: list[str], mode: str, nam
             if now != positions[stream]:
                 positions[stream] = now
                 out(f"P {stream} {now}")
-        if mode == "plain" or epoch is None or not epoch.facts:
-            continue
+        if mode == "plain" or epoch is None:
+            continue  # an epoch of gaps only is committed too: the group's position moves
         if flags.die:
             out("DYING")
             os.kill(os.getpid(), signal.SIGKILL)
@@ -198,11 +198,12 @@ def read(url: str, redis_url: str, prefix: str, names: list[str], mode: str, nam
                 if conn is None or conn.closed or conn.broken:
                     conn = psycopg.connect(url, connect_timeout=3)
                 with conn.cursor() as cur:
-                    cur.executemany(
-                        "INSERT INTO chaos_effects (grp, stream, stream_id, consumer) "
-                        "VALUES (%s, %s, %s, %s)",
-                        [(group, f.stream, f.stream_id, name) for f in epoch.facts],
-                    )
+                    if epoch.facts:
+                        cur.executemany(
+                            "INSERT INTO chaos_effects (grp, stream, stream_id, consumer) "
+                            "VALUES (%s, %s, %s, %s)",
+                            [(group, f.stream, f.stream_id, name) for f in epoch.facts],
+                        )
                 committed = reader.commit(conn=conn)
                 conn.commit()
         except (streams.GroupFenced, streams.GroupMoved) as exc:
