@@ -164,6 +164,18 @@ def streams_url(database_url: str) -> str:
 
 
 @pytest.fixture
+def own_database(postgres_admin_url: str) -> Iterator[str]:
+    """A migrated database of this test's own (dropped afterwards), for tests that drop,
+    recreate or restore it under live clients."""
+    from streams.migrate import upgrade
+
+    url = create_database(postgres_admin_url, prefix="streams_own")
+    upgrade(url)
+    yield url
+    drop_database(postgres_admin_url, database_name(url))
+
+
+@pytest.fixture
 def client(streams_url: str) -> Iterator[Client]:
     """A `streams.Client` on the migrated session database, with a short writer lease."""
     with streams.connect(streams_url, lease_seconds=2.0) as c:

@@ -25,6 +25,16 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str =
         time.sleep(0.01)
 
 
+def fill_stream(url: str, stream: str, count: int) -> None:
+    """Create ``stream`` and append ``count`` facts ``{"n": 0..count-1}`` in one batch."""
+    import streams
+
+    with streams.connect(url) as client:
+        client.create_stream(stream)
+        with client.writer(stream) as writer:
+            writer.append_batch([{"n": n} for n in range(count)])
+
+
 def fact_rows(url: str, stream: str) -> list[tuple[Any, ...]]:
     """``(stream_id, row_no, instance, ts, payload)`` of every row of ``stream``, in order."""
     with psycopg.connect(url, autocommit=True) as conn:

@@ -11,11 +11,11 @@ group reader committed its old position there).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 
 import psycopg
 import pytest
-from servers import create_database, database_name, drop_database
+from helpers import fill_stream
+from servers import database_name
 
 import streams
 from streams.migrate import upgrade
@@ -32,26 +32,11 @@ def _create(admin_url: str, name: str, template: str | None = None) -> None:
         admin.execute(f'CREATE DATABASE "{name}"{copy}')
 
 
-@pytest.fixture
-def own_database(postgres_admin_url: str) -> Iterator[str]:
-    url = create_database(postgres_admin_url, prefix="streams_incarnation")
-    upgrade(url)
-    yield url
-    drop_database(postgres_admin_url, database_name(url))
-
-
-def _fill(url: str, stream: str, count: int) -> None:
-    with streams.connect(url) as client:
-        client.create_stream(stream)
-        with client.writer(stream) as writer:
-            writer.append_batch([{"n": n} for n in range(count)])
-
-
 def test_every_role_stops_on_a_recreated_database(
     postgres_admin_url: str, own_database: str, unique_name: str
 ) -> None:
     name = database_name(own_database)
-    _fill(own_database, unique_name, 5)
+    fill_stream(own_database, unique_name, 5)
     client = streams.connect(own_database)
     reader = client.reader(unique_name)
     assert len(list(reader.facts())) == 5
@@ -63,7 +48,7 @@ def test_every_role_stops_on_a_recreated_database(
     _drop(postgres_admin_url, name)
     _create(postgres_admin_url, name)
     upgrade(own_database)
-    _fill(own_database, unique_name, 3)  # IDs 1..3 of the new database
+    fill_stream(own_database, unique_name, 3)  # IDs 1..3 of the new database
 
     with pytest.raises(streams.DatabaseChanged, match="another database") as caught:
         reader.poll(1.0)
@@ -90,7 +75,7 @@ def test_a_reader_stops_on_a_restored_copy_under_the_same_url(
     postgres_admin_url: str, own_database: str, unique_name: str
 ) -> None:
     name = database_name(own_database)
-    _fill(own_database, unique_name, 5)
+    fill_stream(own_database, unique_name, 5)
     backup = name + "_b"
     _create(postgres_admin_url, backup, template=name)  # the backup, taken at 5 facts
     try:

@@ -10,33 +10,17 @@ sessions (`streams_spark.executor._check_incarnation`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
-from servers import create_database, database_name, drop_database
+from helpers import fill_stream
+from servers import database_name
 
-import streams
 from streams.migrate import upgrade
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-
-
-@pytest.fixture
-def own_database(postgres_admin_url: str) -> Iterator[str]:
-    url = create_database(postgres_admin_url, prefix="streams_spark_incarnation")
-    upgrade(url)
-    yield url
-    drop_database(postgres_admin_url, database_name(url))
-
-
-def _fill(url: str, stream: str, count: int) -> None:
-    with streams.connect(url) as client:
-        client.create_stream(stream)
-        with client.writer(stream) as writer:
-            writer.append_batch([{"n": n} for n in range(count)])
 
 
 def _run(spark: Any, url: str, stream: str, checkpoint: Path, **options: str) -> list[int]:
@@ -62,7 +46,7 @@ def _run(spark: Any, url: str, stream: str, checkpoint: Path, **options: str) ->
 def test_a_restarted_query_stops_on_a_recreated_database(
     spark: Any, postgres_admin_url: str, own_database: str, unique_name: str, tmp_path: Path
 ) -> None:
-    _fill(own_database, unique_name, 5)
+    fill_stream(own_database, unique_name, 5)
     checkpoint = tmp_path / "checkpoint"
     assert _run(spark, own_database, unique_name, checkpoint) == [1, 2, 3, 4, 5]
 
@@ -71,7 +55,7 @@ def test_a_restarted_query_stops_on_a_recreated_database(
         admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
         admin.execute(f'CREATE DATABASE "{name}"')
     upgrade(own_database)
-    _fill(own_database, unique_name, 8)  # IDs 1..8 of the new database
+    fill_stream(own_database, unique_name, 8)  # IDs 1..8 of the new database
 
     with pytest.raises(Exception, match="DatabaseChanged") as caught:
         _run(spark, own_database, unique_name, checkpoint)
