@@ -46,7 +46,7 @@ from pyspark.sql.types import (
 )
 
 from streams.config import redact_url
-from streams.core.incarnation import token_changes
+from streams.core.incarnation import written_elsewhere
 from streams.core.replication import backoff_delay
 from streams.errors import ConnectionLost, DatabaseChanged, FactsPruned, StoreError
 from streams.store import connect, rows
@@ -241,11 +241,10 @@ def _check_incarnation(cur: Any, part: RangePartition) -> None:
     if part.incarnation is None:
         return
     cur.execute(INCARNATION_SQL)
-    found = incarnation_from_row(tuple(cur.fetchone()))
-    if found.token != part.incarnation:
+    changed = written_elsewhere(part.incarnation, incarnation_from_row(tuple(cur.fetchone())))
+    if changed is not None:
         raise DatabaseChanged(
-            f"Spark task reading {part.stream!r} ({part.after}, {part.through}]",
-            "; ".join(token_changes(part.incarnation, found)),
+            f"Spark task reading {part.stream!r} ({part.after}, {part.through}]", changed
         )
 
 

@@ -74,7 +74,7 @@ from pyspark.sql.streaming.datasource import (
 from pyspark.sql.types import StructType
 
 from streams.client import default_instance_name
-from streams.core.incarnation import Guard, token_changes
+from streams.core.incarnation import Guard, Incarnation, written_elsewhere
 from streams.core.replication import backoff_delay
 from streams.core.stalls import HeldStreams
 from streams.errors import (
@@ -281,24 +281,26 @@ class _Driver:
         group = f" (group {self.config.group!r})" if self.config.group else ""
         return f"Spark source of {', '.join(self.config.streams)}{group}"
 
-    def incarnation(self) -> str:
-        """The token of the database history this query reads (connecting if needed)."""
+    def _current(self) -> Incarnation:
+        """The database history this query reads (connecting if needed)."""
         if self.guard.expected is None:
             self.run(read_incarnation)  # a session: its setup records the incarnation
         expected = self.guard.expected
         assert expected is not None
-        return expected.token
+        return expected
+
+    def incarnation(self) -> str:
+        """The token of `_current`, which offsets, partitions and group rows carry."""
+        return self._current().token
 
     def check_offset(self, offset: dict[str, Any], what: str) -> None:
         """An offset from Spark's log must belong to this database history: `DatabaseChanged`
         otherwise (with ``failOnDataLoss=false``, a warning, and the query goes on from it).
         Offsets logged before they carried an incarnation are taken as they are."""
         token = incarnation_of(offset)
-        current = self.incarnation()
-        if token is None or token == current:
+        changed = written_elsewhere(token, self._current())
+        if changed is None:
             return
-        assert self.guard.expected is not None
-        changed = "; ".join(token_changes(token, self.guard.expected))
         if self.config.fail_on_data_loss:
             raise DatabaseChanged(f"{self._where()}: the {what} offset", changed)
         self.warn_once(
@@ -311,11 +313,9 @@ class _Driver:
         """The group's committed position, where a start takes it, must have been committed in
         this database history (as for Python group readers); rows from before incarnations
         existed (None) are taken as they are. ``failOnDataLoss=false``: a warning."""
-        current = self.incarnation()
-        if token is None or token == current:
+        changed = written_elsewhere(token, self._current())
+        if changed is None:
             return
-        assert self.guard.expected is not None
-        changed = "; ".join(token_changes(token, self.guard.expected))
         what = f"group {self.config.group!r} on stream {stream!r}"
         if self.config.fail_on_data_loss:
             raise DatabaseChanged(

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from ..errors import DatabaseChanged, UsageError
 
-__all__ = ["Guard", "Incarnation", "changes", "token_changes"]
+__all__ = ["Guard", "Incarnation", "changes", "token_changes", "written_elsewhere"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +111,15 @@ def token_changes(old_token: str, new: Incarnation) -> list[str]:
     except UsageError:
         return [f"an unreadable incarnation {old_token!r}"]
     return changes(old, new)
+
+
+def written_elsewhere(token: str | None, current: Incarnation) -> str | None:
+    """For something read back with the incarnation it was written in (a group row, a Spark
+    offset or partition): what changed since, in words (None: the same history, or written
+    before incarnations existed, ``token`` None, which is taken as it is)."""
+    if token is None or token == current.token:
+        return None
+    return "; ".join(token_changes(token, current))
 
 
 class Guard:

@@ -24,7 +24,7 @@ from typing import Any
 import click
 
 from ..config import Settings, redact_url
-from ..core.incarnation import token_changes
+from ..core.incarnation import written_elsewhere
 from ..store import connect as dbconnect
 from ..store.driver import run
 from ..store.incarnation import accept_groups, bound_groups, read_incarnation
@@ -60,10 +60,10 @@ def incarnation(
             "group": row.group,
             "position": row.position,
             "incarnation": row.incarnation,
-            "changed": token_changes(row.incarnation, current),
+            "changed": written_elsewhere(row.incarnation, current),
         }
         for row in rows
-        if row.incarnation is not None and row.incarnation != current.token
+        if written_elsewhere(row.incarnation, current) is not None
     ]
     if as_json:
         data = {"incarnation": current.as_dict(), "other_groups": others}
@@ -79,10 +79,7 @@ def incarnation(
         return
     click.echo("reader groups committed in another incarnation (their readers stop):")
     for row in others:
-        click.echo(
-            f"  {row['group']} on {row['stream']} at {row['position']}: "
-            + "; ".join(row["changed"])
-        )
+        click.echo(f"  {row['group']} on {row['stream']} at {row['position']}: {row['changed']}")
     click.echo(
         "check their positions against this database, then `streams incarnation accept "
         "GROUP...` (or --all), or `streams groups delete GROUP` to start a group anew"

@@ -49,7 +49,7 @@ import orjson
 from ..core.constants import PROOF_GRACE, STALE_AFTER
 from ..core.epochs import Epoch, Fact, Row, plan_page
 from ..core.frontier import Antichain, FrontierProbe, FrontierSnapshot, LiveFilter, UpperAntichain
-from ..core.incarnation import Guard, Incarnation, token_changes
+from ..core.incarnation import Guard, Incarnation, written_elsewhere
 from ..core.replication import Hint, is_proof_hint
 from ..core.signing import KEY_REFRESH, SignedRange, verify_range
 from ..core.stalls import HeldStreams
@@ -287,9 +287,9 @@ class ReaderCore:
         IDs) stops the reader until an operator binds it to this one (`streams incarnation
         accept`). Rows committed before incarnations existed (None) are taken as they are."""
         current = self.guard.expected
-        if token is None or current is None or token == current.token:
+        changed = None if current is None else written_elsewhere(token, current)
+        if changed is None:
             return
-        changed = "; ".join(token_changes(token, current))
         raise DatabaseChanged(
             f"group {self.group!r} on stream {stream!r}",
             f"its position {position} was committed in another incarnation: {changed}",

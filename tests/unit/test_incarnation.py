@@ -9,7 +9,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from streams.core.incarnation import Guard, Incarnation, changes, token_changes
+from streams.core.incarnation import (
+    Guard,
+    Incarnation,
+    changes,
+    token_changes,
+    written_elsewhere,
+)
 from streams.errors import DatabaseChanged, UsageError
 
 incarnations = st.builds(
@@ -86,3 +92,12 @@ def test_a_guard_survives_pickling_and_threads() -> None:
     for thread in threads:
         thread.join()
     assert len(seen) == 8 and fresh.expected == Incarnation("a", 1, 2, 3, 1)
+
+
+def test_written_elsewhere_takes_rows_from_before_incarnations_as_they_are() -> None:
+    current = Incarnation("a", 1, 2, 3, 1)
+    assert written_elsewhere(None, current) is None
+    assert written_elsewhere(current.token, current) is None
+    assert written_elsewhere("a/1/2/3/2", current) == "; ".join(
+        changes(Incarnation("a", 1, 2, 3, 2), current)
+    )
