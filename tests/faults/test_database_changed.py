@@ -93,3 +93,44 @@ def test_a_reader_stops_on_a_restored_copy_under_the_same_url(
     finally:
         with psycopg.connect(postgres_admin_url, autocommit=True) as admin:
             admin.execute(f'DROP DATABASE IF EXISTS "{backup}" WITH (FORCE)')
+
+
+def test_a_group_row_of_another_incarnation_stops_its_readers_until_accepted(
+    postgres_admin_url: str, own_database: str, unique_name: str
+) -> None:
+    """A restored dump brings the group rows with it: their positions were committed in the
+    old history. A group reader opening one stops (`DatabaseChanged` naming the group) until
+    `streams incarnation accept` binds it to this one; then it resumes from its position."""
+    from click.testing import CliRunner
+
+    from streams.ops.cli import main
+
+    name = database_name(own_database)
+    fill_stream(own_database, unique_name, 5)
+    with streams.connect(own_database) as client:
+        with client.reader(unique_name, group="billing") as reader:
+            assert len(list(reader.facts())) == 5
+            reader.commit()
+        with client.writer(unique_name) as writer:
+            writer.append({"n": 5})
+    backup = name + "_b"
+    _create(postgres_admin_url, backup, template=name)
+    _drop(postgres_admin_url, name)
+    with psycopg.connect(postgres_admin_url, autocommit=True) as admin:
+        admin.execute(f'ALTER DATABASE "{backup}" RENAME TO "{name}"')  # the restore
+
+    with streams.connect(own_database) as client:
+        with pytest.raises(streams.DatabaseChanged, match=r"group 'billing' on stream") as e:
+            client.reader(unique_name, group="billing")
+        assert "its position 5 was committed in another incarnation" in str(e.value)
+        cli = CliRunner()
+        shown = cli.invoke(main, ["incarnation", "--database-url", own_database])
+        assert shown.exit_code == 0, shown.output
+        assert f"billing on {unique_name} at 5: another database" in shown.output
+        accepted = cli.invoke(
+            main, ["incarnation", "accept", "billing", "--database-url", own_database]
+        )
+        assert accepted.exit_code == 0, accepted.output
+        assert f"group billing on {unique_name}: bound to incarnation" in accepted.output
+        with client.reader(unique_name, group="billing") as reader:
+            assert [f.payload["n"] for f in reader.facts()] == [5]
