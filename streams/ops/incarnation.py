@@ -87,28 +87,29 @@ def incarnation(
 
 
 @incarnation.command(name="accept")
-@click.argument("groups", nargs=-1, type=GROUP_NAME)
+@click.argument("group", nargs=-1, type=GROUP_NAME, metavar="[GROUP]...")
 @click.option("--all", "every", is_flag=True, help="Every group committed in another one.")
 @click.option("--json", "as_json", is_flag=True)
 @common_options
 def accept(
-    groups: tuple[str, ...],
+    group: tuple[str, ...],
     every: bool,
     as_json: bool,
     database_url: str | None,
     redis_url: str | None,
     prefix: str | None,
 ) -> None:
-    """Bind the rows of GROUPS (or --all) committed in another incarnation to this one: their
+    """Bind the rows of the GROUPs (or --all) committed in another incarnation to this one: their
     readers then resume from their positions. Only after checking that those positions hold in
     this database's history."""
+    groups = list(group)
     if bool(groups) == every:
         raise click.UsageError("name the groups, or give --all (not both)")
     settings = Settings.resolve(database_url, redis_url, prefix)
     with dbconnect.connect(settings.database_url, autocommit=True, purpose="incarnation") as conn:
         run(conn, check_schema())
         current = run(conn, read_incarnation())
-        bound = run(conn, accept_groups(current.token, None if every else list(groups)))
+        bound = run(conn, accept_groups(current.token, None if every else groups))
     if as_json:
         rows = [{"stream": s, "group": g} for s, g in bound]
         click.echo(json.dumps({"incarnation": current.token, "accepted": rows}, sort_keys=True))

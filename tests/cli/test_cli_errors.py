@@ -74,6 +74,8 @@ def _valid_args(path: tuple[str, ...]) -> list[str]:
     for p in _command(path).params:
         if isinstance(p, click.Argument) and p.name == "payloads":
             args.append('{"n": 1}')  # optional (stdin otherwise), but needed
+        elif isinstance(p, click.Argument) and p.name == "group" and p.nargs == -1:
+            args.append("billing")  # `incarnation accept`: groups, or --all
         elif isinstance(p, click.Argument) and p.required:
             args.append(STREAM)
     return args

@@ -569,7 +569,12 @@ def test_idle_source_probes_lazily_and_a_redis_hint_wakes_it(
     reader = StreamsStreamReader(config)
     try:
         start = reader.initialOffset()
-        assert start == {"v": 1, "streams": {stream: 0}, "floors": {stream: 0}}
+        assert start == {
+            "v": 1,
+            "streams": {stream: 0},
+            "floors": {stream: 0},
+            "incarnation": reader.incarnation(),  # the database history (issue 27)
+        }
         wait_until(lambda: reader._link_up, 10, "the Redis link")
         reader.latestOffset(start, ReadAllAvailable())
         before = reader.probes
@@ -644,7 +649,10 @@ def test_sequence_going_backwards_fails_or_warns(
     lenient = StreamsStreamReader(
         parse_options({"stream": stream, "databaseUrl": streams_url, "failOnDataLoss": "false"})
     )
-    assert lenient.latestOffset(ahead, ReadAllAvailable()) == ahead
+    assert lenient.latestOffset(ahead, ReadAllAvailable()) == {
+        **ahead,
+        "incarnation": lenient.incarnation(),
+    }
     lenient.stop()
 
 
