@@ -114,7 +114,7 @@ def accept(
         rows = [{"stream": s, "group": g} for s, g in bound]
         click.echo(json.dumps({"incarnation": current.token, "accepted": rows}, sort_keys=True))
         return
-    for stream, group in bound:
-        click.echo(f"group {group} on {stream}: bound to incarnation {current.id}")
+    for stream, name in bound:
+        click.echo(f"group {name} on {stream}: bound to incarnation {current.id}")
     if not bound:
         click.echo("no group row was committed in another incarnation")
