@@ -319,48 +319,11 @@ def commit_group(
     statement moves nothing anyway). The group argument (`commit_group_in`) is not touched: it
     judges the group's row, and only commits that pass the fence reach it.
     """
-    infos = [info for info, _, _ in commits]
-    by_id = {info.id: info.name for info in infos}
-    params = _fence_params(group, infos, held)
-    try:
-        rows = yield Query(
-            f"""
-            WITH c AS (
-                SELECT * FROM unnest(%(streams)s::integer[], %(positions)s::bigint[],
-                                     %(floors)s::bigint[], %(generations)s::bigint[],
-                                     %(tokens)s::uuid[])
-                       AS c(stream, position, ts_floor, generation, token)
-            ), {_FENCE}, i AS (
-                INSERT INTO streams_reader_groups AS g
-                    (stream, group_name, position, ts_floor, incarnation)
-                SELECT c.stream, %(group)s, c.position, c.ts_floor, %(incarnation)s
-                FROM c JOIN held ON held.stream = c.stream AND held.token = c.token
-                WHERE NOT EXISTS (SELECT FROM fenced)
-                ON CONFLICT (stream, group_name) DO UPDATE
-                SET position = GREATEST(g.position, EXCLUDED.position),
-                    ts_floor = GREATEST(g.ts_floor, EXCLUDED.ts_floor),
-                    incarnation = EXCLUDED.incarnation,
-                    updated_at = now()
-                RETURNING g.stream, g.position
-            )
-            SELECT c.stream, CASE WHEN f.stream IS NOT NULL THEN {_FENCED_CAST}
-                                  ELSE i.position END
-            FROM c LEFT JOIN i ON i.stream = c.stream LEFT JOIN f ON true
-            """,
-            {
-                **params,
-                "positions": [position for _, position, _ in commits],
-                "floors": [floor for _, _, floor in commits],
-                "incarnation": incarnation,
-            },
-        )
-    except StoreError as exc:
-        fenced = _fenced(group, infos, exc)
-        if fenced is None:
-            raise
-        raise fenced from None
+    committed = yield from _commit(
+        group, [(i, p, f, None) for i, p, f in commits], held, incarnation, exact=False
+    )
     yield Commit()
-    return {by_id[int(stream)]: int(position) for stream, position in rows}
+    return committed
 
 
 #: Marker of the text cast by which `commit_group_in` fails the caller's transaction.
@@ -392,40 +355,72 @@ def commit_group_in(
     them again, for the first time as far as the database knows). Forward-only as
     `commit_group`: a position below the row's never lowers it. Returns the committed position by
     stream name."""
+    return (yield from _commit(group, commits, held, incarnation, exact=True))
+
+
+#: The statement of both commits (see their arguments), for ``exact`` (`commit_group_in`: the
+#: row moves only from ``base``, else `GROUP_MOVED`) or not (`commit_group`: forward-only).
+_COMMIT_SQL = """
+    WITH c AS (
+        SELECT * FROM unnest(%(streams)s::integer[], %(positions)s::bigint[],
+                             %(floors)s::bigint[], %(bases)s::bigint[],
+                             %(generations)s::bigint[], %(tokens)s::uuid[])
+               AS c(stream, position, ts_floor, base, generation, token)
+    ), {fence}, i AS (
+        INSERT INTO streams_reader_groups AS g
+            (stream, group_name, position, ts_floor, incarnation)
+        SELECT c.stream, %(group)s, c.position, c.ts_floor, %(incarnation)s
+        FROM c JOIN held ON held.stream = c.stream AND held.token = c.token
+        WHERE NOT EXISTS (SELECT FROM fenced)
+        ON CONFLICT (stream, group_name) DO UPDATE
+        SET position = GREATEST(g.position, EXCLUDED.position),
+            ts_floor = GREATEST(g.ts_floor, EXCLUDED.ts_floor),
+            incarnation = EXCLUDED.incarnation,
+            updated_at = now()
+        {exact_where}
+        RETURNING g.stream, g.position
+    )
+    SELECT c.stream,
+           CASE WHEN f.stream IS NOT NULL THEN {fenced_cast}
+                {exact_case}
+                ELSE i.position
+           END
+    FROM c LEFT JOIN i ON i.stream = c.stream LEFT JOIN f ON true
+"""
+_COMMIT_STATEMENTS = {
+    exact: _COMMIT_SQL.format(
+        fence=_FENCE,
+        fenced_cast=_FENCED_CAST,
+        exact_where=(
+            "WHERE g.position = (SELECT c.base FROM c WHERE c.stream = g.stream)" if exact else ""
+        ),
+        exact_case=(
+            f"WHEN i.stream IS NULL THEN ('{GROUP_MOVED} ' || c.stream || ' ' || "
+            "COALESCE(c.base, -1))::bigint"
+            if exact
+            else ""
+        ),
+    )
+    for exact in (False, True)
+}
+
+
+def _commit(
+    group: str,
+    commits: Sequence[tuple[StreamInfo, int, int, int | None]],
+    held: Mapping[str, Generation],
+    incarnation: str | None,
+    *,
+    exact: bool,
+) -> Gen[dict[str, int]]:
+    """The one statement of `commit_group` and `commit_group_in` (no commit of its own)."""
     infos = [info for info, _, _, _ in commits]
     by_id = {info.id: info.name for info in infos}
-    params = _fence_params(group, infos, held)
     try:
         rows = yield Query(
-            f"""
-            WITH c AS (
-                SELECT * FROM unnest(%(streams)s::integer[], %(positions)s::bigint[],
-                                     %(floors)s::bigint[], %(bases)s::bigint[],
-                                     %(generations)s::bigint[], %(tokens)s::uuid[])
-                       AS c(stream, position, ts_floor, base, generation, token)
-            ), {_FENCE}, i AS (
-                INSERT INTO streams_reader_groups AS g
-                    (stream, group_name, position, ts_floor, incarnation)
-                SELECT c.stream, %(group)s, c.position, c.ts_floor, %(incarnation)s
-                FROM c JOIN held ON held.stream = c.stream AND held.token = c.token
-                WHERE NOT EXISTS (SELECT FROM fenced)
-                ON CONFLICT (stream, group_name) DO UPDATE
-                SET position = GREATEST(g.position, EXCLUDED.position),
-                    ts_floor = GREATEST(g.ts_floor, EXCLUDED.ts_floor),
-                    incarnation = EXCLUDED.incarnation,
-                    updated_at = now()
-                WHERE g.position = (SELECT c.base FROM c WHERE c.stream = g.stream)
-                RETURNING g.stream, g.position
-            )
-            SELECT c.stream,
-                   CASE WHEN f.stream IS NOT NULL THEN {_FENCED_CAST}
-                        WHEN i.stream IS NOT NULL THEN i.position
-                        ELSE ('{GROUP_MOVED} ' || c.stream || ' ' || COALESCE(c.base, -1))::bigint
-                   END
-            FROM c LEFT JOIN i ON i.stream = c.stream LEFT JOIN f ON true
-            """,
+            _COMMIT_STATEMENTS[exact],
             {
-                **params,
+                **_fence_params(group, infos, held),
                 "positions": [position for _, position, _, _ in commits],
                 "floors": [floor for _, _, floor, _ in commits],
                 "bases": [base for _, _, _, base in commits],
