@@ -294,37 +294,32 @@ class _Driver:
         return self._current().token
 
     def check_offset(self, offset: dict[str, Any], what: str) -> None:
-        """An offset from Spark's log must belong to this database history: `DatabaseChanged`
-        otherwise (with ``failOnDataLoss=false``, a warning, and the query goes on from it).
-        Offsets logged before they carried an incarnation are taken as they are."""
-        token = incarnation_of(offset)
-        changed = written_elsewhere(token, self._current())
-        if changed is None:
-            return
-        if self.config.fail_on_data_loss:
-            raise DatabaseChanged(f"{self._where()}: the {what} offset", changed)
-        self.warn_once(
-            ("incarnation", token),
-            f"{self._where()}: the {what} offset was logged in another database history "
-            f"({changed}); failOnDataLoss=false: going on from its positions",
+        """An offset from Spark's log must belong to this database history (offsets logged
+        before they carried an incarnation are taken as they are): `_written_elsewhere`."""
+        self._written_elsewhere(
+            incarnation_of(offset), f"{self._where()}: the {what} offset", "was logged"
         )
 
     def check_group_row(self, stream: str, token: str | None, position: int) -> None:
         """The group's committed position, where a start takes it, must have been committed in
-        this database history (as for Python group readers); rows from before incarnations
-        existed (None) are taken as they are. ``failOnDataLoss=false``: a warning."""
+        this database history, as for Python group readers (rows from before incarnations
+        existed are taken as they are): `_written_elsewhere`."""
+        what = f"group {self.config.group!r} on stream {stream!r}"
+        self._written_elsewhere(token, what, f"at {position} was committed")
+
+    def _written_elsewhere(self, token: str | None, what: str, how: str) -> None:
+        """`DatabaseChanged` if ``what`` (read back with incarnation ``token``) belongs to
+        another database history; with ``failOnDataLoss=false``, a warning (once), and the
+        query goes on from it."""
         changed = written_elsewhere(token, self._current())
         if changed is None:
             return
-        what = f"group {self.config.group!r} on stream {stream!r}"
         if self.config.fail_on_data_loss:
-            raise DatabaseChanged(
-                what, f"its position {position} was committed in another incarnation: {changed}"
-            )
+            raise DatabaseChanged(what, f"it {how} in another incarnation: {changed}")
         self.warn_once(
-            ("group-incarnation", stream, token),
-            f"{what}: its position {position} was committed in another incarnation ({changed});"
-            " failOnDataLoss=false: starting from it",
+            ("incarnation", what, token),
+            f"{what} {how} in another database history ({changed}); failOnDataLoss=false: "
+            "going on from it",
         )
 
     def infos(self) -> dict[str, StreamInfo]:

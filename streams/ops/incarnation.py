@@ -54,17 +54,19 @@ def incarnation(
         run(conn, check_schema())
         current = run(conn, read_incarnation())
         rows = run(conn, bound_groups())
-    others: list[dict[str, Any]] = [
-        {
-            "stream": row.stream,
-            "group": row.group,
-            "position": row.position,
-            "incarnation": row.incarnation,
-            "changed": written_elsewhere(row.incarnation, current),
-        }
-        for row in rows
-        if written_elsewhere(row.incarnation, current) is not None
-    ]
+    others: list[dict[str, Any]] = []
+    for row in rows:
+        changed = written_elsewhere(row.incarnation, current)
+        if changed is not None:
+            others.append(
+                {
+                    "stream": row.stream,
+                    "group": row.group,
+                    "position": row.position,
+                    "incarnation": row.incarnation,
+                    "changed": changed,
+                }
+            )
     if as_json:
         data = {"incarnation": current.as_dict(), "other_groups": others}
         click.echo(json.dumps(data, sort_keys=True, separators=(",", ":")))
@@ -78,8 +80,10 @@ def incarnation(
         click.echo("every reader group was committed in this incarnation (or before 0011)")
         return
     click.echo("reader groups committed in another incarnation (their readers stop):")
-    for row in others:
-        click.echo(f"  {row['group']} on {row['stream']} at {row['position']}: {row['changed']}")
+    for other in others:
+        click.echo(
+            f"  {other['group']} on {other['stream']} at {other['position']}: {other['changed']}"
+        )
     click.echo(
         "check their positions against this database, then `streams incarnation accept "
         "GROUP...` (or --all), or `streams groups delete GROUP` to start a group anew"
