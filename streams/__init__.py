@@ -41,9 +41,9 @@ from .errors import (
     WriterFenced,
 )
 from .reader import AsyncReader, Reader
-from .store.groups import GroupRow, StreamPositions
+from .store.reader_groups import GroupRow, StreamPositions
 from .store.registry import FactTable, StreamInfo
-from .store.writing import Ack
+from .store.writer_core import Ack
 from .writer import AsyncOpenFact, AsyncWriter, OpenFact, Writer
 
 __version__ = "0.1.0"

@@ -18,7 +18,7 @@ even a `CommitUnknown` there is harmless. The other calls write (`create_stream`
 `rotate_replication_keys`...): they are never sent twice here, since a broken connection may
 leave their outcome unknown. Every call (reads and writes) first checks that the client's idle
 connection was not ended by the server meanwhile (`streams.store.driver.gone`), and opening one
-waits for a starting server (`streams.store.connect`, ``connect_timeout``). The retry is one
+waits for a starting server (`streams.store.sessions`, ``connect_timeout``). The retry is one
 plan (`_read_plan`) that `Client` and `AsyncClient` both drive.
 """
 
@@ -42,16 +42,20 @@ from typing import Any, NamedTuple, TypeAlias, TypeVar
 import psycopg
 
 from .config import Settings
-from .core.groups import STALE_AFTER_MS
 from .core.incarnation import Guard
 from .core.replication import backoff_delay
+from .core.staleness import STALE_AFTER_MS
 from .core.timestamps import TimestampMode
 from .errors import ConnectionLost, StoreError
 from .proofs import ProofService
 from .reader import AsyncReader, Reader
-from .store import connect as dbconnect
+from .store import sessions
 from .store.driver import Gen, arun, gone, run, transient_sqlstate
-from .store.groups import (
+from .store.identity import verify
+from .store.keys import describe_keys, rotate_keys
+from .store.leases import prune_writers
+from .store.reader_core import ReaderCore, Start
+from .store.reader_groups import (
     GroupRow,
     StreamPositions,
     delete_group,
@@ -59,9 +63,6 @@ from .store.groups import (
     stream_positions,
     streams_of_group,
 )
-from .store.incarnation import verify
-from .store.keys import describe_keys, rotate_keys
-from .store.reading import ReaderCore, Start
 from .store.registry import (
     FactTableSpec,
     StreamInfo,
@@ -74,8 +75,7 @@ from .store.registry import (
     set_retention,
 )
 from .store.retention import PRUNE_BATCH, PruneResult, prune
-from .store.writers import prune_writers
-from .store.writing import WriterCore
+from .store.writer_core import WriterCore
 from .transport.link import AsyncRedisLink, RedisLink
 from .writer import AsyncWriter, Writer
 
@@ -168,7 +168,7 @@ def _known_streams(settings: Settings) -> list[str]:
     database does not know means another deployment shares the channel (`streams.core.replication`).
     Runs on the link's thread (rarely: only when it hears an unknown name), on a connection of
     its own."""
-    with dbconnect.connect(
+    with sessions.connect(
         settings.database_url, autocommit=True, connect_timeout=3, purpose="redis link"
     ) as conn:
         return [info.name for info in run(conn, list_streams())]
@@ -209,9 +209,9 @@ class Client:
         self._conn: psycopg.Connection[Any] | None = None
         self._conn_lock = threading.Lock()
         #: The database history everything this client opens belongs to (its readers',
-        #: writers' and prover's sessions check it on every connect: `streams.store.incarnation`).
+        #: writers' and prover's sessions check it on every connect: `streams.store.identity`).
         self.guard = Guard()
-        with dbconnect.connect(
+        with sessions.connect(
             settings.database_url,
             autocommit=False,
             connect_timeout=settings.connect_timeout,
@@ -469,7 +469,7 @@ class Client:
                 if conn is not None:
                     conn.close()
                 self._conn = None
-                conn = dbconnect.connect(
+                conn = sessions.connect(
                     self.settings.database_url,
                     autocommit=False,
                     connect_timeout=_open_within(self.settings.connect_timeout, deadline),
@@ -523,7 +523,7 @@ class AsyncClient:
 
     @classmethod
     async def open(cls, settings: Settings) -> AsyncClient:
-        conn = await dbconnect.aconnect(
+        conn = await sessions.aconnect(
             settings.database_url,
             autocommit=False,
             connect_timeout=settings.connect_timeout,
@@ -730,7 +730,7 @@ class AsyncClient:
                 if conn is not None:
                     await conn.close()
                 self._conn = None
-                conn = await dbconnect.aconnect(
+                conn = await sessions.aconnect(
                     self.settings.database_url,
                     autocommit=False,
                     connect_timeout=_open_within(self.settings.connect_timeout, deadline),
@@ -763,7 +763,7 @@ def connect(
     ``shared_proofs`` (default ``STREAMS_SHARED_PROOFS`` or off; see `Client.reader`),
     ``connect_timeout``: seconds opening a PostgreSQL connection (this client's, and those of
     its readers and writers) waits for a server that is starting, restarting or refusing
-    connections (default ``STREAMS_CONNECT_TIMEOUT`` or 30: `streams.store.connect`).
+    connections (default ``STREAMS_CONNECT_TIMEOUT`` or 30: `streams.store.sessions`).
     """
     return Client(Settings.resolve(database_url, redis_url, prefix, **options))
 

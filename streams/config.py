@@ -46,7 +46,7 @@ DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024
 #: How long a writer that stopped heartbeating may hold the linear position back.
 DEFAULT_LEASE_SECONDS = 10.0
 #: Seconds opening a PostgreSQL connection keeps trying while the server is starting up,
-#: shutting down, restarting or refusing connections (`streams.store.connect`): a restart
+#: shutting down, restarting or refusing connections (`streams.store.sessions`): a restart
 #: (a fast shutdown, a start and a short crash recovery) takes a few seconds, a busy one tens;
 #: 30 s rides out most without hiding a server that is really down for long. Not retried at
 #: all: a bad password, an unknown database or role, a bad URL.
@@ -189,7 +189,7 @@ def validate_database_url(url: str) -> str:
     the password, part of it becomes the host, port or database name, where server messages
     would show it. Such URLs have an ``@`` left in the host or path; they raise
     `ConfigurationError` (redacted, with `ENCODING_HINT`). Whether libpq can parse the rest is
-    checked when connecting (`streams.store.connect`), by libpq itself.
+    checked when connecting (`streams.store.sessions`), by libpq itself.
     """
     match = _SCHEME.match(url)
     if match is None:

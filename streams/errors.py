@@ -217,8 +217,8 @@ class GroupMoved(StreamsError):
 
 class GroupFenced(StreamsError):
     """A newer consumer opened this reader's group since this one did (it took a higher
-    *generation*, `streams.store.groups`): this consumer is a zombie (a stalled or partitioned
-    process, an orphan that outlived its replacement). Its commit moved nothing (with
+    *generation*, `streams.store.reader_groups`): this consumer is a zombie (a stalled or
+    partitioned process, an orphan that outlived its replacement). Its commit moved nothing (with
     ``commit(conn=...)`` the caller's transaction failed too, its effects with it). Stop
     consuming: the group's live consumer owns it now; to take it back, open a new reader.
 
@@ -242,7 +242,7 @@ class GroupFenced(StreamsError):
 class DatabaseChanged(StreamsError):
     """The database is not the one this process (or a group row, or a Spark offset) started on.
 
-    A database's *incarnation* (`streams.store.incarnation`) is its system identifier, its OID,
+    A database's *incarnation* (`streams.store.identity`) is its system identifier, its OID,
     the OID of its incarnation table and that table's random id (`streams migrate` writes it),
     and its timeline. A database dropped and recreated, restored from a dump or a backup, or a
     server failed over to a standby changes it: positions learned before then may name facts the

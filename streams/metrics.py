@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, Any
 
 from .config import Settings
 from .errors import ConfigurationError, StreamsError
-from .store import connect as dbconnect
+from .store import sessions
 from .store.driver import run
-from .store.groups import stream_positions
+from .store.leases import reservation_lock_holders
+from .store.reader_groups import stream_positions
 from .store.registry import list_streams
-from .store.writers import reservation_lock_holders
 
 if TYPE_CHECKING:
     from .client import Client
@@ -151,7 +151,7 @@ class DatabaseCollector:
         try:
             with (
                 self._lock,
-                dbconnect.connect(
+                sessions.connect(
                     self._settings.database_url, autocommit=False, purpose="metrics"
                 ) as conn,
             ):

@@ -5,7 +5,7 @@ top-level ``migrations/`` folder), so an installed wheel can migrate without a c
 
 SQLAlchemy never sees the database URL: its URL parser raises with the whole URL (password
 included) in the message when the password holds an unencoded ``@`` and ``:``. The engine gets
-connections from `streams.store.connect.connect` instead, which checks the URL with libpq's parser
+connections from `streams.store.sessions.connect` instead, which checks the URL with libpq's parser
 and reports failures redacted.
 """
 
@@ -20,7 +20,7 @@ from sqlalchemy import Engine, create_engine, pool
 
 from .config import redact_url, scrub_secrets
 from .errors import StoreError
-from .store import connect as dbconnect
+from .store import sessions
 
 __all__ = ["current_revision", "upgrade"]
 
@@ -33,11 +33,11 @@ def _config() -> Config:
 
 
 def _engine(database_url: str) -> Engine:
-    """An engine whose every connection comes from `dbconnect.connect` (no URL parsing)."""
-    dbconnect.parse_database_url(database_url)  # ConfigurationError before any engine work
+    """An engine whose every connection comes from `sessions.connect` (no URL parsing)."""
+    sessions.parse_database_url(database_url)  # ConfigurationError before any engine work
 
     def creator() -> Any:
-        return dbconnect.connect(database_url, autocommit=False, purpose="migration")
+        return sessions.connect(database_url, autocommit=False, purpose="migration")
 
     return create_engine("postgresql+psycopg://", creator=creator, poolclass=pool.NullPool)
 
@@ -47,7 +47,7 @@ def _failure(database_url: str, action: str, exc: Exception) -> StoreError:
     cause = getattr(exc, "orig", None) or exc
     text = str(cause).strip()
     first = text.splitlines()[0] if text else ""
-    reason = scrub_secrets(first, dbconnect.secrets_of(database_url))
+    reason = scrub_secrets(first, sessions.secrets_of(database_url))
     return StoreError(
         f"{action} of {redact_url(database_url)} failed: {type(cause).__name__}"
         + (f": {reason}" if reason else "")

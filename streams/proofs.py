@@ -58,10 +58,11 @@ from .core.replication import Hint, is_proof_hint
 from .core.signing import KEY_REFRESH, MAX_SIGNED_ROWS, sign_range, split_for_signing
 from .core.stalls import HeldStreams
 from .errors import ConnectionLost, StoreError
-from .store import connect as dbconnect
+from .store import sessions
 from .store.driver import Row, run
-from .store.incarnation import verify
+from .store.identity import verify
 from .store.keys import live_keys, newest
+from .store.leases import retire_where_held
 from .store.probe import (
     PROVER_SESSION_SETUP,
     READER_SESSION_SETUP,
@@ -72,7 +73,6 @@ from .store.probe import (
     try_become_prover,
 )
 from .store.registry import StreamInfo, load_streams
-from .store.writers import retire_where_held
 
 __all__ = [
     "ELECTION_INTERVAL",
@@ -327,7 +327,7 @@ class ProofService:
             self._link.unwatch(sorted(lost), writers=True)
 
     def _connect(self) -> psycopg.Connection[Any]:
-        conn = dbconnect.connect(self._url, autocommit=True, connect_timeout=10, purpose="prober")
+        conn = sessions.connect(self._url, autocommit=True, connect_timeout=10, purpose="prober")
         try:
             for statement in (*READER_SESSION_SETUP, *PROVER_SESSION_SETUP):
                 conn.execute(statement)
@@ -395,7 +395,7 @@ class ProofService:
         probes, rows = run(conn, prove_with_rows(infos, after, MAX_SIGNED_ROWS + 1))
         self.proofs += 1
         # Followers see only proofs: the prover is the reader that notices a stream held back
-        # by an expired writer (streams.store.writers, "the liveness argument").
+        # by an expired writer (streams.store.leases, "the liveness argument").
         observed = [(name, p.complete, p.max_allocated) for name, p in probes.items()]
         by_name = {info.name: info for info in infos}
         run(conn, retire_where_held(by_name, self._stalls, time.monotonic(), observed))

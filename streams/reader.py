@@ -1,7 +1,7 @@
 """`Reader` and `AsyncReader`: thin shells that drive `ReaderCore` on psycopg connections.
 
 The model, the stages of a reader session and the reads themselves are in
-`streams.store.reading` (`ReaderCore`, written once as generators). What is here: a connection
+`streams.store.reader_core` (`ReaderCore`, written once as generators). What is here: a connection
 per reader (reopened if the server or an interruption closed it), waiting for hints from the
 process's Redis link (`streams.transport.link`) or for the poll interval, and the waiting logic
 of `poll` and `wait_for_position`, also written once as generators that both shells drive.
@@ -26,12 +26,12 @@ from .core.frontier import Antichain, FrontierProbe
 from .core.replication import Hint, backoff_delay
 from .errors import ConnectionLost, StoreError, UsageError, WaitTimeout
 from .orm import async_target, sync_target
-from .store import connect as dbconnect
+from .store import sessions
 from .store.driver import Gen, arun, run
 from .store.probe import (
     READER_SESSION_SETUP,
 )
-from .store.reading import ReaderCore, Start, decode_jsonb
+from .store.reader_core import ReaderCore, Start, decode_jsonb
 
 __all__ = ["AsyncReader", "Reader", "ReaderCore", "Start"]
 
@@ -78,11 +78,11 @@ def _connect(
     url: str, core: ReaderCore, connect_timeout: float | None = 0
 ) -> psycopg.Connection[Any]:
     """A reader session on the database history the reader started on (else
-    `streams.errors.DatabaseChanged`: `streams.store.incarnation`). ``connect_timeout``: see
-    `streams.store.connect`; 0 (one attempt) when reopening: the plans try again with
+    `streams.errors.DatabaseChanged`: `streams.store.identity`). ``connect_timeout``: see
+    `streams.store.sessions`; 0 (one attempt) when reopening: the plans try again with
     backoff, within the caller's timeout."""
     try:
-        conn = dbconnect.connect(
+        conn = sessions.connect(
             url, autocommit=True, connect_timeout=connect_timeout, purpose="reader"
         )
         try:
@@ -102,7 +102,7 @@ async def _aconnect(
     url: str, core: ReaderCore, connect_timeout: float | None = 0
 ) -> psycopg.AsyncConnection[Any]:
     try:
-        conn = await dbconnect.aconnect(
+        conn = await sessions.aconnect(
             url, autocommit=True, connect_timeout=connect_timeout, purpose="reader"
         )
         try:
@@ -430,7 +430,7 @@ class Reader(_ReaderBase):
         position commit or roll back together. Never committed, rolled back or retried here.
         The group must still be where this reader left it (when it opened the group or last
         committed it): otherwise `GroupMoved`, and your transaction can only roll back
-        (`streams.store.groups.commit_group_in`).
+        (`streams.store.reader_groups.commit_group_in`).
         """
         if conn is None:
             return self._drive(self._commit_plan(through))

@@ -13,7 +13,7 @@ writer costs the server one session while its appends are short.
 The heartbeat runs every ``lease / 4`` seconds; an append that moved the position also wakes
 it, coalesced to at most one such early heartbeat per `FLUSH_INTERVAL` (each is one
 autocommit statement, without the retirement of expired peers that every
-`streams.store.writing.RETIRE_EVERY`-th scheduled one does), so the persisted position trails
+`streams.store.writer_core.RETIRE_EVERY`-th scheduled one does), so the persisted position trails
 the real one by at most about `FLUSH_INTERVAL` while a writer is busy. It is informational
 (``persisted_linear``): readers ask PostgreSQL what is complete.
 
@@ -22,7 +22,7 @@ thread (or task) publishes ``RDATA``/``POSITION`` through the link, best effort 
 waiting for Redis (`streams.transport.link`), and every heartbeat re-announces the position
 (``POSITION p p``, the courtesy answer to readers that joined in between).
 
-The logic lives in `streams.store.writing` and `streams.core.replication`; everything here is
+The logic lives in `streams.store.writer_core` and `streams.core.replication`; everything here is
 connection handling and scheduling.
 """
 
@@ -43,7 +43,7 @@ from ._aio import wait_event
 from .core.replication import Announcer
 from .errors import CommitUnknown, ConnectionLost, StoreError, UsageError, WriterFenced
 from .orm import async_target, sync_target
-from .store import connect as dbconnect
+from .store import sessions
 from .store.driver import (
     Gen,
     afail_joined,
@@ -56,7 +56,7 @@ from .store.driver import (
     settle,
 )
 from .store.registry import StreamInfo
-from .store.writing import Ack, FactChunk, FactHandle, WriterCore
+from .store.writer_core import Ack, FactChunk, FactHandle, WriterCore
 
 __all__ = ["AsyncOpenFact", "AsyncWriter", "OpenFact", "Writer"]
 
@@ -120,10 +120,10 @@ def _connect(
     url: str, core: WriterCore, connect_timeout: float | None = 0
 ) -> psycopg.Connection[Any]:
     """One of the writer's own connections, with its session settings (TCP keepalives and
-    checks: `WriterCore.configure_session`). ``connect_timeout``: see `streams.store.connect`;
+    checks: `WriterCore.configure_session`). ``connect_timeout``: see `streams.store.sessions`;
     0 (one attempt) when reopening, so an append fails at once while the server is down and
     the heartbeat keeps its own pace of retries."""
-    conn = dbconnect.connect(
+    conn = sessions.connect(
         url, autocommit=False, connect_timeout=connect_timeout, purpose="writer"
     )
     try:
@@ -137,7 +137,7 @@ def _connect(
 async def _aconnect(
     url: str, core: WriterCore, connect_timeout: float | None = 0
 ) -> psycopg.AsyncConnection[Any]:
-    conn = await dbconnect.aconnect(
+    conn = await sessions.aconnect(
         url, autocommit=False, connect_timeout=connect_timeout, purpose="writer"
     )
     try:

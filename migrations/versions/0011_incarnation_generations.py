@@ -2,7 +2,7 @@
 
 ``streams_incarnation`` holds one row, written once by this revision with a random ``id``: with
 the system identifier, the database's OID, this table's OID and the timeline it makes up the
-database's *incarnation* (`streams.store.incarnation`). A database dropped and recreated gets a
+database's *incarnation* (`streams.store.identity`). A database dropped and recreated gets a
 new ``id``; a dump restored into another database or cluster a new database OID (and system
 identifier); ``pg_restore --clean`` into the same database recreates the table (a new table
 OID); a failover or a point-in-time recovery a new timeline. Every process checks it on connect
@@ -12,7 +12,7 @@ and reconnect, and group rows (``streams_reader_groups.incarnation``) and Spark 
 consumer: opening a group takes the next one (and a fresh random ``token``: a generation number
 starts again at 1 after the group is deleted, a token never repeats), and a commit under an
 older one fails (`streams.errors.GroupFenced`), so a consumer that outlived its replacement
-cannot move the group (`streams.store.groups`, "the fencing argument of groups"). Its rows go
+cannot move the group (`streams.store.reader_groups`, "the fencing argument of groups"). Its rows go
 with their stream (``ON DELETE CASCADE``, as the group rows do).
 
 Revision ID: 0011_incarnation_generations

@@ -6,7 +6,7 @@ Everything a task needs comes from the pickled `RangePartition` (the driver plan
 the running-maximum timestamp is computed with pyarrow (or in SQL, ``timestampIn=sql``).
 
 A read first checks that its session is on the database history the driver planned in
-(`streams.store.incarnation`), probes (`streams.store.probe`: three statements), then reads
+(`streams.store.identity`), probes (`streams.store.probe`: three statements), then reads
 the rows in a later statement, then checks retention in a later one still. So the range it reads is
 complete *now*, not only when the driver planned it: a database restored to an older state in
 between (the range's end above what PostgreSQL proves) is the ``failOnDataLoss`` case here too.
@@ -49,10 +49,10 @@ from streams.config import redact_url
 from streams.core.incarnation import written_elsewhere
 from streams.core.replication import backoff_delay
 from streams.errors import ConnectionLost, DatabaseChanged, FactsPruned, StoreError
-from streams.store import connect, rows
 from streams.store import probe as store_probe
+from streams.store import rows, sessions
 from streams.store.driver import transient_sqlstate
-from streams.store.incarnation import INCARNATION_SQL, incarnation_from_row
+from streams.store.identity import INCARNATION_SQL, incarnation_from_row
 
 from .options import DEFAULT_STATEMENT_TIMEOUT
 
@@ -222,7 +222,7 @@ def _adbc_connection(
                 store_probe.statement_timeout_setup(statement_timeout_ms),
             )
             try:
-                conn = adbc.connect(connect.with_client_tcp_settings(url), autocommit=True)
+                conn = adbc.connect(sessions.with_client_tcp_settings(url), autocommit=True)
                 with conn.cursor() as cur:
                     for statement in setup:
                         cur.execute(statement)

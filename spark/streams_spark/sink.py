@@ -16,7 +16,7 @@ registered when the task starts and retired when it ends, so no live writer row 
 linear position back afterwards; a task killed outright leaves its row to its lease, which every
 other writer and reader retires). In that writer's one transaction it claims its task key
 (`streams.store.sinks.claim_task`: query, batch, partition) and appends its facts
-(`streams.store.writing.WriterCore.append_facts`), and commits both together. Why no row is
+(`streams.store.writer_core.WriterCore.append_facts`), and commits both together. Why no row is
 written twice, by a retried task, a speculative copy, a replayed micro-batch, and why a failed
 task leaves nothing (its reserved IDs complete as gaps), is "the exactly-once argument" in
 `streams.store.sinks`. The query id and batch id come from Spark's task-local properties for
@@ -47,8 +47,8 @@ from pyspark.sql.types import StructType
 
 from streams.config import DEFAULT_LEASE_SECONDS, DEFAULT_MAX_PAYLOAD_BYTES
 from streams.errors import CommitUnknown, ConfigurationError, ConnectionLost, PayloadTooLarge
-from streams.store import connect, driver, registry, sinks
-from streams.store.writing import FactChunk, WriterCore, encode_payload
+from streams.store import driver, registry, sessions, sinks
+from streams.store.writer_core import FactChunk, WriterCore, encode_payload
 from streams.writer import Writer
 
 from . import source
@@ -135,7 +135,7 @@ def _prepare(raw: Any, schema: StructType, overwrite: bool) -> tuple[SinkOptions
         )
     options = parse_sink_options(dict(raw))
     plan = plan_columns(options, schema)
-    with connect.connect(options.database_url, autocommit=True, purpose="Spark sink") as conn:
+    with sessions.connect(options.database_url, autocommit=True, purpose="Spark sink") as conn:
         driver.run(conn, registry.load_stream(options.stream))  # UnknownStream if it is not
     return options, plan
 
@@ -374,7 +374,7 @@ def _task_context() -> Any:
 
 
 def _commit(options: SinkOptions, query_id: str, batch_id: int) -> sinks.BatchCommit:
-    with connect.connect(options.database_url, autocommit=False, purpose="Spark sink") as conn:
+    with sessions.connect(options.database_url, autocommit=False, purpose="Spark sink") as conn:
         info = driver.run(conn, registry.load_stream(options.stream))
         conn.commit()
         return driver.run(

@@ -31,7 +31,7 @@ from pyspark.sql.types import (
 from streams.config import Settings, redact_url, validate_instance_name, validate_stream_name
 from streams.errors import ConfigurationError, InvalidStreamName
 from streams.store.sinks import DEFAULT_RETENTION_SECONDS
-from streams.store.writing import FactChunk
+from streams.store.writer_core import FactChunk
 
 from .options import KNOWN_OPTIONS, parse_duration
 

@@ -7,7 +7,7 @@ Driver (one `StreamsStreamReader` per query, in a Python planner process of its 
 Spark starts for the query):
 
 * ``initialOffset`` resolves where a new query starts with the Python reader's own logic
-  (`streams.store.reading.ReaderCore.open`: a group's committed position, earliest, latest, an
+  (`streams.store.reader_core.ReaderCore.open`: a group's committed position, earliest, latest, an
   ID, a time, a time per stream), or takes a given frontier JSON as is; with each stream's
   timestamp floor there (`streams_spark.offsets`).
 * ``latestOffset(start, limit)`` returns, per stream, at most the position the *latest* probe
@@ -27,12 +27,12 @@ Spark starts for the query):
   ranges of about equal row counts (`streams.store.rows.split_range`), each carrying the
   running maximum timestamp at its start (from the offset's floor). Same offsets, same
   partitions: a batch replayed after a crash reads exactly the same facts.
-* ``commit(end)`` records ``end`` as the reader group (`streams.store.groups.commit_group`,
+* ``commit(end)`` records ``end`` as the reader group (`streams.store.reader_groups.commit_group`,
   forward-only, so Spark repeating the last commit after a restart is harmless). Each run of
   the query is the group's consumer: its first ``initialOffset`` or ``latestOffset`` takes the
-  group's next generation (`streams.store.groups.take_generations`, before the group's position
-  is read), so an older run still alive is fenced. A fenced run's commit fails the query with
-  `GroupFenced` when ``group`` is explicit; on the default group (shared by queries with the
+  group's next generation (`streams.store.reader_groups.take_generations`, before the group's
+  position is read), so an older run still alive is fenced. A fenced run's commit fails the query
+  with `GroupFenced` when ``group`` is explicit; on the default group (shared by queries with the
   same options) it logs a warning and commits no more: its checkpoint, not the group, is where
   it resumes.
 
@@ -85,9 +85,9 @@ from streams.errors import (
     GroupFenced,
     StoreError,
 )
-from streams.store import connect, driver, groups, reading, registry, rows, writers
+from streams.store import driver, leases, reader_core, reader_groups, registry, rows, sessions
 from streams.store import probe as store_probe
-from streams.store.incarnation import read_incarnation, verify
+from streams.store.identity import read_incarnation, verify
 from streams.transport.link import RedisLink
 
 from .executor import (
@@ -197,7 +197,7 @@ class _Driver:
         self._warned: set[tuple[Any, ...]] = set()
         #: Statements run again after a transient error (for tests and metrics).
         self.retries = 0
-        #: The database history this query reads (`streams.store.incarnation`): every session
+        #: The database history this query reads (`streams.store.identity`): every session
         #: of the driver checks it, and offsets and partitions carry it.
         self.guard = Guard()
 
@@ -223,7 +223,7 @@ class _Driver:
             # The readers' own session (streams.store.probe.READER_SESSION_SETUP): the probe's
             # argument needs READ COMMITTED whatever the server's default.
             try:
-                conn = connect.connect(
+                conn = sessions.connect(
                     self.config.database_url, autocommit=True, purpose="Spark source"
                 )
             except StoreError as exc:
@@ -330,11 +330,11 @@ class _Driver:
 
     def probe(self) -> dict[str, int]:
         """What PostgreSQL proves complete, per stream; a stream held back for a while by an
-        expired writer gets that writer's sessions ended (`streams.store.writers`)."""
+        expired writer gets that writer's sessions ended (`streams.store.leases`)."""
         infos = self.infos()
         found = self.run(store_probe.probe, [infos[n] for n in self.config.streams])
         observed = [(n, found[n].complete, found[n].max_allocated) for n in self.config.streams]
-        self.run(writers.retire_where_held, infos, self._held, time.monotonic(), observed)
+        self.run(leases.retire_where_held, infos, self._held, time.monotonic(), observed)
         return {n: found[n].complete for n in self.config.streams}
 
     def floors_at(self, positions: dict[str, int]) -> dict[str, int]:
@@ -367,7 +367,7 @@ class _Driver:
         if start and self.config.group_explicit:
             infos = self.infos()
             for n in names:
-                found = self.run(groups.group_position, infos[n], self.config.group)
+                found = self.run(reader_groups.group_position, infos[n], self.config.group)
                 if found is not None:
                     self.check_group_row(n, found.incarnation, found.position)
                     committed[n], floors[n] = int(found[0]), int(found[1])
@@ -414,12 +414,12 @@ class _Driver:
     ) -> None:
         """Resolve ``names`` with the Python reader's own start logic (on the database's
         clock for a relative start) and keep exactly its positions, filters and floors."""
-        core = reading.ReaderCore(names, start=begin)
+        core = reader_core.ReaderCore(names, start=begin)
         try:
             self.run(core.open)
         except FactsPruned as lost:  # a start below what retention kept
             self.lost_facts(lost)
-            core = reading.ReaderCore(names, start="earliest")
+            core = reader_core.ReaderCore(names, start="earliest")
             self.run(core.open)
         positions.update({n: int(core.positions[n]) for n in names})
         floors.update({n: int(core.ts_floors[n]) for n in names})
@@ -575,7 +575,7 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
         self._counted: tuple[tuple[Any, ...], dict[str, tuple[int, int]]] | None = None
         self.probes = 0
         #: The group's generations this run took (`own_group`); fenced: another run took it.
-        self._generations: dict[str, groups.Generation] | None = None
+        self._generations: dict[str, reader_groups.Generation] | None = None
         self._fenced = False
 
     # ------------------------------------------------------------------ Redis (lazy)
@@ -629,13 +629,13 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
 
     # ------------------------------------------------------------------ offsets
 
-    def own_group(self) -> dict[str, groups.Generation]:
+    def own_group(self) -> dict[str, reader_groups.Generation]:
         """Take the group's next generation on every stream, once per run of the query (as a
         Python reader does when it opens its group: before its position is read)."""
         if self._generations is None:
             infos = self.infos()
             self._generations = self.run(
-                groups.take_generations,
+                reader_groups.take_generations,
                 self.config.group,
                 [infos[n] for n in self.config.streams],
                 f"spark {socket.gethostname()}:{os.getpid()}",
@@ -830,7 +830,7 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
         commits = [(infos[n], positions[n], floors[n]) for n in names]
         try:
             self.run(
-                functools.partial(groups.commit_group, incarnation=self.incarnation()),
+                functools.partial(reader_groups.commit_group, incarnation=self.incarnation()),
                 self.config.group,
                 commits,
                 self.own_group(),

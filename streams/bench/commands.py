@@ -11,7 +11,7 @@ from .fanout import bench_fanout_command
 from .fleet import bench_fleet_command
 from .history import bench_history_command
 from .latency import bench_latency_command
-from .probe import bench_probe_command
+from .probe_cost import bench_probe_command
 from .spark import bench_spark_command
 from .write import bench_write_command
 

@@ -35,9 +35,9 @@ from psycopg import sql
 
 from ..errors import StoreError, StreamsError
 from ..ops.params import failure_line
-from ..store import connect as dbconnect
+from ..store import sessions
 from ..store.driver import run
-from ..store.reading import decode_payloads
+from ..store.reader_core import decode_payloads
 from ..store.registry import StreamInfo, create_stream, drop_stream
 
 __all__ = [
@@ -92,7 +92,7 @@ def raw_catchup(
     The work a reader does to get them, without the reader: autocommit, the stream and the
     bounds inlined as integer literals (so the planner knows the partition), the payload read
     as JSON text and a page's payloads decoded in one call with the reader's own decoder
-    (`streams.store.reading.decode_payloads`; psycopg's loader per value is slower). Analyze a
+    (`streams.store.reader_core.decode_payloads`; psycopg's loader per value is slower). Analyze a
     freshly filled partition first: without statistics the planner sorts the whole rest of the
     stream for every page (several times slower), where a reader's queries are planned well.
     """
@@ -148,7 +148,7 @@ def drop_streams(database_url: str, names: Iterable[str]) -> None:
     sequence; writer rows, reader groups and the proof record go with the registry row). One
     that fails does not stop the others; `StoreError` names those left, afterwards."""
     with contextlib.closing(
-        dbconnect.connect(database_url, autocommit=False, purpose="bench cleanup")
+        sessions.connect(database_url, autocommit=False, purpose="bench cleanup")
     ) as conn:
         left = _drop_each(conn, database_url, names)
     if left:
@@ -278,7 +278,7 @@ class Scratch:
             name = f"{base}-{n}"
         self._handed_out.add(name)
         with contextlib.closing(
-            dbconnect.connect(self.database_url, autocommit=False, purpose="bench")
+            sessions.connect(self.database_url, autocommit=False, purpose="bench")
         ) as conn:
             self._streams.append(name)  # before: an interrupted create may have committed
             try:
@@ -353,7 +353,7 @@ class Scratch:
         if not streams and not relations:
             return problems
         try:
-            conn = dbconnect.connect(self.database_url, autocommit=False, purpose="bench cleanup")
+            conn = sessions.connect(self.database_url, autocommit=False, purpose="bench cleanup")
         except Exception as exc:
             what = ", ".join([*streams, *(name for _, name in relations)])
             return [*problems, f"could not remove {what}: {_why(exc, self.database_url)}"]

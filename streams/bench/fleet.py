@@ -42,7 +42,7 @@ import click
 
 from ..config import Settings, redact_url
 from ..ops.params import FiniteFloat, common_options
-from ..store import connect as dbconnect
+from ..store import sessions
 from .common import Scratch, percentiles_ms, scratch_streams
 
 __all__ = ["bench_fleet_command", "parse_points", "run_fleet_bench"]
@@ -266,7 +266,7 @@ def _raw_point(
     assert settings.redis_url is not None
     table = scratch.table("fleet")
     with contextlib.closing(
-        dbconnect.connect(settings.database_url, autocommit=True, purpose="bench")
+        sessions.connect(settings.database_url, autocommit=True, purpose="bench")
     ) as conn:
         conn.execute(f"CREATE TABLE {table} (id bigserial PRIMARY KEY, payload jsonb)".encode())
     channels = [f"bench-fleet-raw-{secrets.token_hex(4)}" for _ in range(min(streams, max(n, k)))]

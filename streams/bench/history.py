@@ -53,9 +53,9 @@ import psycopg
 from ..client import Client
 from ..config import Settings, redact_url
 from ..ops.params import common_options
-from ..store import connect as dbconnect
+from ..store import sessions
 from ..store.driver import run
-from ..store.reading import DEFAULT_PAGE_SIZE
+from ..store.reader_core import DEFAULT_PAGE_SIZE
 from ..store.registry import StreamInfo
 from ..store.retention import PruneResult
 from ..store.rows import position_before_time
@@ -407,7 +407,7 @@ def run_history_bench(
             if keep:
                 scratch.keep(info.name)
             empty_name = scratch.create("empty").name
-            admin = dbconnect.connect(
+            admin = sessions.connect(
                 settings.database_url, autocommit=False, connect_timeout=10, purpose="bench"
             )
             client = Client(settings)

@@ -47,7 +47,7 @@ from psycopg import sql
 from ..config import Settings, redact_url
 from ..core.constants import facts_partition
 from ..ops.params import FiniteFloat, common_options
-from ..store.reading import DEFAULT_PAGE_SIZE
+from ..store.reader_core import DEFAULT_PAGE_SIZE
 from .common import (
     PAYLOAD,
     Scratch,

@@ -87,7 +87,7 @@ PROOF_LOCK: Final = 7315
 #: First key of a writer's own lock: every writing transaction of writer ``instance`` on a
 #: stream holds it (shared, transaction-scoped) with the second key ``hashtext(<stream id> || '/'
 #: || instance)`` (int4), so the sessions of a writer whose lease expired can be found in
-#: ``pg_locks`` and ended (`streams.store.writers.end_expired_sessions`), whatever they are doing.
+#: ``pg_locks`` and ended (`streams.store.leases.end_expired_sessions`), whatever they are doing.
 WRITER_LOCK: Final = 7316
 
 #: Instance names of the lines that announce a shared proof (never a writer's: see above).

@@ -22,7 +22,7 @@ A `Guard` holds the first incarnation a process (a client and everything it open
 query) saw and compares every later one with it: on connect and on every reconnect, so a
 process never goes on silently in another history. Group rows and Spark offsets carry the
 `Incarnation.token` they were written under, checked the same way when they are read back.
-This module is pure: `streams.store.incarnation` reads the numbers.
+This module is pure: `streams.store.identity` reads the numbers.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A stream is *held* while PostgreSQL proves it complete only up to a position bel
 allocated: some reserved ID has not completed. That is normal for as long as a writer's
 transaction runs, and wrong once that writer is gone: a process frozen (SIGSTOP, a VM pause) or
 cut off from the database in the middle of a transaction keeps its locks until its session is
-ended, which `streams.store.writers.retire_expired_writers` does once its lease has expired
+ended, which `streams.store.leases.retire_expired_writers` does once its lease has expired
 ("the liveness argument" there). Readers, the elected prover and the Spark source see every
 probe, so they run it; `HeldStreams` tells them when: after a stream has been held at the same
 position for `CHECK_AFTER` seconds, then at most every `CHECK_EVERY` seconds while it stays

@@ -33,7 +33,7 @@ from ..core.protocol import (
     serialize,
 )
 from ..core.replication import ForeignDeployment, foreign_verdict
-from ..transport.connect import connection_error
+from ..transport.redis_errors import connection_error
 
 __all__ = ["ChannelPosition", "ChannelReport", "ChannelTally", "observe_channel"]
 
@@ -209,8 +209,8 @@ def observe_channel(
     Publishes nothing but one ``REPLICATE``. Listens until ``window`` seconds pass without a
     message (counted from the ``REPLICATE``), at most ``cap`` seconds. With ``known_streams``
     (the registry's names), streams announced that are not in it make the verdict foreign.
-    Raises `RedisUnavailable` (what failed, where, why, what next: `streams.transport.connect`) if
-    Redis cannot be reached, refuses us, or does not confirm the subscription within
+    Raises `RedisUnavailable` (what failed, where, why, what next: `streams.transport.redis_errors`)
+    if Redis cannot be reached, refuses us, or does not confirm the subscription within
     `SUBSCRIBE_TIMEOUT` seconds.
     """
     failure: BaseException | None = None

@@ -24,17 +24,17 @@ from ..bench.commands import bench
 from ..client import Client, connect
 from ..config import Settings, redact_url
 from ..core.epochs import Fact
-from ..core.groups import STALE_AFTER_MS
+from ..core.staleness import STALE_AFTER_MS
 from ..core.timestamps import MAX_TIMESTAMP, TimestampMode
 from ..reader import Reader
-from ..store import connect as dbconnect
+from ..store import sessions
 from ..store.driver import run
-from ..store.groups import StreamPositions
-from ..store.reading import Start
+from ..store.reader_core import Start
+from ..store.reader_groups import StreamPositions
 from ..store.registry import check_schema
 from ..store.retention import PRUNE_BATCH
-from .groups import groups
-from .incarnation import incarnation
+from .group_commands import groups
+from .incarnation_commands import incarnation
 from .params import (
     DURATION,
     GROUP_NAME,
@@ -828,7 +828,7 @@ def metrics_serve(
     from ..metrics import serve
 
     settings = _settings(database_url, redis_url, prefix)
-    with dbconnect.connect(settings.database_url, autocommit=True, purpose="metrics") as conn:
+    with sessions.connect(settings.database_url, autocommit=True, purpose="metrics") as conn:
         run(conn, check_schema())
     try:
         server = serve(settings, port, addr)

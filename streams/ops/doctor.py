@@ -9,15 +9,11 @@ import psycopg
 
 from ..config import Settings, redact_url
 from ..core.constants import replication_channel
-from ..core.groups import STALE_AFTER_MS
+from ..core.staleness import STALE_AFTER_MS
 from ..errors import StreamsError
-from ..store import connect as dbconnect
+from ..store import sessions
 from ..store.driver import run
-from ..store.groups import list_groups
-from ..store.probe import probe
-from ..store.registry import StreamInfo, check_schema, list_streams
-from ..store.retention import prune_target
-from ..store.writers import (
+from ..store.leases import (
     expired_writer_count,
     repair_sequence_now,
     reservation_lock_holders,
@@ -25,7 +21,11 @@ from ..store.writers import (
     sequence_state,
     unseen_ids,
 )
-from ..transport.connect import connection_error
+from ..store.probe import probe
+from ..store.reader_groups import list_groups
+from ..store.registry import StreamInfo, check_schema, list_streams
+from ..store.retention import prune_target
+from ..transport.redis_errors import connection_error
 from .render import age
 
 #: A reservation held open longer than this is reported: it holds every reader back.
@@ -46,11 +46,11 @@ class Check:
 
 def repair(settings: Settings) -> list[str]:
     """What is always safe, before the checks: retire writers whose lease expired, ending first
-    the sessions they still hold open (`streams.store.writers.retire_expired_writers`), and move
-    every sequence past the IDs known to be used (`streams.store.writers.repair_sequence`, under
+    the sessions they still hold open (`streams.store.leases.retire_expired_writers`), and move
+    every sequence past the IDs known to be used (`streams.store.leases.repair_sequence`, under
     the same registration lock a starting writer takes). Returns what was done."""
     done: list[str] = []
-    with dbconnect.connect(settings.database_url, autocommit=False, purpose="doctor") as conn:
+    with sessions.connect(settings.database_url, autocommit=False, purpose="doctor") as conn:
         for info in run(conn, list_streams()):
             for name in run(conn, retire_expired_writers(info)):
                 done.append(f"stream {info.name}: retired writer {name} (lease expired)")
@@ -67,7 +67,7 @@ def diagnose(settings: Settings, *, stale_after_ms: int = STALE_AFTER_MS) -> lis
     where = redact_url(settings.database_url)
     try:
         # A health check waits for a starting server 5 s at most (less, if configured so).
-        conn = dbconnect.connect(
+        conn = sessions.connect(
             settings.database_url,
             autocommit=True,
             connect_timeout=min(5.0, settings.connect_timeout),
@@ -92,8 +92,8 @@ def diagnose(settings: Settings, *, stale_after_ms: int = STALE_AFTER_MS) -> lis
     if settings.redis_url:
         import redis
 
-        # A connection failure says why (`streams.transport.connect`, password scrubbed); anything
-        # else, even redis-py's URL parser raising ValueError, shows only the class name:
+        # A connection failure says why (`streams.transport.redis_errors`, password scrubbed);
+        # anything else, even redis-py's URL parser raising ValueError, shows only the class name:
         # such messages may quote part of the URL, and so of its password.
         failure: str | None = None
         try:
@@ -219,7 +219,7 @@ def _retention_check(
     """Retention at a glance: how far it pruned, what waits for `streams prune` and what holds
     it back; failing when a reader group lost facts (its position is below what was pruned) or
     is stale (no commit for ``stale_after_ms`` while holding retention back: an abandoned
-    reader or Spark checkpoint, `streams.core.groups`)."""
+    reader or Spark checkpoint, `streams.core.staleness`)."""
     goal = run(conn, prune_target(info))
     if info.retention_ms is None and goal.pruned_through == 0:
         return None

@@ -37,8 +37,8 @@ from ..config import (
     validate_stream_name,
 )
 from ..errors import StreamsError
-from ..store import connect as dbconnect
-from ..transport import connect as redisconnect
+from ..store import sessions
+from ..transport import redis_errors
 from .render import LAST_DATE_MS
 
 __all__ = [
@@ -224,17 +224,17 @@ def failure_line(exc: BaseException, database_url: object, redis_url: object) ->
     if isinstance(exc, StreamsError):
         line = f"{type(exc).__name__}: {exc}"
     elif isinstance(exc, psycopg.OperationalError) and _connecting(exc):
-        # A connection opened outside `streams.store.connect` (a benchmark's, a demo's): the same
+        # A connection opened outside `streams.store.sessions` (a benchmark's, a demo's): the same
         # treatment, what was tried and what to do next.
         url = database_url if isinstance(database_url, str) else ""
-        store_error = dbconnect.connection_error(url, exc, purpose="command", secrets=secrets)
+        store_error = sessions.connection_error(url, exc, purpose="command", secrets=secrets)
         line = f"{type(store_error).__name__}: {store_error}"
     elif isinstance(exc, psycopg.Error):
         # A server message: its first line.
         first = (str(exc).strip().splitlines() or [""])[0]
         line = f"StoreError: {type(exc).__name__}: {first}"
     elif isinstance(exc, redis.RedisError) and isinstance(redis_url, str):
-        redis_error = redisconnect.connection_error(redis_url, exc, purpose="command")
+        redis_error = redis_errors.connection_error(redis_url, exc, purpose="command")
         line = f"{type(redis_error).__name__}: {redis_error}"
     elif isinstance(exc, OSError) and exc.strerror:
         # The system's own words (errno text): "Address already in use", "No space left".
@@ -254,7 +254,7 @@ def _connecting(exc: psycopg.Error) -> bool:
 def _check_database_url(url: str) -> None:
     if url:  # empty: not configured (the environment, or embedded servers for `demo`)
         Settings.resolve(url)  # the scheme, and what libpq would misread
-        dbconnect.parse_database_url(url)  # what libpq cannot parse at all
+        sessions.parse_database_url(url)  # what libpq cannot parse at all
 
 
 def _check_redis_url(url: str) -> None:

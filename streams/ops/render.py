@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..store.groups import GroupRow, StreamPositions
+    from ..store.reader_groups import GroupRow, StreamPositions
 
 __all__ = [
     "LAST_DATE_MS",

@@ -26,7 +26,7 @@ The data types most callers need are here: `StreamInfo`, `StreamPositions`, `Gro
 
 from __future__ import annotations
 
-from .groups import GroupRow, StreamPositions, WriterRow
+from .reader_groups import GroupRow, StreamPositions, WriterRow
 from .registry import FactTable, StreamInfo
 
 __all__ = ["FactTable", "GroupRow", "StreamInfo", "StreamPositions", "WriterRow"]

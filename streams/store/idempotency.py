@@ -16,7 +16,7 @@ where ``ords[i] = ord`` (`FACT_ID`). Revision 0010 has the tables.
 How a key is written once (the claim argument)
 ----------------------------------------------
 A keyed append writes its keys, reserves its IDs and records them in **one statement**
-(`claim_ctes`, `GATE`, `record_cte`, assembled by `streams.store.writing`); the argument rests
+(`claim_ctes`, `GATE`, `record_cte`, assembled by `streams.store.writer_core`); the argument rests
 on data dependencies between the parts of that statement and on the order of statements in a
 transaction, never on the order in which PostgreSQL evaluates independent parts of a statement.
 
@@ -34,7 +34,7 @@ transaction, never on the order in which PostgreSQL evaluates independent parts 
 2. **The gate** (``n``, `GATE`): ``n`` aggregates the claim's rows (how many, their positions,
    ``written_at``). An aggregate has no row to give before it has consumed all of its input,
    so ``n`` exists only once the claim has inserted, or waited for and found written, every
-   key. The writer's lease check (``w`` in `streams.store.writing`) reads its row only where
+   key. The writer's lease check (``w`` in `streams.store.writer_core`) reads its row only where
    ``n`` counts a key held; the reservation lock, ``nextval``, the facts and the claim's row
    are computed from rows derived from ``w``. Hence no ID is reserved and no reservation lock
    is taken before every key of the append is claimed: a statement that waits in its claim
@@ -65,7 +65,7 @@ returns the first's `Ack`), and if the first rolls back (a failure, a kill), the
 succeeds and it writes the fact. The waiting happens in the claim, *before* any ID is reserved:
 a duplicate holds no reserved ID and no reservation lock, so it never leaves a pending ID and
 never holds the linear position back (it waits at most as long as the first transaction stays
-open, which the lease bounds: "the liveness argument" in `streams.store.writers`). A fact and
+open, which the lease bounds: "the liveness argument" in `streams.store.leases`). A fact and
 its key commit together, or neither does; so a caller that got `streams.CommitUnknown` and
 retries with the same key gets the original `Ack` if the first attempt committed, and writes
 the fact (once) if it did not. A fact written in the caller's transaction (``writer.fact(conn,

@@ -33,10 +33,10 @@ REPEATABLE READ its first statement's snapshot would serve them all), so reader 
 notices the dropped connection; a wedged one, when its transaction has been idle for the lease
 (``idle_in_transaction_session_timeout``).
 
-The writer's side (`streams.store.writing`): one statement computes ``L`` from the sequence, takes
-the lock on it and calls ``nextval``. That is the one place where order inside a statement matters,
-and it is a data dependency, not an evaluation-order assumption: ``nextval`` runs in a CTE that
-scans the CTE taking the lock, and the writer checks ``ID >= L`` for every ID before the
+The writer's side (`streams.store.writer_core`): one statement computes ``L`` from the sequence,
+takes the lock on it and calls ``nextval``. That is the one place where order inside a statement
+matters, and it is a data dependency, not an evaluation-order assumption: ``nextval`` runs in a CTE
+that scans the CTE taking the lock, and the writer checks ``ID >= L`` for every ID before the
 transaction can commit (inside the statement itself for a single fact, which then commits by
 itself in autocommit; from the returned ``L`` for a batch): `SequenceRewound` otherwise.
 
@@ -357,7 +357,7 @@ def end_stale_provers(infos: Sequence[StreamInfo]) -> Gen[list[str]]:
     is older than `REPLACE_PROVER_AFTER`: a prover frozen or cut off from the database keeps
     its session-scoped lock until its session ends, and no other process could take over.
     Returns the streams whose prover was ended (the next election takes them). Skips sessions
-    the caller may not signal, as `streams.store.writers.end_expired_sessions` does."""
+    the caller may not signal, as `streams.store.leases.end_expired_sessions` does."""
     by_id = {info.id: info.name for info in infos}
     rows = yield Query(
         f"""

@@ -7,7 +7,7 @@ import json
 import psycopg
 from click.testing import CliRunner
 
-from streams.bench.probe import bench_probe_command, run_probe_bench
+from streams.bench.probe_cost import bench_probe_command, run_probe_bench
 
 
 def test_probe_bench_small_run(streams_url: str) -> None:

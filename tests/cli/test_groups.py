@@ -16,7 +16,7 @@ import psycopg
 import pytest
 from click.testing import CliRunner, Result
 
-import streams.ops.groups
+import streams.ops.group_commands
 from streams import Client
 from streams.ops.cli import main
 
@@ -172,7 +172,7 @@ def test_groups_delete_drops_a_group_and_frees_retention(
     unconfirmed = cli(streams_url, "groups", "delete", abandoned)
     assert unconfirmed.exit_code == 2 and "pass --yes" in unconfirmed.output
     # On a terminal it asks; "n" keeps the group.
-    monkeypatch.setattr(streams.ops.groups, "_stdin_terminal", lambda: True)
+    monkeypatch.setattr(streams.ops.group_commands, "_stdin_terminal", lambda: True)
     declined = cli(streams_url, "groups", "delete", abandoned, "--stream", stream, input="n\n")
     assert declined.exit_code == 1 and "Aborted" in declined.output
     assert len(client.groups(stream)) == 3
@@ -191,7 +191,7 @@ def test_groups_delete_drops_a_group_and_frees_retention(
 
     # --yes and no --stream: every stream the group is on, JSON for scripts.
     commit_group(client, stream, abandoned, groups_on_retention["live"])
-    monkeypatch.setattr(streams.ops.groups, "_stdin_terminal", lambda: False)
+    monkeypatch.setattr(streams.ops.group_commands, "_stdin_terminal", lambda: False)
     out = ok(cli(streams_url, "groups", "delete", abandoned, "--yes", "--json"))
     assert json.loads(out) == {"group": abandoned, "deleted": sorted([stream, other])}
     assert client.group_streams(abandoned) == []

@@ -15,7 +15,7 @@ import streams.ops.cli
 from streams import Client
 from streams.ops.cli import main
 from streams.store.driver import run
-from streams.store.writing import WriterCore
+from streams.store.writer_core import WriterCore
 
 
 def cli(url: str | None, *args: str, redis_url: str | None = None) -> Result:

@@ -46,7 +46,7 @@ from streams.errors import ConfigurationError, StoreError, StreamsError
 from streams.migrate import upgrade
 from streams.ops.cli import main
 from streams.ops.doctor import diagnose
-from streams.store import connect as dbconnect
+from streams.store import sessions
 
 ENV_VARS = ("STREAMS_DATABASE_URL", "STREAMS_REDIS_URL", "STREAMS_PREFIX", "PGPASSWORD")
 SYMBOLS = "/@:?#&%=' \"\\!$*+,;<>[]^`{|}~-._"
@@ -307,11 +307,11 @@ def test_accepted_urls_mean_what_they_read(password: str) -> None:
         if error is None:
             try:
                 params = conninfo_to_dict(url)
-            # Rejected when connecting (dbconnect.parse_database_url); psycopg's parser raises
+            # Rejected when connecting (sessions.parse_database_url); psycopg's parser raises
             # UnicodeDecodeError for a %-escape that is not UTF-8 ("%80").
             except (psycopg.Error, UnicodeDecodeError):
                 with pytest.raises(ConfigurationError):
-                    dbconnect.parse_database_url(url)
+                    sessions.parse_database_url(url)
                 continue
             expected = unquote(password) if url in (raw, query_raw) else password
             got = params.get("password")
@@ -335,7 +335,7 @@ def test_accepted_urls_mean_what_they_read(password: str) -> None:
 def assert_parses(url: str, password: str) -> None:
     """A percent-encoded password is always accepted and read back exactly."""
     assert attempt(Settings.resolve, url)[1] is None
-    assert dbconnect.parse_database_url(url)["password"] == password
+    assert sessions.parse_database_url(url)["password"] == password
 
 
 # ---------------------------------------------------------------------------------------------
@@ -357,8 +357,8 @@ def test_connecting_to_a_closed_port_never_shows_a_password(
         for url in db_urls(password, "127.0.0.1", closed_port, "x"):
             for call in (
                 streams.connect,
-                lambda u: dbconnect.connect(u, autocommit=True),
-                lambda u: asyncio.run(dbconnect.aconnect(u, autocommit=True)),
+                lambda u: sessions.connect(u, autocommit=True),
+                lambda u: asyncio.run(sessions.aconnect(u, autocommit=True)),
                 lambda u: asyncio.run(streams.aconnect(u)),
                 upgrade,
             ):
@@ -476,7 +476,7 @@ def test_demo_with_at_and_colon_in_the_password_is_one_line(url: str) -> None:
 def test_libpq_parse_errors_are_never_echoed() -> None:
     # libpq would say: invalid percent-encoded token: "pa%ss"
     with pytest.raises(ConfigurationError) as caught:
-        dbconnect.connect("postgresql://u:pa%ss@127.0.0.1/db", autocommit=True)
+        sessions.connect("postgresql://u:pa%ss@127.0.0.1/db", autocommit=True)
     assert "pa%ss" not in str(caught.value)
     assert caught.value.__context__ is None and caught.value.__cause__ is None
     assert "postgresql://u:***@127.0.0.1/db" in str(caught.value)
@@ -485,7 +485,7 @@ def test_libpq_parse_errors_are_never_echoed() -> None:
 def test_bad_port_in_the_url_is_reported_without_the_password() -> None:
     # libpq would quote the port: invalid integer value "pa" for connection option "port".
     with pytest.raises(ConfigurationError) as caught:
-        dbconnect.connect("postgresql://u:pa/ss@127.0.0.1/db", autocommit=True)
+        sessions.connect("postgresql://u:pa/ss@127.0.0.1/db", autocommit=True)
     for fragment in ("'pa'", '"pa"', "pa/", "/ss", "ss@"):
         assert fragment not in str(caught.value)
 
@@ -582,7 +582,7 @@ def test_cli_connection_errors_are_one_line_with_the_reason(closed_port: int) ->
 
 def test_pgpassword_is_scrubbed_too(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PGPASSWORD", "env-s3cret")
-    error = dbconnect.connection_error(
+    error = sessions.connection_error(
         "postgresql://h/db", RuntimeError("it said env-s3cret"), purpose="test"
     )
     assert "env-s3cret" not in str(error)

@@ -1,4 +1,4 @@
-"""A process never goes on silently in another database history (`streams.store.incarnation`).
+"""A process never goes on silently in another database history (`streams.store.identity`).
 
 The same URL reaches a database that was dropped and recreated, or restored (a copy made with
 ``CREATE DATABASE ... TEMPLATE``, as a dump restored into another database is, renamed into the

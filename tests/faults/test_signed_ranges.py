@@ -120,7 +120,7 @@ def test_no_attack_by_a_redis_client_changes_what_readers_deliver(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Keys are read again every half second, so a rotation takes effect within the test.
-    monkeypatch.setattr("streams.store.reading.KEY_REFRESH", 0.5)
+    monkeypatch.setattr("streams.store.reader_core.KEY_REFRESH", 0.5)
     monkeypatch.setattr("streams.proofs.KEY_REFRESH", 0.5)
     *reading, dropping_side, writing = clients
     for name in names:

@@ -7,7 +7,7 @@ PostgreSQL that stops forwarding (a partition). The server's timers do not end s
 transaction (a backend reading COPY data from the client ignores ``statement_timeout``), so the
 stream was held back until the process was killed. Now a reader notices the stream held back
 and, once the writer's lease has expired, ends its session ("the liveness argument" in
-`streams.store.writers`): a fact appended after the freeze by another writer is delivered within
+`streams.store.leases`): a fact appended after the freeze by another writer is delivered within
 the lease plus a few seconds, the frozen batch never appears, every fact comes exactly once, in
 order, whole, and the woken writer finds itself fenced.
 """

@@ -2,7 +2,7 @@
 
 * Opening a client, reader or writer (sync and asyncio) waits for a server that is down or
   starting, up to ``connect_timeout``, then fails with the clear `StoreError`; a failure that is
-  not transient (an unknown database) fails at once (`streams.store.connect`).
+  not transient (an unknown database) fails at once (`streams.store.sessions`).
 * A long-lived client's read-only calls survive a restart and a connection broken under them;
   a call that writes is never sent twice (`streams.client`, "Riding out a restart").
 
@@ -36,7 +36,7 @@ import streams
 from streams import ConnectionLost, StoreError
 from streams.migrate import upgrade
 from streams.ops import embedded
-from streams.store.groups import StreamPositions
+from streams.store.reader_groups import StreamPositions
 
 
 class StartingPostgres:

@@ -1,7 +1,7 @@
 """Group fencing (issue 27, item 3): a reader group has one live consumer. Opening a group takes
 its next generation; a reader that opened it before (a zombie: stalled, partitioned, orphaned)
 is fenced, its commits (`commit()` and `commit(conn=...)`) raise `GroupFenced` and move nothing,
-on any of its streams (`streams.store.groups`, "the fencing argument of groups"). Real
+on any of its streams (`streams.store.reader_groups`, "the fencing argument of groups"). Real
 PostgreSQL, sync and asyncio; the race of an open with a commit held in its transaction.
 """
 
@@ -22,7 +22,7 @@ import streams
 from streams import Client
 from streams.ops.cli import main
 from streams.store.driver import run
-from streams.store.groups import group_position
+from streams.store.reader_groups import group_position
 from streams.store.registry import drop_stream
 
 

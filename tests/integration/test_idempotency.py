@@ -1,5 +1,5 @@
 """Idempotent appends (`streams.store.idempotency`) and group commits in the caller's
-transaction (`streams.store.groups.commit_group_in`), on real PostgreSQL, sync and asyncio.
+transaction (`streams.store.reader_groups.commit_group_in`), on real PostgreSQL, sync and asyncio.
 
 Appends: a key written once returns the original `Ack` to every later append with it; batches
 with some keys written; a claim whose transaction rolls back lets the next append write; a

@@ -233,7 +233,7 @@ def test_a_lock_taken_after_the_sequence_was_read_does_not_collapse_the_probe(
     from psycopg import sql
 
     from streams.core.constants import reservation_lock_class
-    from streams.store.writers import reservation_lock_key_sql
+    from streams.store.leases import reservation_lock_key_sql
 
     with client.writer(stream, instance="w") as writer:
         last = writer.append_batch([{"n": n} for n in range(20)]).last_id

@@ -20,9 +20,9 @@ from helpers import wait_until, write_user_fact
 import streams
 from streams import Client, InvalidFactTables, SequenceRewound, StoreError, StreamsError
 from streams.store.driver import run
+from streams.store.leases import UnseenIds, sequence_state, unseen_ids
 from streams.store.registry import FactTable, parse_fact_tables
-from streams.store.writers import UnseenIds, sequence_state, unseen_ids
-from streams.store.writing import WriterCore
+from streams.store.writer_core import WriterCore
 
 
 def set_back(url: str, client: Client, stream: str, value: int = 1) -> None:
@@ -374,7 +374,7 @@ def test_lock_holders_with_unknown_transaction_start(
     """A holder whose xact_start is NULL (it does not report its activity) used to make
     `reservation_lock_holders` (and so `streams doctor`) raise TypeError."""
     from streams.core.constants import reservation_lock_class
-    from streams.store.writers import reservation_lock_holders
+    from streams.store.leases import reservation_lock_holders
 
     info = client.stream(stream)
     with psycopg.connect(streams_url) as holder, psycopg.connect(streams_url) as conn:

@@ -17,7 +17,7 @@ import pytest
 from streams import Client, Writer
 from streams.store import driver, sinks
 from streams.store.registry import StreamInfo
-from streams.store.writing import FactChunk
+from streams.store.writer_core import FactChunk
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -37,8 +37,8 @@ from streams.core.protocol import (
 from streams.core.replication import REFRESH_INTERVAL
 from streams.ops.channel import ChannelPosition, ChannelTally, observe_channel
 from streams.reader import Reader
-from streams.store.reading import ReaderCore
-from streams.store.writing import WriterCore
+from streams.store.reader_core import ReaderCore
+from streams.store.writer_core import WriterCore
 from streams.transport.link import AsyncRedisLink, RedisLink
 from streams.writer import Writer
 

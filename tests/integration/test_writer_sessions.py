@@ -16,7 +16,7 @@ from helpers import wait_until
 import streams
 import streams.writer as writer_module
 from streams import Client
-from streams.store.writing import FactChunk
+from streams.store.writer_core import FactChunk
 
 
 def sessions(url: str) -> set[int]:

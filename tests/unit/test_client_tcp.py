@@ -1,5 +1,5 @@
 """Every connection gets TCP keepalives and a send timeout unless its URL sets its own
-(`streams.store.connect.CLIENT_TCP_SETTINGS`): a partitioned server is noticed in about a
+(`streams.store.sessions.CLIENT_TCP_SETTINGS`): a partitioned server is noticed in about a
 minute, not the operating system's two hours."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict
 
 from streams.errors import ConfigurationError
-from streams.store.connect import CLIENT_TCP_SETTINGS, with_client_tcp_settings
+from streams.store.sessions import CLIENT_TCP_SETTINGS, with_client_tcp_settings
 
 
 @pytest.mark.parametrize(

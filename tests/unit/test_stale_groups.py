@@ -1,11 +1,11 @@
-"""`streams.core.groups`: when a reader group is stale (idle while holding retention back)."""
+"""`streams.core.staleness`: when a reader group is stale (idle while holding retention back)."""
 
 from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from streams.core.groups import STALE_AFTER_MS, holds_retention, is_stale, retention_goal
+from streams.core.staleness import STALE_AFTER_MS, holds_retention, is_stale, retention_goal
 
 positions = st.integers(0, 10**6)
 optional = st.none() | positions

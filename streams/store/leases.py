@@ -4,7 +4,7 @@
 per-writer position (forward-only) and its lease. This module reads and retires those rows,
 compares each stream's sequence with every ID known to be used (and repairs a sequence set
 back by a restore), and finds the sessions that hold a stream's reservation locks. The
-statements of a writer's own transactions are in `streams.store.writing`.
+statements of a writer's own transactions are in `streams.store.writer_core`.
 
 Why PostgreSQL judges dead writers (the fencing argument)
 ---------------------------------------------------------

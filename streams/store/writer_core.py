@@ -85,9 +85,8 @@ from .idempotency import (
     read_originals,
     record_cte,
 )
-from .incarnation import verify
-from .registry import StreamInfo, load_stream
-from .writers import (
+from .identity import verify
+from .leases import (
     end_expired_sessions,
     max_allocated_sql,
     registration_lock,
@@ -96,6 +95,7 @@ from .writers import (
     retire_expired_writers,
     writer_lock_sql,
 )
+from .registry import StreamInfo, load_stream
 
 __all__ = [
     "Ack",
@@ -330,7 +330,7 @@ class WriterCore:
 
         1. repair a sequence that is behind any ID known to be used: ``streams_facts``, every
            declared user table, every persisted writer position and committed group position
-           (`streams.store.writers.sequence_state`);
+           (`streams.store.leases.sequence_state`);
         2. lock this instance's row ``FOR UPDATE``: that waits for every open transaction of a
            previous process with the same name (they hold ``FOR KEY SHARE`` on it; if that
            process's lease has expired, its sessions were ended just before), and the
@@ -421,7 +421,7 @@ class WriterCore:
         # lock is taken before nextval by data dependency, and `_check_floor` verifies ID >= L
         # before anything commits, rather than trusting the order of evaluation.
         # w also bounds the transaction by the lease ("the liveness argument" in
-        # streams.store.writers): the server aborts it if it sits idle or runs a statement for
+        # streams.store.leases): the server aborts it if it sits idle or runs a statement for
         # longer, and it holds the writer's own lock, by which the sessions of an expired writer
         # are found and ended. A caller's connection (``fact()``) also gets, for this
         # transaction, the TCP settings our own connections have for their whole session.
@@ -590,7 +590,7 @@ class WriterCore:
 
     def configure_session(self) -> Gen[None]:
         """The writer's own connections (appends, heartbeats), first checked to be on the
-        database history the writer started on (`guard`: `streams.store.incarnation`), then
+        database history the writer started on (`guard`: `streams.store.identity`), then
         the TCP settings of `_tcp_settings` for the whole session, and, where the server has it
         (PostgreSQL 14+), a check every second that the client is still connected while a
         statement runs."""

@@ -3,7 +3,7 @@
 ``streams_reader_groups`` holds each named group's committed position per stream (Kafka's
 consumer groups; a Spark query is a group too) and, in ``updated_at``, the time of its last
 commit (every commit sets it, even one that moves nothing): `list_groups` reports how long each
-group has been idle and whether it is stale (`streams.core.groups`). `stream_positions` is
+group has been idle and whether it is stale (`streams.core.staleness`). `stream_positions` is
 everything ``streams positions`` shows of one stream, read in one database snapshot.
 """
 
@@ -17,19 +17,19 @@ from typing import Any, NamedTuple
 
 from psycopg import sql
 
-from ..core.groups import STALE_AFTER_MS, holds_retention, is_stale, retention_goal
+from ..core.staleness import STALE_AFTER_MS, holds_retention, is_stale, retention_goal
 from ..errors import GroupFenced, StoreError, UsageError
 from ._common import NOW_MS_SQL
 from .driver import Commit, Gen, Query
-from .probe import probe
-from .registry import DEFAULT_KEY_WINDOW_MS, StreamInfo
-from .rows import position_before_time
-from .writers import (
+from .leases import (
     linear_from,
     max_allocated_sql,
     reservation_lock_holders,
     retire_expired_writers,
 )
+from .probe import probe
+from .registry import DEFAULT_KEY_WINDOW_MS, StreamInfo
+from .rows import position_before_time
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,9 +128,9 @@ class GroupRow:
     #: Milliseconds since the group's last commit (``updated_at``, by the database's clock).
     idle_ms: int = 0
     #: It stops `prune` short of what the stream's retention period allows
-    #: (`streams.core.groups.holds_retention`).
+    #: (`streams.core.staleness.holds_retention`).
     holds_retention: bool = False
-    #: Idle for the stale-after time while holding retention back (`streams.core.groups`).
+    #: Idle for the stale-after time while holding retention back (`streams.core.staleness`).
     stale: bool = False
     #: The generation of the group's consumer (`take_generations`): how many times a consumer
     #: opened the group on this stream; None if none did since the generations exist.
@@ -469,7 +469,7 @@ def list_groups(
 ) -> Gen[list[GroupRow]]:
     """Every group of the stream with its lag (the linear position, by `probe` unless given,
     minus the committed one), its idle time and whether it holds retention back and is stale
-    (idle ``stale_after_ms`` or longer while holding it: `streams.core.groups`), and its
+    (idle ``stale_after_ms`` or longer while holding it: `streams.core.staleness`), and its
     consumer's generation, owner and when it took the group. Groups that committed only: a
     group opened but never committed has no position to show."""
     if linear is None:

@@ -25,9 +25,9 @@ import click
 
 from ..config import Settings, redact_url
 from ..core.incarnation import written_elsewhere
-from ..store import connect as dbconnect
+from ..store import sessions
 from ..store.driver import run
-from ..store.incarnation import accept_groups, bound_groups, read_incarnation
+from ..store.identity import accept_groups, bound_groups, read_incarnation
 from ..store.registry import check_schema
 from .params import GROUP_NAME, common_options
 
@@ -50,7 +50,7 @@ def incarnation(
     if ctx.invoked_subcommand is not None:
         return
     settings = Settings.resolve(database_url, redis_url, prefix)
-    with dbconnect.connect(settings.database_url, autocommit=True, purpose="incarnation") as conn:
+    with sessions.connect(settings.database_url, autocommit=True, purpose="incarnation") as conn:
         run(conn, check_schema())
         current = run(conn, read_incarnation())
         rows = run(conn, bound_groups())
@@ -110,7 +110,7 @@ def accept(
     if bool(groups) == every:
         raise click.UsageError("name the groups, or give --all (not both)")
     settings = Settings.resolve(database_url, redis_url, prefix)
-    with dbconnect.connect(settings.database_url, autocommit=True, purpose="incarnation") as conn:
+    with sessions.connect(settings.database_url, autocommit=True, purpose="incarnation") as conn:
         run(conn, check_schema())
         current = run(conn, read_incarnation())
         bound = run(conn, accept_groups(current.token, None if every else groups))

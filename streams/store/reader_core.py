@@ -62,7 +62,11 @@ from ..errors import (
     UsageError,
 )
 from .driver import Gen, Pipeline
-from .groups import (
+from .identity import verify
+from .keys import live_keys
+from .leases import persisted_writer_position, retire_where_held
+from .probe import PROBE_STATEMENTS, Probe, probe, probe_queries, probes_from_results
+from .reader_groups import (
     GROUP_MOVED,
     Generation,
     commit_group,
@@ -70,9 +74,6 @@ from .groups import (
     group_position,
     take_generations,
 )
-from .incarnation import verify
-from .keys import live_keys
-from .probe import PROBE_STATEMENTS, Probe, probe, probe_queries, probes_from_results
 from .registry import StreamInfo, load_streams
 from .rows import (
     check_retained,
@@ -85,7 +86,6 @@ from .rows import (
     retention_query,
     ts_floor_at,
 )
-from .writers import persisted_writer_position, retire_where_held
 
 __all__ = ["DEFAULT_PAGE_SIZE", "ReaderCore", "Start", "decode_jsonb", "decode_payloads"]
 
@@ -173,7 +173,7 @@ class ReaderCore:
         #: group, or its last commit; None: no row): where `commit_in` expects to find it.
         self.committed: dict[str, int | None] = {}
         #: The generation of the group this reader took on each stream when it opened it
-        #: (`streams.store.groups.take_generations`): its commits are fenced by it.
+        #: (`streams.store.reader_groups.take_generations`): its commits are fenced by it.
         self.generations: dict[str, Generation] = {}
         #: Who this reader is, in the group's generation rows (``streams positions`` shows it).
         self.owner = f"{socket.gethostname()}:{os.getpid()}"
@@ -216,7 +216,7 @@ class ReaderCore:
 
     def verify_incarnation(self) -> Gen[Incarnation]:
         """On a new session, before anything else: is it the database history this reader
-        started on (`streams.store.incarnation`)? `DatabaseChanged` otherwise."""
+        started on (`streams.store.identity`)? `DatabaseChanged` otherwise."""
         what = "group " + repr(self.group) if self.group is not None else "reader"
         found = yield from verify(self.guard, f"{what} of {', '.join(self.names)}")
         self.incarnation = found.token
@@ -227,7 +227,7 @@ class ReaderCore:
     def open(self) -> Gen[None]:
         """Load the streams and resolve every starting position. With a group, first take the
         group's next generation on every stream (committed before its positions are read:
-        "the fencing argument of groups", `streams.store.groups.commit_group`): a consumer
+        "the fencing argument of groups", `streams.store.reader_groups.commit_group`): a consumer
         that opened the group before this one is fenced from now on."""
         infos = yield from load_streams(list(self.names))
         self.infos = {info.name: info for info in infos}
@@ -421,7 +421,7 @@ class ReaderCore:
             probes = probes_from_results(results)
             self._note_probe(probes)
             # A stream held back for a while: end an expired writer's sessions ("the liveness
-            # argument" in streams.store.writers). Not a read: no position moves here.
+            # argument" in streams.store.leases). Not a read: no position moves here.
             yield from retire_where_held(
                 self.infos,
                 self._held,
@@ -646,9 +646,9 @@ class ReaderCore:
 
     def commit_in(self, through: Fact | None = None) -> Gen[dict[str, int]]:
         """`commit` in the caller's open transaction, from exactly where this reader left the
-        group (see `streams.store.groups.commit_group_in`, "the group argument"): `GroupMoved`
-        (and the caller's transaction failed) if the group moved meanwhile, `GroupFenced` (the
-        same) if another reader opened it since this one did.
+        group (see `streams.store.reader_groups.commit_group_in`, "the group argument"):
+        `GroupMoved` (and the caller's transaction failed) if the group moved meanwhile,
+        `GroupFenced` (the same) if another reader opened it since this one did.
 
         The reader takes the new positions as the group's at once; if the caller's transaction
         then rolls back, the next `commit_in` finds the group where it was and raises

@@ -2,11 +2,11 @@
 first among them.
 
 A group is *stale* when it has not committed for the stale-after time (``--stale-after``,
-default one day) while holding a stream's retention back (`streams.core.groups`): typically a
+default one day) while holding a stream's retention back (`streams.core.staleness`): typically a
 Spark query started without ``group`` (it commits to ``spark-<digest>``) whose checkpoint was
 abandoned. Nothing deletes a group by itself; ``streams groups delete GROUP`` does, once its
 reader is known to be gone. A reader or query still running is fenced by it (its next commit
-raises `GroupFenced`: deleting the group deletes its generations, `streams.store.groups`).
+raises `GroupFenced`: deleting the group deletes its generations, `streams.store.reader_groups`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import click
 
 from ..client import connect
-from ..core.groups import STALE_AFTER_MS
+from ..core.staleness import STALE_AFTER_MS
 from .params import DURATION, GROUP_NAME, STREAM_NAME, common_options
 from .render import Table, age, print_tables
 

@@ -1,6 +1,6 @@
 """Redis failures as errors that say what failed, where, why, and what to do next.
 
-The twin of `streams.store.connect` for Redis: `connection_error` turns a redis-py error into a
+The twin of `streams.store.sessions` for Redis: `connection_error` turns a redis-py error into a
 `RedisUnavailable` whose message names what was tried (the URL, redacted), Redis's or the
 system's reason (the first line of redis-py's message, every form of the password scrubbed
 out) and the next step. Only for the places where Redis is required (``streams positions
