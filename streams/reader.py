@@ -18,7 +18,6 @@ from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from typing import Any, NamedTuple, Protocol, TypeAlias, TypeVar
 
 import psycopg
-from psycopg.types.json import set_json_loads
 
 from ._aio import wait_event
 from .core.epochs import Epoch, Fact
@@ -31,7 +30,7 @@ from .store.driver import Gen, arun, run
 from .store.probe import (
     READER_SESSION_SETUP,
 )
-from .store.reader_core import ReaderCore, Start, decode_jsonb
+from .store.reader_core import ReaderCore, Start
 
 __all__ = ["AsyncReader", "Reader", "ReaderCore", "Start"]
 
@@ -92,7 +91,7 @@ def _connect(
         except BaseException:
             conn.close()
             raise
-        set_json_loads(decode_jsonb, conn)
+        sessions.use_payload_decoder(conn)
         return conn
     except psycopg.Error as exc:
         raise StoreError(f"cannot connect to PostgreSQL: {type(exc).__name__}") from None
@@ -112,7 +111,7 @@ async def _aconnect(
         except BaseException:
             await conn.close()
             raise
-        set_json_loads(decode_jsonb, conn)
+        sessions.use_payload_decoder(conn)
         return conn
     except psycopg.Error as exc:
         raise StoreError(f"cannot connect to PostgreSQL: {type(exc).__name__}") from None

@@ -46,9 +46,10 @@ from pyspark.sql.datasource import (
 from pyspark.sql.types import StructType
 
 from streams.config import DEFAULT_LEASE_SECONDS, DEFAULT_MAX_PAYLOAD_BYTES
+from streams.core.payloads import encode_payload
 from streams.errors import CommitUnknown, ConfigurationError, ConnectionLost, PayloadTooLarge
 from streams.store import driver, registry, sessions, sinks
-from streams.store.writer_core import FactChunk, WriterCore, encode_payload
+from streams.store.writer_core import FactChunk, WriterCore
 from streams.writer import Writer
 
 from . import source

@@ -33,11 +33,11 @@ import click
 import psycopg
 from psycopg import sql
 
+from ..core.payloads import decode_payloads
 from ..errors import StoreError, StreamsError
 from ..ops.params import failure_line
 from ..store import sessions
 from ..store.driver import run
-from ..store.reader_core import decode_payloads
 from ..store.registry import StreamInfo, create_stream, drop_stream
 
 __all__ = [
@@ -92,7 +92,7 @@ def raw_catchup(
     The work a reader does to get them, without the reader: autocommit, the stream and the
     bounds inlined as integer literals (so the planner knows the partition), the payload read
     as JSON text and a page's payloads decoded in one call with the reader's own decoder
-    (`streams.store.reader_core.decode_payloads`; psycopg's loader per value is slower). Analyze a
+    (`streams.core.payloads.decode_payloads`; psycopg's loader per value is slower). Analyze a
     freshly filled partition first: without statistics the planner sorts the whole rest of the
     stream for every page (several times slower), where a reader's queries are planned well.
     """

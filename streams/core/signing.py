@@ -67,6 +67,7 @@ from typing import Any, Final, Literal
 import orjson
 
 from .epochs import Row
+from .payloads import signed_text
 
 __all__ = [
     "KEY_REFRESH",
@@ -108,7 +109,7 @@ class SignedRange:
 def signed_message(stream: str, instance: str, token: int, proof: Any) -> bytes:
     """The bytes a range's MAC covers."""
     head = b"%s %s %s %d " % (_FORMAT, stream.encode(), instance.encode(), token)
-    return head + orjson.dumps(proof)
+    return head + signed_text(proof)
 
 
 def sign_range(

@@ -35,21 +35,19 @@ drive them on a connection and wait for hints.
 from __future__ import annotations
 
 import datetime as dt
-import json
 import logging
 import os
 import socket
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple, TypeAlias
-
-import orjson
+from typing import NamedTuple, TypeAlias
 
 from ..core.constants import PROOF_GRACE, STALE_AFTER
 from ..core.epochs import Epoch, Fact, Row, plan_page
 from ..core.frontier import Antichain, FrontierProbe, FrontierSnapshot, LiveFilter, UpperAntichain
 from ..core.incarnation import Guard, Incarnation, written_elsewhere
+from ..core.payloads import decode_payloads
 from ..core.replication import Hint, is_proof_hint
 from ..core.signing import KEY_REFRESH, SignedRange, verify_range
 from ..core.stalls import HeldStreams
@@ -87,7 +85,7 @@ from .rows import (
     ts_floor_at,
 )
 
-__all__ = ["DEFAULT_PAGE_SIZE", "ReaderCore", "Start", "decode_jsonb", "decode_payloads"]
+__all__ = ["DEFAULT_PAGE_SIZE", "ReaderCore", "Start"]
 
 #: Where a reader without a committed group position starts: ``"earliest"``, ``"latest"``,
 #: ``"live"``, a stream ID (the first fact with an ID >= it), a `datetime` (the first fact with a
@@ -707,23 +705,3 @@ class ReaderCore:
     def vector_probe(self) -> FrontierProbe[tuple[int, ...]]:
         """A probe of the merged frontier over all streams (vectors in the reader's order)."""
         return FrontierProbe(self.frontier)
-
-
-def decode_jsonb(data: bytes | str) -> Any:
-    """JSONB payloads -> Python: orjson (a quarter faster end to end when catching up,
-    measured), falling back to the standard library for what orjson refuses (integers beyond
-    64 bits, numbers beyond float range) so every stored payload still reads."""
-    try:
-        return orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return json.loads(data)
-
-
-def decode_payloads(texts: list[Any]) -> list[Any]:
-    """A page's payload column, read as JSON text, -> Python values: one ``map`` over orjson
-    (a fifth faster end to end when catching up than psycopg's loader per value, measured);
-    value by value with `decode_jsonb` (and NULL as None) if orjson refuses any of them."""
-    try:
-        return list(map(orjson.loads, texts))
-    except (orjson.JSONDecodeError, TypeError):
-        return [None if text is None else decode_jsonb(text) for text in texts]

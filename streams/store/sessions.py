@@ -37,6 +37,7 @@ from typing import Any
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.types.json import set_json_loads
 
 from ..config import (
     ENCODING_HINT,
@@ -46,6 +47,7 @@ from ..config import (
     url_passwords,
     validate_database_url,
 )
+from ..core.payloads import decode_payload
 from ..core.replication import backoff_delay
 from ..errors import ConfigurationError, StoreError
 from .driver import transient_sqlstate
@@ -59,6 +61,7 @@ __all__ = [
     "parse_database_url",
     "secrets_of",
     "transient_connect_error",
+    "use_payload_decoder",
     "with_client_tcp_settings",
 ]
 
@@ -316,3 +319,10 @@ def _timeout(seconds: float) -> int:
     # libpq's connect_timeout is whole seconds, and values below 2 are taken as 2; never 0
     # (which libpq reads as "wait for ever").
     return max(2, math.ceil(seconds))
+
+
+def use_payload_decoder(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
+    """Load ``jsonb`` values on ``conn`` with the payload codec (`streams.core.payloads`)
+    rather than psycopg's ``json.loads``: a reader session's payloads decode as every other
+    read of the library decodes them."""
+    set_json_loads(decode_payload, conn)

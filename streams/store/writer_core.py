@@ -48,7 +48,6 @@ Life of an append
 
 from __future__ import annotations
 
-import json
 import math
 import secrets
 import threading
@@ -63,11 +62,10 @@ from psycopg import sql
 from ..config import validate_instance_name
 from ..core.constants import reservation_lock_class
 from ..core.incarnation import Guard
+from ..core.payloads import encode_payload
 from ..core.positions import PositionTracker, ReservationToken
 from ..core.timestamps import resolve_timestamps, validate_client_timestamp
 from ..errors import (
-    PayloadNotSerializable,
-    PayloadTooLarge,
     SequenceRewound,
     StoreError,
     UsageError,
@@ -142,34 +140,6 @@ class Ack:
         return cls(
             ids[low], ids[high], stamps[low], stamps[high], len(ids), tuple(ids), tuple(duplicates)
         )
-
-
-# One encoder for every payload: json.dumps with options builds a new encoder per call.
-_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False, ensure_ascii=False)
-
-
-def encode_payload(payload: Any, limit: int) -> str:
-    """Strict compact JSON text for a payload, or a typed error (nothing is written)."""
-    try:
-        text = _ENCODER.encode(payload)
-    except (TypeError, ValueError, RecursionError) as exc:
-        raise PayloadNotSerializable(f"payload is not JSON-serialisable: {exc}") from None
-    if "\\u0000" in text:
-        # PostgreSQL's jsonb cannot store NUL characters; fail here, not half-way in a batch.
-        raise PayloadNotSerializable("payload contains a NUL character (\\u0000)")
-    if text.isascii():
-        size = len(text)
-    else:
-        try:
-            size = len(text.encode("utf-8"))
-        except UnicodeEncodeError:
-            # A lone surrogate ("\ud800"): valid in a Python str, not in UTF-8 or PostgreSQL.
-            raise PayloadNotSerializable(
-                "payload contains a lone surrogate character: not valid Unicode"
-            ) from None
-    if size > limit:
-        raise PayloadTooLarge(size, limit)
-    return text
 
 
 class DatabaseClock:

@@ -170,7 +170,7 @@ def test_arrow_json_is_python_json(records: list[dict[str, Any]]) -> None:
     from streams_spark.sink import _arrow_texts
     from streams_spark.sink_options import ColumnPlan
 
-    from streams.store.writer_core import encode_payload
+    from streams.core.payloads import encode_payload
 
     schema = pa.schema([("s", pa.string()), ("i", pa.int64()), ("b", pa.bool_()),
                         ("f", pa.float64()), ("tiny", pa.float32())])  # fmt: skip
