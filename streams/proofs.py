@@ -68,10 +68,10 @@ from .store.probe import (
     READER_SESSION_SETUP,
     Probe,
     end_stale_provers,
-    prove_with_rows,
     resign_prover,
     try_become_prover,
 )
+from .store.reads import prove_with_rows
 from .store.registry import StreamInfo, load_streams
 
 __all__ = [

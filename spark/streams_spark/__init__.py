@@ -13,6 +13,11 @@ One micro-batch is one epoch of every stream read: every fact with an ID in (pre
 new offset], each fact whole, never past what PostgreSQL proved complete. Writes append rows as
 facts, exactly once per streaming micro-batch. See `streams_spark.source` and
 `streams_spark.sink` for the design and docs/spark.md for the options.
+
+The package rule: of the `streams` library this package imports only the public API (`streams`,
+`streams.errors`, `streams.config`) and the face connectors build on (`streams.connector`). It
+reads facts by the store's read sequence (`streams.store.reads`: the executors run its plan
+over ADBC), never by an order of its own; `tests/unit/test_layout.py` checks the imports.
 """
 
 from __future__ import annotations

@@ -1,18 +1,19 @@
 """The executors' side of the Spark source: one `RangePartition` read as Arrow record batches.
 
 Everything a task needs comes from the pickled `RangePartition` (the driver plans it:
-`streams_spark.source`); the statements come from `streams.store` (`probe_texts`,
-`range_rows_sql`, `pruned_through_sql`), run over ADBC, which returns Arrow record batches;
-the running-maximum timestamp is computed with pyarrow (or in SQL, ``timestampIn=sql``).
-
-A read first checks that its session is on the database history the driver planned in
-(`streams.store.identity`), probes (`streams.store.probe`: three statements), then reads
-the rows in a later statement, then checks retention in a later one still. So the range it reads is
-complete *now*, not only when the driver planned it: a database restored to an older state in
-between (the range's end above what PostgreSQL proves) is the ``failOnDataLoss`` case here too.
-A partition of one fact costs about 2 ms this way (four of the six statements are checks),
-beside about 150 ms for a whole micro-batch (`streams bench spark`): not worth weakening the
-order the probe argument rests on.
+`streams_spark.source`). What a task runs, and in which order, is the store's plan
+`streams.store.reads.read_range` (through `streams.connector`): it checks that the session is on
+the database history the driver planned in, probes (three statements), reads the rows in a
+later statement, then checks retention in a later one still. So the range it reads is complete
+*now*, not only when the driver planned it: a database restored to an older state in between
+(the range's end above what PostgreSQL proves) is the ``failOnDataLoss`` case here too. Why
+that order is the proof is written there, once; this module only drives the plan over ADBC,
+which returns Arrow record batches (its connection, retries, the Arrow conversion and the
+prefetch are this module's), and says what ``failOnDataLoss`` makes of a stream that went
+backwards or of facts retention removed. The running-maximum timestamp is computed with
+pyarrow (or in SQL, ``timestampIn=sql``). A partition of one fact costs about 2 ms this way
+(four of the six statements are checks), beside about 150 ms for a whole micro-batch
+(`streams bench spark`): not worth weakening the order the probe argument rests on.
 
 Costs of a Python worker that are not the rows' own (measured with ``streams bench spark``):
 Spark's worker runs a full garbage collection after every task, which walks every object the
@@ -45,14 +46,19 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from streams.config import redact_url
-from streams.core.incarnation import written_elsewhere
-from streams.core.replication import backoff_delay
-from streams.errors import ConnectionLost, DatabaseChanged, FactsPruned, StoreError
-from streams.store import probe as store_probe
-from streams.store import rows, sessions
-from streams.store.driver import transient_sqlstate
-from streams.store.identity import INCARNATION_SQL, incarnation_from_row
+from streams import redact_url
+from streams.connector import (
+    READER_SESSION_SETUP,
+    Query,
+    RangeGen,
+    StreamRows,
+    backoff_delay,
+    read_range,
+    statement_timeout_setup,
+    transient_sqlstate,
+    with_client_tcp_settings,
+)
+from streams.errors import ConnectionLost, FactsPruned, StoreError
 
 from .options import DEFAULT_STATEMENT_TIMEOUT
 
@@ -217,12 +223,9 @@ def _adbc_connection(
                 log.debug("closing a stale ADBC connection failed", exc_info=True)
             conn = None
         if conn is None:
-            setup = (
-                *store_probe.READER_SESSION_SETUP,
-                store_probe.statement_timeout_setup(statement_timeout_ms),
-            )
+            setup = (*READER_SESSION_SETUP, statement_timeout_setup(statement_timeout_ms))
             try:
-                conn = adbc.connect(sessions.with_client_tcp_settings(url), autocommit=True)
+                conn = adbc.connect(with_client_tcp_settings(url), autocommit=True)
                 with conn.cursor() as cur:
                     for statement in setup:
                         cur.execute(statement)
@@ -232,20 +235,6 @@ def _adbc_connection(
                 ) from None
         _ADBC[key] = conn
         return conn
-
-
-def _check_incarnation(cur: Any, part: RangePartition) -> None:
-    """The session a task reads on must be on the database history the driver planned in:
-    read on the session itself, at every try (a cached connection may be a stale one of a
-    database dropped since: its failure then is an outage, tried again on a fresh one)."""
-    if part.incarnation is None:
-        return
-    cur.execute(INCARNATION_SQL)
-    changed = written_elsewhere(part.incarnation, incarnation_from_row(tuple(cur.fetchone())))
-    if changed is not None:
-        raise DatabaseChanged(
-            f"Spark task reading {part.stream!r} ({part.after}, {part.through}]", changed
-        )
 
 
 def _convert(
@@ -330,41 +319,39 @@ def _prefetched(reader: Iterator[pa.RecordBatch], depth: int = 2) -> Iterator[pa
         thread.join()
 
 
-def _complete_through(cur: Any, part: RangePartition) -> int:
-    """Probe the stream on this session (before the rows: the probe argument) and return how
-    far this task may read: ``through``, or less when the range is no longer complete and
-    ``failOnDataLoss=false`` (else `StreamWentBackwards`)."""
-    _check_incarnation(cur, part)
-    found: list[Any] = []
-    for index, text in enumerate(store_probe.probe_texts([part.stream_key])):
-        cur.execute(text)
-        rows = cur.fetchall()
-        if index == store_probe.COMPLETE_STATEMENT:
-            found = rows
-    complete = int(found[0][2]) if found else 0
-    if complete >= part.through:
-        return part.through
-    if part.fail_on_data_loss:
-        raise StreamWentBackwards(went_backwards(part.stream, part.through, complete, strict=True))
-    log.warning(
-        "%s; failOnDataLoss=false: reading up to %d",
-        went_backwards(part.stream, part.through, complete, strict=False), complete,
-    )  # fmt: skip
-    return max(part.after, complete)
+def _plan(part: RangePartition, floor: int, resume: tuple[int, int] | None) -> RangeGen[list[Any]]:
+    """The store's plan for this partition (`streams.store.reads.read_range`), with what
+    ``failOnDataLoss`` makes of a range no longer complete (`StreamWentBackwards`, or a warning
+    and the read stops at what is complete) and of facts retention removed before they were
+    read (`FactsPruned`, or a warning)."""
 
-
-def _check_retained(cur: Any, part: RangePartition) -> None:
-    """After the rows (a later statement: see "retention" in `streams.store`): did retention
-    remove facts of this partition before they were read?"""
-
-    cur.execute(rows.pruned_through_sql(part.stream_key))
-    row = cur.fetchone()
-    pruned = int(row[0]) if row else 0
-    if pruned > part.after:
-        lost = FactsPruned(part.stream, part.after, pruned)
+    def backwards(complete: int) -> None:
         if part.fail_on_data_loss:
-            raise with_hint(lost)
-        log.warning("%s; failOnDataLoss=false: continuing without them", lost)
+            raise StreamWentBackwards(
+                went_backwards(part.stream, part.through, complete, strict=True)
+            )
+        log.warning(
+            "%s; failOnDataLoss=false: reading up to %d",
+            went_backwards(part.stream, part.through, complete, strict=False), complete,
+        )  # fmt: skip
+
+    def lost(pruned: FactsPruned) -> None:
+        if part.fail_on_data_loss:
+            raise with_hint(pruned)
+        log.warning("%s; failOnDataLoss=false: continuing without them", pruned)
+
+    return read_range(
+        part.stream,
+        part.stream_key,
+        part.after,
+        part.through,
+        incarnation=part.incarnation,
+        who="Spark task",
+        running_ts_floor=floor if part.timestamp_in == "sql" else None,
+        resume_after=resume,
+        went_backwards=backwards,
+        lost=lost,
+    )
 
 
 def with_hint(lost: FactsPruned) -> FactsPruned:
@@ -386,67 +373,96 @@ def _transient(exc: BaseException) -> bool:
     return False
 
 
+@dataclass
+class _Progress:
+    """How far a partition's read got, across its tries."""
+
+    #: The running timestamp maximum through the last row handed out.
+    floor: int
+    #: (stream ID, row) of the last row handed out.
+    resume: tuple[int, int] | None = None
+    #: Failures in a row (reset by every record batch handed out).
+    failures: int = 0
+
+
+def _drive(cur: Any, part: RangePartition, progress: _Progress) -> Iterator[pa.RecordBatch]:
+    """Drive the store's plan (`_plan`) on an ADBC cursor: each `Query` run and its rows sent
+    back, the `StreamRows` statement streamed to Spark (`_stream_rows`), a `Commit` nothing
+    (the session is in autocommit: each statement committed by itself)."""
+    plan = _plan(part, progress.floor, progress.resume)
+    answer: list[Any] | None = None
+    while True:
+        try:
+            op = next(plan) if answer is None else plan.send(answer)
+        except StopIteration:  # the plan ended: the partition is read
+            return
+        answer = []
+        if isinstance(op, StreamRows):
+            yield from _stream_rows(cur, op.statement, part, progress)
+        elif isinstance(op, Query):
+            cur.execute(op.statement)
+            answer = cur.fetchall()
+
+
+def _stream_rows(
+    cur: Any, statement: str, part: RangePartition, progress: _Progress
+) -> Iterator[pa.RecordBatch]:
+    """The rows statement's results as the source's record batches, ``progress`` kept with
+    every batch handed out."""
+    cur.adbc_statement.set_options(**{_BATCH_SIZE_OPTION: str(BATCH_BYTES)})
+    cur.execute(statement)
+    stream_col = None
+    reader = cur.fetch_record_batch()
+    batches = _prefetched(reader) if part.prefetch else iter(reader)
+    try:
+        for batch in batches:
+            out, floor = _convert(batch, part, progress.floor, stream_col)
+            if batch.num_rows:
+                last = batch.num_rows - 1
+                progress.resume = (
+                    int(batch.column(0)[last].as_py()),
+                    int(batch.column(1)[last].as_py()),
+                )
+            progress.floor, stream_col = floor, out.column(0)
+            progress.failures = 0
+            yield out
+    finally:
+        close = getattr(batches, "close", None)
+        if close is not None:
+            close()  # stops and joins the prefetch thread before the cursor closes
+
+
 def read_partition(part: RangePartition) -> Iterator[pa.RecordBatch]:
-    """The rows of one partition as Arrow record batches in (stream ID, row) order (executors).
+    """The rows of one partition as Arrow record batches in (stream ID, row) order (executors):
+    the store's plan driven over ADBC (`_drive`).
 
     A read that fails transiently (a stale cached connection, a restarted server, a network
     failure, a cancelled statement) goes on from the row after the last one handed to Spark, on
-    a fresh connection, for as long as the failures last no more than `RETRY_SECONDS` in a
-    row: the range is complete, so its rows are the same on every read
-    (`streams.store.rows.range_rows_sql`), and no row is handed twice.
+    a fresh connection and in a new plan (which checks and probes again), for as long as the
+    failures last no more than `RETRY_SECONDS` in a row: the range is complete, so its rows
+    are the same on every read (`streams.store.rows.range_rows_sql`), and no row is handed
+    twice.
     """
 
     if part.through <= part.after:
         return
-    floor = part.ts_floor  # the running timestamp maximum through the last row handed out
-    resume: tuple[int, int] | None = None  # (stream ID, row) of the last row handed out
-    failures = 0
+    progress = _Progress(part.ts_floor)
     failing_since = 0.0
     while True:
         cur = None
         try:
-            conn = _adbc_connection(part.database_url, failures > 0, part.statement_timeout_ms)
+            conn = _adbc_connection(
+                part.database_url, progress.failures > 0, part.statement_timeout_ms
+            )
             freeze_imports()  # after the first connection: ADBC's modules are loaded
             cur = conn.cursor()
-            through = _complete_through(cur, part)
-            if through <= part.after:
-                return
-            cur.adbc_statement.set_options(**{_BATCH_SIZE_OPTION: str(BATCH_BYTES)})
-            cur.execute(
-                rows.range_rows_sql(
-                    part.stream_key,
-                    part.after,
-                    through,
-                    running_ts_floor=floor if part.timestamp_in == "sql" else None,
-                    resume_after=resume,
-                )
-            )
-            stream_col = None
-            reader = cur.fetch_record_batch()
-            batches = _prefetched(reader) if part.prefetch else iter(reader)
-            try:
-                for batch in batches:
-                    out, next_floor = _convert(batch, part, floor, stream_col)
-                    if batch.num_rows:
-                        last = batch.num_rows - 1
-                        resume = (
-                            int(batch.column(0)[last].as_py()),
-                            int(batch.column(1)[last].as_py()),
-                        )
-                    floor, stream_col = next_floor, out.column(0)
-                    failures = 0
-                    yield out
-            finally:
-                close = getattr(batches, "close", None)
-                if close is not None:
-                    close()  # stops and joins the prefetch thread before the cursor closes
-            _check_retained(cur, part)
+            yield from _drive(cur, part, progress)
             return
         except Exception as exc:  # not FactsPruned, StreamWentBackwards: no outage
             if not _transient(exc):
                 raise
             now = time.monotonic()
-            if failures == 0:
+            if progress.failures == 0:
                 failing_since = now
             elif now - failing_since >= RETRY_SECONDS:
                 raise StoreError(
@@ -454,9 +470,9 @@ def read_partition(part: RangePartition) -> Iterator[pa.RecordBatch]:
                     f"{RETRY_SECONDS:g}s: {type(exc).__name__}: "
                     f"{str(exc).splitlines()[0] if str(exc) else ''}"
                 ) from None
-            if failures:  # the first retry is at once: a stale cached connection is common
-                time.sleep(backoff_delay(failures - 1, jitter=random.random()))
-            failures += 1
+            if progress.failures:  # the first retry is at once: a stale cached one is common
+                time.sleep(backoff_delay(progress.failures - 1, jitter=random.random()))
+            progress.failures += 1
             log.info("reading stream %s failed (%s); going on", part.stream, type(exc).__name__)
         finally:
             if cur is not None:

@@ -45,12 +45,21 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.types import StructType
 
+from streams import Writer
 from streams.config import DEFAULT_LEASE_SECONDS, DEFAULT_MAX_PAYLOAD_BYTES
-from streams.core.payloads import encode_payload
+from streams.connector import (
+    BatchCommit,
+    FactChunk,
+    TaskKey,
+    WriterCore,
+    claim_task,
+    commit_batch,
+    encode_payload,
+    load_stream,
+    open_session,
+    run,
+)
 from streams.errors import CommitUnknown, ConfigurationError, ConnectionLost, PayloadTooLarge
-from streams.store import driver, registry, sessions, sinks
-from streams.store.writer_core import FactChunk, WriterCore
-from streams.writer import Writer
 
 from . import source
 from .sink_options import (
@@ -65,8 +74,8 @@ from .sink_options import (
 if TYPE_CHECKING:
     import pyarrow as pa
 
-    from streams.store.driver import Gen
-    from streams.store.registry import StreamInfo
+    from streams import StreamInfo
+    from streams.connector import Gen
 
 __all__ = [
     "ROWS_PER_CHUNK",
@@ -136,8 +145,8 @@ def _prepare(raw: Any, schema: StructType, overwrite: bool) -> tuple[SinkOptions
         )
     options = parse_sink_options(dict(raw))
     plan = plan_columns(options, schema)
-    with sessions.connect(options.database_url, autocommit=True, purpose="Spark sink") as conn:
-        driver.run(conn, registry.load_stream(options.stream))  # UnknownStream if it is not
+    with open_session(options.database_url, autocommit=True, purpose="Spark sink") as conn:
+        run(conn, load_stream(options.stream))  # UnknownStream if it is not
     return options, plan
 
 
@@ -326,7 +335,7 @@ class SinkMessage(WriterCommitMessage):
 def write_task(
     options: SinkOptions,
     plan: ColumnPlan,
-    key: sinks.TaskKey,
+    key: TaskKey,
     prefix: str,
     batches: Iterable[pa.RecordBatch],
 ) -> SinkMessage:
@@ -358,8 +367,8 @@ def write_task(
     return SinkMessage(key.query_id, key.batch_id, key.partition_id, rows, facts, ack is not None)
 
 
-def _claim(info: StreamInfo, key: sinks.TaskKey) -> Gen[bool]:
-    claimed = yield from sinks.claim_task(info, key)
+def _claim(info: StreamInfo, key: TaskKey) -> Gen[bool]:
+    claimed = yield from claim_task(info, key)
     if not claimed:
         log.info("sink task %s was written before: nothing to write", key)
     return claimed
@@ -374,13 +383,11 @@ def _task_context() -> Any:
     return context
 
 
-def _commit(options: SinkOptions, query_id: str, batch_id: int) -> sinks.BatchCommit:
-    with sessions.connect(options.database_url, autocommit=False, purpose="Spark sink") as conn:
-        info = driver.run(conn, registry.load_stream(options.stream))
+def _commit(options: SinkOptions, query_id: str, batch_id: int) -> BatchCommit:
+    with open_session(options.database_url, autocommit=False, purpose="Spark sink") as conn:
+        info = run(conn, load_stream(options.stream))
         conn.commit()
-        return driver.run(
-            conn, sinks.commit_batch(info, query_id, batch_id, options.commit_retention)
-        )
+        return run(conn, commit_batch(info, query_id, batch_id, options.commit_retention))
 
 
 def _summary(messages: Sequence[WriterCommitMessage | None]) -> tuple[int, int]:
@@ -396,7 +403,7 @@ class StreamsBatchWriter(DataSourceArrowWriter):
         self.options, self.plan, self.query_id = options, plan, query_id
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> SinkMessage:
-        key = sinks.TaskKey(self.query_id, 0, int(_task_context().partitionId()))
+        key = TaskKey(self.query_id, 0, int(_task_context().partitionId()))
         return write_task(self.options, self.plan, key, self.options.instance_prefix or "spark",
                           iterator)  # fmt: skip
 
@@ -426,7 +433,7 @@ class StreamsStreamWriter(DataSourceStreamArrowWriter):
         batch_id = context.getLocalProperty(BATCH_ID_PROPERTY)
         if not query_id or batch_id is None:
             raise RuntimeError("a streaming write's task has no query id or batch id")
-        key = sinks.TaskKey(str(query_id), int(batch_id), int(context.partitionId()))
+        key = TaskKey(str(query_id), int(batch_id), int(context.partitionId()))
         prefix = self.options.instance_prefix or f"spark-{key.query_id.replace('-', '')[:12]}"
         return write_task(self.options, self.plan, key, prefix, iterator)
 

@@ -29,9 +29,8 @@ from pyspark.sql.types import (
 )
 
 from streams.config import Settings, redact_url, validate_instance_name, validate_stream_name
+from streams.connector import SINK_COMMIT_RETENTION_SECONDS, FactChunk
 from streams.errors import ConfigurationError, InvalidStreamName
-from streams.store.sinks import DEFAULT_RETENTION_SECONDS
-from streams.store.writer_core import FactChunk
 
 from .options import KNOWN_OPTIONS, parse_duration
 
@@ -79,7 +78,7 @@ class SinkOptions:
     payload_columns: tuple[str, ...] | None = None
     timestamp_column: str | None = None
     key_column: str | None = None
-    commit_retention: float = DEFAULT_RETENTION_SECONDS
+    commit_retention: float = SINK_COMMIT_RETENTION_SECONDS
 
     def __repr__(self) -> str:
         return (
@@ -137,7 +136,7 @@ def parse_sink_options(
     if key_column and timestamp_column and key_column.lower() == timestamp_column.lower():
         raise ConfigurationError("options keyColumn and timestampColumn: name different columns")
 
-    retention = DEFAULT_RETENTION_SECONDS
+    retention = SINK_COMMIT_RETENTION_SECONDS
     if "commitRetention" in given:
         retention = parse_duration(given["commitRetention"], "commitRetention")
         if retention < 3600:

@@ -40,6 +40,12 @@ Every driver statement has a timeout (``statementTimeout``) and is run again, wi
 after a transient error (a broken connection, a cancelled statement, a restart:
 `streams.store.driver.transient_sqlstate`) for up to `RETRY_SECONDS`. Executors run
 `streams_spark.executor.read_partition`.
+
+The read sequence (incarnation, probe, rows, retention; `streams.store.reads` says why its
+order is the proof) is the store's, taken through `streams.connector` like everything else of
+the library beyond its public API: the driver runs its probe (``latestOffset``,
+``partitions``) and its retention check (`_Driver.retained`) to plan positions, and every
+executor runs the whole sequence for its range (`streams.store.reads.read_range`).
 """
 
 from __future__ import annotations
@@ -73,10 +79,36 @@ from pyspark.sql.streaming.datasource import (
 )
 from pyspark.sql.types import StructType
 
-from streams.client import default_instance_name
-from streams.core.incarnation import Guard, Incarnation, written_elsewhere
-from streams.core.replication import backoff_delay
-from streams.core.stalls import HeldStreams
+from streams.connector import (
+    READER_SESSION_SETUP,
+    Generation,
+    Guard,
+    HeldStreams,
+    Incarnation,
+    ReaderCore,
+    RedisLink,
+    backoff_delay,
+    commit_group,
+    count_facts,
+    default_instance_name,
+    first_fact_since,
+    group_position,
+    load_streams,
+    open_session,
+    probe,
+    pruned_positions,
+    range_ts_maxima,
+    read_incarnation,
+    retire_where_held,
+    run,
+    split_range,
+    statement_timeout_setup,
+    take_generations,
+    transient_sqlstate,
+    ts_floor_at,
+    verify,
+    written_elsewhere,
+)
 from streams.errors import (
     ConfigurationError,
     ConnectionLost,
@@ -85,10 +117,6 @@ from streams.errors import (
     GroupFenced,
     StoreError,
 )
-from streams.store import driver, leases, reader_core, reader_groups, registry, rows, sessions
-from streams.store import probe as store_probe
-from streams.store.identity import read_incarnation, verify
-from streams.transport.link import RedisLink
 
 from .executor import (
     RETRY_SECONDS,
@@ -113,8 +141,8 @@ from .planning import lost_streams, running_floors, share_budget
 if TYPE_CHECKING:
     import pyarrow as pa
 
-    from streams.core.replication import Hint
-    from streams.store.registry import StreamInfo
+    from streams import StreamInfo
+    from streams.connector import Hint
 
 __all__ = [
     "RETRY_SECONDS",
@@ -223,7 +251,7 @@ class _Driver:
             # The readers' own session (streams.store.probe.READER_SESSION_SETUP): the probe's
             # argument needs READ COMMITTED whatever the server's default.
             try:
-                conn = sessions.connect(
+                conn = open_session(
                     self.config.database_url, autocommit=True, purpose="Spark source"
                 )
             except StoreError as exc:
@@ -231,19 +259,19 @@ class _Driver:
                     raise ConnectionLost(str(exc)) from None
                 raise
             setup = (
-                *store_probe.READER_SESSION_SETUP,
-                store_probe.statement_timeout_setup(self.config.statement_timeout_ms),
+                *READER_SESSION_SETUP,
+                statement_timeout_setup(self.config.statement_timeout_ms),
             )
             try:
                 for statement in setup:
                     conn.execute(statement)
             except psycopg.Error as exc:
-                lost = conn.broken or driver.transient_sqlstate(exc.sqlstate)
+                lost = conn.broken or transient_sqlstate(exc.sqlstate)
                 conn.close()
                 kind = ConnectionLost if lost else StoreError
                 raise kind(f"Spark source session setup failed: {exc}") from None
             try:
-                driver.run(conn, verify(self.guard, self._where()))
+                run(conn, verify(self.guard, self._where()))
             except BaseException:
                 conn.close()
                 raise
@@ -261,12 +289,12 @@ class _Driver:
         attempt = 0
         while True:
             try:
-                return driver.run(self._connection(), make(*args))
+                return run(self._connection(), make(*args))
             except StoreError as exc:
                 broken = self._conn is not None and (self._conn.broken or self._conn.closed)
                 if isinstance(exc, ConnectionLost) or broken:
                     self._conn = None
-                if not (isinstance(exc, ConnectionLost) or driver.transient_sqlstate(exc.sqlstate)):
+                if not (isinstance(exc, ConnectionLost) or transient_sqlstate(exc.sqlstate)):
                     raise
                 delay = backoff_delay(attempt, jitter=random.random())
                 if time.monotonic() + delay >= deadline:
@@ -324,7 +352,7 @@ class _Driver:
 
     def infos(self) -> dict[str, StreamInfo]:
         if not self._infos:
-            loaded = self.run(registry.load_streams, list(self.config.streams))
+            loaded = self.run(load_streams, list(self.config.streams))
             self._infos = {info.name: info for info in loaded}
         return self._infos
 
@@ -332,16 +360,16 @@ class _Driver:
         """What PostgreSQL proves complete, per stream; a stream held back for a while by an
         expired writer gets that writer's sessions ended (`streams.store.leases`)."""
         infos = self.infos()
-        found = self.run(store_probe.probe, [infos[n] for n in self.config.streams])
+        found = self.run(probe, [infos[n] for n in self.config.streams])
         observed = [(n, found[n].complete, found[n].max_allocated) for n in self.config.streams]
-        self.run(leases.retire_where_held, infos, self._held, time.monotonic(), observed)
+        self.run(retire_where_held, infos, self._held, time.monotonic(), observed)
         return {n: found[n].complete for n in self.config.streams}
 
     def floors_at(self, positions: dict[str, int]) -> dict[str, int]:
-        """Timestamp floors at ``positions`` from the facts before them (`rows.ts_floor_at`):
-        for a start the reader core did not resolve, and for offsets logged without floors."""
+        """Timestamp floors at ``positions`` from the facts before them (`ts_floor_at`): for a
+        start the reader core did not resolve, and for offsets logged without floors."""
         infos = self.infos()
-        return {n: int(self.run(rows.ts_floor_at, infos[n], p)) for n, p in positions.items()}
+        return {n: int(self.run(ts_floor_at, infos[n], p)) for n, p in positions.items()}
 
     def floors_after(
         self, lower: dict[str, int], upper: dict[str, int], floors: dict[str, int]
@@ -352,7 +380,7 @@ class _Driver:
         out = dict(floors)
         for name, low in lower.items():
             if upper[name] > low:
-                maxima = self.run(rows.range_ts_maxima, infos[name], [low, upper[name]])
+                maxima = self.run(range_ts_maxima, infos[name], [low, upper[name]])
                 out[name] = running_floors(floors[name], maxima)[-1]
         return out
 
@@ -367,7 +395,7 @@ class _Driver:
         if start and self.config.group_explicit:
             infos = self.infos()
             for n in names:
-                found = self.run(reader_groups.group_position, infos[n], self.config.group)
+                found = self.run(group_position, infos[n], self.config.group)
                 if found is not None:
                     self.check_group_row(n, found.incarnation, found.position)
                     committed[n], floors[n] = int(found[0]), int(found[1])
@@ -414,12 +442,12 @@ class _Driver:
     ) -> None:
         """Resolve ``names`` with the Python reader's own start logic (on the database's
         clock for a relative start) and keep exactly its positions, filters and floors."""
-        core = reader_core.ReaderCore(names, start=begin)
+        core = ReaderCore(names, start=begin)
         try:
             self.run(core.open)
         except FactsPruned as lost:  # a start below what retention kept
             self.lost_facts(lost)
-            core = reader_core.ReaderCore(names, start="earliest")
+            core = ReaderCore(names, start="earliest")
             self.run(core.open)
         positions.update({n: int(core.positions[n]) for n in names})
         floors.update({n: int(core.ts_floors[n]) for n in names})
@@ -439,7 +467,7 @@ class _Driver:
         """``positions``, each raised to what retention kept (`lost_facts` for any below)."""
 
         infos = self.infos()
-        pruned = self.run(rows.pruned_positions, [infos[n] for n in positions])
+        pruned = self.run(pruned_positions, [infos[n] for n in positions])
         for name, position in positions.items():
             if pruned[name] > position:
                 self.lost_facts(FactsPruned(name, position, pruned[name]))
@@ -475,11 +503,11 @@ class _Driver:
             if through <= after:
                 continue
             info = infos[name]
-            cuts = self.run(rows.split_range, info, after, through, self.config.partitions)
+            cuts = self.run(split_range, info, after, through, self.config.partitions)
             bounds = [after, *cuts, through]
             starts = [floors[name]]
             if cuts:
-                maxima = self.run(rows.range_ts_maxima, info, bounds[:-1])
+                maxima = self.run(range_ts_maxima, info, bounds[:-1])
                 starts += running_floors(floors[name], maxima)
             for (low, high), floor in zip(itertools.pairwise(bounds), starts, strict=True):
                 parts.append(
@@ -575,7 +603,7 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
         self._counted: tuple[tuple[Any, ...], dict[str, tuple[int, int]]] | None = None
         self.probes = 0
         #: The group's generations this run took (`own_group`); fenced: another run took it.
-        self._generations: dict[str, reader_groups.Generation] | None = None
+        self._generations: dict[str, Generation] | None = None
         self._fenced = False
 
     # ------------------------------------------------------------------ Redis (lazy)
@@ -629,13 +657,13 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
 
     # ------------------------------------------------------------------ offsets
 
-    def own_group(self) -> dict[str, reader_groups.Generation]:
+    def own_group(self) -> dict[str, Generation]:
         """Take the group's next generation on every stream, once per run of the query (as a
         Python reader does when it opens its group: before its position is read)."""
         if self._generations is None:
             infos = self.infos()
             self._generations = self.run(
-                reader_groups.take_generations,
+                take_generations,
                 self.config.group,
                 [infos[n] for n in self.config.streams],
                 f"spark {socket.gethostname()}:{os.getpid()}",
@@ -726,7 +754,7 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
             n: ms
             for n, ms in since.items()
             if upper[n] <= lower[n]
-            or self.run(rows.first_fact_since, infos[n], ms, lower[n], upper[n]) is None
+            or self.run(first_fact_since, infos[n], ms, lower[n], upper[n]) is None
         }
 
     def _count(
@@ -735,7 +763,7 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
 
         infos = self.infos()
         return {
-            n: self.run(rows.count_facts, infos[n], lower[n], upper[n], limit)
+            n: self.run(count_facts, infos[n], lower[n], upper[n], limit)
             if upper[n] > lower[n]
             else (0, lower[n])
             for n in self.config.streams
@@ -776,7 +804,7 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
             elif share == count:
                 result[n] = upper[n] if count < budget else last
             else:
-                _, result[n] = self.run(rows.count_facts, infos[n], lower[n], upper[n], share)
+                _, result[n] = self.run(count_facts, infos[n], lower[n], upper[n], share)
         return result
 
     def reportLatestOffset(self) -> dict[str, Any] | None:
@@ -830,7 +858,7 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
         commits = [(infos[n], positions[n], floors[n]) for n in names]
         try:
             self.run(
-                functools.partial(reader_groups.commit_group, incarnation=self.incarnation()),
+                functools.partial(commit_group, incarnation=self.incarnation()),
                 self.config.group,
                 commits,
                 self.own_group(),

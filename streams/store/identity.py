@@ -5,7 +5,8 @@ writer's, the prover's, the Spark source's) runs `verify` right after it connect
 session, before any other statement: the first one a process makes records the incarnation in
 its `Guard`, every later one (a reconnect after a restart, a failover, a recreated database)
 must find the same, or `DatabaseChanged` stops the role before it reads or writes anything in
-another history.
+another history. A session that reads a range planned elsewhere (a Spark task's) checks the
+history the range was planned in instead (`check_history`, step 1 of `streams.store.reads`).
 
 Every number comes from the server the session is on: ``pg_control_system()`` (the system
 identifier), ``pg_database`` (the database OID), the incarnation table's OID and row, and the
@@ -16,18 +17,19 @@ may read the table (no superuser, no ``pg_monitor``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 
-from ..core.incarnation import Guard, Incarnation
-from ..errors import SchemaNotReady, StoreError
-from .driver import Commit, Gen, Query
+from ..core.incarnation import Guard, Incarnation, written_elsewhere
+from ..errors import DatabaseChanged, SchemaNotReady, StoreError
+from .driver import Commit, Gen, Query, Row
 
 __all__ = [
     "INCARNATION_SQL",
     "BoundGroup",
     "accept_groups",
     "bound_groups",
+    "check_history",
     "incarnation_from_row",
     "read_incarnation",
     "verify",
@@ -55,8 +57,9 @@ def incarnation_from_row(row: tuple[object, ...]) -> Incarnation:
                        int(str(timeline)))  # fmt: skip
 
 
-def read_incarnation() -> Gen[Incarnation]:
-    """The incarnation of the database this session is on (no transaction is left open)."""
+def read_incarnation() -> Generator[Query | Commit, list[Row], Incarnation]:
+    """The incarnation of the database this session is on (no transaction is left open).
+    Plain statements only (`Query` without parameters, `Commit`): any driver runs it."""
     try:
         rows = yield Query(INCARNATION_SQL)
     except StoreError as exc:
@@ -79,6 +82,17 @@ def verify(guard: Guard, where: str) -> Gen[Incarnation]:
     `streams.errors.DatabaseChanged`, naming ``where``, if the history changed."""
     found = yield from read_incarnation()
     return guard.check(found, where)
+
+
+def check_history(token: str, where: str) -> Generator[Query | Commit, list[Row], Incarnation]:
+    """`read_incarnation` and check that it is the history named ``token`` (the one a range
+    was planned in: `streams.store.reads.read_range`): `streams.errors.DatabaseChanged`,
+    naming ``where``, otherwise. For a session without a `Guard` of its own (a Spark task's)."""
+    found = yield from read_incarnation()
+    changed = written_elsewhere(token, found)
+    if changed is not None:
+        raise DatabaseChanged(where, changed)
+    return found
 
 
 @dataclass(frozen=True, slots=True)

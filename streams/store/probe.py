@@ -18,7 +18,8 @@ order):
    lock is held by every writing transaction from just *before* its ``nextval`` until it ends,
    keyed by ``L`` (the sequence value plus one when it started), so every ID it reserves is
    ``>= L``;
-3. later statements read rows ``<= C[s]``.
+3. later statements read rows ``<= C[s]`` (the order every reader runs is written once, in
+   `streams.store.reads`).
 
 For one stream ``s``: any transaction holding an ID ``<= A[s]`` called ``nextval`` before
 statement 1 read ``A[s]``, so it took its lock before statement 1 ended, hence before statement
@@ -109,7 +110,7 @@ place the database already enforces.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..core.constants import (
@@ -121,7 +122,6 @@ from ..core.constants import (
 from ._common import COMPLETE_SETTING, MAY_END_SESSION, RESERVATION_LOCKS, int_array
 from .driver import Commit, Gen, Pipeline, Query, Row
 from .registry import StreamInfo
-from .rows import check_retained, fetch_rows_after_probe, retention_query
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,9 +205,9 @@ READER_SESSION_SETUP = (
 
 
 def probe_queries(infos: Sequence[StreamInfo]) -> list[Query]:
-    """The statements of `probe`, for pipelining (see "the probe argument"): the rows of the
-    *last* one go to `probes_from_rows`; more statements may follow them in the pipeline
-    (`fetch_rows_after_probe`)."""
+    """The statements of `probe`, for pipelining (see "the probe argument"): the rows of
+    statement `COMPLETE_STATEMENT` go to `probes_from_rows`; more statements may follow them
+    in the pipeline, in the order `streams.store.reads` gives (`reads.probe_and_read`)."""
     return list(_probe_queries(tuple(info.id for info in infos)))
 
 
@@ -229,12 +229,12 @@ def _probe_queries(ids: tuple[int, ...]) -> tuple[Query, ...]:
 
 
 def probe_texts(stream_keys: Sequence[int]) -> tuple[str, ...]:
-    """The statements of `probe` for the streams with these registry ids, as plain text, for a
-    session of another driver (ADBC, on Spark executors) that runs them in this order, each in
-    autocommit (the last one's commit makes them durable), then reads rows ``<=`` the complete
-    position in a later statement: the probe and durability arguments hold for it as for
-    `probe`. The statement at `COMPLETE_STATEMENT` returns ``(name, max allocated, complete,
-    _)`` per stream. Ints only, inlined."""
+    """The statements of `probe` for the streams with these registry ids, as plain text, for
+    a plan that any driver runs (`streams.store.reads.read_range`: ADBC on Spark executors),
+    one statement at a time in this order, then commits (the last one's commit makes them
+    durable): the probe and durability arguments hold for it as for `probe`. The statement at
+    `COMPLETE_STATEMENT` returns ``(name, max allocated, complete, _)`` per stream. Ints only,
+    inlined."""
     texts = []
     for query in _probe_queries(tuple(int(k) for k in stream_keys)):
         statement = query.statement
@@ -294,45 +294,21 @@ RETURNING stream
 PROVER_SESSION_SETUP = ("SET synchronous_commit = off",)
 
 
+def record_proof_query(infos: Sequence[StreamInfo]) -> Query:
+    """The statement that records in ``streams_proofs`` what the probe before it in the same
+    session proved for each of ``infos`` (forward-only; see "shared proofs")."""
+    return Query(_RECORD_PROOF_SQL, {"ids": [info.id for info in infos]})
+
+
 def prove(infos: Sequence[StreamInfo]) -> Gen[dict[str, Probe]]:
     """`probe` every stream in ``infos`` and record the result in ``streams_proofs`` for the
-    readers of other processes, in one round trip (see "shared proofs")."""
+    readers of other processes, in one round trip (see "shared proofs"). The prober reads the
+    rows it signs in the same round trip: `streams.store.reads.prove_with_rows`."""
     queries = probe_queries(infos)
-    queries.append(Query(_RECORD_PROOF_SQL, {"ids": [info.id for info in infos]}))
+    queries.append(record_proof_query(infos))
     results = yield Pipeline(queries)
     yield Commit()
     return probes_from_results(results)
-
-
-def prove_with_rows(
-    infos: Sequence[StreamInfo], after: Mapping[str, int], limit: int
-) -> Gen[tuple[dict[str, Probe], dict[str, list[Row]]]]:
-    """`prove`, and for each stream named in ``after`` the first ``limit`` rows after
-    ``after[name]`` up to what this probe proved, in the same round trip: the rows the prober
-    signs for readers that take them from Redis (`streams.core.signing`).
-
-    The rows are read by statements after the probe's, so the probe argument covers them as
-    it covers a reader's own read (`streams.store.rows.fetch_rows_after_probe`): this is the
-    same proof, not a copy of it.
-    """
-    queries = probe_queries(infos)
-    queries.append(Query(_RECORD_PROOF_SQL, {"ids": [info.id for info in infos]}))
-    read = [info for info in infos if info.name in after]
-    queries += [fetch_rows_after_probe(info, after[info.name], limit) for info in read]
-    if read:
-        # After the rows, as every read does ("retention" in streams.store.rows): a stream
-        # pruned beyond ``after`` may miss facts of the range, so none of its rows are given.
-        queries.append(retention_query(read))
-    results = yield Pipeline(queries)
-    yield Commit()
-    rows: dict[str, list[Row]] = {}
-    if read:
-        *pages, retained = results[PROBE_STATEMENTS + 1 :]
-        pruned = check_retained(retained, {})
-        for info, page in zip(read, pages, strict=True):
-            if pruned.get(info.name, 0) <= after[info.name]:
-                rows[info.name] = list(page)
-    return probes_from_results(results), rows
 
 
 def try_become_prover(infos: Sequence[StreamInfo]) -> Gen[list[str]]:

@@ -15,7 +15,9 @@ Stages, after Materialize's compute protocol:
    ``start``), and ask PostgreSQL what is complete (`streams.store.probe.probe`). The link publishes
    ``REPLICATE`` once its subscription is confirmed; writers answer with ``POSITION``.
 3. **Computation**: `ReaderCore.step` delivers the next epoch. While behind the last probe it
-   reads pages of rows from PostgreSQL; when caught up it probes again. Between steps the driver
+   reads pages of rows from PostgreSQL; when caught up it probes again, and reads the first
+   pages in the same round trip (every read is a plan of `streams.store.reads`, which holds the
+   order of probe, rows and retention check and why it is the proof). Between steps the driver
    sleeps until a *hint* (an ``RDATA``/``POSITION`` naming a token beyond its position, from
    Redis or from a writer in the same process) or the poll interval.
 
@@ -59,11 +61,10 @@ from ..errors import (
     StoreError,
     UsageError,
 )
-from .driver import Gen, Pipeline
+from .driver import Gen
 from .identity import verify
 from .keys import live_keys
 from .leases import persisted_writer_position, retire_where_held
-from .probe import PROBE_STATEMENTS, Probe, probe, probe_queries, probes_from_results
 from .reader_groups import (
     GROUP_MOVED,
     Generation,
@@ -72,18 +73,16 @@ from .reader_groups import (
     group_position,
     take_generations,
 )
-from .registry import StreamInfo, load_streams
-from .rows import (
-    check_retained,
-    database_time_ms,
-    fetch_rows,
-    fetch_rows_after_probe,
-    fetch_rows_after_proof,
-    position_before_time,
+from .reads import (
+    Probe,
+    probe,
+    probe_and_read,
     pruned_positions,
-    retention_query,
-    ts_floor_at,
+    read_after_proof,
+    read_proven,
 )
+from .registry import StreamInfo, load_streams
+from .rows import database_time_ms, position_before_time, ts_floor_at
 
 __all__ = ["DEFAULT_PAGE_SIZE", "ReaderCore", "Start"]
 
@@ -410,13 +409,9 @@ class ReaderCore:
         if shared is not None:
             planned = shared
         elif not self.behind() or self._reconcile:
+            # Probe, rows and retention in one round trip (`streams.store.reads`).
             infos = [self.infos[n] for n in self.names]
-            queries = probe_queries(infos)
-            queries += [fetch_rows_after_probe(i, lower[i.name], self.page_size) for i in infos]
-            queries.append(retention_query(infos))  # after the rows: see "retention" (store)
-            results = yield Pipeline(queries)
-            check_retained(results[-1], lower)
-            probes = probes_from_results(results)
+            probes, pages, _ = yield from probe_and_read(infos, lower, self.page_size)
             self._note_probe(probes)
             # A stream held back for a while: end an expired writer's sessions ("the liveness
             # argument" in streams.store.leases). Not a read: no position moves here.
@@ -426,7 +421,7 @@ class ReaderCore:
                 time.monotonic(),
                 ((name, p.complete, p.max_allocated) for name, p in probes.items()),
             )
-            for info, raw in zip(infos, results[PROBE_STATEMENTS:-1], strict=True):
+            for info, raw in zip(infos, pages, strict=True):
                 # The rows were read up to this probe's position, whatever earlier ones said.
                 through = probes[info.name].complete
                 if through > lower[info.name]:
@@ -435,7 +430,7 @@ class ReaderCore:
             for name in self.names:
                 target = self._targets.get(name, 0)
                 if lower[name] < target:
-                    page = yield from fetch_rows(
+                    page = yield from read_proven(
                         self.infos[name], lower[name], target, self.page_size
                     )
                     planned.append((yield from self._plan(name, page, target)))
@@ -449,13 +444,7 @@ class ReaderCore:
         each, one round trip; None (nothing delivered) when a proof is missing or stale, and
         the caller probes itself."""
         infos = [self.infos[n] for n in self.names]
-        *results, pruned = yield Pipeline(
-            [
-                *(fetch_rows_after_proof(i, lower[i.name], self.page_size) for i in infos),
-                retention_query(infos),  # after the rows: see "retention" (store)
-            ]
-        )
-        check_retained(pruned, lower)
+        results = yield from read_after_proof(infos, lower, self.page_size)
         self._proof_fresh = all(rows and int(rows[0][1]) <= STALE_AFTER for rows in results)
         if not self._proof_fresh:
             self._awaited.clear()
@@ -567,7 +556,7 @@ class ReaderCore:
         )  # fmt: skip
         if plan.refetch is not None:
             # One fact has more rows than a page: read it alone, whole.
-            rows = yield from fetch_rows(info, plan.refetch - 1, plan.refetch, 2**31 - 1)
+            rows = yield from read_proven(info, plan.refetch - 1, plan.refetch, 2**31 - 1)
             plan = plan_page(
                 name, rows, after=after, through=plan.refetch, limit=len(rows) + 1,
                 ts_floor=self.ts_floors[name], decode=decode_payloads,

@@ -23,7 +23,8 @@ from .rows import position_before_time
 # gone) forward together with the rows it deletes, so a statement sees both or neither. A read
 # of the rows after ``p`` followed, in a *later* statement, by ``pruned_through <= p`` lost
 # nothing: any prune that deleted from that range had committed a watermark above ``p`` before
-# the read's snapshot, hence before the later statement's (`retention_query`, `check_retained`).
+# the read's snapshot, hence before the later statement's (`retention_query`, `check_retained`;
+# step 4 of the read sequence every reader runs, `streams.store.reads`).
 #
 # Retention never passes: the stream's complete position (a pending ID below it could still
 # commit, into a range readers would never read again), nor any reader group's committed

@@ -1,11 +1,13 @@
-"""Reading facts: pages of rows, starts by time, timestamp floors, batch ranges.
+"""Reading facts: the statements that read rows, starts by time, timestamp floors, batch ranges.
 
 Every read names its stream as a literal (each stream is a partition of ``streams_facts``; a
 generic plan with a parameter would plan and lock every partition), and reads only up to a
-position PostgreSQL proved complete (`streams.store.probe.probe`): after a probe in the same
-pipeline (`fetch_rows_after_probe`), with a shared proof in the same statement
-(`fetch_rows_after_proof`), or up to a proven position given by the caller (`fetch_rows`, and
-the batch ranges of the Spark source).
+position PostgreSQL proved complete (`streams.store.probe.probe`). The statements that read
+rows and check retention are here; the order in which a reader runs them (incarnation, probe,
+rows, retention) and why that order is the proof are in `streams.store.reads`, whose plans every
+reader runs: after a probe in the same pipeline (`fetch_rows_after_probe`), with a shared
+proof in the same statement (`fetch_rows_after_proof`), or up to a proven position given by
+the caller (`range_query`, and `range_rows_sql` for the batch ranges of the Spark source).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from psycopg import sql
 
 from ..errors import FactsPruned
 from ._common import COMPLETE_SETTING, int_array
-from .driver import Commit, Gen, Pipeline, Query, Row
+from .driver import Commit, Gen, Query, Row
 from .registry import StreamInfo
 
 
@@ -51,32 +53,30 @@ def _proof_rows_sql(stream_key: int) -> bytes:
     ).encode()
 
 
-def fetch_rows(info: StreamInfo, after: int, through: int, limit: int) -> Gen[list[Row]]:
+def range_query(info: StreamInfo, after: int, through: int, limit: int) -> Query:
     """Rows ``(stream_id, row_no, instance, ts, payload)`` of facts with
     ``after < stream_id <= through``, in (stream ID, row) order; ``payload`` as JSON text (the
     reader decodes a page's payloads in one call, cheaper than psycopg's loader per value).
 
     At most ``limit`` rows: a page may end in the middle of a fact's rows (see
-    `streams.core.epochs`). `FactsPruned` if retention removed facts after ``after``. Bounds are
-    inlined as literals: measurably faster than parameters for range scans, and they are ints,
-    so nothing can be injected.
+    `streams.core.epochs`). Read it as `streams.store.reads.read_proven` does (with the
+    retention check after it). Bounds are inlined as literals: measurably faster than
+    parameters for range scans, and they are ints, so nothing can be injected.
     """
-    query = sql.SQL(
-        "SELECT stream_id, row_no, instance, ts, payload::text FROM streams_facts "
-        "WHERE stream = {stream} AND stream_id > {after} AND stream_id <= {through} "
-        "ORDER BY stream_id, row_no LIMIT {limit}"
-    ).format(**_range_literals(info, after, through, limit))
-    # The stream's retention is read after the rows, in the same round trip (see "retention").
-    rows, pruned = yield Pipeline([Query(query), retention_query([info])])
-    yield Commit()
-    check_retained(pruned, {info.name: after})
-    return list(rows)
+    return Query(
+        sql.SQL(
+            "SELECT stream_id, row_no, instance, ts, payload::text FROM streams_facts "
+            "WHERE stream = {stream} AND stream_id > {after} AND stream_id <= {through} "
+            "ORDER BY stream_id, row_no LIMIT {limit}"
+        ).format(**_range_literals(info, after, through, limit))
+    )
 
 
 def fetch_rows_after_probe(info: StreamInfo, after: int, limit: int) -> Query:
-    """Like `fetch_rows` up to the complete position the preceding `probe_query` of the same
-    session remembered: pipelined behind it, a caught-up reader needs one round trip, and this
-    statement's snapshot is still taken after the probe's pg_locks read, as the argument needs.
+    """Like `range_query` up to the complete position the preceding probe statements of the
+    same session remembered (`streams.store.reads.probe_and_read`): pipelined behind them, a
+    caught-up reader needs one round trip, and this statement's snapshot is still taken after
+    the probe's pg_locks read, as the argument needs.
 
     The stream is a literal (its partition is known when planning: a generic plan with a
     parameter would lock every stream's partition), the bounds are parameters: this runs
@@ -187,7 +187,7 @@ def range_ts_maxima(info: StreamInfo, bounds: Sequence[int]) -> Gen[list[int | N
     timestamp floor at every bound (`streams_spark.planning.running_floors`), unlike
     `ts_floor_at`, which looks at recent facts only. Each range is read once, by the primary
     key (or backwards through the time index when that is cheaper: the planner's choice).
-    Bounds are ints, inlined (see `fetch_rows`).
+    Bounds are ints, inlined (see `range_query`).
     """
     if len(bounds) < 2:
         return []
@@ -213,7 +213,7 @@ def database_time_ms() -> Gen[int]:
 
 # --- batch ranges (Spark source and other batch readers) ---------------------------------------
 # Readers that plan a whole range of complete positions up front (the Spark source) rather than
-# page by page. Bounds are ints inlined as literals (see `fetch_rows`).
+# page by page. Bounds are ints inlined as literals (see `range_query`).
 
 
 def count_facts(info: StreamInfo, after: int, through: int, limit: int) -> Gen[tuple[int, int]]:
@@ -285,16 +285,17 @@ def range_rows_sql(
     with registry id ``stream_key``, as ``stream_id, row_no, instance, ts, payload`` in (stream
     ID, row) order, the payload as JSON text.
 
-    For executors that run it with another driver (ADBC returns JSONB as an extension type,
-    hence ``::text``). With ``running_ts_floor``, ``ts`` is the running maximum the readers
-    report (`streams.core.epochs`), starting from that floor: rows of one fact share their writer's
+    The rows statement of `streams.store.reads.read_range`, which any driver runs (ADBC, on
+    Spark executors, returns JSONB as an extension type, hence ``::text``). With
+    ``running_ts_floor``, ``ts`` is the running maximum the readers report
+    (`streams.core.epochs`), starting from that floor: rows of one fact share their writer's
     timestamp, so the maximum over rows equals the maximum over facts. Plain text, not
     `psycopg.sql`: every value is an int, so nothing can be injected.
 
     ``resume_after=(stream_id, row_no)``: only the rows after that one, to go on with a read
     that broke off (with ``running_ts_floor`` the maximum over the rows already read). The
     range is complete, so its rows cannot change between the two reads; retention may remove
-    them, which the caller's later retention check reports as for any read.
+    them, which the plan's later retention check reports as for any read.
     """
     key, low, high = int(stream_key), int(after), int(through)
     resume = ""
@@ -327,7 +328,8 @@ def _range_literals(info: StreamInfo, after: int, through: int, limit: int) -> d
 
 def retention_query(infos: Sequence[StreamInfo]) -> Query:
     """``(name, pruned_through)`` of each stream: pipelined *after* a read of rows, for
-    `check_retained` (see the retention argument above)."""
+    `check_retained` (step 4 of `streams.store.reads`; "the retention argument" in
+    `streams.store.retention`)."""
     return _retention_query(tuple(info.id for info in infos))
 
 
@@ -349,8 +351,8 @@ def check_retained(rows: Sequence[Row], positions: Mapping[str, int]) -> dict[st
 
 def pruned_through_sql(stream_key: int) -> str:
     """The text of a query for the ``pruned_through`` of the stream with registry id
-    ``stream_key``: for executors that read rows with another driver and check, in a later
-    statement, that retention removed nothing they needed (see `range_rows_sql`)."""
+    ``stream_key``: step 4 of `streams.store.reads.read_range`, in a statement after its rows
+    (`range_rows_sql`), as plain text for any driver."""
     return f"SELECT pruned_through FROM streams_registry WHERE id = {int(stream_key)}"
 
 

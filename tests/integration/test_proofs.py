@@ -276,7 +276,8 @@ def test_a_prover_signs_no_range_retention_may_have_cut(
     them: a range that starts below what retention removed is not signed (a reader would
     otherwise deliver it with facts missing, instead of raising FactsPruned)."""
     from streams.store.driver import run
-    from streams.store.probe import READER_SESSION_SETUP, prove_with_rows
+    from streams.store.probe import READER_SESSION_SETUP
+    from streams.store.reads import prove_with_rows
     from streams.store.registry import load_streams
 
     with client.writer(stream, instance="w") as writer:

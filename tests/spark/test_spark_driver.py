@@ -168,16 +168,15 @@ def test_min_facts_counts_once_per_probe(
 ) -> None:
     from pyspark.sql.streaming.datasource import ReadMinRows
 
-    from streams.store import rows
+    from streams.connector import count_facts as real
 
     calls: list[int] = []
-    real = rows.count_facts
 
     def counting(*args: Any) -> Any:
         calls.append(1)
         return real(*args)
 
-    monkeypatch.setattr(rows, "count_facts", counting)
+    monkeypatch.setattr("streams_spark.source.count_facts", counting)  # as the source calls it
     with client.writer(stream, instance="w") as writer:
         writer.append_batch([{"i": i} for i in range(3)])
     reader = _reader(stream, streams_url, minFactsPerTrigger="5", pollInterval="1s")

@@ -9,8 +9,14 @@ packages never import each other; there are no import cycles):
 2. `streams.store` (PostgreSQL) and `streams.transport` (Redis): the I/O;
 3. `streams.writer`, `streams.reader`, `streams.proofs`, `streams.migrate`: the shells that
    drive them;
-4. `streams.client`, `streams.metrics`, `streams` itself: the entry points;
+4. `streams.client`, `streams.metrics`, `streams.connector`, `streams` itself: the entry points;
 5. `streams.ops`, `streams.bench`, `streams.__main__`: the operator's surface.
+
+Outside the package: the Spark connector (`spark/streams_spark`) imports of `streams` only the
+public API (`streams`, `streams.errors`, `streams.config`) and the connectors' face
+(`streams.connector`), never a module of the store, the transport or the core (its benchmarks,
+a ``bench*`` module or sub-package, may also import `streams.bench`); the examples
+(`examples/`, `spark/examples/`) import only the public API, `streams` and `streams_spark`.
 """
 
 from __future__ import annotations
@@ -200,7 +206,7 @@ LAYERS = (
     ("streams.core",),
     ("streams.store", "streams.transport"),
     ("streams.writer", "streams.reader", "streams.proofs", "streams.migrate", "streams.orm"),
-    ("streams.client", "streams.metrics", "streams"),
+    ("streams.client", "streams.metrics", "streams.connector", "streams"),
     ("streams.ops", "streams.bench", "streams.__main__"),
 )
 #: Packages of one layer that must not import each other.
@@ -308,3 +314,132 @@ def test_the_wheel_lists_every_package() -> None:
     }
     found |= {"streams._migrations", "streams_spark"}
     assert listed == found
+
+
+# ---------------------------------------------------------------------------------------------
+# The Spark connector and the examples: the public API and the connectors' face only
+
+SPARK_DIR = REPO_ROOT / "spark" / "streams_spark"
+EXAMPLE_FILES = tuple(
+    sorted(
+        [*(REPO_ROOT / "examples").rglob("*.py"), *(REPO_ROOT / "spark" / "examples").rglob("*.py")]
+    )
+)
+#: The modules of `streams` that are public besides the package itself (its errors and
+#: settings are re-exported by it), and the face connectors build on.
+CONNECTOR_ALLOWED = ("streams.errors", "streams.config", "streams.connector")
+#: What a connector's benchmarks may import besides.
+BENCH_ALLOWED = ("streams.bench",)
+
+
+def _public(package: str) -> frozenset[str]:
+    """``package`` and ``package.<name>`` for every name of its ``__all__``."""
+    module = __import__(package)
+    return frozenset({package, *(f"{package}.{name}" for name in module.__all__)})
+
+
+def _within(name: str, modules: tuple[str, ...]) -> bool:
+    return any(name == module or name.startswith(f"{module}.") for module in modules)
+
+
+def _is_bench(path: Path) -> bool:
+    """A connector's benchmark: a ``bench*`` module or anything in a ``bench*`` sub-package."""
+    parts = path.relative_to(SPARK_DIR).parts
+    return any(part.startswith("bench") for part in parts)
+
+
+def connector_violations(path: Path, *, bench: bool = False) -> list[str]:
+    """The imports of a `streams_spark` module that reach past the public API and the face."""
+    allowed = CONNECTOR_ALLOWED + (BENCH_ALLOWED if bench else ())
+    public = _public("streams")
+    return sorted(
+        {
+            name
+            for level, name in _imports(path)
+            if level == 0
+            and _within(name, ("streams",))
+            and name not in public
+            and not _within(name, allowed)
+        }
+    )
+
+
+def example_violations(path: Path) -> list[str]:
+    """The imports of an example that reach past the public API (`streams`, `streams_spark`)."""
+    public = _public("streams") | _public("streams_spark")
+    return sorted(
+        {
+            name
+            for level, name in _imports(path)
+            if level == 0 and _within(name, ("streams", "streams_spark")) and name not in public
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    "path", sorted(SPARK_DIR.rglob("*.py")), ids=lambda p: str(p.relative_to(SPARK_DIR))
+)
+def test_spark_imports_only_the_public_api_and_the_face(path: Path) -> None:
+    assert connector_violations(path, bench=_is_bench(path)) == []
+
+
+@pytest.mark.parametrize("path", EXAMPLE_FILES, ids=lambda p: str(p.relative_to(REPO_ROOT)))
+def test_examples_import_only_the_public_api(path: Path) -> None:
+    assert list(_imports(path)), "no imports found: is the parser looking at the right file?"
+    assert example_violations(path) == []
+
+
+def test_the_spark_walk_covers_the_connector_and_the_examples() -> None:
+    found = {p.name for p in SPARK_DIR.rglob("*.py")}
+    assert {"source.py", "executor.py", "sink.py", "sink_options.py"} <= found
+    assert {p.name for p in EXAMPLE_FILES} >= {"consume.py", "produce.py", "consumer.py"}
+
+
+def test_connector_check_catches_internal_imports(tmp_path: Path) -> None:
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "from streams.store import probe\n"
+        "import streams.store.rows\n"
+        "from streams import Writer, connector, transport\n"
+        "from streams.errors import FactsPruned\n"
+        "from streams.connector import read_range\n"
+        "from . import options\n"
+        "import pyarrow\n"
+        "def f():\n"
+        "    from streams.bench.common import drop_streams\n",
+        encoding="utf-8",
+    )
+    assert connector_violations(sample) == [
+        "streams.bench.common",
+        "streams.bench.common.drop_streams",
+        "streams.store",
+        "streams.store.probe",
+        "streams.store.rows",
+        "streams.transport",
+    ]
+    bench = connector_violations(sample, bench=True)
+    assert bench == [
+        "streams.store",
+        "streams.store.probe",
+        "streams.store.rows",
+        "streams.transport",
+    ]
+    assert example_violations(sample) == [
+        "streams.bench.common",
+        "streams.bench.common.drop_streams",
+        "streams.connector",
+        "streams.connector.read_range",
+        "streams.errors",
+        "streams.errors.FactsPruned",
+        "streams.store",
+        "streams.store.probe",
+        "streams.store.rows",
+        "streams.transport",
+    ]
+    sample.write_text("import streams\nimport streams_spark\nfrom streams import connect\n")
+    assert example_violations(sample) == []
+    sample.write_text("from streams_spark.source import read_partition\n")
+    assert example_violations(sample) == [
+        "streams_spark.source",
+        "streams_spark.source.read_partition",
+    ]

@@ -1,0 +1,301 @@
+"""The read sequence: how every reader reads facts, written once, and why its order is the proof.
+
+Every reader of facts (the Python reader's core `streams.store.reader_core.ReaderCore`, the
+prober of shared proofs `streams.proofs`, the Spark source's driver and its executors, any other
+engine's connector through `streams.connector`) reads by the plans of this module. They run the
+steps below in this order, and none of them writes the order again:
+
+1. **incarnation**: the session is on the database history the reader's positions belong to
+   (`streams.store.identity`; `streams.core.incarnation` says why a URL is not enough). Checked
+   before the session reads anything: the Python shells and the prober when they connect
+   (`identity.verify`), a Spark task at each try of its read (`read_range`: its cached
+   connection may be a stale one of a database dropped since).
+2. **probe**: the three probe statements (`streams.store.probe`) prove ``C``, every stream's
+   complete position: every ID ``<= C`` has completed ("the probe argument") and can never be
+   handed out again ("the durability argument": the probe's transaction commits before anything
+   is read behind it).
+3. **rows**: a *later* statement reads the rows of a range at or below ``C``.
+4. **retention**: a later statement still reads the stream's ``pruned_through``: above the
+   range's start, retention may have removed facts of the range before step 3 read them
+   (`streams.store.retention`, "the retention argument"), and the read fails with `FactsPruned`
+   (or a reader allowed to lose facts, Spark's ``failOnDataLoss=false``, says so and goes on).
+
+Why the order is the proof: each step's argument speaks about statements that ran *before* it.
+The rows must come from a statement whose snapshot is taken after step 2's ``pg_locks`` read: a
+transaction holding an ID ``<= C`` had ended by then, so that snapshot sees its fact (or it
+rolled back for good); rows read in the probe's own statements, or before them, could miss a
+fact that committed in between, which no later read would look for again. The retention check
+must come after the rows: a prune commits its ``pruned_through`` together with its deletes, so
+a prune that removed rows of the range before step 3's snapshot shows in any later snapshot,
+while one read before the rows could not see it. And a session on another history would prove
+and read that history's facts under this one's positions, so step 1 comes before everything.
+The server runs the statements of a pipeline one after the other, each with its own snapshot
+(READ COMMITTED, which reader sessions pin: `probe.READER_SESSION_SETUP`), so the order holds
+whether the statements go one round trip each or all in one pipeline.
+
+The forms of the sequence, one plan each:
+
+* `probe_and_read`: steps 2-4 in one pipeline, one round trip (a caught-up Python reader's
+  step); `prove_with_rows` is the prober's, with its proof recorded between steps 2 and 3.
+* `read_proven`: steps 3-4 for a range at or below what an earlier probe proved (a reader
+  catching up: its step 2 was an earlier step's, and a complete range never changes).
+* `read_after_proof`: steps 3-4 for a follower of shared proofs, where step 2 is the prober's,
+  read with the rows in the same statement ("shared proofs" in `streams.store.probe`).
+* `read_range`: steps 1-4, one statement at a time, for a range planned earlier (a Spark
+  partition) and read by a session of any driver: the rows statement is the `StreamRows`
+  operation, which a driver that streams results (ADBC on Spark executors) hands on batch by
+  batch; `fetch_all` runs the plan on psycopg (`driver.run`).
+
+Step 2 alone (`probe`) and step 4 alone (`pruned_positions`) are what planners use to decide
+positions without reading rows (the Spark source's driver, a reader's start).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, TypeAlias, TypeVar
+
+from ..errors import FactsPruned, StoreError
+from .driver import Commit, Gen, Op, Pipeline, Query, Row
+from .identity import check_history
+from .probe import (
+    COMPLETE_STATEMENT,
+    PROBE_STATEMENTS,
+    READER_SESSION_SETUP,
+    Probe,
+    probe,
+    probe_queries,
+    probe_texts,
+    probes_from_results,
+    record_proof_query,
+    statement_timeout_setup,
+)
+from .registry import StreamInfo
+from .rows import (
+    check_retained,
+    fetch_rows_after_probe,
+    fetch_rows_after_proof,
+    pruned_positions,
+    pruned_through_sql,
+    range_query,
+    range_rows_sql,
+    retention_query,
+)
+
+__all__ = [
+    "READER_SESSION_SETUP",
+    "Probe",
+    "ProbedRead",
+    "RangeGen",
+    "StreamRows",
+    "fetch_all",
+    "probe",
+    "probe_and_read",
+    "prove_with_rows",
+    "pruned_positions",
+    "read_after_proof",
+    "read_proven",
+    "read_range",
+    "statement_timeout_setup",
+]
+
+T = TypeVar("T")
+
+
+class ProbedRead(NamedTuple):
+    """What `probe_and_read` found: every stream's `Probe`, the rows read behind it (one page
+    per stream read, in the order given) and every read stream's ``pruned_through``."""
+
+    probes: dict[str, Probe]
+    pages: Sequence[Sequence[Row]]
+    pruned: dict[str, int]
+
+
+def _probed_reads(
+    infos: Sequence[StreamInfo],
+    read: Sequence[StreamInfo],
+    after: Mapping[str, int],
+    limit: int,
+    between: Sequence[Query] = (),
+) -> list[Query]:
+    """Steps 2-4 as one pipeline: the probe of ``infos``, then ``between`` (statements that use
+    what the probe proved), then up to ``limit`` rows of each of ``read`` after ``after[name]``
+    and ``<=`` its complete position, then (if any rows are read) the retention check."""
+    queries = probe_queries(infos)
+    queries += between
+    queries += [fetch_rows_after_probe(info, after[info.name], limit) for info in read]
+    if read:
+        queries.append(retention_query(read))  # after the rows (step 4)
+    return queries
+
+
+def probe_and_read(
+    infos: Sequence[StreamInfo], after: Mapping[str, int], limit: int
+) -> Gen[ProbedRead]:
+    """Steps 2-4 for every stream of ``infos`` in one round trip: probe them, then read up to
+    ``limit`` rows of each after ``after[name]`` (a page may end inside a fact), then check
+    retention: `FactsPruned` if facts after ``after[name]`` were removed. Leaves no transaction
+    open on a session in autocommit (a pipeline commits at its sync)."""
+    results = yield Pipeline(_probed_reads(infos, infos, after, limit))
+    pruned = check_retained(results[-1], after)
+    return ProbedRead(probes_from_results(results), results[PROBE_STATEMENTS:-1], pruned)
+
+
+def prove_with_rows(
+    infos: Sequence[StreamInfo], after: Mapping[str, int], limit: int
+) -> Gen[tuple[dict[str, Probe], dict[str, list[Row]]]]:
+    """The prober's read: `streams.store.probe.prove` (steps 2 and the proof recorded), and for
+    each stream named in ``after`` the first ``limit`` rows after ``after[name]`` up to what
+    this probe proved (steps 3-4), in the same round trip: the rows the prober signs for
+    readers that take them from Redis (`streams.core.signing`). A stream whose retention passed
+    ``after[name]`` may miss facts of the range: none of its rows are given (the prober signs
+    nothing for it; its readers read PostgreSQL, and learn of the loss there)."""
+    read = [info for info in infos if info.name in after]
+    results = yield Pipeline(
+        _probed_reads(infos, read, after, limit, between=[record_proof_query(infos)])
+    )
+    yield Commit()
+    rows: dict[str, list[Row]] = {}
+    if read:
+        *pages, retained = results[PROBE_STATEMENTS + 1 :]
+        pruned = check_retained(retained, {})
+        for info, page in zip(read, pages, strict=True):
+            if pruned.get(info.name, 0) <= after[info.name]:
+                rows[info.name] = list(page)
+    return probes_from_results(results), rows
+
+
+def read_proven(info: StreamInfo, after: int, through: int, limit: int) -> Gen[list[Row]]:
+    """Steps 3-4 for ``(after, through]``, where ``through`` is at or below what an earlier
+    probe proved: rows ``(stream_id, row_no, instance, ts, payload)`` in (stream ID, row) order,
+    at most ``limit`` (a page may end inside a fact: `streams.core.epochs`), ``payload`` as
+    JSON text; `FactsPruned` if retention removed facts after ``after``. One round trip."""
+    rows, pruned = yield Pipeline(
+        [range_query(info, after, through, limit), retention_query([info])]  # rows, then step 4
+    )
+    yield Commit()
+    check_retained(pruned, {info.name: after})
+    return list(rows)
+
+
+def read_after_proof(
+    infos: Sequence[StreamInfo], after: Mapping[str, int], limit: int
+) -> Gen[list[tuple[Row, ...]]]:
+    """Steps 3-4 for a follower of shared proofs, in one round trip: each stream's proof and up
+    to ``limit`` rows behind it (one statement each: `streams.store.rows.fetch_rows_after_proof`
+    says what its rows are), then the retention check: `FactsPruned` if facts after
+    ``after[name]`` were removed. The results, one per stream of ``infos``."""
+    *results, pruned = yield Pipeline(
+        [
+            *(fetch_rows_after_proof(info, after[info.name], limit) for info in infos),
+            retention_query(infos),  # after the rows (step 4)
+        ]
+    )
+    check_retained(pruned, after)
+    return results
+
+
+# --- a range planned earlier, one statement at a time (any driver) ------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StreamRows:
+    """Run this rows statement (plain text, no parameters) and hand its rows on as they come.
+
+    The plan receives the rows the driver kept for it: none from a driver that streams them on
+    (the Spark executor, as Arrow record batches), all of them from `fetch_all`. Either way the
+    plan's next operation runs only once the statement's rows have all been read.
+    """
+
+    statement: str
+
+
+#: A plan of `read_range`: `Query` (plain text, no parameters: any driver runs it as it is),
+#: `Commit` (nothing to do on a session in autocommit, where each statement commits by itself)
+#: and `StreamRows`; each operation receives its rows.
+RangeGen: TypeAlias = Generator[Query | Commit | StreamRows, list[Row], T]
+
+
+def _lost(lost: FactsPruned) -> None:
+    raise lost
+
+
+def read_range(
+    stream: str,
+    stream_key: int,
+    after: int,
+    through: int,
+    *,
+    incarnation: str | None = None,
+    who: str = "reader",
+    running_ts_floor: int | None = None,
+    resume_after: tuple[int, int] | None = None,
+    went_backwards: Callable[[int], None] | None = None,
+    lost: Callable[[FactsPruned], None] = _lost,
+) -> RangeGen[list[Row]]:
+    """Steps 1-4 for the rows of ``(after, through]`` of the stream ``stream`` (registry id
+    ``stream_key``), planned earlier and read now, one statement at a time, so that the range
+    is complete *now*, not only when it was planned.
+
+    1. With ``incarnation`` (the history the range was planned in): `DatabaseChanged`, naming
+       ``who`` and the range, if the session is on another one.
+    2. The probe, committed. The range is read only up to what it proves: when that is below
+       ``through`` (a database restored to an older state since the range was planned),
+       ``went_backwards(complete)`` is told first (it raises to fail the read, as it does by
+       default; a reader allowed to lose facts may log it and return), and the rows read stop
+       there (none at all if it is at or below ``after``: the plan ends before step 3).
+    3. `StreamRows`: every row of the facts in the range (`streams.store.rows.range_rows_sql`,
+       with ``running_ts_floor`` and ``resume_after`` as there: a read that broke off goes on
+       after its last row, in a new plan on a fresh session).
+    4. Retention: ``lost(FactsPruned(...))`` if facts after ``after`` were removed (by default
+       it raises; a reader allowed to lose facts may log it and return).
+
+    Returns the rows the driver kept (see `StreamRows`).
+    """
+    if incarnation is not None:
+        yield from check_history(incarnation, f"{who} reading {stream!r} ({after}, {through}]")
+    found: list[Row] = []
+    for index, text in enumerate(probe_texts([stream_key])):
+        rows = yield Query(text)
+        if index == COMPLETE_STATEMENT:
+            found = rows
+    yield Commit()  # step 2 is durable before anything is read behind it
+    complete = int(found[0][2]) if found else 0
+    if complete < through:
+        if went_backwards is None:
+            raise StoreError(
+                f"stream {stream!r}: ({after}, {through}] was planned, but PostgreSQL proves "
+                f"only {complete} complete"
+            )
+        went_backwards(complete)
+        through = max(after, complete)  # never past what this probe proved
+    if through <= after:
+        return []
+    kept = yield StreamRows(
+        range_rows_sql(
+            stream_key,
+            after,
+            through,
+            running_ts_floor=running_ts_floor,
+            resume_after=resume_after,
+        )
+    )
+    rows = yield Query(pruned_through_sql(stream_key))
+    yield Commit()
+    pruned = int(rows[0][0]) if rows else 0
+    if pruned > after:
+        lost(FactsPruned(stream, after, pruned))
+    return kept
+
+
+def fetch_all(plan: RangeGen[T]) -> Gen[T]:
+    """``plan`` as a plan of `streams.store.driver` operations (for `driver.run`, `driver.arun`):
+    its `StreamRows` statement is run as a `Query`, whose rows the plan receives whole."""
+    try:
+        step = next(plan)
+        while True:
+            op: Op = Query(step.statement) if isinstance(step, StreamRows) else step
+            step = plan.send((yield op))
+    except StopIteration as stop:
+        return stop.value  # type: ignore[no-any-return]
