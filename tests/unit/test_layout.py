@@ -10,7 +10,12 @@ packages never import each other; there are no import cycles):
 3. `streams.writer`, `streams.reader`, `streams.proofs`, `streams.migrate`: the shells that
    drive them;
 4. `streams.client`, `streams.metrics`, `streams` itself: the entry points;
-5. `streams.ops`, `streams.bench`, `streams.__main__`: the operator's surface.
+5. `streams.cli_params`, `streams.embedded`, `streams.plugins`: what every command shares;
+6. `streams.ops`, `streams.bench`: the operator's commands and the benchmarks, kept apart;
+7. `streams.command`, `streams.__main__`: the `streams` command, composed of both.
+
+The library never imports the Spark connector (`streams_spark`): the command finds what the
+connector adds through entry points.
 """
 
 from __future__ import annotations
@@ -201,10 +206,12 @@ LAYERS = (
     ("streams.store", "streams.transport"),
     ("streams.writer", "streams.reader", "streams.proofs", "streams.migrate", "streams.orm"),
     ("streams.client", "streams.metrics", "streams"),
-    ("streams.ops", "streams.bench", "streams.__main__"),
+    ("streams.cli_params", "streams.embedded", "streams.plugins"),
+    ("streams.ops", "streams.bench"),
+    ("streams.command", "streams.__main__"),
 )
 #: Packages of one layer that must not import each other.
-APART = (("streams.store", "streams.transport"),)
+APART = (("streams.store", "streams.transport"), ("streams.ops", "streams.bench"))
 
 
 def _module_name(path: Path) -> str:
@@ -273,6 +280,17 @@ def test_every_module_is_in_a_layer_below_what_imports_it() -> None:
     assert wrong == []
 
 
+def test_the_library_never_imports_the_connector() -> None:
+    """`streams_spark` is found through entry points (`streams.plugins`), never imported."""
+    wrong = [
+        f"{_module_name(path)} imports {name}"
+        for path in sorted(PACKAGE_DIR.rglob("*.py"))
+        for level, name in _imports(path)
+        if level == 0 and (name == "streams_spark" or name.startswith("streams_spark."))
+    ]
+    assert wrong == []
+
+
 def test_no_import_cycles() -> None:
     graph = _graph(top_level_only=True)
     state: dict[str, int] = {}
@@ -306,5 +324,9 @@ def test_the_wheel_lists_every_package() -> None:
         for init in PACKAGE_DIR.rglob("__init__.py")
         if "_migrations" not in str(init)
     }
-    found |= {"streams._migrations", "streams_spark"}
+    found |= {"streams._migrations"}
+    found |= {
+        ".".join(init.parent.relative_to(REPO_ROOT / "spark").parts)
+        for init in (REPO_ROOT / "spark" / "streams_spark").rglob("__init__.py")
+    }
     assert listed == found
