@@ -1,5 +1,5 @@
 """``python -m streams`` runs the `streams` command line."""
 
-from .ops.cli import main
+from .command import main
 
 main()

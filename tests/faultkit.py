@@ -36,10 +36,9 @@ from helpers import wait_until
 from servers import docker_available, free_port
 
 import streams
-from streams import Client
+from streams import Client, embedded
 from streams.core.constants import data_channel, proof_channel, replication_channel
 from streams.core.protocol import ProtocolError, RdataCommand, parse, serialize
-from streams.ops import embedded
 from streams.transport.link import RedisLink
 
 LOCALHOST = "127.0.0.1"
@@ -698,7 +697,7 @@ def terminate(url: str, pid: int) -> None:
 
 
 class RestartablePostgres:
-    """A private PostgreSQL server (`streams.ops.embedded`, durable: an immediate shutdown
+    """A private PostgreSQL server (`streams.embedded`, durable: an immediate shutdown
     must lose nothing that was acknowledged) behind a `proxy.Proxy`, so that clients keep
     one URL while the server restarts on a new port.
 

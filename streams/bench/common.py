@@ -33,9 +33,9 @@ import click
 import psycopg
 from psycopg import sql
 
+from ..cli_params import failure_line
 from ..core.payloads import decode_payloads
 from ..errors import StoreError, StreamsError
-from ..ops.params import failure_line
 from ..store import sessions
 from ..store.driver import run
 from ..store.registry import StreamInfo, create_stream, drop_stream

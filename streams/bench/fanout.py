@@ -37,8 +37,8 @@ from typing import Any
 import click
 import redis
 
+from ..cli_params import FiniteFloat, IntList, NameList, common_options
 from ..config import Settings, redact_url
-from ..ops.params import FiniteFloat, IntList, NameList, common_options
 from .common import Scratch, percentiles_ms, scratch_streams
 
 __all__ = ["bench_fanout_command", "run_fanout_bench"]

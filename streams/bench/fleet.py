@@ -40,8 +40,8 @@ from urllib.parse import urlsplit
 
 import click
 
+from ..cli_params import FiniteFloat, common_options
 from ..config import Settings, redact_url
-from ..ops.params import FiniteFloat, common_options
 from ..store import sessions
 from .common import Scratch, percentiles_ms, scratch_streams
 

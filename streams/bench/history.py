@@ -50,9 +50,9 @@ from typing import Any
 import click
 import psycopg
 
+from ..cli_params import common_options
 from ..client import Client
 from ..config import Settings, redact_url
-from ..ops.params import common_options
 from ..store import sessions
 from ..store.driver import run
 from ..store.reader_core import DEFAULT_PAGE_SIZE

@@ -44,9 +44,9 @@ import psycopg
 import redis
 from psycopg import sql
 
+from ..cli_params import FiniteFloat, common_options
 from ..config import Settings, redact_url
 from ..core.constants import facts_partition
-from ..ops.params import FiniteFloat, common_options
 from ..store.reader_core import DEFAULT_PAGE_SIZE
 from .common import (
     PAYLOAD,

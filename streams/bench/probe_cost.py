@@ -50,8 +50,8 @@ from typing import Any
 import click
 import psycopg
 
+from ..cli_params import common_options
 from ..config import Settings, redact_url
-from ..ops.params import common_options
 from ..store.driver import Commit, Gen, Pipeline, Row, run
 from ..store.probe import PROVER_SESSION_SETUP, READER_SESSION_SETUP, probe, prove
 from ..store.registry import StreamInfo

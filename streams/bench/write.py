@@ -43,9 +43,9 @@ from typing import Any
 import click
 import psycopg
 
+from ..cli_params import FiniteFloat, common_options
 from ..config import Settings, redact_url
 from ..core.positions import PositionTracker
-from ..ops.params import FiniteFloat, common_options
 from .common import PAYLOAD, Scratch, ignore_interrupts, progress_report, scratch_streams
 
 __all__ = ["WriteBenchResult", "bench_write_command", "run_write_bench", "tracker_memory"]

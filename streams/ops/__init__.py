@@ -1,10 +1,14 @@
-"""The operator's surface: the ``streams`` command and what only it uses.
+"""The operator's surface: the ``streams`` commands and what only they use.
 
-* `cli`: the commands (click); `params`: their parameter types and error discipline.
+* `cli`: the commands (click), all but ``streams bench``; `group_commands` and
+  `incarnation_commands`: ``streams groups`` and ``streams incarnation``.
 * `doctor`: health checks and the safe repairs; `render`: tables for terminals and pipes.
 * `channel`: a read-only look at a replication channel (who answers ``REPLICATE``).
-* `demo`: the main job end to end, checking itself; `embedded`: private PostgreSQL and Redis
-  servers in ``./.streams/``.
+* `demo`: the main job end to end, checking itself (its Spark query is the connector's, found
+  through an entry point: `streams.plugins`).
 
-The library never imports this package; it may import anything below it.
+Their parameter types, error discipline and ``--embedded`` are `streams.cli_params` and
+`streams.embedded`, shared with the benchmarks; `streams.command` composes the ``streams``
+command. The library never imports this package; it may import anything below it, never
+`streams.bench` nor the Spark connector.
 """

@@ -1,4 +1,5 @@
-"""The `streams` command line (also ``python -m streams``).
+"""The operator's commands of the `streams` command line (`ops`): `streams.command` composes
+them with the benchmarks (``streams bench``) into the ``streams`` command.
 
 Every command takes ``--database-url``, ``--redis-url`` and ``--prefix`` (defaulting to
 ``STREAMS_DATABASE_URL``, ``STREAMS_REDIS_URL``, ``STREAMS_PREFIX``). Listing commands take
@@ -19,8 +20,20 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from .. import __version__
-from ..bench.commands import bench
+from ..cli_params import (
+    DURATION,
+    GROUP_NAME,
+    INSTANCE_NAME,
+    MAX_DURATION_MS,
+    MAX_ID,
+    MAX_READABLE_MS,
+    RETENTION,
+    STREAM_ID,
+    STREAM_NAME,
+    Duration,
+    FiniteFloat,
+    common_options,
+)
 from ..client import Client, connect
 from ..config import Settings, redact_url
 from ..core.epochs import Fact
@@ -35,20 +48,6 @@ from ..store.registry import check_schema
 from ..store.retention import PRUNE_BATCH
 from .group_commands import groups
 from .incarnation_commands import incarnation
-from .params import (
-    DURATION,
-    GROUP_NAME,
-    INSTANCE_NAME,
-    MAX_DURATION_MS,
-    MAX_ID,
-    MAX_READABLE_MS,
-    RETENTION,
-    STREAM_ID,
-    STREAM_NAME,
-    Duration,
-    FiniteFloat,
-    common_options,
-)
 from .render import (
     Table,
     format_duration_ms,
@@ -76,13 +75,11 @@ def _emit(data: Any, as_json: bool, text: Callable[[Any], Iterator[str]]) -> Non
             click.echo(line)
 
 
-@click.group()
-@click.version_option(__version__, prog_name="streams")
-def main() -> None:
-    """Ordered multi-writer fact streams on PostgreSQL (Redis for the fast path)."""
+#: Every command of ``streams`` but ``bench``, gathered for `streams.command`.
+ops = click.Group("ops")
 
 
-@main.command()
+@ops.command()
 @common_options
 def migrate(database_url: str | None, redis_url: str | None, prefix: str | None) -> None:
     """Upgrade the database schema to this version's head (idempotent)."""
@@ -95,7 +92,7 @@ def migrate(database_url: str | None, redis_url: str | None, prefix: str | None)
     )
 
 
-@main.command()
+@ops.command()
 @click.argument("name", type=STREAM_NAME)
 @click.option(
     "--timestamping",
@@ -164,7 +161,7 @@ def _stream_text(d: dict[str, Any]) -> Iterator[str]:
     )
 
 
-@main.command(name="key-window")
+@ops.command(name="key-window")
 @click.argument("name", type=STREAM_NAME)
 @click.argument("window", required=False, metavar="[DURATION]", type=Duration(min_ms=1))
 @click.option("--json", "as_json", is_flag=True)
@@ -187,7 +184,7 @@ def key_window(
     _emit(info.as_dict(), as_json, _stream_text)
 
 
-@main.command()
+@ops.command()
 @click.argument("name", type=STREAM_NAME)
 @click.argument("tables", nargs=-1, metavar="[\"TABLE.COLUMN [WHERE KEY = 'VALUE']\"]...")
 @click.option("--clear", is_flag=True, help="Declare no user tables.")
@@ -217,7 +214,7 @@ def tables(
     _emit(info.as_dict(), as_json, _stream_text)
 
 
-@main.command()
+@ops.command()
 @click.argument("action", type=click.Choice(["list", "rotate"]), default="list")
 @click.option("--json", "as_json", is_flag=True)
 @common_options
@@ -255,7 +252,7 @@ def _keys_text(keys: list[dict[str, Any]]) -> Iterator[str]:
         yield f"key {k['id']}: created {k['created_at']}, {state}"
 
 
-@main.command()
+@ops.command()
 @click.argument("name", type=STREAM_NAME)
 @click.argument("keep", required=False, metavar="[DURATION|forever]", type=RETENTION)
 @click.option("--json", "as_json", is_flag=True)
@@ -280,7 +277,7 @@ def retention(
     _emit(info.as_dict(), as_json, _stream_text)
 
 
-@main.command(name="prune")
+@ops.command(name="prune")
 @click.argument("streams", nargs=-1, type=STREAM_NAME)
 @click.option(
     "--batch",
@@ -336,7 +333,7 @@ def _prune_text(d: dict[str, Any]) -> Iterator[str]:
     )
 
 
-@main.command(name="list")
+@ops.command(name="list")
 @click.option("--json", "as_json", is_flag=True)
 @common_options
 def list_(
@@ -366,7 +363,7 @@ def list_(
     _emit(data, as_json, text)
 
 
-@main.command()
+@ops.command()
 @click.argument("stream", type=STREAM_NAME)
 @click.argument("payloads", nargs=-1)
 @click.option(
@@ -426,7 +423,7 @@ def append(
     )
 
 
-@main.command()
+@ops.command()
 @click.argument("stream", type=STREAM_NAME)
 @click.option("--from-id", type=STREAM_ID, help="First stream ID to read.")
 @click.option(
@@ -597,7 +594,7 @@ _STALE_AFTER = click.option(
 )
 
 
-@main.command()
+@ops.command()
 @click.argument("streams", nargs=-1, type=STREAM_NAME)
 @click.option("--watch", "-w", is_flag=True, help="Redraw every --interval until Ctrl-C.")
 @click.option("--interval", type=FiniteFloat(0.05, 86_400), default=1.0, show_default=True)
@@ -726,7 +723,7 @@ def _positions_from_redis(
         )
 
 
-@main.group()
+@ops.group()
 def writers() -> None:
     """Writer rows: `streams writers prune`."""
 
@@ -767,7 +764,7 @@ def writers_prune(
     )
 
 
-@main.command()
+@ops.command()
 @click.option(
     "--repair",
     is_flag=True,
@@ -808,7 +805,7 @@ def doctor(
         sys.exit(1)
 
 
-@main.group()
+@ops.group()
 def metrics() -> None:
     """Prometheus metrics (needs `pip install 'streams[metrics]'`)."""
 
@@ -846,12 +843,11 @@ def metrics_serve(
         server.shutdown()
 
 
-main.add_command(bench)
-main.add_command(groups)
-main.add_command(incarnation)
+ops.add_command(groups)
+ops.add_command(incarnation)
 
 
-@main.command()
+@ops.command()
 @click.option(
     "--duration", type=FiniteFloat(0.5, 86_400), default=30.0, show_default=True,
     help="Seconds to run (Ctrl-C stops earlier).",
@@ -912,7 +908,3 @@ def demo(
         )
     if not result.ok:
         sys.exit(1)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    main()

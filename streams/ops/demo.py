@@ -14,14 +14,14 @@ sequence repair starts each new stream at ID 1, not past the rows of earlier run
 
 The Spark query writes each micro-batch into ``demo_spark_sink`` (an idempotent upsert keyed by
 stream ID and row), which is what a real pipeline would do; the check compares that table and
-the batches' order with ``streams_facts``.
+the batches' order with ``streams_facts``. It is the connector's (`streams_spark.demo_query`),
+found through an entry point (`streams.plugins`), so that the library never imports it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
-import os
 import shutil
 import sys
 import tempfile
@@ -29,13 +29,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import psycopg
 
 from ..client import Client, connect
 from ..config import Settings
 from ..core.epochs import Fact
+from ..plugins import DEMO, load_plugin
 from .render import Table, age, positions_tables, print_tables, rich_renderable
 
 __all__ = ["DemoResult", "run_demo"]
@@ -145,61 +146,21 @@ class _PythonReader:
         self.reader.close()
 
 
-class _SparkQuery:
-    """A local Spark session running the streams source into ``demo_spark_sink``."""
+class _SparkStep(Protocol):
+    """The demo's Spark query, from the connector (`streams_spark.demo_query.SparkQuery`, the
+    entry point ``spark`` of ``streams.demo``): it runs the streams source into `SINK_TABLE`
+    from its start, counting its micro-batches, until `drain` has it deliver what is complete
+    and stop."""
 
-    def __init__(self, settings: Settings, stream: str, checkpoint: str) -> None:
-        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-        os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-        import streams_spark
-        from pyspark.sql import SparkSession
+    batches: int
 
-        self.spark = (
-            SparkSession.builder.master("local[2]")
-            .appName("streams-demo")
-            .config("spark.ui.enabled", "false")
-            .config("spark.sql.shuffle.partitions", "2")
-            .getOrCreate()
-        )
-        self.spark.sparkContext.setLogLevel("ERROR")
-        streams_spark.register(self.spark)
-        self.batches = 0
-        url = settings.database_url
-        reader = (
-            self.spark.readStream.format("streams")
-            .option("stream", stream)
-            .option("databaseUrl", url)
-            .option("group", "demo-spark")
-            .option("startingPosition", "earliest")
-        )
-        if settings.redis_url:
-            reader = reader.option("redisUrl", settings.redis_url).option("prefix", settings.prefix)
+    def drain(self) -> None: ...
 
-        def sink(batch: Any, batch_id: int) -> None:
-            rows = batch.select("stream_id", "row_no", "epoch_upper").collect()
-            with psycopg.connect(url) as conn, conn.cursor() as cur:
-                cur.executemany(
-                    f"INSERT INTO {SINK_TABLE} (stream, stream_id, row_no, batch_id, "
-                    "epoch_upper) VALUES (%s, %s, %s, %s, %s) "
-                    "ON CONFLICT (stream, stream_id, row_no) DO UPDATE "
-                    "SET batch_id = EXCLUDED.batch_id, epoch_upper = EXCLUDED.epoch_upper",
-                    [(stream, r[0], r[1], batch_id, r[2]) for r in rows],
-                )
-            self.batches += 1
 
-        self.query = (
-            reader.load()
-            .writeStream.foreachBatch(sink)
-            .option("checkpointLocation", checkpoint)
-            .trigger(processingTime="500 milliseconds")
-            .start()
-        )
-
-    def drain(self) -> None:
-        self.query.processAllAvailable()
-        self.query.stop()
-        self.spark.stop()
+def _spark_query(settings: Settings, stream: str, checkpoint: str) -> _SparkStep:
+    """Start the Spark step (the library never imports the connector: `streams.plugins`)."""
+    query: _SparkStep = load_plugin(DEMO, "spark")(settings, stream, checkpoint, SINK_TABLE)
+    return query
 
 
 # ------------------------------------------------------------------------------- the run
@@ -231,7 +192,7 @@ def _setup(settings: Settings, client: Client, spark: bool) -> str:
 
 
 def _view(
-    client: Client, stream: str, reader: _PythonReader, query: _SparkQuery | None
+    client: Client, stream: str, reader: _PythonReader, query: _SparkStep | None
 ) -> list[Table]:
     p = client.positions(stream)
     streams_table = Table(
@@ -291,7 +252,7 @@ def run_demo(
         result = DemoResult(stream)
         reader = _PythonReader(client, stream)
         reader.thread.start()
-        query = _SparkQuery(settings, stream, checkpoint) if spark else None
+        query = _spark_query(settings, stream, checkpoint) if spark else None
         ctx = mp.get_context("spawn")
         stop = ctx.Event()
         procs = [
@@ -342,7 +303,7 @@ def _check(
     client: Client,
     stream: str,
     reader: _PythonReader,
-    query: _SparkQuery | None,
+    query: _SparkStep | None,
     result: DemoResult,
 ) -> None:
     info = client.stream(stream)

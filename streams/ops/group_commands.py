@@ -17,9 +17,9 @@ from typing import Any
 
 import click
 
+from ..cli_params import DURATION, GROUP_NAME, STREAM_NAME, common_options
 from ..client import connect
 from ..core.staleness import STALE_AFTER_MS
-from .params import DURATION, GROUP_NAME, STREAM_NAME, common_options
 from .render import Table, age, print_tables
 
 __all__ = ["groups"]

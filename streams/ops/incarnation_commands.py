@@ -23,13 +23,13 @@ from typing import Any
 
 import click
 
+from ..cli_params import GROUP_NAME, common_options
 from ..config import Settings, redact_url
 from ..core.incarnation import written_elsewhere
 from ..store import sessions
 from ..store.driver import run
 from ..store.identity import accept_groups, bound_groups, read_incarnation
 from ..store.registry import check_schema
-from .params import GROUP_NAME, common_options
 
 __all__ = ["incarnation"]
 

@@ -13,11 +13,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Any
 
+from ..cli_params import LAST_DATE_MS
+
 if TYPE_CHECKING:
     from ..store.reader_groups import GroupRow, StreamPositions
 
 __all__ = [
-    "LAST_DATE_MS",
     "Table",
     "age",
     "positions_tables",
@@ -69,10 +70,6 @@ def age(ms: int | float | None) -> str:
         return f"{hours}h{minutes:02d}m"
     days, hours = divmod(hours, 24)
     return f"{days}d{hours:02d}h"
-
-
-#: The last millisecond a date can show (9999-12-31T23:59:59.999Z).
-LAST_DATE_MS = 253_402_300_799_999
 
 
 def timestamp(ms: int) -> str:

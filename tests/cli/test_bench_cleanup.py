@@ -30,8 +30,8 @@ import streams
 from streams.bench.common import drop_streams, scratch_streams
 from streams.bench.history import run_history_bench
 from streams.bench.write import run_write_bench
+from streams.command import main
 from streams.migrate import upgrade
-from streams.ops.cli import main
 
 Snapshot = dict[str, list[tuple[Any, ...]]]
 

@@ -24,8 +24,8 @@ from click.testing import CliRunner, Result
 from servers import create_database, drop_database
 
 from streams import Client, redact_url
+from streams.command import main
 from streams.migrate import upgrade
-from streams.ops.cli import main
 
 ENV_VARS = ("STREAMS_DATABASE_URL", "STREAMS_REDIS_URL", "STREAMS_PREFIX")
 DEAD_URL = "postgresql://u:topsecret@127.0.0.1:1/x"

@@ -1,11 +1,11 @@
 """Every command, every option and argument, bad values, servers up and down: a specific error.
 
-A property test over the whole CLI, walked from `streams.ops.cli.main` (so a new command or option
-is covered the day it appears): each example runs one command with one generated bad value
-(every other parameter valid) against PostgreSQL and Redis up, both down, or Redis alone down,
-with a password in the URLs. Whatever happens, the output never holds the generic "unexpected
-... (details withheld ...)" line (every failure is named), never the password, and never a
-traceback; a command never runs away (each invocation has a deadline), which is also what
+A property test over the whole CLI, walked from `streams.command.main` (so a new command or option
+is covered the day it appears, a plugin's too): each example runs one command with one generated
+bad value (every other parameter valid) against PostgreSQL and Redis up, both down, or Redis
+alone down, with a password in the URLs. Whatever happens, the output never holds the generic
+"unexpected ... (details withheld ...)" line (every failure is named), never the password, and
+never a traceback; a command never runs away (each invocation has a deadline), which is also what
 proves every number has a range: a value out of range that slipped through would start a
 benchmark or a server.
 
@@ -30,7 +30,7 @@ from click.testing import CliRunner, Result
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from streams.ops.cli import main
+from streams.command import main
 
 SECRET = "Pw-S3cret.tok"
 GENERIC = "details withheld"
@@ -41,7 +41,9 @@ ENV_VARS = ("STREAMS_DATABASE_URL", "STREAMS_REDIS_URL", "STREAMS_PREFIX", "PGPA
 
 
 def _commands(group: click.Group, path: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
-    for name, command in sorted(group.commands.items()):
+    ctx = click.Context(group)  # click's own lookup: it also finds plugins (streams.plugins)
+    for name in group.list_commands(ctx):
+        command = group.get_command(ctx, name)
         if isinstance(command, click.Group):
             yield from _commands(command, (*path, name))
         else:
@@ -54,7 +56,7 @@ COMMANDS = tuple(_commands(main))
 def _command(path: tuple[str, ...]) -> click.Command:
     command: Any = main
     for name in path:
-        command = command.commands[name]
+        command = command.get_command(click.Context(command), name)
     assert isinstance(command, click.Command)
     return command
 

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from helpers import write_user_fact
 
 from streams import Client
-from streams.ops.cli import main
+from streams.command import main
 
 
 def doctor(url: str, *extra: str) -> tuple[int, dict[str, dict[str, Any]]]:

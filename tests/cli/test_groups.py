@@ -18,7 +18,7 @@ from click.testing import CliRunner, Result
 
 import streams.ops.group_commands
 from streams import Client
-from streams.ops.cli import main
+from streams.command import main
 
 HOUR_MS = 3_600_000
 DAY_MS = 24 * HOUR_MS

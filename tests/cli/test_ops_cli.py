@@ -13,7 +13,7 @@ from click.testing import CliRunner, Result
 
 import streams.ops.cli
 from streams import Client
-from streams.ops.cli import main
+from streams.command import main
 from streams.store.driver import run
 from streams.store.writer_core import WriterCore
 

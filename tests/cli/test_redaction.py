@@ -35,6 +35,7 @@ from hypothesis import strategies as st
 from psycopg.conninfo import conninfo_to_dict
 
 import streams
+from streams.command import main
 from streams.config import (
     Settings,
     redact_url,
@@ -44,7 +45,6 @@ from streams.config import (
 )
 from streams.errors import ConfigurationError, StoreError, StreamsError
 from streams.migrate import upgrade
-from streams.ops.cli import main
 from streams.ops.doctor import diagnose
 from streams.store import sessions
 

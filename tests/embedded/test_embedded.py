@@ -1,4 +1,4 @@
-"""streams.ops.embedded: private PostgreSQL and Redis in a project directory (the CLI's default
+"""streams.embedded: private PostgreSQL and Redis in a project directory (the CLI's default
 without a URL, and the test suite's "private" server tier)."""
 
 from __future__ import annotations
@@ -22,10 +22,8 @@ import redis
 from helpers import default_sigint
 
 import streams
-from streams import migrate
-from streams.errors import ConfigurationError
-from streams.ops import embedded
-from streams.ops.embedded import (
+from streams import embedded, migrate
+from streams.embedded import (
     INSTALL_HINT,
     EmbeddedServerError,
     EmbeddedURLs,
@@ -45,6 +43,7 @@ from streams.ops.embedded import (
     start_postgres,
     start_redis,
 )
+from streams.errors import ConfigurationError
 
 Spawn = Callable[[str], tuple[subprocess.Popen[str], list[int]]]
 
@@ -254,7 +253,7 @@ CHILD = textwrap.dedent(
     """
     import json, sys, time
     from pathlib import Path
-    from streams.ops import embedded
+    from streams import embedded
     with embedded.embedded_servers(Path(sys.argv[1])) as urls:
         pg = embedded.parse_postmaster_pid(
             (Path(sys.argv[1]) / "postgres" / "data" / "postmaster.pid").read_text())

@@ -38,8 +38,8 @@ from servers import (
     with_database,
 )
 
-from streams.ops import embedded
-from streams.ops.embedded import EmbeddedServerError, find_postgres_bindir, find_redis_server
+from streams import embedded
+from streams.embedded import EmbeddedServerError, find_postgres_bindir, find_redis_server
 
 HERE = TESTS_DIR  # servers.py and conftest.py
 
@@ -222,7 +222,7 @@ def test_private_postgres_starts_answers_and_stops() -> None:
 def test_private_tier_unavailable_names_the_missing_binaries(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # The private tier is streams.ops.embedded: its "not installed" error becomes the tier's reason.
+    # The private tier is streams.embedded: its "not installed" error becomes the tier's reason.
     def missing() -> Path:
         raise EmbeddedServerError("no redis-server binary found (pip install ...)")
 

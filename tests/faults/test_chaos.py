@@ -59,7 +59,7 @@ from helpers import TESTS_DIR
 from servers import new_redis_prefix, new_stream_name
 
 import streams
-from streams.ops.embedded import ensure_database
+from streams.embedded import ensure_database
 
 SECONDS = float(os.environ.get("STREAMS_CHAOS_SECONDS", "60"))
 SEED = int(os.environ.get("STREAMS_CHAOS_SEED") or secrets.randbelow(2**31))

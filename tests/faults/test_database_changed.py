@@ -103,7 +103,7 @@ def test_a_group_row_of_another_incarnation_stops_its_readers_until_accepted(
     `streams incarnation accept` binds it to this one; then it resumes from its position."""
     from click.testing import CliRunner
 
-    from streams.ops.cli import main
+    from streams.command import main
 
     name = database_name(own_database)
     fill_stream(own_database, unique_name, 5)

@@ -182,9 +182,9 @@ def test_doctor_and_metrics_name_a_frozen_writer_past_its_lease_and_repair_ends_
     the lease, and ``doctor --repair`` ends it."""
     from click.testing import CliRunner
 
+    from streams.command import main
     from streams.config import Settings
     from streams.metrics import DatabaseCollector
-    from streams.ops.cli import main
 
     with streams.connect(streams_url, lease_seconds=LEASE) as client:
         client.create_stream(unique_name)

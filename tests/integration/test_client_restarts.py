@@ -33,9 +33,8 @@ from faultkit import backend_waits_for_a_lock, in_thread, terminate
 from helpers import wait_until
 
 import streams
-from streams import ConnectionLost, StoreError
+from streams import ConnectionLost, StoreError, embedded
 from streams.migrate import upgrade
-from streams.ops import embedded
 from streams.store.reader_groups import StreamPositions
 
 

@@ -20,7 +20,7 @@ from psycopg.pq import TransactionStatus
 
 import streams
 from streams import Client
-from streams.ops.cli import main
+from streams.command import main
 from streams.store.driver import run
 from streams.store.reader_groups import group_position
 from streams.store.registry import drop_stream

@@ -14,7 +14,7 @@ from helpers import wait_until
 
 import streams
 from streams import Client, FactsPruned
-from streams.ops.cli import main
+from streams.command import main
 
 HOUR_MS = 3_600_000
 

@@ -3,7 +3,8 @@
 It must hold every package (setuptools ships only the packages `pyproject.toml` lists; the
 layout test compares that list with the directories, this test with what actually installs),
 the migrations (``streams migrate`` works from the installed package, with no checkout in
-sight) and the ``streams`` command. The virtualenv gets the library's dependencies from the
+sight), the ``streams`` command and the entry points through which it finds what the Spark
+connector adds (`streams.plugins`). The virtualenv gets the library's dependencies from the
 package index (pip's cache makes that quick after the first run), none of its extras.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tomllib
 import venv
 from collections.abc import Iterator
 from pathlib import Path
@@ -95,3 +97,32 @@ def test_the_command_runs_and_migrates_from_the_wheel(
         assert "schema at" in result.stdout
     finally:
         drop_database(postgres_admin_url, database_name(url))
+
+
+def test_the_plugins_are_declared_and_found_without_their_extra(
+    installed: Path, tmp_path: Path
+) -> None:
+    """The library finds the connector's benchmark and demo step only through the entry points
+    (`streams.plugins`): the wheel declares them, holds their modules, and without the spark
+    extra `streams bench` still lists ``spark``, which then says what it lacks."""
+    declared = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
+    script = (
+        "import importlib.metadata as m, importlib.util as u, json, pathlib\n"
+        "root = pathlib.Path(u.find_spec('streams_spark').submodule_search_locations[0]).parent\n"
+        f"groups = {sorted(declared)!r}\n"
+        "found = {g: {e.name: e.value for e in m.entry_points(group=g)} for g in groups}\n"
+        "modules = [v.partition(':')[0] for g in found.values() for v in g.values()]\n"
+        "missing = [n for n in modules if not (root / (n.replace('.', '/') + '.py')).is_file()]\n"
+        "print(json.dumps([found, missing]))\n"
+    )
+    result = _run(installed, "-c", script, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    found, missing = json.loads(result.stdout)
+    assert found == declared
+    assert missing == []
+    listing = _run(installed, "-m", "streams", "bench", "--help", cwd=tmp_path)
+    assert listing.returncode == 0, listing.stderr
+    assert ["spark"] in [line.split()[:1] for line in listing.stdout.splitlines()]
+    run = _run(installed, "-m", "streams", "bench", "spark", cwd=tmp_path)
+    assert run.returncode == 1
+    assert "cannot run here: ModuleNotFoundError: No module named 'pyspark'" in run.stderr

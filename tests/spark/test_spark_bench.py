@@ -13,7 +13,7 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def test_the_empty_python_source_gives_one_row_per_micro_batch(spark: Any, tmp_path: Path) -> None:
-    from streams_spark.bench_empty import EmptySource
+    from streams_spark.benchmarks.bench_empty import EmptySource
 
     spark.dataSource.register(EmptySource)
     seen: list[tuple[int, list[int]]] = []
@@ -49,8 +49,15 @@ def test_the_empty_python_source_gives_one_row_per_micro_batch(spark: Any, tmp_p
 def test_overhead_is_measured_beside_both_baselines_with_its_breakdown(
     spark: Any, streams_url: str, tmp_path: Path
 ) -> None:
+    from streams_spark.benchmarks.spark_overhead import (
+        PHASES,
+        ROUNDS,
+        SKIP,
+        SOURCES,
+        micro_batch_overhead,
+    )
+
     from streams.bench.common import scratch_streams
-    from streams.bench.spark_overhead import PHASES, ROUNDS, SKIP, SOURCES, micro_batch_overhead
 
     lines: list[str] = []
     batches = 5

@@ -9,9 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from streams.bench import spark as bench
-from streams.bench.spark_overhead import (
+from streams_spark.benchmarks import spark as bench
+from streams_spark.benchmarks.spark_overhead import (
     PHASES,
     batch_phases,
     overhead_lines,

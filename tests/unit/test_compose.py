@@ -19,7 +19,7 @@ from helpers import REPO_ROOT
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from streams.ops.cli import main
+from streams.command import main
 
 ROOT = REPO_ROOT
 SPARK_SERVICES = ("spark-master", "spark-worker", "demo", "metrics")

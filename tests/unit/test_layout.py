@@ -10,13 +10,17 @@ packages never import each other; there are no import cycles):
 3. `streams.writer`, `streams.reader`, `streams.proofs`, `streams.migrate`: the shells that
    drive them;
 4. `streams.client`, `streams.metrics`, `streams.connector`, `streams` itself: the entry points;
-5. `streams.ops`, `streams.bench`, `streams.__main__`: the operator's surface.
+5. `streams.cli_params`, `streams.embedded`, `streams.plugins`: what every command shares;
+6. `streams.ops`, `streams.bench`: the operator's commands and the benchmarks, kept apart;
+7. `streams.command`, `streams.__main__`: the `streams` command, composed of both.
 
-Outside the package: the Spark connector (`spark/streams_spark`) imports of `streams` only the
-public API (`streams`, `streams.errors`, `streams.config`) and the connectors' face
-(`streams.connector`), never a module of the store, the transport or the core (its benchmarks,
-a ``bench*`` module or sub-package, may also import `streams.bench`); the examples
-(`examples/`, `spark/examples/`) import only the public API, `streams` and `streams_spark`.
+The library never imports the Spark connector (`streams_spark`): the command finds what the
+connector adds through entry points. Outside the package: the Spark connector imports of
+`streams` only the public API (`streams`, `streams.errors`, `streams.config`) and the
+connectors' face (`streams.connector`), never a module of the store, the transport or the core
+(its benchmarks, a ``bench*`` module or sub-package, may also import `streams.bench` and
+`streams.cli_params`); the examples (`examples/`, `spark/examples/`) import only the public
+API, `streams` and `streams_spark`.
 """
 
 from __future__ import annotations
@@ -207,10 +211,12 @@ LAYERS = (
     ("streams.store", "streams.transport"),
     ("streams.writer", "streams.reader", "streams.proofs", "streams.migrate", "streams.orm"),
     ("streams.client", "streams.metrics", "streams.connector", "streams"),
-    ("streams.ops", "streams.bench", "streams.__main__"),
+    ("streams.cli_params", "streams.embedded", "streams.plugins"),
+    ("streams.ops", "streams.bench"),
+    ("streams.command", "streams.__main__"),
 )
 #: Packages of one layer that must not import each other.
-APART = (("streams.store", "streams.transport"),)
+APART = (("streams.store", "streams.transport"), ("streams.ops", "streams.bench"))
 
 
 def _module_name(path: Path) -> str:
@@ -279,6 +285,17 @@ def test_every_module_is_in_a_layer_below_what_imports_it() -> None:
     assert wrong == []
 
 
+def test_the_library_never_imports_the_connector() -> None:
+    """`streams_spark` is found through entry points (`streams.plugins`), never imported."""
+    wrong = [
+        f"{_module_name(path)} imports {name}"
+        for path in sorted(PACKAGE_DIR.rglob("*.py"))
+        for level, name in _imports(path)
+        if level == 0 and (name == "streams_spark" or name.startswith("streams_spark."))
+    ]
+    assert wrong == []
+
+
 def test_no_import_cycles() -> None:
     graph = _graph(top_level_only=True)
     state: dict[str, int] = {}
@@ -312,7 +329,11 @@ def test_the_wheel_lists_every_package() -> None:
         for init in PACKAGE_DIR.rglob("__init__.py")
         if "_migrations" not in str(init)
     }
-    found |= {"streams._migrations", "streams_spark"}
+    found |= {"streams._migrations"}
+    found |= {
+        ".".join(init.parent.relative_to(REPO_ROOT / "spark").parts)
+        for init in (REPO_ROOT / "spark" / "streams_spark").rglob("__init__.py")
+    }
     assert listed == found
 
 
@@ -328,8 +349,9 @@ EXAMPLE_FILES = tuple(
 #: The modules of `streams` that are public besides the package itself (its errors and
 #: settings are re-exported by it), and the face connectors build on.
 CONNECTOR_ALLOWED = ("streams.errors", "streams.config", "streams.connector")
-#: What a connector's benchmarks may import besides.
-BENCH_ALLOWED = ("streams.bench",)
+#: What a connector's benchmarks may import besides: the benchmarks' toolkit and the parameter
+#: types every command of `streams` shares (they are commands of `streams bench`).
+BENCH_ALLOWED = ("streams.bench", "streams.cli_params")
 
 
 def _public(package: str) -> frozenset[str]:

@@ -12,8 +12,8 @@
   (the sink's chunk) after a common start; timed from that start to the last one's end.
 
 Rounds alternate, each into fresh streams; medians reported. Target (issue 20): sink >= 0.8x
-the baseline. Every stream is the run's own (`common.scratch_streams`), and so are the sink's
-commit records (they go with their stream).
+the baseline. Every stream is the run's own (`streams.bench.common.scratch_streams`), and so are
+the sink's commit records (they go with their stream).
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ from collections.abc import Callable
 from multiprocessing.synchronize import Barrier
 from typing import Any
 
-from .common import PAYLOAD, Scratch, ignore_interrupts
+from streams.bench.common import PAYLOAD, Scratch, ignore_interrupts
+
+from ..sink import ROWS_PER_CHUNK
 
 __all__ = ["sink_throughput"]
 
@@ -93,8 +95,6 @@ def sink_throughput(
     report: Callable[[str], None],
 ) -> dict[str, Any]:
     """Run the rounds; returns the figures (also reported line by line)."""
-    from streams_spark.sink import ROWS_PER_CHUNK
-
     _sink(spark, scratch, url, min(rows, 10_000), partitions, False)  # warm the Python workers
     times: dict[str, list[float]] = {"sink": [], "sink_json_text": [], "append_batch": []}
     for _ in range(rounds):

@@ -62,7 +62,7 @@ import psycopg
 import redis
 from psycopg import sql
 
-from ..errors import ConfigurationError
+from .errors import ConfigurationError
 
 __all__ = [
     "DEFAULT_BASE_DIR",
@@ -194,7 +194,7 @@ def blocked_ancestor(
 def pg_hba_conf() -> str:
     """Client authentication: trust, from 127.0.0.1 only (no Unix socket is opened)."""
     return (
-        "# Written by streams.ops.embedded: a private server for this project, reachable from\n"
+        "# Written by streams.embedded: a private server for this project, reachable from\n"
         "# 127.0.0.1 only, without passwords. Point streams at a real server instead with\n"
         "# STREAMS_DATABASE_URL.\n"
         "# TYPE  DATABASE  USER  ADDRESS        METHOD\n"
@@ -1049,7 +1049,7 @@ def embedded_servers(
         redis_server = stack.enter_context(start_redis(base_dir / "redis"))
         urls = EmbeddedURLs(ensure_database(postgres.url, database), redis_server.url)
         if upgrade_schema:
-            from .. import migrate
+            from . import migrate
 
             migrate.upgrade(urls.database_url)
         if announce is not None:

@@ -11,8 +11,8 @@ worker), ``commitOffsets`` (the commit log written) and ``triggerExecution`` (al
 
 * **sources**, in rounds that alternate: the ``streams`` source with ``maxFactsPerTrigger=1``
   over a new stream of ``batches`` facts (``trigger(availableNow=True)``); the empty Python source
-  (`streams_spark.bench_empty`: no I/O at all, the floor any Python source pays) with as many
-  one-row batches and the same trigger; ``rate-micro-batch`` (``rowsPerBatch=1``,
+  (`streams_spark.benchmarks.bench_empty`: no I/O at all, the floor any Python source pays) with
+  as many one-row batches and the same trigger; ``rate-micro-batch`` (``rowsPerBatch=1``,
   ``processingTime="0 seconds"``), stopped after as many batches. Medians over every batch with
   a row, but the first two of each query (Python workers start there).
 * **the source's own calls**: ``latestOffset``, ``partitions`` and ``commit`` of the driver and an
@@ -34,8 +34,10 @@ from pathlib import Path
 from typing import Any
 
 import streams
+from streams.bench.common import Scratch
 
-from .common import Scratch
+from ..options import parse_options
+from ..source import StreamsStreamReader
 
 __all__ = ["PHASES", "ROUNDS", "SOURCES", "batch_phases", "micro_batch_overhead", "phase_medians"]
 
@@ -126,8 +128,6 @@ def source_calls(url: str, stream: str) -> dict[str, float]:
     over every fact of ``stream`` (median ms): ``latestOffset``, ``partitions``, ``commit`` and
     an executor's ``read`` of the batch's partition."""
     from pyspark.sql.streaming.datasource import ReadMaxRows
-    from streams_spark.options import parse_options
-    from streams_spark.source import StreamsStreamReader
 
     options = {"stream": stream, "databaseUrl": url, "maxFactsPerTrigger": "1"}
     reader = StreamsStreamReader(parse_options(options))
@@ -165,7 +165,7 @@ def micro_batch_overhead(
     report: Callable[[str], None],
 ) -> dict[str, Any]:
     """Run the rounds (see the module doc); returns the figures, also reported line by line."""
-    from streams_spark.bench_empty import EmptySource
+    from .bench_empty import EmptySource
 
     spark.dataSource.register(EmptySource)
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in SOURCES}

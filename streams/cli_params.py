@@ -1,5 +1,8 @@
 """What every `streams` command shares: its parameter types and its error discipline.
 
+The operator's commands (`streams.ops`) and the benchmarks (`streams.bench`, and those of
+installed packages, `streams.plugins`) both take them from here, so neither imports the other.
+
 Parameter types check a value where click parses it, so a bad one is a usage error naming the
 option (``Error: Invalid value for '--from-time': ...``) before any connection is made: every
 number has a range, every float is finite, names and durations are checked by the same rules
@@ -9,7 +12,7 @@ the library applies (`streams.config`), durations are bounded.
 command and turns any failure into one ``Error: ...`` line on stderr (exit 1) that says what
 failed and never shows a secret (`failure_line`). Its last resort, for an exception nothing
 here recognises, shows only the class name ("details withheld"); the CLI's property test
-(tests/test_cli_errors.py) holds that no input, with the servers up or down, ends there.
+(tests/cli/test_cli_errors.py) holds that no input, with the servers up or down, ends there.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import psycopg
 import redis
 from click.core import ParameterSource
 
-from ..config import (
+from .config import (
     Settings,
     scrub_secrets,
     url_passwords,
@@ -36,15 +39,15 @@ from ..config import (
     validate_redis_url,
     validate_stream_name,
 )
-from ..errors import StreamsError
-from ..store import sessions
-from ..transport import redis_errors
-from .render import LAST_DATE_MS
+from .errors import StreamsError
+from .store import sessions
+from .transport import redis_errors
 
 __all__ = [
     "DURATION",
     "GROUP_NAME",
     "INSTANCE_NAME",
+    "LAST_DATE_MS",
     "MAX_DURATION_MS",
     "MAX_ID",
     "MAX_READABLE_MS",
@@ -65,6 +68,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 #: The largest stream ID: PostgreSQL's bigint.
 MAX_ID = 2**63 - 1
+#: The last millisecond a date can show (9999-12-31T23:59:59.999Z).
+LAST_DATE_MS = 253_402_300_799_999
 #: A start by time beyond the last date (9999-12-31T23:59:59.999Z) cannot be made a date.
 MAX_READABLE_MS = LAST_DATE_MS
 #: Durations up to a million days: beyond the epoch from any date (``--ago 100000d`` reads

@@ -8,22 +8,22 @@
   running-maximum timestamp computed by pyarrow (the default) vs in SQL (``timestampIn=sql``).
   Without the JDBC driver jar the baseline is skipped, and the run says so first and last.
 * **overhead**: micro-batches of one row beside the built-in ``rate-micro-batch`` and an empty
-  Python data source, with where the time goes (`streams.bench.spark_overhead`).
+  Python data source, with where the time goes (`streams_spark.benchmarks.spark_overhead`).
 * **latency**: commit (the append returned) to the ``foreachBatch`` call that holds the fact,
   with ``trigger(processingTime="0 seconds")`` (Redis hints when a Redis URL is given).
 * **probe rate**: probes per second of the source's driver logic when Spark calls
   ``latestOffset`` every 10 ms on an idle stream (Spark's default polling delay).
 * **sink**: rows/s written with ``df.write.format("streams")`` beside ``append_batch`` from
-  plain Python processes, the same rows with the same parallelism (`streams.bench.spark_sink`;
-  target, issue 20: >= 0.8x).
+  plain Python processes, the same rows with the same parallelism
+  (`streams_spark.benchmarks.spark_sink`; target, issue 20: >= 0.8x).
 
 Targets (issues 8 and 20): throughput >= 1.0x JDBC; overhead <= 1.5x built-in, or <= 1.1x the
 empty Python source where that is out of a Python source's reach; latency p50 within 2x the
 overhead of an empty micro-batch.
 
-Every stream is the run's own (`common.scratch_streams`): they are dropped (with the reader
-groups the Spark source commits) when it ends, also on Ctrl-C or an error, after the Spark
-session stops.
+Every stream is the run's own (`streams.bench.common.scratch_streams`): they are dropped (with
+the reader groups the Spark source commits) when it ends, also on Ctrl-C or an error, after the
+Spark session stops.
 """
 
 from __future__ import annotations
@@ -43,9 +43,13 @@ from urllib.parse import unquote, urlsplit
 
 import click
 
-from ..config import Settings, redact_url
-from ..ops.params import common_options
-from .common import PAYLOAD, scratch_streams
+from streams.bench.common import PAYLOAD, scratch_streams
+from streams.cli_params import common_options
+from streams.config import Settings, redact_url
+
+from ..options import parse_options
+from ..session import register
+from ..source import StreamsStreamReader
 from .spark_overhead import micro_batch_overhead
 from .spark_sink import sink_throughput
 
@@ -105,7 +109,6 @@ def _session(jar: str | None) -> Any:
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    import streams_spark
     from pyspark.sql import SparkSession
 
     builder = (
@@ -120,7 +123,7 @@ def _session(jar: str | None) -> Any:
         builder = builder.config("spark.jars", jar)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
-    streams_spark.register(spark)
+    register(spark)
     return spark
 
 
@@ -336,8 +339,6 @@ def _wait(predicate: Callable[[], bool], timeout: float) -> None:
 
 def _probe_rate(settings: Settings, stream: str, report: Callable[[str], None]) -> dict[str, Any]:
     from pyspark.sql.streaming.datasource import ReadAllAvailable
-    from streams_spark.options import parse_options
-    from streams_spark.source import StreamsStreamReader
 
     out: dict[str, Any] = {}
     for label, redis_url in (("redis", settings.redis_url), ("no_redis", None)):

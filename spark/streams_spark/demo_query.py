@@ -1,0 +1,78 @@
+"""The Spark step of `streams demo`: a local Spark session running the ``streams`` source into
+the demo's sink table, which the demo then checks (`streams.ops.demo`).
+
+`streams demo` finds `SparkQuery` through the entry point ``spark`` of the group
+``streams.demo`` (``pyproject.toml``, `streams.plugins`), so that the library never imports
+the connector.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import psycopg
+
+from streams.config import Settings
+
+from .session import register
+
+__all__ = ["SparkQuery"]
+
+
+class SparkQuery:
+    """A local Spark session running the streams source into `table` (an idempotent upsert
+    keyed by stream, stream ID and row), counting its micro-batches."""
+
+    def __init__(self, settings: Settings, stream: str, checkpoint: str, table: str) -> None:
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+        os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+        from pyspark.sql import SparkSession
+
+        self.spark = (
+            SparkSession.builder.master("local[2]")
+            .appName("streams-demo")
+            .config("spark.ui.enabled", "false")
+            .config("spark.sql.shuffle.partitions", "2")
+            .getOrCreate()
+        )
+        self.spark.sparkContext.setLogLevel("ERROR")
+        register(self.spark)
+        self.batches = 0
+        url = settings.database_url
+        reader = (
+            self.spark.readStream.format("streams")
+            .option("stream", stream)
+            .option("databaseUrl", url)
+            .option("group", "demo-spark")
+            .option("startingPosition", "earliest")
+        )
+        if settings.redis_url:
+            reader = reader.option("redisUrl", settings.redis_url).option("prefix", settings.prefix)
+
+        def sink(batch: Any, batch_id: int) -> None:
+            rows = batch.select("stream_id", "row_no", "epoch_upper").collect()
+            with psycopg.connect(url) as conn, conn.cursor() as cur:
+                cur.executemany(
+                    f"INSERT INTO {table} (stream, stream_id, row_no, batch_id, "
+                    "epoch_upper) VALUES (%s, %s, %s, %s, %s) "
+                    "ON CONFLICT (stream, stream_id, row_no) DO UPDATE "
+                    "SET batch_id = EXCLUDED.batch_id, epoch_upper = EXCLUDED.epoch_upper",
+                    [(stream, r[0], r[1], batch_id, r[2]) for r in rows],
+                )
+            self.batches += 1
+
+        self.query = (
+            reader.load()
+            .writeStream.foreachBatch(sink)
+            .option("checkpointLocation", checkpoint)
+            .trigger(processingTime="500 milliseconds")
+            .start()
+        )
+
+    def drain(self) -> None:
+        self.query.processAllAvailable()
+        self.query.stop()
+        self.spark.stop()
