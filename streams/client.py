@@ -5,6 +5,34 @@ reading positions and groups) and, when a Redis URL is configured, the process's
 started on first use and shared by all its writers and readers (`streams.transport.link`). Every
 writer and reader opens its own PostgreSQL connections.
 
+Plans and drivers
+-----------------
+Every call of a client that uses its connection is written **once**, as a *plan*: a generator
+that yields *steps* and receives their results, as the store's generators yield operations
+(`streams.store.driver`) and the reader's plans yield waits (`streams.reader`). `Client` and
+`AsyncClient` only *drive* plans: each of their calls hands its plan (``_plan_<call>``) to the
+class's driver, ``_drive``, and returns what the plan returns. The steps:
+
+* `_Run`: run a store generator on the client's connection. The driver takes the client's
+  lock and drives the *session* plan (`_ClientBase._session`, the connection handling, written
+  once): the connection is opened on first use and reused; one the server ended meanwhile
+  (`streams.store.driver.gone`) is closed and a new one opened, waiting for a starting server up
+  to ``connect_timeout`` but not past the step's deadline (`_open_within`), and checked against
+  the database history the client belongs to (`Client.guard`, `streams.store.identity`) before
+  its first use. The lock lets one call at a time use the connection.
+* `_Connect`, `_Close`, `_On`: open a connection, close one, run a store generator on one
+  (`streams.store.driver.run` / `arun`): the session plan's steps, the only I/O of a call.
+* `_Pause`: sleep (between two tries of a read-only call: below).
+
+A step's result is sent back into the plan; its exception is thrown in, and the plan decides:
+try again, close the connection it was opening, or let it propagate. The two drivers (``_drive``
+and ``_do`` of each class) are small enough to check by eye that they do the same thing;
+``tests/integration/test_client_twins.py`` runs one scenario through both clients and compares
+every result and exception. What stays twice is what really differs: a `Client` checks the
+schema on a connection it then closes (it holds no idle connection until a call needs one),
+while an `AsyncClient` keeps the one `AsyncClient.open` checked; only `Client.reader` can follow
+shared proofs (`streams.proofs`); and the classes of the writers, readers and Redis link.
+
 Riding out a restart
 --------------------
 A *read-only call* is one of the client's calls that changes nothing a caller could see twice
@@ -15,17 +43,16 @@ again from the start on a new connection, with backoff, for up to `READ_RETRY_SE
 as the failure is transient (`ConnectionLost`, or a SQLSTATE that
 `streams.store.driver.transient_sqlstate` accepts). Its ``COMMIT`` only ends a snapshot, so
 even a `CommitUnknown` there is harmless. The other calls write (`create_stream`, `prune`,
-`rotate_replication_keys`...): they are never sent twice here, since a broken connection may
-leave their outcome unknown. Every call (reads and writes) first checks that the client's idle
-connection was not ended by the server meanwhile (`streams.store.driver.gone`), and opening one
-waits for a starting server (`streams.store.sessions`, ``connect_timeout``). The retry is one
-plan (`_read_plan`) that `Client` and `AsyncClient` both drive.
+`rotate_replication_keys`...): they are never sent twice here (`_once`), since a broken
+connection may leave their outcome unknown. Every call (reads and writes) first checks that the
+client's idle connection was not ended by the server meanwhile (the session plan), and opening
+one waits for a starting server (`streams.store.sessions`, ``connect_timeout``). The retry is
+one plan, `_read_plan`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import os
@@ -36,8 +63,8 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Generator, Iterator, Sequence
-from typing import Any, NamedTuple, TypeAlias, TypeVar
+from collections.abc import Callable, Generator, Sequence
+from typing import Any, Generic, NamedTuple, TypeAlias, TypeVar
 
 import psycopg
 
@@ -96,20 +123,59 @@ log = logging.getLogger("streams.client")
 READ_RETRY_SECONDS = 30.0
 
 T = TypeVar("T")
+#: The client's connection: psycopg's synchronous one (`Client`) or its asyncio one.
+C = TypeVar("C", psycopg.Connection[Any], psycopg.AsyncConnection[Any])
+L = TypeVar("L", RedisLink, AsyncRedisLink)
+
+
+# --------------------------------------------------------------------------------------------
+# Steps (see "Plans and drivers")
+
+
+class _Run(NamedTuple):
+    """Run ``gen`` on the client's connection, opening one if needed, by ``deadline`` if given
+    (`time.monotonic`); the driver sends back its result or throws in its exception."""
+
+    gen: Gen[Any]
+    deadline: float | None
+
+
+class _Connect(NamedTuple):
+    """Open a connection of the client to ``url``, waiting up to ``timeout`` seconds for a
+    starting server; the driver sends it back."""
+
+    url: str
+    timeout: float
+
+
+class _Close(NamedTuple):
+    conn: Any
+
+
+class _On(NamedTuple):
+    """Run ``gen`` on ``conn`` (`streams.store.driver.run` / `arun`)."""
+
+    conn: Any
+    gen: Gen[Any]
 
 
 class _Pause(NamedTuple):
     seconds: float
 
 
-class _Run(NamedTuple):
-    """Run ``gen`` on the client's connection, opening one if needed by ``deadline``."""
-
-    gen: Gen[Any]
-    deadline: float
+_Step: TypeAlias = _Run | _Connect | _Close | _On | _Pause
+_Plan: TypeAlias = Generator[_Step, Any, T]
 
 
-_ReadPlan: TypeAlias = Generator[_Run | _Pause, Any, T]
+# --------------------------------------------------------------------------------------------
+# The two ways to run a store generator: once (a call that writes), or tried again (a read)
+
+
+def _once(gen: Gen[T]) -> _Plan[T]:
+    """``gen`` run once on the client's connection: a call that writes is never sent twice (its
+    outcome may be unknown when the connection breaks under it)."""
+    result: T = yield _Run(gen, None)
+    return result
 
 
 def _retryable(error: StoreError) -> bool:
@@ -118,7 +184,7 @@ def _retryable(error: StoreError) -> bool:
     return isinstance(error, ConnectionLost) or transient_sqlstate(error.sqlstate)
 
 
-def _read_plan(what: str, operation: Callable[[], Gen[T]]) -> _ReadPlan[T]:
+def _read_plan(what: str, operation: Callable[[], Gen[T]]) -> _Plan[T]:
     """``operation()`` (a read-only store generator), run again from the start with backoff
     while it fails transiently, for up to `READ_RETRY_SECONDS`; the drivers send back its
     result or throw in its `StoreError`. A connection that cannot be opened (the client waited
@@ -135,21 +201,113 @@ def _read_plan(what: str, operation: Callable[[], Gen[T]]) -> _ReadPlan[T]:
             if attempt == 0:
                 log.warning("%s: PostgreSQL failed (%s); trying again", what, error)
             attempt += 1
-            yield _Pause(min(remaining, backoff_delay(attempt - 1, jitter=random.random())))
-            continue
-        if attempt:
-            log.warning("%s: PostgreSQL answered again", what)
-        return result
+            pause = min(remaining, backoff_delay(attempt - 1, jitter=random.random()))
+        else:
+            if attempt:
+                log.warning("%s: PostgreSQL answered again", what)
+            return result
+        yield _Pause(pause)  # outside the handler: what interrupts the pause is not chained
 
 
-def _positions(stream: str, stale_after_ms: int) -> Gen[StreamPositions]:
+def _of_stream(stream: str, operation: Callable[[StreamInfo], Gen[T]]) -> Gen[T]:
+    """``operation`` on the registry row of ``stream`` (`UnknownStream` if there is none)."""
     info = yield from load_stream(stream)
-    return (yield from stream_positions(info, stale_after_ms=stale_after_ms))
+    return (yield from operation(info))
 
 
-def _groups(stream: str, stale_after_ms: int) -> Gen[list[GroupRow]]:
-    info = yield from load_stream(stream)
-    return (yield from list_groups(info, stale_after_ms=stale_after_ms))
+def _checked(guard: Guard) -> Gen[None]:
+    """What a client checks when it opens: the schema is migrated, and the database is the one
+    ``guard`` knows (the first check teaches it: `streams.store.identity`)."""
+    yield from check_schema()
+    yield from verify(guard, "client")
+
+
+# --------------------------------------------------------------------------------------------
+# The calls, written once: what each runs, and how (`_once` or `_read_plan`)
+
+
+def _plan_create_stream(
+    name: str,
+    timestamping: TimestampMode | str,
+    uncapped: bool,
+    retention_ms: int | None,
+    fact_tables: Sequence[FactTableSpec] | None,
+    key_window_ms: int | None,
+) -> _Plan[StreamInfo]:
+    return _once(
+        create_stream(
+            name,
+            timestamping=timestamping,
+            uncapped=uncapped,
+            retention_ms=retention_ms,
+            fact_tables=fact_tables,
+            key_window_ms=key_window_ms,
+        )
+    )
+
+
+def _plan_set_fact_tables(name: str, fact_tables: Sequence[FactTableSpec]) -> _Plan[StreamInfo]:
+    return _once(set_fact_tables(name, fact_tables))
+
+
+def _plan_stream(name: str) -> _Plan[StreamInfo]:
+    return _read_plan("stream", lambda: load_stream(name))
+
+
+def _plan_streams() -> _Plan[list[StreamInfo]]:
+    return _read_plan("streams", list_streams)
+
+
+def _plan_positions(stream: str, stale_after_ms: int) -> _Plan[StreamPositions]:
+    return _read_plan(
+        "positions",
+        lambda: _of_stream(
+            stream, lambda info: stream_positions(info, stale_after_ms=stale_after_ms)
+        ),
+    )
+
+
+def _plan_groups(stream: str, stale_after_ms: int) -> _Plan[list[GroupRow]]:
+    return _read_plan(
+        "groups",
+        lambda: _of_stream(stream, lambda info: list_groups(info, stale_after_ms=stale_after_ms)),
+    )
+
+
+def _plan_group_streams(group: str) -> _Plan[list[str]]:
+    return _read_plan("group_streams", lambda: streams_of_group(group))
+
+
+def _plan_delete_group(stream: str, group: str) -> _Plan[bool]:
+    return _once(_of_stream(stream, lambda info: delete_group(info, group)))
+
+
+def _plan_prune_writers(stream: str, older_than_ms: int) -> _Plan[list[str]]:
+    return _once(_of_stream(stream, lambda info: prune_writers(info, older_than_ms)))
+
+
+def _plan_replication_keys() -> _Plan[list[dict[str, object]]]:
+    return _read_plan("replication_keys", describe_keys)
+
+
+def _plan_rotate_replication_keys() -> _Plan[int]:
+    return _once(rotate_keys())
+
+
+def _plan_set_retention(stream: str, retention_ms: int | None) -> _Plan[StreamInfo]:
+    return _once(set_retention(stream, retention_ms))
+
+
+def _plan_set_key_window(stream: str, key_window_ms: int) -> _Plan[StreamInfo]:
+    return _once(set_key_window(stream, key_window_ms))
+
+
+def _plan_prune(stream: str, batch: int) -> _Plan[PruneResult]:
+    return _once(_of_stream(stream, lambda info: prune(info, batch=batch)))
+
+
+# --------------------------------------------------------------------------------------------
+# What both clients share
 
 
 def default_instance_name() -> str:
@@ -181,44 +339,87 @@ def _open_within(connect_timeout: float, deadline: float | None) -> float:
     return max(0.0, min(connect_timeout, deadline - time.monotonic()))
 
 
-def _reader_core(
-    streams: str | Sequence[str],
-    start: Start,
-    group: str | None,
-    page_size: int | None,
-    guard: Guard,
-) -> ReaderCore:
-    names = [streams] if isinstance(streams, str) else list(streams)
-    if page_size is None:
-        core = ReaderCore(names, start=start, group=group)
-    else:
-        core = ReaderCore(names, start=start, group=group, page_size=page_size)
-    core.guard = guard
-    return core
+class _ClientBase(Generic[C]):
+    """What `Client` and `AsyncClient` share: the settings, the database history (`guard`),
+    the client's connection (``C``) and the session plan that uses it."""
+
+    def __init__(self, settings: Settings, conn: C | None, guard: Guard) -> None:
+        self.settings = settings
+        self.guard = guard  # `Client.guard`
+        # The connection of the client's own calls (create_stream, positions, prune...),
+        # re-opened when broken (see `_session`).
+        self._conn: C | None = conn
+
+    def _session(self, step: _Run) -> _Plan[Any]:
+        """``step.gen`` on the client's connection, (re)opened if needed: see "Plans and
+        drivers". The driver holds the client's lock meanwhile."""
+        conn = self._conn
+        if conn is None or gone(conn):
+            if conn is not None:
+                yield _Close(conn)
+            self._conn = None
+            timeout = _open_within(self.settings.connect_timeout, step.deadline)
+            conn = yield _Connect(self.settings.database_url, timeout)
+            try:
+                yield _On(conn, verify(self.guard, "client"))
+            except BaseException:
+                yield _Close(conn)
+                raise
+            self._conn = conn
+        return (yield _On(conn, step.gen))
+
+    def _new_link(self, kind: type[L], url: str) -> L:
+        """The client's Redis link (`streams.transport.link`), of ``kind``."""
+        return kind(
+            url,
+            self.settings.prefix,
+            _link_name(),
+            known_streams=functools.partial(_known_streams, self.settings),
+        )
+
+    def _writer_core(self, stream: str, instance: str | None) -> WriterCore:
+        core = WriterCore(
+            stream,
+            instance or default_instance_name(),
+            lease_seconds=self.settings.lease_seconds,
+            max_payload_bytes=self.settings.max_payload_bytes,
+        )
+        core.guard = self.guard
+        return core
+
+    def _reader_core(
+        self, streams: str | Sequence[str], start: Start, group: str | None, page_size: int | None
+    ) -> ReaderCore:
+        names = [streams] if isinstance(streams, str) else list(streams)
+        if page_size is None:
+            core = ReaderCore(names, start=start, group=group)
+        else:
+            core = ReaderCore(names, start=start, group=group, page_size=page_size)
+        core.guard = self.guard
+        return core
 
 
-class Client:
+class Client(_ClientBase[psycopg.Connection[Any]]):
     """A synchronous handle on one `streams` database (and, later, its Redis)."""
 
+    #: The database history everything this client opens belongs to (its readers',
+    #: writers' and prover's sessions check it on every connect: `streams.store.identity`).
+    guard: Guard
+
     def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        # The connection of the client's own calls (create_stream, positions, prune...), opened
-        # on first use and re-opened when broken: a process that only reads or only writes then
-        # holds no idle connection for it (32 reader processes with shared proofs would need
-        # 96 connections otherwise, against PostgreSQL's default max_connections of 100).
-        self._conn: psycopg.Connection[Any] | None = None
+        # The client's connection is opened on first use: a process that only reads or only
+        # writes then holds no idle connection for it (32 reader processes with shared proofs
+        # would need 96 connections otherwise, against PostgreSQL's default max_connections of
+        # 100).
+        super().__init__(settings, None, Guard())
         self._conn_lock = threading.Lock()
-        #: The database history everything this client opens belongs to (its readers',
-        #: writers' and prover's sessions check it on every connect: `streams.store.identity`).
-        self.guard = Guard()
         with sessions.connect(
             settings.database_url,
             autocommit=False,
             connect_timeout=settings.connect_timeout,
             purpose="client",
         ) as conn:
-            run(conn, check_schema())
-            run(conn, verify(self.guard, "client"))
+            run(conn, _checked(self.guard))
         self._link: RedisLink | None = None
         self._link_lock = threading.Lock()
         self._proofs: ProofService | None = None
@@ -236,12 +437,7 @@ class Client:
             return None
         with self._link_lock:
             if self._link is None:
-                self._link = RedisLink(
-                    self.settings.redis_url,
-                    self.settings.prefix,
-                    _link_name(),
-                    known_streams=functools.partial(_known_streams, self.settings),
-                )
+                self._link = self._new_link(RedisLink, self.settings.redis_url)
             return self._link
 
     def create_stream(
@@ -266,18 +462,10 @@ class Client:
         ``key_window_ms``: how long an append's idempotency key names it (default 24 hours;
         None: whatever is set already).
         """
-        with self._db() as conn:
-            return run(
-                conn,
-                create_stream(
-                    name,
-                    timestamping=timestamping,
-                    uncapped=uncapped,
-                    retention_ms=retention_ms,
-                    fact_tables=fact_tables,
-                    key_window_ms=key_window_ms,
-                ),
-            )
+        plan = _plan_create_stream(
+            name, timestamping, uncapped, retention_ms, fact_tables, key_window_ms
+        )
+        return self._drive(plan)
 
     def set_fact_tables(self, name: str, fact_tables: Sequence[FactTableSpec]) -> StreamInfo:
         """Declare (replace) the user tables that hold facts of stream ``name``.
@@ -297,31 +485,23 @@ class Client:
         one's sequence. That column must exist and compare with the value; index ``(stream,
         stream_id)``. A bad form is `InvalidFactTables`, naming the accepted ones.
         """
-        with self._db() as conn:
-            return run(conn, set_fact_tables(name, fact_tables))
+        return self._drive(_plan_set_fact_tables(name, fact_tables))
 
     def stream(self, name: str) -> StreamInfo:
-        return self._read("stream", lambda: load_stream(name))
+        return self._drive(_plan_stream(name))
 
     def streams(self) -> list[StreamInfo]:
-        return self._read("streams", list_streams)
+        return self._drive(_plan_streams())
 
     def positions(self, stream: str, *, stale_after_ms: int = STALE_AFTER_MS) -> StreamPositions:
         """Everything ``streams positions`` shows of ``stream``; a group idle ``stale_after_ms``
         or longer while holding retention back is marked stale."""
-        return self._read("positions", lambda: _positions(stream, stale_after_ms))
+        return self._drive(_plan_positions(stream, stale_after_ms))
 
     def writer(self, stream: str, *, instance: str | None = None) -> Writer:
-        core = WriterCore(
-            stream,
-            instance or default_instance_name(),
-            lease_seconds=self.settings.lease_seconds,
-            max_payload_bytes=self.settings.max_payload_bytes,
-        )
-        core.guard = self.guard
         writer = Writer(
             self.settings.database_url,
-            core,
+            self._writer_core(stream, instance),
             self.link,
             connect_timeout=self.settings.connect_timeout,
         )
@@ -347,7 +527,7 @@ class Client:
         positions one elected process proves for all readers of a stream instead of probing
         PostgreSQL on every hint (`streams.proofs`): for many reader processes per stream.
         """
-        core = _reader_core(streams, start, group, page_size, self.guard)
+        core = self._reader_core(streams, start, group, page_size)
         link = self.link
         if shared_proofs is None:
             shared_proofs = self.settings.shared_proofs
@@ -375,47 +555,40 @@ class Client:
     def groups(self, stream: str, *, stale_after_ms: int = STALE_AFTER_MS) -> list[GroupRow]:
         """Every reader group of ``stream`` with its committed position, lag, idle time and
         whether it is stale (idle ``stale_after_ms`` or longer while holding retention back)."""
-        return self._read("groups", lambda: _groups(stream, stale_after_ms))
+        return self._drive(_plan_groups(stream, stale_after_ms))
 
     def group_streams(self, group: str) -> list[str]:
         """The streams ``group`` has committed on (sorted; empty for an unknown group)."""
-        return self._read("group_streams", lambda: streams_of_group(group))
+        return self._drive(_plan_group_streams(group))
 
     def delete_group(self, stream: str, group: str) -> bool:
         """Forget ``group`` on ``stream`` (its readers start over from their own start
         position); True if it existed. A group holds retention back until deleted."""
-        with self._db() as conn:
-            info = run(conn, load_stream(stream))
-            return run(conn, delete_group(info, group))
+        return self._drive(_plan_delete_group(stream, group))
 
     def prune_writers(self, stream: str, older_than_ms: int) -> list[str]:
         """Delete rows of writers of ``stream`` retired longer ago than ``older_than_ms``."""
-        with self._db() as conn:
-            info = run(conn, load_stream(stream))
-            return run(conn, prune_writers(info, older_than_ms))
+        return self._drive(_plan_prune_writers(stream, older_than_ms))
 
     def replication_keys(self) -> list[dict[str, object]]:
         """The keys that sign the ranges readers take from Redis, newest first (never their
         secrets): ``id``, ``created_at``, ``retired_at``, ``live``."""
-        return self._read("replication_keys", describe_keys)
+        return self._drive(_plan_replication_keys())
 
     def rotate_replication_keys(self) -> int:
         """Add a replication key and retire every other one (after a leak, or a database
         restore: see `streams.core.signing`); returns the new key's id. Readers and provers
         pick it up within `streams.core.signing.KEY_REFRESH` seconds."""
-        with self._db() as conn:
-            return run(conn, rotate_keys())
+        return self._drive(_plan_rotate_replication_keys())
 
     def set_retention(self, stream: str, retention_ms: int | None) -> StreamInfo:
         """Keep the facts of ``stream`` for ``retention_ms`` (None: forever); see `prune`."""
-        with self._db() as conn:
-            return run(conn, set_retention(stream, retention_ms))
+        return self._drive(_plan_set_retention(stream, retention_ms))
 
     def set_key_window(self, stream: str, key_window_ms: int) -> StreamInfo:
         """Name appends of ``stream`` by their idempotency keys for ``key_window_ms`` (for
         every key, at once: `streams.store.idempotency`)."""
-        with self._db() as conn:
-            return run(conn, set_key_window(stream, key_window_ms))
+        return self._drive(_plan_set_key_window(stream, key_window_ms))
 
     def prune(self, stream: str, *, batch: int = PRUNE_BATCH) -> PruneResult:
         """Apply the retention of ``stream``: remove facts older than its ``retention_ms``, in
@@ -423,9 +596,7 @@ class Client:
         reader group's committed position (``streams prune``; run it on a schedule, or
         ``streams prune --every``). A reader that needs removed facts gets `FactsPruned`.
         Idempotency keys older than the stream's key window are removed too."""
-        with self._db() as conn:
-            info = run(conn, load_stream(stream))
-            return run(conn, prune(info, batch=batch))
+        return self._drive(_plan_prune(stream, batch))
 
     def close(self) -> None:
         if self._proofs is not None:
@@ -439,49 +610,37 @@ class Client:
                 self._conn.close()
                 self._conn = None
 
-    def _read(self, what: str, operation: Callable[[], Gen[T]]) -> T:
-        """Drive `_read_plan` (see "Riding out a restart")."""
-        plan = _read_plan(what, operation)
-        result: Any = None
-        error: StoreError | None = None
+    # The driver (see "Plans and drivers"): `_drive` runs a plan, `_do` takes one step.
+
+    def _drive(self, plan: _Plan[T]) -> T:
+        """Run ``plan`` to its end; return what it returns, or raise what it raises."""
+        reply: Any = None
+        error: BaseException | None = None
         while True:
             try:
-                step = plan.throw(error) if error is not None else plan.send(result)
+                step = plan.throw(error) if error is not None else plan.send(reply)
             except StopIteration as stop:
                 return stop.value  # type: ignore[no-any-return]
-            result, error = None, None
-            if isinstance(step, _Pause):
-                time.sleep(step.seconds)
-                continue
             try:
-                with self._db(step.deadline) as conn:
-                    result = run(conn, step.gen)
-            except StoreError as exc:
-                error = exc
+                reply, error = self._do(step), None
+            except BaseException as exc:  # the plan decides: try again, clean up, or raise
+                reply, error = None, exc
 
-    @contextlib.contextmanager
-    def _db(self, deadline: float | None = None) -> Iterator[psycopg.Connection[Any]]:
-        """The client's own connection, (re)opened if needed (waiting for a starting server up
-        to ``connect_timeout``, and not past ``deadline``); one call at a time uses it."""
-        with self._conn_lock:
-            conn = self._conn
-            if conn is None or gone(conn):
-                if conn is not None:
-                    conn.close()
-                self._conn = None
-                conn = sessions.connect(
-                    self.settings.database_url,
-                    autocommit=False,
-                    connect_timeout=_open_within(self.settings.connect_timeout, deadline),
-                    purpose="client",
-                )
-                try:
-                    run(conn, verify(self.guard, "client"))
-                except BaseException:
-                    conn.close()
-                    raise
-                self._conn = conn
-            yield conn
+    def _do(self, step: _Step) -> Any:
+        if isinstance(step, _On):
+            return run(step.conn, step.gen)
+        if isinstance(step, _Run):
+            with self._conn_lock:
+                return self._drive(self._session(step))
+        if isinstance(step, _Connect):
+            return sessions.connect(
+                step.url, autocommit=False, connect_timeout=step.timeout, purpose="client"
+            )
+        if isinstance(step, _Close):
+            step.conn.close()
+        else:
+            time.sleep(step.seconds)
+        return None
 
     def __enter__(self) -> Client:
         return self
@@ -490,18 +649,18 @@ class Client:
         self.close()
 
 
-class AsyncClient:
+class AsyncClient(_ClientBase[psycopg.AsyncConnection[Any]]):
     """The asyncio twin of `Client`."""
+
+    #: As `Client.guard`.
+    guard: Guard
 
     def __init__(
         self, settings: Settings, conn: psycopg.AsyncConnection[Any], guard: Guard | None = None
     ) -> None:
-        self.settings = settings
-        #: As `Client.guard`.
-        self.guard = guard or Guard()
-        # As in `Client`: re-opened when broken. It stays open (`open` checked the schema on
-        # it), as asyncio services rarely run one process per reader.
-        self._conn: psycopg.AsyncConnection[Any] | None = conn
+        # As in `Client`, re-opened when broken; it starts with the connection `open` checked
+        # the schema on, as asyncio services rarely run one process per reader.
+        super().__init__(settings, conn, guard or Guard())
         self._conn_lock = asyncio.Lock()
         self._link: AsyncRedisLink | None = None
         self.writers: weakref.WeakSet[AsyncWriter] = weakref.WeakSet()
@@ -513,12 +672,7 @@ class AsyncClient:
         if self.settings.redis_url is None:
             return None
         if self._link is None:
-            self._link = AsyncRedisLink(
-                self.settings.redis_url,
-                self.settings.prefix,
-                _link_name(),
-                known_streams=functools.partial(_known_streams, self.settings),
-            )
+            self._link = self._new_link(AsyncRedisLink, self.settings.redis_url)
         return self._link
 
     @classmethod
@@ -531,8 +685,7 @@ class AsyncClient:
         )
         guard = Guard()
         try:
-            await arun(conn, check_schema())
-            await arun(conn, verify(guard, "client"))
+            await arun(conn, _checked(guard))
         except BaseException:
             await conn.close()
             raise
@@ -551,75 +704,32 @@ class AsyncClient:
         fact_tables: Sequence[FactTableSpec] | None = None,
         key_window_ms: int | None = None,
     ) -> StreamInfo:
-        """Create a stream (idempotent when the settings match).
-
-        ``fact_tables``: the user tables that hold facts of this stream besides the built-in
-        one, as ``"table.column"`` / ``"schema.table.column"`` / ``(table, column)``, or, for a
-        table shared with other streams, with the column that says which rows are this
-        stream's: ``"order_lines.stream_id WHERE stream = 'orders'"`` / ``(table, column,
-        {"stream": "orders"})`` / a `streams.store.FactTable`: sequence repair looks at them
-        (see `set_fact_tables`). None: whatever is declared already.
-
-        ``key_window_ms``: how long an append's idempotency key names it (default 24 hours;
-        None: whatever is set already).
-        """
-        async with self._db() as conn:
-            return await arun(
-                conn,
-                create_stream(
-                    name,
-                    timestamping=timestamping,
-                    uncapped=uncapped,
-                    retention_ms=retention_ms,
-                    fact_tables=fact_tables,
-                    key_window_ms=key_window_ms,
-                ),
-            )
+        """The asyncio twin of `Client.create_stream`."""
+        plan = _plan_create_stream(
+            name, timestamping, uncapped, retention_ms, fact_tables, key_window_ms
+        )
+        return await self._drive(plan)
 
     async def set_fact_tables(self, name: str, fact_tables: Sequence[FactTableSpec]) -> StreamInfo:
-        """Declare (replace) the user tables that hold facts of stream ``name``.
-
-        A fact written with ``writer.fact(conn)`` may live only in your own tables; when a
-        sequence is set back (restore from a backup), a starting writer repairs it past the
-        largest ID of ``streams_facts``, of every declared table, of every writer and of every
-        reader group. IDs in a table that is not declared cannot be seen and could be handed out
-        again. Each table and column must exist; index the column (repair reads its maximum).
-
-        A table that holds the facts of several streams is declared with the column that says
-        whose a row is, ``"order_lines.stream_id WHERE stream = 'orders'"`` (``WHERE`` in any
-        case, the value a single-quoted SQL string, ``''`` for a quote in it; or
-        ``("order_lines", "stream_id", {"stream": "orders"})``, or a
-        `streams.store.FactTable`): repair then reads ``max(stream_id) FROM order_lines WHERE
-        stream = 'orders'``, only this stream's rows, so another stream's IDs do not move this
-        one's sequence. That column must exist and compare with the value; index ``(stream,
-        stream_id)``. A bad form is `InvalidFactTables`, naming the accepted ones.
-        """
-        async with self._db() as conn:
-            return await arun(conn, set_fact_tables(name, fact_tables))
+        """The asyncio twin of `Client.set_fact_tables`."""
+        return await self._drive(_plan_set_fact_tables(name, fact_tables))
 
     async def stream(self, name: str) -> StreamInfo:
-        return await self._read("stream", lambda: load_stream(name))
+        return await self._drive(_plan_stream(name))
 
     async def streams(self) -> list[StreamInfo]:
-        return await self._read("streams", list_streams)
+        return await self._drive(_plan_streams())
 
     async def positions(
         self, stream: str, *, stale_after_ms: int = STALE_AFTER_MS
     ) -> StreamPositions:
         """See `Client.positions`."""
-        return await self._read("positions", lambda: _positions(stream, stale_after_ms))
+        return await self._drive(_plan_positions(stream, stale_after_ms))
 
     async def writer(self, stream: str, *, instance: str | None = None) -> AsyncWriter:
-        core = WriterCore(
-            stream,
-            instance or default_instance_name(),
-            lease_seconds=self.settings.lease_seconds,
-            max_payload_bytes=self.settings.max_payload_bytes,
-        )
-        core.guard = self.guard
         writer = await AsyncWriter.open(
             self.settings.database_url,
-            core,
+            self._writer_core(stream, instance),
             self.link,
             connect_timeout=self.settings.connect_timeout,
         )
@@ -636,10 +746,9 @@ class AsyncClient:
         poll_interval: float | None = None,
     ) -> AsyncReader:
         """The asyncio twin of `Client.reader`."""
-        core = _reader_core(streams, start, group, page_size, self.guard)
         reader = await AsyncReader.open(
             self.settings.database_url,
-            core,
+            self._reader_core(streams, start, group, page_size),
             self.link,
             poll_interval=poll_interval,
             connect_timeout=self.settings.connect_timeout,
@@ -649,46 +758,37 @@ class AsyncClient:
 
     async def groups(self, stream: str, *, stale_after_ms: int = STALE_AFTER_MS) -> list[GroupRow]:
         """See `Client.groups`."""
-        return await self._read("groups", lambda: _groups(stream, stale_after_ms))
+        return await self._drive(_plan_groups(stream, stale_after_ms))
 
     async def group_streams(self, group: str) -> list[str]:
         """See `Client.group_streams`."""
-        return await self._read("group_streams", lambda: streams_of_group(group))
+        return await self._drive(_plan_group_streams(group))
 
     async def delete_group(self, stream: str, group: str) -> bool:
-        async with self._db() as conn:
-            info = await arun(conn, load_stream(stream))
-            return await arun(conn, delete_group(info, group))
+        return await self._drive(_plan_delete_group(stream, group))
 
     async def replication_keys(self) -> list[dict[str, object]]:
         """See `Client.replication_keys`."""
-        return await self._read("replication_keys", describe_keys)
+        return await self._drive(_plan_replication_keys())
 
     async def rotate_replication_keys(self) -> int:
         """See `Client.rotate_replication_keys`."""
-        async with self._db() as conn:
-            return await arun(conn, rotate_keys())
+        return await self._drive(_plan_rotate_replication_keys())
 
     async def set_retention(self, stream: str, retention_ms: int | None) -> StreamInfo:
         """See `Client.set_retention`."""
-        async with self._db() as conn:
-            return await arun(conn, set_retention(stream, retention_ms))
+        return await self._drive(_plan_set_retention(stream, retention_ms))
 
     async def set_key_window(self, stream: str, key_window_ms: int) -> StreamInfo:
         """See `Client.set_key_window`."""
-        async with self._db() as conn:
-            return await arun(conn, set_key_window(stream, key_window_ms))
+        return await self._drive(_plan_set_key_window(stream, key_window_ms))
 
     async def prune(self, stream: str, *, batch: int = PRUNE_BATCH) -> PruneResult:
         """See `Client.prune`."""
-        async with self._db() as conn:
-            info = await arun(conn, load_stream(stream))
-            return await arun(conn, prune(info, batch=batch))
+        return await self._drive(_plan_prune(stream, batch))
 
     async def prune_writers(self, stream: str, older_than_ms: int) -> list[str]:
-        async with self._db() as conn:
-            info = await arun(conn, load_stream(stream))
-            return await arun(conn, prune_writers(info, older_than_ms))
+        return await self._drive(_plan_prune_writers(stream, older_than_ms))
 
     async def aclose(self) -> None:
         if self._link is not None:
@@ -699,50 +799,36 @@ class AsyncClient:
                 await self._conn.close()
                 self._conn = None
 
-    async def _read(self, what: str, operation: Callable[[], Gen[T]]) -> T:
-        """The asyncio twin of `Client._read`."""
-        plan = _read_plan(what, operation)
-        result: Any = None
-        error: StoreError | None = None
+    # The driver: the asyncio twin of `Client._drive` and `Client._do`.
+
+    async def _drive(self, plan: _Plan[T]) -> T:
+        reply: Any = None
+        error: BaseException | None = None
         while True:
             try:
-                step = plan.throw(error) if error is not None else plan.send(result)
+                step = plan.throw(error) if error is not None else plan.send(reply)
             except StopIteration as stop:
                 return stop.value  # type: ignore[no-any-return]
-            result, error = None, None
-            if isinstance(step, _Pause):
-                await asyncio.sleep(step.seconds)
-                continue
             try:
-                async with self._db(step.deadline) as conn:
-                    result = await arun(conn, step.gen)
-            except StoreError as exc:
-                error = exc
+                reply, error = await self._do(step), None
+            except BaseException as exc:  # includes a cancellation: the plan cleans up
+                reply, error = None, exc
 
-    @contextlib.asynccontextmanager
-    async def _db(
-        self, deadline: float | None = None
-    ) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
-        """The asyncio twin of `Client._db`."""
-        async with self._conn_lock:
-            conn = self._conn
-            if conn is None or gone(conn):
-                if conn is not None:
-                    await conn.close()
-                self._conn = None
-                conn = await sessions.aconnect(
-                    self.settings.database_url,
-                    autocommit=False,
-                    connect_timeout=_open_within(self.settings.connect_timeout, deadline),
-                    purpose="client",
-                )
-                try:
-                    await arun(conn, verify(self.guard, "client"))
-                except BaseException:
-                    await conn.close()
-                    raise
-                self._conn = conn
-            yield conn
+    async def _do(self, step: _Step) -> Any:
+        if isinstance(step, _On):
+            return await arun(step.conn, step.gen)
+        if isinstance(step, _Run):
+            async with self._conn_lock:
+                return await self._drive(self._session(step))
+        if isinstance(step, _Connect):
+            return await sessions.aconnect(
+                step.url, autocommit=False, connect_timeout=step.timeout, purpose="client"
+            )
+        if isinstance(step, _Close):
+            await step.conn.close()
+        else:
+            await asyncio.sleep(step.seconds)
+        return None
 
     async def __aenter__(self) -> AsyncClient:
         return self
