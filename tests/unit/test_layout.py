@@ -7,8 +7,8 @@ packages never import each other; there are no import cycles):
 0. `streams.errors`, `streams.config`, `streams._aio`: foundations;
 1. `streams.core`: the pure model (sans-IO);
 2. `streams.store` (PostgreSQL) and `streams.transport` (Redis): the I/O;
-3. `streams.writer`, `streams.reader`, `streams.proofs`, `streams.migrate`: the shells that
-   drive them;
+3. `streams.writer` (with `streams.heartbeat`, `streams.fact_blocks`, `streams.plans`),
+   `streams.reader`, `streams.proofs`, `streams.migrate`: the shells that drive them;
 4. `streams.client`, `streams.metrics`, `streams` itself: the entry points;
 5. `streams.ops`, `streams.bench`, `streams.__main__`: the operator's surface.
 """
@@ -199,7 +199,16 @@ LAYERS = (
     ("streams.errors", "streams.config", "streams._aio"),
     ("streams.core",),
     ("streams.store", "streams.transport"),
-    ("streams.writer", "streams.reader", "streams.proofs", "streams.migrate", "streams.orm"),
+    (
+        "streams.writer",
+        "streams.heartbeat",
+        "streams.fact_blocks",
+        "streams.plans",
+        "streams.reader",
+        "streams.proofs",
+        "streams.migrate",
+        "streams.orm",
+    ),
     ("streams.client", "streams.metrics", "streams"),
     ("streams.ops", "streams.bench", "streams.__main__"),
 )
