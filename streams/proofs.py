@@ -73,6 +73,7 @@ from .store.probe import (
 )
 from .store.reads import prove_with_rows
 from .store.registry import StreamInfo, load_streams
+from .transport.faces import ProverLink
 
 __all__ = [
     "ELECTION_INTERVAL",
@@ -119,11 +120,14 @@ def proof_gap(followers: int) -> float:
 class ProofService:
     """The prober side of shared proofs for one process (see the module docstring).
 
-    ``link``: the process's `streams.transport.link.RedisLink` (hints in, proof lines out).
+    ``link``: the process's `streams.transport.link.RedisLink` (hints in, proof lines out:
+    `streams.transport.faces.ProverLink`).
     Thread-safe; the thread starts with the first `follow`.
     """
 
-    def __init__(self, database_url: str, link: Any, name: str, guard: Guard | None = None) -> None:
+    def __init__(
+        self, database_url: str, link: ProverLink, name: str, guard: Guard | None = None
+    ) -> None:
         self._url = database_url
         self._link = link
         #: The database history this process proves for (its client's).
@@ -309,7 +313,7 @@ class ProofService:
     def _count_followers(self, held: set[str]) -> float:
         """The gap between proofs for the followers of ``held`` now (`proof_gap`); the
         current one if Redis cannot say."""
-        prefix = self._link.core.prefix
+        prefix = self._link.prefix
         counts = self._link.subscribers([proof_channel(prefix, name) for name in sorted(held)])
         if counts is None:
             return self._gap

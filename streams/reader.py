@@ -15,7 +15,7 @@ import random
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Generator, Iterator
-from typing import Any, NamedTuple, Protocol, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeAlias, TypeVar
 
 import psycopg
 
@@ -31,6 +31,10 @@ from .store.probe import (
     READER_SESSION_SETUP,
 )
 from .store.reader_core import ReaderCore, Start
+from .transport.faces import Link
+
+if TYPE_CHECKING:
+    from .proofs import ProofService
 
 __all__ = ["AsyncReader", "Reader", "ReaderCore", "Start"]
 
@@ -165,7 +169,7 @@ class _ReaderBase:
             return configured
         return LIVE_POLL_INTERVAL if self._core.live else FALLBACK_POLL_INTERVAL
 
-    _link: Any
+    _link: Link | None
     _writer_hints = True  # subscribed to the data channels of the streams (writers' hints)
     _writer_hints_since = 0.0  # when that subscription was last asked for (monotonic)
 
@@ -309,10 +313,10 @@ class Reader(_ReaderBase):
         self,
         database_url: str,
         core: ReaderCore,
-        link: Any = None,
+        link: Link | None = None,
         *,
         poll_interval: float | None = None,
-        proofs: Any = None,
+        proofs: ProofService | None = None,
         connect_timeout: float | None = None,
     ) -> None:
         self._core = core
@@ -464,7 +468,7 @@ class AsyncReader(_ReaderBase):
         url: str,
         core: ReaderCore,
         conn: psycopg.AsyncConnection[Any],
-        link: Any,
+        link: Link | None,
         poll: float | None,
     ) -> None:
         self._url = url
@@ -481,7 +485,7 @@ class AsyncReader(_ReaderBase):
         cls,
         database_url: str,
         core: ReaderCore,
-        link: Any = None,
+        link: Link | None = None,
         *,
         poll_interval: float | None = None,
         connect_timeout: float | None = None,

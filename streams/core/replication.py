@@ -130,7 +130,9 @@ class _Committed:
 
 
 class Announcer:
-    """The commands one writer sends, from its completions and position (thread-safe).
+    """The commands one writer sends, from its completions and position (thread-safe). A local
+    writer's is created and owned by the process's link, which the writer only reports to
+    (`streams.transport.faces.AttachedWriter`).
 
     If another thread's `update` passes an append's IDs before that append's `committed` call
     arrives, the append is covered by a ``POSITION`` instead of its own ``RDATA``: tokens never

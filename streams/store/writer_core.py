@@ -39,9 +39,9 @@ Life of an append
    writer's announced or persisted position may briefly pass it, and readers trust neither.
 5. Positions are persisted by `heartbeat` (forward-only), one autocommit statement on the
    writer's connection between two appends (or its spare while an append is slow: see
-   `streams.writer`), outside any append's transaction, so appends never wait on
+   `streams.heartbeat`), outside any append's transaction, so appends never wait on
    the writer's row and the position written is always one that is true. It runs on schedule
-   and, coalesced, after appends (`streams.writer.FLUSH_INTERVAL`), so the persisted position
+   and, coalesced, after appends (`streams.heartbeat.FLUSH_INTERVAL`), so the persisted position
    trails the real one: it is informational (``persisted_linear``) and seeds new writers;
    readers never rely on it (PostgreSQL proves what is complete, `streams.store.probe.probe`).
 """

@@ -64,7 +64,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Generator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeAlias
+from typing import Any, TypeAlias
 
 import redis
 import redis.asyncio
@@ -88,6 +88,7 @@ from .connections import (
     Subscriber,
     client_options,
 )
+from .faces import AttachedWriter, LinkListener
 
 __all__ = ["KEEPALIVE", "AsyncRedisLink", "KnownStreams", "LinkListener", "RedisLink"]
 
@@ -115,13 +116,6 @@ _CLIENT_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9._:@/-]")
 KnownStreams: TypeAlias = Callable[[], Collection[str]]
 #: A line to publish and its channel.
 _Out: TypeAlias = tuple[str, bytes]
-
-
-class LinkListener(Protocol):
-    """What a link tells a reader. Called on the link's thread (or event loop): be quick."""
-
-    def on_hint(self, hint: Hint) -> None: ...
-    def on_link_state(self, connected: bool) -> None: ...
 
 
 class _LinkBase:
@@ -157,6 +151,10 @@ class _LinkBase:
     @property
     def stats(self) -> LinkStats:
         return self.core.stats
+
+    @property
+    def prefix(self) -> str:
+        return self.core.prefix
 
     def client_name(self, role: str) -> str:
         """The Redis ``CLIENT SETNAME`` of this link's ``role`` connection (``sub``/``pub``),
@@ -208,11 +206,24 @@ class _LinkBase:
         if self.core.unwatch(streams, writers=writers):
             self._request_resubscribe()
 
+    def attach_writer(
+        self, stream: str, instance: str, position: Callable[[], int]
+    ) -> AttachedWriter:
+        """Attach a local writer of ``stream`` (``position``: reads its per-writer position).
+        The link creates its `Announcer` and owns it: see `streams.transport.faces`."""
+        announcer = Announcer(stream, instance, position())
+        self.add_writer(announcer)
+        return AttachedWriter(announcer, position, self.publish, self.remove_writer)
+
     def add_writer(self, announcer: Announcer) -> None:
+        """Answer ``REPLICATE`` (and every reconnect) for ``announcer`` from now on."""
         self.core.add_writer(announcer)
 
     def remove_writer(self, announcer: Announcer) -> None:
         self.core.remove_writer(announcer)
+
+    def publish(self, commands: Sequence[Command]) -> None:
+        raise NotImplementedError
 
     def _dispatch(self, hints: Sequence[Hint]) -> None:
         if not hints:

@@ -159,7 +159,7 @@ def test_append_batch_at_every_await_point(streams_url: str, unique_name: str) -
             async def check(n: int) -> None:
                 assert_nothing_pending(writer)
                 async with writer._lock:  # the heartbeat borrows the connection too
-                    assert_clean(writer._conn, autocommit=False)  # type: ignore[arg-type]
+                    assert_clean(writer._conn, autocommit=False)
                 # Usable: the next batch goes through (on a reopened connection if need be).
                 ack = await writer.append_batch([{"check": n}] * 3)
                 assert ack.count == 3
@@ -190,7 +190,7 @@ def test_single_append_at_every_await_point(streams_url: str, unique_name: str) 
             async def check(n: int) -> None:
                 assert_nothing_pending(writer)
                 async with writer._lock:  # the heartbeat borrows the connection too
-                    assert_clean(writer._conn, autocommit=False)  # type: ignore[arg-type]
+                    assert_clean(writer._conn, autocommit=False)
 
             points, ack = await every_point(lambda: writer.append({"single": 1}), check)
             assert points >= 2 and ack.count == 1

@@ -14,7 +14,7 @@ import pytest
 from helpers import wait_until
 
 import streams
-import streams.writer as writer_module
+import streams.heartbeat as writer_module
 from streams import Client
 from streams.store.writer_core import FactChunk
 

@@ -7,8 +7,8 @@ packages never import each other; there are no import cycles):
 0. `streams.errors`, `streams.config`, `streams._aio`: foundations;
 1. `streams.core`: the pure model (sans-IO);
 2. `streams.store` (PostgreSQL) and `streams.transport` (Redis): the I/O;
-3. `streams.writer`, `streams.reader`, `streams.proofs`, `streams.migrate`: the shells that
-   drive them;
+3. `streams.writer` (with `streams.heartbeat`, `streams.fact_blocks`, `streams.plans`),
+   `streams.reader`, `streams.proofs`, `streams.migrate`: the shells that drive them;
 4. `streams.client`, `streams.metrics`, `streams.connector`, `streams` itself: the entry points;
 5. `streams.cli_params`, `streams.embedded`, `streams.plugins`: what every command shares;
 6. `streams.ops`, `streams.bench`: the operator's commands and the benchmarks, kept apart;
@@ -209,7 +209,16 @@ LAYERS = (
     ("streams.errors", "streams.config", "streams._aio"),
     ("streams.core",),
     ("streams.store", "streams.transport"),
-    ("streams.writer", "streams.reader", "streams.proofs", "streams.migrate", "streams.orm"),
+    (
+        "streams.writer",
+        "streams.heartbeat",
+        "streams.fact_blocks",
+        "streams.plans",
+        "streams.reader",
+        "streams.proofs",
+        "streams.migrate",
+        "streams.orm",
+    ),
     ("streams.client", "streams.metrics", "streams.connector", "streams"),
     ("streams.cli_params", "streams.embedded", "streams.plugins"),
     ("streams.ops", "streams.bench"),
