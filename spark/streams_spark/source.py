@@ -593,7 +593,7 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
         self._last_probe = 0.0
         self._probed = False
         self._hinted: threading.Event | None = None
-        self._link: Any = None
+        self._link: RedisLink | None = None
         self._link_up = False
         self._target: dict[str, int] | None = None
         self._last_batch = time.monotonic()
