@@ -317,14 +317,21 @@ def create_roles() -> Gen[list[str]]:
     prover = yield from _has_prover_schema()
     prover_tables = (yield from _prover_tables()) if prover else []
     admin = sql.Identifier(ADMIN)
+    # A new owner must have CREATE on the schema of what it gets (unless a superuser runs this).
+    yield Query(
+        sql.SQL("GRANT USAGE ON SCHEMA public TO {}").format(
+            sql.SQL(", ").join(sql.Identifier(r) for r in ROLES)
+        )
+    )
+    yield Query(sql.SQL("GRANT CREATE ON SCHEMA public TO {}").format(admin))
+    if prover:
+        yield Query(sql.SQL("ALTER SCHEMA {} OWNER TO {}").format(_relation(PROVER_SCHEMA), admin))
     # ALTER ... OWNER takes an ACCESS EXCLUSIVE lock on each table, briefly: it waits for the
     # transactions using it, and appends and reads wait behind it until this one commits.
     for table in [*tables, *partitions, *prover_tables]:
         yield Query(sql.SQL("ALTER TABLE {} OWNER TO {}").format(_relation(table), admin))
     for sequence in sequences:
         yield Query(sql.SQL("ALTER SEQUENCE {} OWNER TO {}").format(_relation(sequence), admin))
-    if prover:
-        yield Query(sql.SQL("ALTER SCHEMA {} OWNER TO {}").format(_relation(PROVER_SCHEMA), admin))
     done.append(
         f"{ADMIN} owns {len(tables)} tables, {len(partitions)} partitions, "
         f"{len(sequences)} stream sequences" + (f" and schema {PROVER_SCHEMA}" if prover else "")
@@ -341,12 +348,6 @@ def create_roles() -> Gen[list[str]]:
         yield Query(
             sql.SQL("REVOKE ALL ON SCHEMA {} FROM {}").format(_relation(PROVER_SCHEMA), everyone)
         )
-    yield Query(
-        sql.SQL("GRANT USAGE ON SCHEMA public TO {}").format(
-            sql.SQL(", ").join(sql.Identifier(r) for r in ROLES)
-        )
-    )
-    yield Query(sql.SQL("GRANT CREATE ON SCHEMA public TO {}").format(admin))
     for role, grants in MODEL.items():
         for privileges, names in grants:
             present = yield from _existing(names)
@@ -370,7 +371,7 @@ def create_roles() -> Gen[list[str]]:
     done.append(
         "granted the model to "
         + ", ".join(GRANTED)
-        + (f" (and {PROVER_SCHEMA} to {PROVER})" if prover else f" (no schema {PROVER_SCHEMA})")
+        + (f" (and schema {PROVER_SCHEMA} to {PROVER})" if prover else f" (no schema {PROVER_SCHEMA})")
     )
     return done
 

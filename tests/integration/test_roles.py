@@ -24,7 +24,7 @@ import pytest
 from click.testing import CliRunner
 from helpers import wait_until
 from psycopg import errors as pg_errors
-from servers import create_database, database_name, drop_database
+from servers import create_database, database_name, drop_database, with_database
 
 import streams
 import streams.proofs
@@ -403,9 +403,11 @@ def test_check_is_clean_and_flags_broad_grants(setup: Setup) -> None:
         assert (code, report) == (0, {"ok": True, "overbroad": [], "missing": []})
     bi = f"streams_bi_{secrets.token_hex(3)}"
     with _restored(setup), psycopg.connect(setup.url, autocommit=True) as conn:
-        conn.execute(f"CREATE ROLE {bi}")
+        conn.execute(f"CREATE ROLE {bi} LOGIN")
         try:
             conn.execute(f"GRANT SELECT ON ALL TABLES IN SCHEMA public TO {bi}")
+            if _prover_schema(setup.url):  # it never reaches the private keys
+                _refused(_url_as(setup.url, bi), "SELECT seed FROM streams_prover.signing_keys")
             code, report = _check(setup.url)
             assert code == 1
             flagged = {(f["role"], f["relation"]) for f in report["overbroad"]}
@@ -478,3 +480,30 @@ def test_show_lists_each_roles_privileges(setup: Setup) -> None:
     assert "streams_facts" not in admin["privileges"]
     code, out = _cli("roles", "show", "--database-url", setup.url)
     assert code == 0 and "streams_group_reader (members:" in out, out
+
+
+def test_a_schema_owner_who_is_not_a_superuser_sets_the_roles_up(postgres_admin_url: str) -> None:
+    """`streams roles create` as the owner of the database and its schema, with CREATEROLE
+    only: it makes itself a member of streams_admin, hands the objects over, and grants."""
+    owner = f"streams_owner_{secrets.token_hex(3)}"
+    with psycopg.connect(postgres_admin_url, autocommit=True) as conn:
+        conn.execute(f"CREATE ROLE {owner} LOGIN CREATEROLE")
+    name = f"streams_roles_owner_{secrets.token_hex(3)}"
+    try:
+        with psycopg.connect(postgres_admin_url, autocommit=True) as conn:
+            conn.execute(f"CREATE DATABASE {name} OWNER {owner}")
+        url = _url_as(with_database(postgres_admin_url, name), owner)
+        upgrade(url)
+        with streams.connect(url) as client:
+            client.create_stream("before")
+        code, out = _cli("roles", "create", "--database-url", url)
+        assert code == 0, out
+        assert "streams_admin granted to the current user" in out
+        with streams.connect(url) as client:
+            client.create_stream("after")
+        code, report = _check(url)
+        assert (code, report) == (0, {"ok": True, "overbroad": [], "missing": []})
+    finally:
+        drop_database(postgres_admin_url, name)
+        with psycopg.connect(postgres_admin_url, autocommit=True) as conn:
+            conn.execute(f"DROP ROLE IF EXISTS {owner}")
