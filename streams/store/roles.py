@@ -368,11 +368,8 @@ def create_roles() -> Gen[list[str]]:
             if present:
                 yield _grant(privileges, present, PROVER)
     yield Commit()
-    done.append(
-        "granted the model to "
-        + ", ".join(GRANTED)
-        + (f" (and schema {PROVER_SCHEMA} to {PROVER})" if prover else f" (no schema {PROVER_SCHEMA})")
-    )
+    schema = f"and schema {PROVER_SCHEMA} to {PROVER}" if prover else f"no {PROVER_SCHEMA}"
+    done.append(f"granted the model to {', '.join(GRANTED)} ({schema})")
     return done
 
 

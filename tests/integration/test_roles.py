@@ -33,6 +33,7 @@ from streams.errors import StoreError
 from streams.migrate import upgrade
 from streams.store import sessions
 from streams.store.driver import run
+from streams.store.leases import retire_expired_writers
 from streams.store.probe import prove, try_become_prover
 from streams.store.registry import drop_stream, load_stream
 from streams.store.roles import ROLES
@@ -299,6 +300,16 @@ def test_prover_proves(setup: Setup, stream: str, redis_url: str, redis_prefix: 
         url, "INSERT INTO streams_facts (stream, stream_id, instance, ts) VALUES (1, 1, 'x', 0)"
     )
     _refused(url, "DELETE FROM streams_proofs")
+    # The liveness job of readers and the prover: retire a writer whose lease expired.
+    with psycopg.connect(setup.url, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO streams_writers (stream, instance, position, lease_expires_at) "
+            "VALUES (%s, 'frozen', 0, now() - interval '1 minute')",
+            (_stream_id(setup, stream),),
+        )
+    with sessions.connect(url, autocommit=False, purpose="test") as conn:
+        info = run(conn, load_stream(stream))
+        assert run(conn, retire_expired_writers(info)) == ["frozen"]
 
 
 def test_group_reader_commits_its_group_and_writes_nothing_else(setup: Setup, stream: str) -> None:
@@ -331,6 +342,18 @@ def test_group_reader_commits_its_group_and_writes_nothing_else(setup: Setup, st
     _refused(url, "UPDATE streams_keys SET retired_at = now()")
     _refused(url, "UPDATE streams_writers SET retired = true")
     _refused(url, "DELETE FROM streams_reader_groups")  # deleting groups is the operator's
+    operator = setup.as_("streams_operator")
+    code, out = _cli("incarnation", "accept", "--all", "--database-url", operator)
+    assert code == 0, out
+    code, out = _cli(
+        "groups", "delete", "billing", "--stream", stream, "--yes", "--database-url", operator
+    )
+    assert code == 0, out
+    with psycopg.connect(setup.url, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM streams_reader_groups WHERE stream = %s", (key,)
+        ).fetchone()
+    assert row == (0,)
 
 
 def test_operator_runs_doctor_and_prune(setup: Setup, stream: str) -> None:
@@ -362,6 +385,8 @@ def test_operator_runs_doctor_and_prune(setup: Setup, stream: str) -> None:
             (key, key),
         ).fetchone()
     assert row == (0, 5)
+    with streams.connect(url) as client:  # positions retires expired writers first
+        assert client.positions(stream).linear == 5
     # pg_signal_backend: the operator may end a writer's session (doctor --repair does).
     with psycopg.connect(setup.as_("streams_writer"), autocommit=True) as victim:
         pid = victim.info.backend_pid
