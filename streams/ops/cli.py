@@ -57,6 +57,7 @@ from .render import (
     rich_renderable,
     timestamp,
 )
+from .role_commands import roles
 
 
 def _settings(database_url: str | None, redis_url: str | None, prefix: str | None) -> Settings:
@@ -845,6 +846,7 @@ def metrics_serve(
 
 ops.add_command(groups)
 ops.add_command(incarnation)
+ops.add_command(roles)
 
 
 @ops.command()

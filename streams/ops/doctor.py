@@ -86,6 +86,7 @@ def diagnose(settings: Settings, *, stale_after_ms: int = STALE_AFTER_MS) -> lis
         except StreamsError as exc:
             checks.append(Check("schema", False, str(exc)))
             return checks
+        checks.append(_roles_check(conn))
         infos = run(conn, list_streams())
         for info in infos:
             checks.extend(_stream_checks(conn, info, stale_after_ms))
@@ -188,6 +189,17 @@ def _stream_checks(
         )
     )
     return checks
+
+
+def _roles_check(conn: psycopg.Connection[Any]) -> Check:
+    """`streams roles check`: grants beyond the role model (who else may sign, write proofs or
+    keys, or read the readers' keys), and grants of the model missing where it is in use."""
+    from .role_commands import check_roles
+
+    report = check_roles(conn)
+    if report.ok:
+        return Check("roles", True, "no grant beyond the role model on the key tables")
+    return Check("roles", False, "; ".join(report.lines()) + " (`streams roles check`)")
 
 
 def _channel_check(settings: Settings, known: list[str]) -> Check:

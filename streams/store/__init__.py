@@ -24,6 +24,7 @@ executors, any other engine's) through `streams.connector`, as every other inter
   floors, batch ranges.
 * `reader_groups`: reader groups, and the positions report of ``streams positions``.
 * `keys`: the replication keys that sign ranges.
+* `roles`: the role model: which roles may run which statements, its grants and their check.
 * `retention`: pruning facts older than a stream's retention (the retention argument).
 * `sinks`: the Spark sink's task commits (the exactly-once argument).
 * `idempotency`: idempotency keys: a keyed append is written once (the claim argument).

@@ -32,6 +32,7 @@ from ..errors import (
     UnknownStream,
 )
 from .driver import Autocommit, Commit, Gen, Query
+from .roles import grant_stream_sequence, owner_to_create_as
 
 ALEMBIC_HEAD = "0011_incarnation_generations"
 
@@ -337,6 +338,12 @@ def create_stream(
             raise StreamExists(f"stream {name!r} exists already with settings {existing.as_dict()}")
         yield Commit()
         return existing
+    # The stream's objects belong to the owner of streams_facts (under the role model,
+    # streams_admin: any admin may drop what another created), and its sequence is granted
+    # to the model's roles (`streams.store.roles`, "new streams").
+    owner = yield from owner_to_create_as()
+    if owner is not None:
+        yield Query(sql.SQL("SET LOCAL ROLE {}").format(sql.Identifier(owner)))
     rows = yield Query("SELECT nextval(pg_get_serial_sequence('streams_registry', 'id'))")
     stream_key = int(rows[0][0])
     rows = yield Query(
@@ -367,6 +374,7 @@ def create_stream(
             info.sequence
         )
     )
+    yield from grant_stream_sequence(info.sequence_name)
     # The stream's own partition of streams_facts (revision 0006: appends at the right edge of
     # its own indexes). Created apart and attached: ATTACH takes SHARE UPDATE EXCLUSIVE on
     # streams_facts, so other streams' appends and reads go on; CREATE ... PARTITION OF would

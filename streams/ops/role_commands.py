@@ -1,0 +1,169 @@
+"""`streams roles create|show|check`: the least-privilege role model (`streams.store.roles`).
+
+``create`` makes the six NOLOGIN group roles (``streams_admin``, ``streams_operator``,
+``streams_prover``, ``streams_writer``, ``streams_reader``, ``streams_group_reader``) and gives
+each exactly what its statements need on this database's schema (idempotent: run it again after
+every ``streams migrate``); people and services then log in as users granted those roles
+(``GRANT streams_reader TO billing``). ``show`` prints what each role holds. ``check`` reports
+grants beyond the model (PUBLIC, or a role that can sign, write proofs or keys, or read the
+readers' keys without being in the model), and what the model grants but a role lacks here;
+it exits 1 on either. `streams doctor` runs the same check.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import click
+import psycopg
+
+from ..cli_params import common_options
+from ..config import Settings, redact_url
+from ..store import sessions
+from ..store.driver import run
+from ..store.registry import check_schema
+from ..store.roles import (
+    Finding,
+    RoleGrants,
+    create_roles,
+    missing_grants,
+    overbroad_grants,
+    role_grants,
+)
+
+__all__ = ["RoleReport", "check_roles", "roles"]
+
+
+@dataclass(frozen=True, slots=True)
+class RoleReport:
+    """What `check_roles` found: grants beyond the model (`overbroad`) and grants of the model
+    missing here (`missing`)."""
+
+    overbroad: list[Finding]
+    missing: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.overbroad and not self.missing
+
+    def lines(self) -> list[str]:
+        found = [f"over-broad: {f.describe()}" for f in self.overbroad]
+        if self.missing:
+            found.append(
+                f"incomplete ({len(self.missing)} grant(s) of the model missing, e.g. "
+                f"{self.missing[0]}): run `streams roles create` (again after every "
+                "`streams migrate`)"
+            )
+        return found
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "overbroad": [f.as_dict() for f in self.overbroad],
+            "missing": self.missing,
+        }
+
+
+def check_roles(conn: psycopg.Connection[Any]) -> RoleReport:
+    """The check of `streams roles check` and `streams doctor`, on an open connection."""
+    return RoleReport(run(conn, overbroad_grants()), run(conn, missing_grants()))
+
+
+@click.group()
+def roles() -> None:
+    """The role model: `streams roles create`, `streams roles show`, `streams roles check`."""
+
+
+@roles.command(name="create")
+@click.option("--json", "as_json", is_flag=True)
+@common_options
+def roles_create(
+    as_json: bool, database_url: str | None, redis_url: str | None, prefix: str | None
+) -> None:
+    """Create the group roles (NOLOGIN) if missing and grant each exactly what it needs on this
+    database: streams_admin owns the library's objects; streams_operator, streams_prover,
+    streams_writer, streams_reader and streams_group_reader get the model's privileges and lose
+    any others they held on them, as does PUBLIC. Idempotent; run it as a superuser or the
+    owner of the schema, and again after every `streams migrate`."""
+    settings = Settings.resolve(database_url, redis_url, prefix)
+    with sessions.connect(settings.database_url, autocommit=False, purpose="roles") as conn:
+        run(conn, check_schema())
+        done = run(conn, create_roles())
+    if as_json:
+        click.echo(json.dumps({"done": done}, sort_keys=True, separators=(",", ":")))
+        return
+    click.echo(f"{redact_url(settings.database_url)}:")
+    for line in done:
+        click.echo(f"  {line}")
+
+
+@roles.command(name="show")
+@click.option("--json", "as_json", is_flag=True)
+@common_options
+def roles_show(
+    as_json: bool, database_url: str | None, redis_url: str | None, prefix: str | None
+) -> None:
+    """Each role of the model: whether it exists, its members, the roles it belongs to, and
+    its privileges on the library's tables, stream sequences and the prover's schema."""
+    settings = Settings.resolve(database_url, redis_url, prefix)
+    with sessions.connect(settings.database_url, autocommit=False, purpose="roles") as conn:
+        run(conn, check_schema())
+        found = run(conn, role_grants())
+    if as_json:
+        data = {"roles": [g.as_dict() for g in found]}
+        click.echo(json.dumps(data, sort_keys=True, separators=(",", ":")))
+        return
+    for grants in found:
+        for line in _show_lines(grants):
+            click.echo(line)
+
+
+def _show_lines(grants: RoleGrants) -> list[str]:
+    if not grants.exists:
+        return [f"{grants.role}: does not exist (`streams roles create`)"]
+    members = ", ".join(grants.members) or "none"
+    lines = [f"{grants.role} (members: {members})"]
+    if grants.member_of:
+        lines.append(f"  member of: {', '.join(grants.member_of)}")
+    if grants.owns:
+        lines.append(f"  owns (every privilege): {', '.join(grants.owns)}")
+    by_privilege: dict[str, list[str]] = {}
+    for relation, privileges in grants.privileges.items():
+        for privilege in privileges:
+            by_privilege.setdefault(privilege, []).append(relation)
+    for privilege, relations in sorted(by_privilege.items()):
+        lines.append(f"  {privilege}: {', '.join(relations)}")
+    if grants.sequences:
+        held = ", ".join(f"{p} on {n}" for p, n in sorted(grants.stream_sequences.items()))
+        lines.append(f"  stream sequences ({grants.sequences}): {held or 'nothing'}")
+    if len(lines) == 1:
+        lines.append("  nothing")
+    return lines
+
+
+@roles.command(name="check")
+@click.option("--json", "as_json", is_flag=True)
+@common_options
+def roles_check(
+    as_json: bool, database_url: str | None, redis_url: str | None, prefix: str | None
+) -> None:
+    """Report grants beyond the model (PUBLIC; a role that may read the private keys, write
+    streams_proofs or streams_keys without being the prover or the admin; a role outside the
+    model that may read the readers' keys) and grants of the model missing here; exit 1 on
+    any."""
+    settings = Settings.resolve(database_url, redis_url, prefix)
+    with sessions.connect(settings.database_url, autocommit=False, purpose="roles") as conn:
+        run(conn, check_schema())
+        report = check_roles(conn)
+    if as_json:
+        click.echo(json.dumps(report.as_dict(), sort_keys=True, separators=(",", ":")))
+    elif report.ok:
+        click.echo("no grant beyond the role model on the library's objects")
+    else:
+        for line in report.lines():
+            click.echo(f"[FAIL] {line}")
+    if not report.ok:
+        sys.exit(1)
