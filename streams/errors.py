@@ -15,6 +15,8 @@ catch everything with one clause and still tell the cases apart::
     ├── WriterFenced                this writer was declared dead (lease expired or replaced);
     │                               it may not reserve or complete IDs any more
     ├── UsageError                  the API was used in a way it cannot honour
+    │   └── InvalidPosition         a position beyond the stream's max allocated ID (a forged
+    │                               line or proof, a restore): a commit of it moves nothing
     ├── WaitTimeout                 wait_for_position() gave up (also a TimeoutError)
     ├── FactsPruned                 the facts asked for were removed by the stream's retention
     ├── GroupMoved                  commit(conn=...) found the group moved by another consumer
@@ -45,6 +47,7 @@ __all__ = [
     "GroupMoved",
     "InvalidFact",
     "InvalidFactTables",
+    "InvalidPosition",
     "InvalidStreamName",
     "InvalidTimestamp",
     "PayloadNotSerializable",
@@ -119,6 +122,31 @@ class WriterFenced(StreamsError):
 
 class UsageError(StreamsError):
     """The API was called in a way it cannot honour (e.g. a fact inside an open transaction)."""
+
+
+class InvalidPosition(UsageError):
+    """A position beyond anything the stream ever had: above its *max allocated* ID (its
+    sequence's last value), so it names facts that were never written. Nothing was committed.
+
+    A reader's position never gets there by itself (it only passes IDs PostgreSQL proved
+    complete); one that does came from a forged signed range or proof, or from a database
+    restored or failed over to an older state since. Committed, it would make the group skip
+    every fact written up to it (and one near the bigint limit would make the stream's next
+    append fail). ``where``: what tried it (a group); ``max_allocated``: the stream's.
+    """
+
+    def __init__(self, where: str, stream: str, position: int, max_allocated: int) -> None:
+        self.where = where
+        self.stream = stream
+        self.position = position
+        self.max_allocated = max_allocated
+        super().__init__(
+            f"{where} on stream {stream!r}: position {position} is beyond the stream's max "
+            f"allocated ID {max_allocated} (no fact above it was ever written), so nothing was "
+            "committed; such a position comes from a forged line or proof, or from a database "
+            "restored or failed over to an older state: reopen the reader from the group's "
+            "position (`streams positions` shows it)"
+        )
 
 
 class RedisUnavailable(StreamsError):

@@ -6,8 +6,10 @@ Two collectors, both *pull*: nothing is computed until Prometheus scrapes, so th
 * `ClientCollector` reports what one process does: each writer of a `streams.Client`
   (position, pending and in-flight IDs, facts appended), each reader (position per stream,
   probes, pages and rows read) and the Redis link (commands received, malformed, foreign,
-  published, dropped, reconnects). `enable(client, port=...)` registers it and, with a port,
-  serves ``/metrics``.
+  published, dropped, reconnects), and what the readers took from Redis and refused: signed
+  ranges verified and applied, lines rejected by reason (the reasons
+  `streams.core.signing.verify_range` gives), shared proofs refused.
+  `enable(client, port=...)` registers it and, with a port, serves ``/metrics``.
 * `DatabaseCollector` reports stream-level figures of one database, read at scrape time with
   the same queries as `streams positions`: linear position, max allocated, scratchpad, the age
   of the oldest pending ID, each writer's position and pending count, each reader group's (and
@@ -101,6 +103,25 @@ class ClientCollector:
         rows = _family(
             "counter", "reader_rows", "Rows read (catch-up and live).", ["streams", "group"]
         )
+        signed = _family(
+            "counter",
+            "reader_signed_ranges",
+            "Signed ranges from Redis that verified, and that were applied (delivered).",
+            ["streams", "group", "outcome"],
+        )
+        rejected = _family(
+            "counter",
+            "reader_rejected_lines",
+            "Signed-range lines from Redis rejected, by reason (malformed, unknown-key, "
+            "bad-mac, inconsistent, ...; no-keys: a failed read of the keys).",
+            ["streams", "group", "reason"],
+        )
+        refused = _family(
+            "counter",
+            "reader_refused_proofs",
+            "Shared proofs refused: above the stream's max allocated ID.",
+            ["streams", "group"],
+        )
         for reader in list(self._client.readers):
             rcore = reader.core
             group = rcore.group or ""
@@ -110,7 +131,13 @@ class ClientCollector:
             probes.add_metric(key, rcore.probes)
             pages.add_metric(key, rcore.pages)
             rows.add_metric(key, rcore.rows)
-        yield from (reader_position, probes, pages, rows)
+            signed.add_metric([*key, "verified"], rcore.verified_ranges)
+            signed.add_metric([*key, "applied"], rcore.signed_ranges)
+            # A copy: the link's thread adds reasons as lines come (one C call, under the GIL).
+            for reason, value in sorted(dict(rcore.rejected_ranges).items()):
+                rejected.add_metric([*key, reason], value)
+            refused.add_metric(key, rcore.refused_proofs)
+        yield from (reader_position, probes, pages, rows, signed, rejected, refused)
 
         link = self._client._link
         if link is not None:

@@ -434,6 +434,9 @@ class Reader(_ReaderBase):
         The group must still be where this reader left it (when it opened the group or last
         committed it): otherwise `GroupMoved`, and your transaction can only roll back
         (`streams.store.reader_groups.commit_group_in`).
+
+        `InvalidPosition` (nothing committed, on any stream) for a position beyond its
+        stream's max allocated ID, which no reader reaches by itself.
         """
         if conn is None:
             return self._drive(self._commit_plan(through))

@@ -22,7 +22,7 @@ from ..store.leases import (
     unseen_ids,
 )
 from ..store.probe import probe
-from ..store.reader_groups import list_groups
+from ..store.reader_groups import groups_beyond, list_groups
 from ..store.registry import StreamInfo, check_schema, list_streams
 from ..store.retention import prune_target
 from ..transport.redis_errors import connection_error
@@ -30,6 +30,10 @@ from .render import age
 
 #: A reservation held open longer than this is reported: it holds every reader back.
 HELD_WARNING_SECONDS = 5.0
+#: A sequence at or above this is reported: near the bigint limit (``2**63 - 1``), where the
+#: next appends fail. No stream gets there by appending (4.6e18 IDs); a sequence moved there
+#: by repair after a forged position does, which bricks the stream.
+SEQUENCE_NEAR_LIMIT = 2**62
 
 __all__ = ["Check", "diagnose", "repair"]
 
@@ -137,18 +141,27 @@ def _stream_checks(
     state = run(conn, sequence_state(info))
     allocated = state.last_value or 0
     behind = state.repair_target is not None
+    near_limit = allocated >= SEQUENCE_NEAR_LIMIT
     checks = [
         Check(
             f"stream {info.name}: sequence",
-            not behind,
+            not behind and not near_limit,
             f"sequence at {allocated}, highest ID used {state.max_used} (facts "
             f"{state.max_stored}, writer and group positions {state.max_position})"
             + (
                 "; BEHIND: the next writer to start repairs it (or `streams doctor --repair`)"
                 if behind
                 else ""
+            )
+            + (
+                f"; NEAR THE BIGINT LIMIT ({2**63 - 1}): appends will fail; no stream gets "
+                "there by appending: a repair moved it to a forged or restored position "
+                "(see the reader groups check)"
+                if near_limit
+                else ""
             ),
-        )
+        ),
+        _groups_check(conn, info),
     ]
     declared = ", ".join(str(t) for t in info.fact_tables) or "none"
     if state.missing_tables:
@@ -200,6 +213,28 @@ def _roles_check(conn: psycopg.Connection[Any]) -> Check:
     if report.ok:
         return Check("roles", True, "no grant beyond the role model on the key tables")
     return Check("roles", False, "; ".join(report.lines()) + " (`streams roles check`)")
+
+
+def _groups_check(conn: psycopg.Connection[Any], info: StreamInfo) -> Check:
+    """Reader groups committed beyond the stream's max allocated ID: no reader reaches such a
+    position by itself (commits refuse it: `streams.errors.InvalidPosition`), so the row was
+    written by hand or by a role that may write ``streams_reader_groups``, or a restore set
+    the sequence back. The group skips every fact up to it, and sequence repair would move the
+    sequence there."""
+    allocated, beyond = run(conn, groups_beyond(info))
+    name = f"stream {info.name}: reader groups"
+    if not beyond:
+        return Check(name, True, f"none beyond max allocated ({allocated})")
+    shown = ", ".join(f"{group} (at {position})" for group, position in beyond)
+    return Check(
+        name,
+        False,
+        f"group(s) {shown} beyond max allocated {allocated}: no fact above it was ever "
+        "written, so the position is forged (a role that may write streams_reader_groups) or "
+        "from before a restore; the group would skip every fact up to it, and sequence repair "
+        "(a writer's start, `streams doctor --repair`) would move the sequence there. Delete "
+        f"the group (`streams groups delete GROUP --stream {info.name}`) first",
+    )
 
 
 def _channel_check(settings: Settings, known: list[str]) -> Check:

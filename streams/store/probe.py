@@ -98,6 +98,11 @@ them are visible (committed) or gone (rolled back) in the same snapshot. Nothing
 order in which the statement's parts are evaluated; only on one statement seeing one snapshot
 (READ COMMITTED). The proof row is a cache of a fact PostgreSQL itself established: a lost,
 stale or missing row only makes a reader probe for itself (`streams.reader`), never skip a fact.
+Nor does a row above the stream's max allocated ID: the same statement reads the sequence, and
+refuses a ``C`` above it (a prober's ``C`` is at most the ``A[s]`` its statement 1 read, before
+its proof committed, so before the follower's snapshot, and the sequence only grows: an honest
+proof always passes; one above it was written by a role that may write ``streams_proofs``, not
+by a prober). The next proof replaces such a row.
 The choice against the alternatives (coalescing probes per process, sharing one probe inside a
 process) is that this one costs O(streams) ``pg_locks`` reads, not O(reader processes), and a
 reader's read becomes a primary-key lookup plus the range scan it needed anyway.
@@ -276,13 +281,21 @@ def probe(infos: Sequence[StreamInfo]) -> Gen[dict[str, Probe]]:
     return probes_from_results(results)
 
 
-#: Statement 3 of `prove`: record what statement 2 proved (forward-only) for every reader.
+#: Statement 3 of `prove`: record what statement 2 proved (forward-only) for every reader. A
+#: record above the stream's sequence (no prober wrote it: followers refuse it) is replaced,
+#: not kept by ``GREATEST``, so shared proofs work again from the next proof on.
 _RECORD_PROOF_SQL = f"""
 INSERT INTO streams_proofs (stream, complete, proven_at)
 SELECT k.id, current_setting('{COMPLETE_SETTING}' || k.id)::bigint, clock_timestamp()
 FROM unnest(%(ids)s::int[]) AS k(id)
 ON CONFLICT (stream) DO UPDATE
-SET complete = GREATEST(streams_proofs.complete, EXCLUDED.complete),
+SET complete = CASE
+        WHEN streams_proofs.complete > (
+            SELECT COALESCE(pg_sequence_last_value(r.sequence_name::regclass), 0)
+            FROM streams_registry r WHERE r.id = streams_proofs.stream)
+        THEN EXCLUDED.complete
+        ELSE GREATEST(streams_proofs.complete, EXCLUDED.complete)
+    END,
     proven_at = EXCLUDED.proven_at
 RETURNING stream
 """

@@ -97,8 +97,9 @@ log = logging.getLogger("streams.reader")
 
 #: Rows per page when catching up.
 DEFAULT_PAGE_SIZE = 5000
-#: Most signed-range lines waiting to be verified, and most verified ranges waiting for the
-#: reader to reach them, per reader (a flood of lines costs memory up to this, no more).
+#: Most verified ranges waiting for the reader to reach them, per reader and per stream (a
+#: flood of replayed lines costs memory up to this, no more). A line under a key the reader
+#: does not know is not kept at all (`ReaderCore._offer`).
 MAX_WAITING_RANGES = 256
 #: Least seconds between two reads of the key table asked for by a line naming an unknown key.
 KEY_RETRY = 1.0
@@ -194,17 +195,20 @@ class ReaderCore:
         self.probes = 0
         self.proof_reads = 0
         self.pages = 0
-        # Signed ranges from Redis (`streams.core.signing`): lines offered by the link thread
-        # (deque appends and pops are atomic), verified ranges by `after`, and the keys.
-        self._offered: deque[Hint] = deque(maxlen=MAX_WAITING_RANGES)
+        # Signed ranges from Redis (`streams.core.signing`): verified by the link thread
+        # (deque appends and pops are atomic), then by `after`, and the keys.
         self._verified: deque[SignedRange] = deque(maxlen=MAX_WAITING_RANGES)
         self._ranges: dict[str, dict[int, SignedRange]] = {}
         self._keys: dict[int, bytes] = {}
         self._keys_at = -KEY_REFRESH
         self._keys_wanted = False
-        #: Signed ranges delivered from Redis, and lines rejected by reason (for metrics).
+        #: Signed ranges delivered from Redis, lines that verified, and lines rejected by
+        #: reason (what `verify_range` returned, and ``no-keys``), for metrics.
         self.signed_ranges = 0
+        self.verified_ranges = 0
         self.rejected_ranges: dict[str, int] = {}
+        #: Shared proofs refused (above their stream's max allocated ID), for metrics.
+        self.refused_proofs = 0
         #: Rows read from PostgreSQL (catch-up and live), for metrics.
         self.rows = 0
         #: The database history this reader's positions belong to: the first session records
@@ -345,18 +349,23 @@ class ReaderCore:
 
     def _offer(self, hint: Hint) -> bool:
         """A signed range arrived (on the link's thread): verify it now, so that a line that
-        does not verify costs no wake-up (and no PostgreSQL read) at all. A line under a key
-        this reader does not know waits for the next read of the keys (at most every
-        `KEY_RETRY`: a flood of lines under retired keys costs that, no more)."""
+        does not verify costs no wake-up (and no PostgreSQL read) at all.
+
+        A line under a key this reader does not know is dropped, and asks for a read of the
+        keys (at most every `KEY_RETRY`: a flood of lines under unknown keys costs that, no
+        more). Keeping it until then would keep what anyone with Redis may send: parsed, a
+        1 MiB line of ``[],`` is 350k lists, 20 times its size, and 52 of them took a reader
+        to 1.2 GB. Dropping it costs only after a rotation, until this reader has read the
+        new key (a line it did not take is read from PostgreSQL, as for a line Redis lost)."""
         found = verify_range(hint.stream, hint.instance, hint.token, hint.proof, self._keys)
         if isinstance(found, SignedRange):
+            self.verified_ranges += 1
             self._verified.append(found)
             return True
+        self.rejected_ranges[found] = self.rejected_ranges.get(found, 0) + 1
         if found == "unknown-key":
-            self._offered.append(hint)
             self._keys_wanted = True
             return time.monotonic() - self._keys_at >= KEY_RETRY
-        self.rejected_ranges[found] = self.rejected_ranges.get(found, 0) + 1
         return False
 
     def proof_deadline(self) -> float | None:
@@ -445,7 +454,16 @@ class ReaderCore:
         the caller probes itself."""
         infos = [self.infos[n] for n in self.names]
         results = yield from read_after_proof(infos, lower, self.page_size)
-        self._proof_fresh = all(rows and int(rows[0][1]) <= STALE_AFTER for rows in results)
+        refused = {
+            i.name: int(rows[0][0])
+            for i, rows in zip(infos, results, strict=True)
+            if rows and not rows[0][2]
+        }
+        if refused:
+            self._refuse_proofs(refused)
+        self._proof_fresh = not refused and all(
+            rows and int(rows[0][1]) <= STALE_AFTER for rows in results
+        )
         if not self._proof_fresh:
             self._awaited.clear()
             self._awaited_since = None
@@ -465,9 +483,23 @@ class ReaderCore:
         planned: list[_Planned] = []
         for info, rows in zip(infos, results, strict=True):
             if proven[info.name] > lower[info.name]:
-                page = [tuple(r[2:]) for r in rows if r[2] is not None]
+                page = [tuple(r[3:]) for r in rows if r[3] is not None]
                 planned.append((yield from self._plan(info.name, page, proven[info.name])))
         return planned
+
+    def _refuse_proofs(self, refused: Mapping[str, int]) -> None:
+        """Shared proofs above their stream's max allocated ID (``stream -> complete``, as
+        `read_after_proof` finds them): no prober wrote them, so this reader probes for
+        itself. Counted, and logged the first time."""
+        first = not self.refused_proofs
+        self.refused_proofs += len(refused)
+        if first:
+            log.warning(
+                "refused the shared proof of %s: beyond the stream's max allocated ID, so no "
+                "prober wrote it (a role that may write streams_proofs did); probing PostgreSQL "
+                "instead (further refusals are counted, not logged)",
+                ", ".join(f"{name!r} (complete {c})" for name, c in refused.items()),
+            )
 
     def _step_on_signed_ranges(self) -> Gen[list[_Planned]]:
         """`step` from the signed ranges Redis brought (`streams.core.signing`): every stream
@@ -535,13 +567,6 @@ class ReaderCore:
             self.rejected_ranges["no-keys"] = self.rejected_ranges.get("no-keys", 0) + 1
             if self.rejected_ranges["no-keys"] == 1:
                 log.warning("cannot read the replication keys (%s): reading PostgreSQL only", exc)
-        while self._offered:  # the lines that named a key we did not know
-            hint = self._offered.popleft()
-            again = verify_range(hint.stream, hint.instance, hint.token, hint.proof, self._keys)
-            if isinstance(again, SignedRange):
-                self._verified.append(again)
-            else:
-                self.rejected_ranges[again] = self.rejected_ranges.get(again, 0) + 1
 
     def _plan(self, name: str, rows: list[Row], target: int) -> Gen[_Planned]:
         """What a page of rows allows to deliver on ``name`` (reads more only for a fact with
@@ -609,6 +634,7 @@ class ReaderCore:
 
         `GroupFenced` (nothing committed, on any stream) once another reader opened the group
         since this one did: it is the group's consumer now, this one must stop.
+        `InvalidPosition` (the same) for a position beyond its stream's max allocated ID.
         """
         commits = self._commits(through)
         assert self.group is not None

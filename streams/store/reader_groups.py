@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 from psycopg import sql
 
 from ..core.staleness import STALE_AFTER_MS, holds_retention, is_stale, retention_goal
-from ..errors import GroupFenced, StoreError, UsageError
+from ..errors import GroupFenced, InvalidPosition, StoreError, UsageError
 from ._common import NOW_MS_SQL
 from .driver import Commit, Gen, Query
 from .leases import (
@@ -247,6 +247,33 @@ _FENCED_CAST = (
 _FENCED_TEXT = re.compile(rf"{GROUP_FENCED} (\d+) (-?\d+) (-?\d+)")
 
 
+#: Marker of the text cast by which a commit of a position beyond its stream's max allocated ID
+#: fails (`InvalidPosition`), followed by the stream's id, the position and max allocated.
+POSITION_BEYOND = "streams-position-beyond"
+
+# The bound of a commit (`commit_group`, `commit_group_in`): ``beyond`` is the first stream of
+# ``c`` whose position is above its sequence's last value (max allocated, as the probe reads
+# it): a position no reader can have reached, since it passes only IDs a probe proved complete,
+# and every such ID is at or below the sequence. Read in the commit's own statement, after
+# the reader reached its position: the sequence only grows, so an honest position always
+# passes, whenever this runs.
+_BOUND = """
+        beyond AS (
+            SELECT c.stream, c.position, a.allocated
+            FROM c JOIN streams_registry r ON r.id = c.stream
+            CROSS JOIN LATERAL (
+                SELECT COALESCE(pg_sequence_last_value(r.sequence_name::regclass), 0)
+                       AS allocated
+            ) AS a
+            WHERE c.position > a.allocated
+            ORDER BY c.stream LIMIT 1
+        )"""
+_BEYOND_CAST = (
+    f"('{POSITION_BEYOND} ' || b.stream || ' ' || b.position || ' ' || b.allocated)::bigint"
+)
+_BEYOND_TEXT = re.compile(rf"{POSITION_BEYOND} (\d+) (-?\d+) (-?\d+)")
+
+
 def _fence_params(
     group: str, infos: Sequence[StreamInfo], held: Mapping[str, Generation]
 ) -> dict[str, Any]:
@@ -271,6 +298,16 @@ def _fenced(group: str, infos: Sequence[StreamInfo], exc: StoreError) -> GroupFe
     return GroupFenced(group, name, generation, None if current < 0 else current)
 
 
+def _beyond(group: str, infos: Sequence[StreamInfo], exc: StoreError) -> InvalidPosition | None:
+    """The `InvalidPosition` a commit's failing cast stands for (None: another error)."""
+    found = _BEYOND_TEXT.search(str(exc))
+    if found is None:
+        return None
+    stream, position, allocated = (int(x) for x in found.groups())
+    name = next((i.name for i in infos if i.id == stream), str(stream))
+    return InvalidPosition(f"group {group!r}", name, position, allocated)
+
+
 def commit_group(
     group: str,
     commits: Sequence[tuple[StreamInfo, int, int]],
@@ -284,7 +321,10 @@ def commit_group(
     stream name, higher than the one given where another reader committed more. ``held``: the
     generation this consumer took of each stream (`take_generations`); `GroupFenced`, and
     nothing moves on any stream, if the group's is another on one of them. ``incarnation``:
-    the database incarnation written into the group's rows.
+    the database incarnation written into the group's rows. `InvalidPosition`, and nothing
+    moves on any stream, if a position is beyond its stream's max allocated ID (checked in the
+    same statement: a forged signed range could otherwise make a group skip every fact up to
+    it, or brick the stream at ``2**63 - 1``).
 
     Why a consumer that outlived its replacement can never move the group again, and why the
     replacement resumes after everything the old one committed (the fencing argument of
@@ -341,7 +381,9 @@ def commit_group_in(
     the group: ``(info, position, ts_floor, base)`` per stream, ``base`` being the group's
     position when this reader opened it or last committed it (None: the group had no row).
     Fenced as `commit_group` ("the fencing argument of groups"): `GroupFenced`, the caller's
-    transaction failed, if another consumer opened the group since this one did.
+    transaction failed, if another consumer opened the group since this one did; bounded as
+    `commit_group`: `InvalidPosition`, the caller's transaction failed, for a position beyond
+    its stream's max allocated ID.
 
     Why a consumer that writes its effects and this commit in one transaction applies each fact
     once (the group argument): the row of each stream moves from ``base`` to ``position`` only
@@ -366,12 +408,12 @@ _COMMIT_SQL = """
                              %(floors)s::bigint[], %(bases)s::bigint[],
                              %(generations)s::bigint[], %(tokens)s::uuid[])
                AS c(stream, position, ts_floor, base, generation, token)
-    ), {fence}, i AS (
+    ), {fence}, {bound}, i AS (
         INSERT INTO streams_reader_groups AS g
             (stream, group_name, position, ts_floor, incarnation)
         SELECT c.stream, %(group)s, c.position, c.ts_floor, %(incarnation)s
         FROM c JOIN held ON held.stream = c.stream AND held.token = c.token
-        WHERE NOT EXISTS (SELECT FROM fenced)
+        WHERE NOT EXISTS (SELECT FROM fenced) AND NOT EXISTS (SELECT FROM beyond)
         ON CONFLICT (stream, group_name) DO UPDATE
         SET position = GREATEST(g.position, EXCLUDED.position),
             ts_floor = GREATEST(g.ts_floor, EXCLUDED.ts_floor),
@@ -382,15 +424,18 @@ _COMMIT_SQL = """
     )
     SELECT c.stream,
            CASE WHEN f.stream IS NOT NULL THEN {fenced_cast}
+                WHEN b.stream IS NOT NULL THEN {beyond_cast}
                 {exact_case}
                 ELSE i.position
            END
-    FROM c LEFT JOIN i ON i.stream = c.stream LEFT JOIN f ON true
+    FROM c LEFT JOIN i ON i.stream = c.stream LEFT JOIN f ON true LEFT JOIN beyond b ON true
 """
 _COMMIT_STATEMENTS = {
     exact: _COMMIT_SQL.format(
         fence=_FENCE,
         fenced_cast=_FENCED_CAST,
+        bound=_BOUND,
+        beyond_cast=_BEYOND_CAST,
         exact_where=(
             "WHERE g.position = (SELECT c.base FROM c WHERE c.stream = g.stream)" if exact else ""
         ),
@@ -428,10 +473,10 @@ def _commit(
             },
         )
     except StoreError as exc:
-        fenced = _fenced(group, infos, exc)
-        if fenced is None:
+        refused = _fenced(group, infos, exc) or _beyond(group, infos, exc)
+        if refused is None:
             raise
-        raise fenced from None
+        raise refused from None
     return {by_id[int(stream)]: int(position) for stream, position in rows}
 
 
@@ -451,6 +496,25 @@ def delete_group(info: StreamInfo, group: str) -> Gen[bool]:
     )
     yield Commit()
     return bool(rows)
+
+
+def groups_beyond(info: StreamInfo) -> Gen[tuple[int, list[tuple[str, int]]]]:
+    """The stream's max allocated ID and every group ``(name, position)`` committed beyond it
+    (`streams doctor`): a position no reader reaches by itself (`InvalidPosition`), so one
+    written by hand or by a role that may write ``streams_reader_groups``, or left by a
+    database restored or failed over to an older state."""
+    rows = yield Query(
+        sql.SQL(
+            "SELECT a.allocated, g.group_name, g.position "
+            "FROM (SELECT {allocated} AS allocated) AS a "
+            "LEFT JOIN streams_reader_groups g ON g.stream = %s AND g.position > a.allocated "
+            "ORDER BY g.group_name"
+        ).format(allocated=max_allocated_sql(info)),
+        (info.id,),
+    )
+    yield Commit()
+    beyond = [(str(name), int(position)) for _, name, position in rows if name is not None]
+    return int(rows[0][0]), beyond
 
 
 def streams_of_group(group: str) -> Gen[list[str]]:

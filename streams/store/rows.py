@@ -29,25 +29,34 @@ def fetch_rows_after_proof(info: StreamInfo, after: int, limit: int) -> Query:
     """One statement: the shared proof of ``info`` and up to ``limit`` rows ``(stream_id,
     row_no, instance, ts, payload)`` after ``after`` and ``<=`` it, in (stream ID, row) order.
 
-    Its rows are ``(complete, age_ms, *row)`` (``row`` all NULL when there is none); no rows at
-    all when nobody has proven the stream yet. One snapshot serves both reads: see "shared
-    proofs". ``age_ms``: how long ago (server clock) the prober last proved it. The stream is
-    a literal, so the planner reads (and locks) only its partition; a value from the join
-    would be pruned at run time, after every partition had been locked.
+    Its rows are ``(complete, age_ms, possible, *row)`` (``row`` all NULL when there is none);
+    no rows at all when nobody has proven the stream yet. One snapshot serves both reads: see
+    "shared proofs". ``age_ms``: how long ago (server clock) the prober last proved it.
+    ``possible``: ``complete`` is at or below the stream's max allocated ID (its sequence's
+    last value, read here as the probe reads it); a proof above it was not written by a prober
+    (a prober proves only IDs its probe saw allocated, and the sequence only grows), so it is
+    refused: no rows are read behind it and the reader probes for itself. The stream and its
+    sequence are literals, so the planner reads (and locks) only its partition; a value from
+    the join would be pruned at run time, after every partition had been locked.
     """
-    return Query(_proof_rows_sql(info.id), (after, limit))
+    return Query(_proof_rows_sql(info.id, info.sequence_name), (after, limit))
 
 
 @functools.lru_cache(maxsize=1024)
-def _proof_rows_sql(stream_key: int) -> bytes:
+def _proof_rows_sql(stream_key: int, sequence_name: str) -> bytes:
     key = int(stream_key)
+    sequence = sql.Literal(sequence_name).as_bytes(None).decode()
     return (
         "SELECT p.complete, "
         "(extract(epoch FROM clock_timestamp() - p.proven_at) * 1000)::bigint, "
+        "p.complete <= a.allocated, "
         "f.stream_id, f.row_no, f.instance, f.ts, f.payload "
-        "FROM streams_proofs p LEFT JOIN LATERAL ("
+        "FROM streams_proofs p CROSS JOIN LATERAL ("
+        f"SELECT COALESCE(pg_sequence_last_value({sequence}::regclass), 0) AS allocated) AS a "
+        "LEFT JOIN LATERAL ("
         "SELECT stream_id, row_no, instance, ts, payload::text AS payload FROM streams_facts "
         f"WHERE stream = {key} AND stream_id > %s AND stream_id <= p.complete "
+        "AND p.complete <= a.allocated "
         "ORDER BY stream_id, row_no LIMIT %s) AS f ON true "
         f"WHERE p.stream = {key}"
     ).encode()

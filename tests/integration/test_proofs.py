@@ -209,7 +209,8 @@ def test_a_proof_row_is_forward_only_and_a_stale_one_is_ignored(
     client: Client, stream: str, streams_url: str
 ) -> None:
     """Without a prober (no Redis), a reader told to follow proofs finds none or a stale one
-    and probes for itself; `prove` never moves a row backwards."""
+    and probes for itself; `prove` never moves a row backwards, except from above the
+    stream's sequence (where no prober puts it)."""
     from streams.store.driver import run
     from streams.store.probe import prove
     from streams.store.registry import load_stream
@@ -238,12 +239,32 @@ def test_a_proof_row_is_forward_only_and_a_stale_one_is_ignored(
             "SELECT complete FROM streams_proofs WHERE stream = %s", (info.id,)
         ).fetchone()
         assert row[0] == ids[-1]
-        conn.execute("UPDATE streams_proofs SET complete = %s", (ids[-1] + 100,))
+        # Within the possible, never backwards: a fact pending in an open transaction holds
+        # the prober's complete below an ID already allocated, which the row says.
+        with (
+            psycopg.connect(streams_url, autocommit=False) as pending,
+            client.writer(stream, instance="p") as other,
+        ):
+            pending.execute("SELECT 1")  # in a transaction: the fact joins it, left open
+            with other.fact(pending) as fact:
+                fact.add({"n": "pending"})
+            conn.execute(
+                "UPDATE streams_proofs SET complete = %s WHERE stream = %s",
+                (fact.stream_id, info.id),
+            )
+            assert run(conn, prove([info]))[stream].complete == ids[-1]
+            row = conn.execute(
+                "SELECT complete FROM streams_proofs WHERE stream = %s", (info.id,)
+            ).fetchone()
+            assert row[0] == fact.stream_id, "GREATEST: never backwards"
+            pending.rollback()
+        # Beyond max allocated (issue 29): no prober wrote it, so the next proof replaces it.
+        conn.execute("UPDATE streams_proofs SET complete = %s WHERE stream = %s", (2**62, info.id))
         run(conn, prove([info]))
         row = conn.execute(
             "SELECT complete FROM streams_proofs WHERE stream = %s", (info.id,)
         ).fetchone()
-        assert row[0] == ids[-1] + 100, "GREATEST: never backwards"
+        assert row[0] == fact.stream_id, "a row above the sequence is replaced"
         reader.close()
 
 
