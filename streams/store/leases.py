@@ -367,20 +367,24 @@ def retire_where_held(
     """
     retired: list[str] = []
     for name in held.observe(now, observed):
-        info = infos[name]
-        try:
-            retired += yield from retire_expired_writers(info)
-        except StoreError as exc:
-            if exc.sqlstate != _NOT_ALLOWED:
-                raise
-            if name not in _WARNED:
-                _WARNED.add(name)
-                log.warning(
-                    "stream %r is held back and this role may not retire expired writers: %s",
-                    name,
-                    exc,
-                )
+        retired += yield from retire_if_allowed(infos[name])
     return retired
+
+
+def retire_if_allowed(info: StreamInfo, who: str = "this role") -> Gen[list[str]]:
+    """`retire_expired_writers`, for a caller that only reads otherwise (a reader, the prover,
+    the Spark source, ``streams positions``): a role that may not retire writers (a
+    ``streams_reader``) gets one warning per stream and carries on, since writers' heartbeats
+    and the roles that may (prover, operator) retire them."""
+    try:
+        return (yield from retire_expired_writers(info))
+    except StoreError as exc:
+        if exc.sqlstate != _NOT_ALLOWED:
+            raise
+        if info.name not in _WARNED:
+            _WARNED.add(info.name)
+            log.warning("stream %r: %s may not retire expired writers: %s", info.name, who, exc)
+        return []
 
 
 _WARNED: set[str] = set()

@@ -25,7 +25,7 @@ from .leases import (
     linear_from,
     max_allocated_sql,
     reservation_lock_holders,
-    retire_expired_writers,
+    retire_if_allowed,
 )
 from .probe import probe
 from .registry import DEFAULT_KEY_WINDOW_MS, StreamInfo
@@ -597,7 +597,7 @@ def stream_positions(
     """Positions of a stream: linear, max allocated, every writer's row and every group's (stale
     when idle ``stale_after_ms`` while holding retention back)."""
     if retire:
-        yield from retire_expired_writers(info)
+        yield from retire_if_allowed(info)
     # One statement: max allocated always comes back, with one row per writer (or one row
     # of NULL writer columns when the stream has none).
     rows = yield Query(

@@ -222,8 +222,9 @@ def test_reader_reads_and_may_write_nothing(setup: Setup, stream: str) -> None:
     _refused(url, f"SELECT setval('streams_seq_{key}', 1)")
     if _prover_schema(setup.url):
         _refused(url, "SELECT * FROM streams_prover.signing_keys")
-    # The library's own calls.
+    # The library's own calls: what it may (positions, without retiring writers), and not.
     with streams.connect(url) as client:
+        assert client.positions(stream).max_allocated >= 3
         _library_refused(lambda: client.writer(stream).close())
         _library_refused(client.rotate_replication_keys)
 
