@@ -25,17 +25,20 @@ from .driver import Commit, Gen, Query, Row
 from .registry import StreamInfo
 
 
-def fetch_rows_after_proof(info: StreamInfo, after: int, limit: int) -> Query:
+def fetch_rows_after_proof(
+    info: StreamInfo, after: int, limit: int, incarnation: str | None = None
+) -> Query:
     """One statement: the shared proof of ``info`` and up to ``limit`` rows ``(stream_id,
     row_no, instance, ts, payload)`` after ``after`` and ``<=`` it, in (stream ID, row) order.
 
     Its rows are ``(complete, age_ms, *row)`` (``row`` all NULL when there is none); no rows at
-    all when nobody has proven the stream yet. One snapshot serves both reads: see "shared
-    proofs". ``age_ms``: how long ago (server clock) the prober last proved it. The stream is
-    a literal, so the planner reads (and locks) only its partition; a value from the join
-    would be pruned at run time, after every partition had been locked.
+    all when nobody has proven the stream yet in the database ``incarnation`` (the follower's
+    token: a record of another history, or of none, is not read). One snapshot serves both
+    reads: see "shared proofs". ``age_ms``: how long ago (server clock) the prober last proved
+    it. The stream is a literal, so the planner reads (and locks) only its partition; a value
+    from the join would be pruned at run time, after every partition had been locked.
     """
-    return Query(_proof_rows_sql(info.id), (after, limit))
+    return Query(_proof_rows_sql(info.id), (after, limit, incarnation))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -49,7 +52,7 @@ def _proof_rows_sql(stream_key: int) -> bytes:
         "SELECT stream_id, row_no, instance, ts, payload::text AS payload FROM streams_facts "
         f"WHERE stream = {key} AND stream_id > %s AND stream_id <= p.complete "
         "ORDER BY stream_id, row_no LIMIT %s) AS f ON true "
-        f"WHERE p.stream = {key}"
+        f"WHERE p.stream = {key} AND p.incarnation = %s"
     ).encode()
 
 
