@@ -69,7 +69,9 @@ from typing import Any, Generic, NamedTuple, TypeAlias, TypeVar
 import psycopg
 
 from .config import Settings
+from .core.constants import replication_channel
 from .core.incarnation import Guard
+from .core.protocol import KeysCommand, serialize
 from .core.replication import backoff_delay
 from .core.staleness import STALE_AFTER_MS
 from .core.timestamps import TimestampMode
@@ -103,6 +105,7 @@ from .store.registry import (
 )
 from .store.retention import PRUNE_BATCH, PruneResult, prune
 from .store.writer_core import WriterCore
+from .transport.connections import publish_now
 from .transport.link import AsyncRedisLink, RedisLink
 from .writer import AsyncWriter, Writer
 
@@ -292,6 +295,12 @@ def _plan_replication_keys() -> _Plan[list[dict[str, object]]]:
 
 def _plan_rotate_replication_keys() -> _Plan[int]:
     return _once(rotate_keys())
+
+
+def _announce_keys(redis_url: str, prefix: str, key_id: int) -> None:
+    """``KEYS <key_id>`` on the replication channel, before the rotation returns: readers and
+    provers that hear it read the keys again at once (a retired key stops verifying)."""
+    publish_now(redis_url, replication_channel(prefix), serialize(KeysCommand(key_id)))
 
 
 def _plan_set_retention(stream: str, retention_ms: int | None) -> _Plan[StreamInfo]:
@@ -576,10 +585,15 @@ class Client(_ClientBase[psycopg.Connection[Any]]):
         return self._drive(_plan_replication_keys())
 
     def rotate_replication_keys(self) -> int:
-        """Add a replication key and retire every other one (after a leak, or a database
-        restore: see `streams.core.signing`); returns the new key's id. Readers and provers
-        pick it up within `streams.core.signing.KEY_REFRESH` seconds."""
-        return self._drive(_plan_rotate_replication_keys())
+        """Add a replication key and retire every other one (after a seed may have leaked:
+        see `streams.core.signing`); returns the new key's id. With Redis, a ``KEYS`` line
+        then tells every reader and prover to read the keys again at once (the others pick it
+        up within `streams.core.signing.KEY_REFRESH` seconds). Needs the right to write the
+        key tables (the owner's, or the prover role's)."""
+        new = self._drive(_plan_rotate_replication_keys())
+        if self.settings.redis_url is not None:
+            _announce_keys(self.settings.redis_url, self.settings.prefix, new)
+        return new
 
     def set_retention(self, stream: str, retention_ms: int | None) -> StreamInfo:
         """Keep the facts of ``stream`` for ``retention_ms`` (None: forever); see `prune`."""
@@ -773,7 +787,12 @@ class AsyncClient(_ClientBase[psycopg.AsyncConnection[Any]]):
 
     async def rotate_replication_keys(self) -> int:
         """See `Client.rotate_replication_keys`."""
-        return await self._drive(_plan_rotate_replication_keys())
+        new = await self._drive(_plan_rotate_replication_keys())
+        if self.settings.redis_url is not None:
+            await asyncio.to_thread(
+                _announce_keys, self.settings.redis_url, self.settings.prefix, new
+            )
+        return new
 
     async def set_retention(self, stream: str, retention_ms: int | None) -> StreamInfo:
         """See `Client.set_retention`."""

@@ -16,6 +16,15 @@ for `PROVER_ALIVE_WINDOW`) gets an election every `ELECTION_INTERVAL`: the servi
 tries to take the stream's election lock; the process that holds it is the stream's prover
 until it exits or its connection drops (``kill -9``: at once). A process that proves nothing
 keeps no connection open for it, so a reader process holds one PostgreSQL connection, not two.
+Only a process whose database role may read the private signing seeds
+(``streams_prover.signing_keys``: the prover role) stands for election; one that may not says
+so once (INFO) and only follows.
+
+The prover signs with the newest live key (`streams.store.keys.signing_key`), read again every
+`KEY_REFRESH` and at once when a ``KEYS`` line says the keys changed. A key made in another
+database incarnation (the database was restored, or this is a promoted standby) is never
+used: the prover makes a new one first (`streams.store.keys.renew_keys`, which retires the
+others) and announces it with ``KEYS``, so no line signed in another history verifies again.
 
 The prover hears the writers' hints of the streams it proves (their data channels) and proves
 when one names a token beyond what it last proved, and at least every `REFRESH_INTERVAL`
@@ -53,15 +62,22 @@ import psycopg
 from .config import scrub_secrets, url_passwords
 from .core.constants import PROOF_INSTANCE_PREFIX, STALE_AFTER, proof_channel
 from .core.incarnation import Guard
-from .core.protocol import Command, PositionCommand, ProtocolError, RdataCommand, serialize
-from .core.replication import Hint, is_proof_hint
-from .core.signing import KEY_REFRESH, MAX_SIGNED_ROWS, sign_range, split_for_signing
+from .core.protocol import (
+    Command,
+    KeysCommand,
+    PositionCommand,
+    ProtocolError,
+    RdataCommand,
+    serialize,
+)
+from .core.replication import Hint, is_keys_hint, is_proof_hint
+from .core.signing import KEY_REFRESH, MAX_SIGNED_ROWS, SigningKey, sign_range, split_for_signing
 from .core.stalls import HeldStreams
 from .errors import ConnectionLost, StoreError
 from .store import sessions
 from .store.driver import Row, run
 from .store.identity import verify
-from .store.keys import live_keys, newest
+from .store.keys import may_sign, renew_keys, signing_key
 from .store.leases import retire_where_held
 from .store.probe import (
     PROVER_SESSION_SETUP,
@@ -146,9 +162,13 @@ class ProofService:
         self._gap, self._counted_at = MIN_PROOF_GAP, -FOLLOWER_COUNT_INTERVAL
         self.proofs = 0  # probes run as prober (for tests and metrics)
         self.signed = 0  # signed ranges published
-        self._key: tuple[int, bytes] | None = None
+        self._key: SigningKey | None = None
         self._keys_at = -KEY_REFRESH
         self._warned_keys = False
+        # Whether this process's role may read the private seeds (None: not asked yet on
+        # this connection); a process that may not never stands for election.
+        self._may_sign: bool | None = None
+        self._said_cannot_sign = False
         self._stalls = HeldStreams()
 
     def __repr__(self) -> str:
@@ -184,6 +204,10 @@ class ProofService:
 
     # LinkListener
     def on_hint(self, hint: Hint) -> None:
+        if is_keys_hint(hint):  # the keys changed: read them before the next signature
+            with self._cond:
+                self._keys_at = -KEY_REFRESH
+            return
         if is_proof_hint(hint):
             # Another process proves this stream (or a Redis client says so: then nobody here
             # holds elections for it and readers fall back to probing themselves once the
@@ -224,6 +248,7 @@ class ProofService:
             try:
                 if conn is None or conn.closed:
                     conn = self._connect()
+                    self._may_sign = None
                     self._hold(set())  # a new session holds no lock
                 self._work(conn, *work)
                 if not self._held:
@@ -362,6 +387,8 @@ class ProofService:
             with self._cond:
                 for name in resign:
                     self._proven.pop(name, None)
+        if candidates and not self._stands(conn):
+            candidates = set()
         if candidates:
             infos = self._info_of(conn, candidates)
             won = run(conn, try_become_prover(infos))
@@ -374,29 +401,72 @@ class ProofService:
                 if ended:
                     log.warning("ended the stalled prover of %s", ", ".join(ended))
 
+    def _stands(self, conn: psycopg.Connection[Any]) -> bool:
+        """Whether this process stands for election: only if its role may read the private
+        seeds (`streams.store.keys.may_sign`). Otherwise it says so once and proves nothing;
+        its readers follow another process's proofs, or probe for themselves."""
+        if self._may_sign is None:
+            self._may_sign = run(conn, may_sign())
+        if not self._may_sign and not self._said_cannot_sign:
+            self._said_cannot_sign = True
+            log.info(
+                "%s does not stand for election as a prover: its database role may not read "
+                "streams_prover.signing_keys (grant it the prover role to prove for others)",
+                self.instance,
+            )
+        return self._may_sign
+
+    def _token(self) -> str | None:
+        expected = self.guard.expected
+        return None if expected is None else expected.token
+
+    def _signing_key(self, conn: psycopg.Connection[Any]) -> SigningKey | None:
+        """The key to sign with: the newest live one, if it was made in this process's
+        database incarnation; else a new one (`renew_keys`: after a restore or a failover
+        the old keys must verify nowhere), announced with ``KEYS``. None: sign nothing."""
+        token = self._token()
+        try:
+            key = run(conn, signing_key())
+            if key is not None and key.incarnation == token:
+                return key
+            if token is None or not run(conn, may_sign()):
+                return None
+            # Its own transaction (this session is in autocommit), on this process's history.
+            with sessions.connect(
+                self._url, autocommit=False, connect_timeout=10, purpose="prover keys"
+            ) as keys_conn:
+                run(keys_conn, verify(self.guard, "the prover renewing keys"))
+                new = run(keys_conn, renew_keys(token))
+            log.info("replication key %d made for database incarnation %s", new, token)
+            self._link.publish([KeysCommand(new)])
+            key = run(conn, signing_key())
+        except ConnectionLost:
+            raise
+        except StoreError as exc:  # a role that may not read or make keys: prove unsigned
+            if not self._warned_keys:
+                log.warning("cannot read or renew the replication keys (%s): proofs unsigned", exc)
+            self._warned_keys = True
+            return None
+        return key if key is not None and key.incarnation == token else None
+
     def _prove(self, conn: psycopg.Connection[Any], names: set[str], refresh: bool) -> None:
         """Prove ``names``; announce what moved (with ``refresh``, also what did not: other
         processes hear that this one still proves, `PROVER_ALIVE_WINDOW`)."""
         infos = self._info_of(conn, names)
         now = time.monotonic()
-        if now - self._keys_at >= KEY_REFRESH:
-            self._keys_at = now
-            try:
-                self._key = newest(run(conn, live_keys()))
-            except ConnectionLost:
-                raise
-            except StoreError as exc:  # a role that may not read the keys: prove unsigned
-                if not self._warned_keys:
-                    log.warning("cannot read the replication keys (%s): proofs unsigned", exc)
-                self._warned_keys = True
-                self._key = None
+        with self._cond:
+            keys_due = now - self._keys_at >= KEY_REFRESH
+            if keys_due:
+                self._keys_at = now
+        if keys_due:
+            self._key = self._signing_key(conn)
         with self._cond:
             # Rows to sign: after what this process proved last (a stream it just took over
             # is announced without rows: readers are somewhere below, and read PostgreSQL).
             after = {n: self._proven[n] for n in names if n in self._proven}
         if self._key is None:
             after = {}
-        probes, rows = run(conn, prove_with_rows(infos, after, MAX_SIGNED_ROWS + 1))
+        probes, rows = run(conn, prove_with_rows(infos, after, MAX_SIGNED_ROWS + 1, self._token()))
         self.proofs += 1
         # Followers see only proofs: the prover is the reader that notices a stream held back
         # by an expired writer (streams.store.leases, "the liveness argument").
@@ -427,8 +497,7 @@ class ProofService:
         end, count = split_for_signing(rows[:MAX_SIGNED_ROWS], prev, complete, full)
         commands: list[Command] = []
         if end > prev:
-            key_id, secret = self._key
-            row = sign_range(name, self.instance, prev, end, rows[:count], key_id, secret)
+            row = sign_range(name, self.instance, prev, end, rows[:count], self._key)
             signed = RdataCommand(name, self.instance, end, row)
             try:
                 serialize(signed)  # too long for one line (escaped payloads): announce only

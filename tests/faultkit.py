@@ -12,6 +12,7 @@ once and each unknown one at most once.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import os
 import queue
@@ -491,6 +492,12 @@ class RestartableRedis:
 # ------------------------------------------------------------- forged and replayed lines
 
 
+def _flip_base64(text: str) -> str:
+    """The base64 of ``text``'s bytes with the first one altered (a sealed payload changed)."""
+    data = base64.b64decode(text)
+    return base64.b64encode(bytes([data[0] ^ 1]) + data[1:]).decode() if data else "AA=="
+
+
 class Attacker(threading.Thread):
     """Hears every proof channel of the prefix and publishes every attack on the lines
     (`tests/faults/test_signed_ranges.py`).
@@ -590,13 +597,13 @@ class Attacker(threading.Thread):
             "duplicate": cmd,
             "other-stream": RdataCommand(other, inst, token, row),
             "truncate": RdataCommand(stream, inst, token, {**row, "proof": {
-                **proof, "rows": proof["rows"][:-1]}}),
+                **proof, "sealed": proof["sealed"][:-8]}}),
             "alter": RdataCommand(stream, inst, token, {**row, "proof": {
-                **proof, "rows": [[r[0], r[1], r[2], r[3], '{"forged": true}']
-                                  for r in proof["rows"]]}}),
+                **proof, "sealed": _flip_base64(proof["sealed"])}}),
             "stretch": RdataCommand(stream, inst, token + 1000, row),
-            "forge": RdataCommand(stream, "_proof:evil", token + 1, {"mac": "ab" * 32, "proof": {
-                "key": proof["key"], "after": token, "rows": [[token + 1, 0, "w", 1, "1"]]}}),
+            "forge": RdataCommand(stream, "_proof:evil", token + 1, {
+                "sig": base64.b64encode(bytes(64)).decode(), "proof": {
+                    **proof, "after": token}}),
             "beyond-truth": f"POSITION {stream} _proof:evil 0 999999999".encode(),
         }  # fmt: skip
         what = rng.choice(sorted(attacks))

@@ -143,10 +143,15 @@ def _reader_session(url: str) -> psycopg.Connection[Any]:
     return conn
 
 
+#: The incarnation the bench's proof record is written and read under (followers read only a
+#: record of their own).
+_BENCH_INCARNATION = "bench"
+
+
 def _follow(info: StreamInfo) -> Gen[list[Row]]:
     """A caught-up follower's look at ``info``, as `streams.reader` pipelines it."""
     rows, _pruned = yield Pipeline(
-        [fetch_rows_after_proof(info, 2**62, 100), retention_query([info])]
+        [fetch_rows_after_proof(info, 2**62, 100, _BENCH_INCARNATION), retention_query([info])]
     )
     yield Commit()
     return list(rows)
@@ -302,7 +307,7 @@ def _measure_all(
         with _reader_session(url) as prover:  # the proof record a follower reads
             for statement in PROVER_SESSION_SETUP:
                 prover.execute(statement)
-            run(prover, prove(infos[:1]))
+            run(prover, prove(infos[:1], _BENCH_INCARNATION))
 
         def measure(name: str, requested: int, held: int, note: str = "") -> None:
             select1, probes, follow = _measure(conn, sets, iterations)

@@ -20,6 +20,10 @@ Redis
 * ``<prefix>`` keeps the control traffic: ``REPLICATE`` and its answers, what each link
   announces when it (re)connects, and whatever a foreign deployment says there
   (`streams.core.replication`).
+* ``KEYS <id>`` on ``<prefix>``: the replication keys changed (``streams keys rotate``; `id` is
+  the newest key): every reader and prover reads the key table again at once, so a retired key
+  stops verifying without waiting for `streams.core.signing.KEY_REFRESH`. Only a hint: a forged
+  one costs a read of the key table (at most one a second per reader).
 * ``<prefix>/<instance>``: messages meant for one instance only. Every process subscribes to the
   channel of each of its instance names; nothing in `streams` needs to send there yet, but tools
   (and Synapse-style workers) may.
@@ -44,6 +48,9 @@ ours are spelled out here:
 * ``(PROOF_LOCK, <stream id>)``, session-scoped, exclusive: held by the one process that proves
   a stream's complete position for every reader (see `streams.proofs`). A collision could only
   make the processes of a deployment stop electing a prober; readers then probe themselves.
+* ``(KEY_ROTATION_LOCK, 0)``, transaction-scoped, exclusive: serialises the rotations of the
+  replication keys (`streams.store.keys`), so that two provers renewing the key of a new
+  database incarnation at once make one key, not two that retire each other.
 
 PostgreSQL tables
 -----------------
@@ -63,6 +70,8 @@ from __future__ import annotations
 from typing import Final
 
 __all__ = [
+    "KEYS_INSTANCE",
+    "KEY_ROTATION_LOCK",
     "PROOF_GRACE",
     "PROOF_INSTANCE_PREFIX",
     "PROOF_LOCK",
@@ -89,6 +98,13 @@ PROOF_LOCK: Final = 7315
 #: || instance)`` (int4), so the sessions of a writer whose lease expired can be found in
 #: ``pg_locks`` and ended (`streams.store.leases.end_expired_sessions`), whatever they are doing.
 WRITER_LOCK: Final = 7316
+
+#: First key of the lock that serialises key rotations (transaction-scoped).
+KEY_ROTATION_LOCK: Final = 7317
+
+#: The instance name of the hint a ``KEYS`` line becomes (`streams.core.replication`): no
+#: writer's (writer names start with a letter or digit) nor a prober's.
+KEYS_INSTANCE: Final = "_keys"
 
 #: Instance names of the lines that announce a shared proof (never a writer's: see above).
 PROOF_INSTANCE_PREFIX: Final = "_proof:"

@@ -11,7 +11,8 @@ encryption) is one change:
 * readers of pages and of signed ranges: `decode_payloads` (a page's column at once) and
   `decode_payload` (one value; also psycopg's ``jsonb`` loader on reader sessions,
   `streams.store.sessions.use_payload_decoder`);
-* the prober and the readers that check it: `signed_text` (the bytes of a proof a MAC covers).
+* the prober and the readers of signed ranges: the rows a range seals carry the payload text
+  as read (`streams.core.signing`), decoded by `decode_payloads` like a page.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import orjson
 
 from ..errors import PayloadNotSerializable, PayloadTooLarge
 
-__all__ = ["decode_payload", "decode_payloads", "encode_payload", "signed_text"]
+__all__ = ["decode_payload", "decode_payloads", "encode_payload"]
 
 # One encoder for every payload: json.dumps with options builds a new encoder per call.
 _ENCODER: Final = json.JSONEncoder(separators=(",", ":"), allow_nan=False, ensure_ascii=False)
@@ -71,10 +72,3 @@ def decode_payloads(texts: list[Any]) -> list[Any]:
         return list(map(orjson.loads, texts))
     except (orjson.JSONDecodeError, TypeError):
         return [None if text is None else decode_payload(text) for text in texts]
-
-
-def signed_text(proof: Any) -> bytes:
-    """The text of a signed range's ``proof`` object as its MAC covers it: orjson's, which the
-    prober and every reader compute from the same parsed values (strings and integers
-    round-trip exactly; raises ``orjson.JSONEncodeError`` for what JSON cannot say)."""
-    return orjson.dumps(proof)

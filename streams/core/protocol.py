@@ -16,7 +16,9 @@ Terms, in the order they build on each other:
   (`SYNAPSE_ONLY_COMMANDS`: ``LOCK_RELEASED``, ``USER_SYNC``, ``USER_IP``, ...) parses to one
   class, `ForeignCommand`, which keeps the argument string verbatim after checking its shape as
   Synapse would (field counts, integers, JSON). Constructing a command validates it, so every
-  command object that exists can be serialized, and ``parse(serialize(cmd)) == cmd``.
+  command object that exists can be serialized, and ``parse(serialize(cmd)) == cmd``. One
+  command is `streams`' own, not Synapse's: ``KEYS <key_id>`` (`KeysCommand`: the replication
+  keys changed), published only on a `streams` deployment's control channel.
 * A **name** (a stream, instance or server name) is non-empty printable text without spaces. It
   must not contain spaces because the argument string is split on single spaces.
 * A **text** (``PING`` data, ``ERROR`` message) is the whole rest of the line, so it may contain
@@ -58,6 +60,7 @@ __all__ = [
     "ErrorCommand",
     "ForeignCommand",
     "JsonValue",
+    "KeysCommand",
     "NameCommand",
     "PingCommand",
     "PositionCommand",
@@ -200,6 +203,19 @@ class RdataCommand:
         _check_name(self.instance_name, "instance name")
         if self.token is not None:
             _check_token(self.token, "token")
+
+
+@dataclass(frozen=True, slots=True)
+class KeysCommand:
+    """``KEYS <key_id>``: the replication keys changed (``streams keys rotate``); ``key_id`` is
+    the newest live key. `streams` only: every reader and prover reads the key table again
+    (`streams.core.signing`, "retired keys"). Only a hint: the key table is the truth."""
+
+    NAME: ClassVar[str] = "KEYS"
+    key_id: int
+
+    def __post_init__(self) -> None:
+        _check_token(self.key_id, "key id")
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,6 +376,7 @@ TypedCommand: TypeAlias = (
     ReplicateCommand
     | PositionCommand
     | RdataCommand
+    | KeysCommand
     | PingCommand
     | ErrorCommand
     | ServerCommand
@@ -373,6 +390,7 @@ COMMANDS: Final[Mapping[str, type[TypedCommand]]] = MappingProxyType(
         ReplicateCommand.NAME: ReplicateCommand,
         PositionCommand.NAME: PositionCommand,
         RdataCommand.NAME: RdataCommand,
+        KeysCommand.NAME: KeysCommand,
         PingCommand.NAME: PingCommand,
         ErrorCommand.NAME: ErrorCommand,
         ServerCommand.NAME: ServerCommand,
@@ -466,11 +484,16 @@ def _parse_rdata(args: str) -> RdataCommand:
     return RdataCommand(stream, instance, parsed_token, row)
 
 
+def _parse_keys(args: str) -> KeysCommand:
+    return KeysCommand(_parse_token(args, "key id"))
+
+
 _PARSERS: Final[Mapping[str, Callable[[str], Command]]] = MappingProxyType(
     {
         ReplicateCommand.NAME: _parse_replicate,
         PositionCommand.NAME: _parse_position,
         RdataCommand.NAME: _parse_rdata,
+        KeysCommand.NAME: _parse_keys,
         PingCommand.NAME: PingCommand,
         ErrorCommand.NAME: ErrorCommand,
         ServerCommand.NAME: ServerCommand,
@@ -554,6 +577,8 @@ def serialize(cmd: Command) -> bytes:
             line = (
                 f"{cmd.NAME} {cmd.stream_name} {cmd.instance_name} {token} {_encode_row(cmd.row)}"
             )
+        case KeysCommand():
+            line = f"{cmd.NAME} {int(cmd.key_id)}"
         case PingCommand():
             line = f"{cmd.NAME} {cmd.data}"
         case ErrorCommand():

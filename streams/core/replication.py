@@ -68,6 +68,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal, TypeVar
 
 from .constants import (
+    KEYS_INSTANCE,
     PROOF_INSTANCE_PREFIX,
     data_channel,
     instance_channel,
@@ -79,6 +80,7 @@ from .protocol import (
     Command,
     ErrorCommand,
     ForeignCommand,
+    KeysCommand,
     PositionCommand,
     ProtocolError,
     RdataCommand,
@@ -96,6 +98,8 @@ __all__ = [
     "LinkStats",
     "backoff_delay",
     "foreign_verdict",
+    "is_keys_hint",
+    "is_proof_hint",
 ]
 
 log = logging.getLogger("streams.replication")
@@ -198,7 +202,8 @@ class Hint:
     """Something on the channel says ``stream`` may have moved up to ``token``.
 
     ``proof``: for a prober's ``RDATA`` line, its row JSON as parsed (a signed range, not yet
-    verified: `streams.core.signing`); None for every other line.
+    verified: `streams.core.signing`); None for every other line. A ``KEYS`` line becomes a
+    hint of no stream (`is_keys_hint`: ``stream`` empty, ``token`` the newest key's id).
     """
 
     stream: str
@@ -575,6 +580,9 @@ class LinkCore:
                     return [], []
                 self.stats.hints += 1
                 return [_hint_of(cmd, token)], []
+            case KeysCommand():
+                self.stats.hints += 1
+                return [_keys_hint(cmd)], []
             case ForeignCommand():
                 self.stats.foreign += 1
                 by_name = self.stats.foreign_by_name
@@ -662,6 +670,8 @@ class LinkCore:
                 hints.append(Hint(cmd.stream_name, cmd.new_token, cmd.instance_name))
             elif isinstance(cmd, RdataCommand) and cmd.token is not None:
                 hints.append(_hint_of(cmd, cmd.token))
+            elif isinstance(cmd, KeysCommand):
+                hints.append(_keys_hint(cmd))
         return hints
 
 
@@ -669,6 +679,16 @@ def _hint_of(cmd: PositionCommand | RdataCommand, token: int) -> Hint:
     if isinstance(cmd, RdataCommand) and cmd.instance_name.startswith(PROOF_INSTANCE_PREFIX):
         return Hint(cmd.stream_name, token, cmd.instance_name, cmd.row)
     return Hint(cmd.stream_name, token, cmd.instance_name)
+
+
+def _keys_hint(cmd: KeysCommand) -> Hint:
+    return Hint("", cmd.key_id, KEYS_INSTANCE)
+
+
+def is_keys_hint(hint: Hint) -> bool:
+    """Is this hint a ``KEYS`` line (the replication keys changed: read them again), not a
+    stream's? Its ``token`` is the newest key's id, its ``stream`` empty."""
+    return hint.instance == KEYS_INSTANCE
 
 
 def is_proof_hint(hint: Hint) -> bool:

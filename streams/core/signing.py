@@ -4,95 +4,217 @@ Terms. A *range* of a stream is ``(after, through]``: every fact with ``after < 
 through``. A *proven range* is one whose every ID has completed (committed or rolled back) as
 PostgreSQL proved it (`streams.store.probe`), read whole by the prober in the snapshot that
 followed its probe. A *signed range* is the line the elected prober publishes for it on the
-stream's data channel::
+stream's proof channel::
 
-    RDATA <stream> _proof:<prober> <through> {"mac":"<hex>","proof":{"key":K,"after":A,"rows":R}}
+    RDATA <stream> _proof:<prober> <through> {"sig":S,"proof":{"key":K,"after":A,
+                                                             "nonce":N,"sealed":C}}
 
-``R`` is every row of the range as PostgreSQL returned it, ``[stream_id, row_no, instance,
-ts, payload_text]`` in (ID, row) order, ``payload_text`` the ``jsonb`` column's text (decoded
-by the reader exactly as a row read from PostgreSQL). ``mac`` is HMAC-SHA256, under key ``K`` of
-``streams_keys`` (a table only database users can read), of `signed_message`: the format tag,
-the stream, the instance, the token and the ``proof`` object serialized by orjson (which both
-sides compute from the same parsed values: strings and integers round-trip exactly).
+(one line on the wire)
+
+A *key* (`streams.store.keys`) is an Ed25519 key pair plus a 32-byte *cipher key*, made in one
+database *incarnation* (`streams.core.incarnation`: which history of which database). Its
+private seed is in ``streams_prover.signing_keys``, which only the prover role may read; its
+public key, cipher key and incarnation are in ``streams_keys``, which readers read
+(`PublicKeys`). The line's fields:
+
+* ``C`` (base64): the range's rows sealed with ChaCha20-Poly1305 under key ``K``'s cipher key,
+  nonce ``N`` (12 random bytes, base64), associated data the line's *header* (`_header`: the
+  stream, the instance, the token ``through``, the incarnation, ``K`` and ``A``). The plain text
+  is every row of the range as PostgreSQL returned it, ``[stream_id, row_no, instance, ts,
+  payload_text]`` in (ID, row) order, as one JSON array (``payload_text`` the ``jsonb``
+  column's text, decoded by the reader exactly as a row read from PostgreSQL).
+* ``S`` (base64): the Ed25519 signature, under key ``K``'s private key, of the format tag, the
+  header, ``N`` and ``C``.
+
+So Redis, and anyone who reads it without a database role, sees the stream's name, the
+prober's name, IDs (``A``, ``through``), the key's number, the sizes of the sealed rows, and
+nothing of the payloads, writers or timestamps.
+
+Encrypt, then sign
+------------------
+The signature covers the ciphertext, not the plain text. A reader checks it first, and opens
+(decrypts) only what the prover signed: a forged or altered line costs one signature check
+and is never decrypted or parsed. The order is also what the two keys can vouch for: every
+reader holds the cipher key (it must, to read), so a valid seal proves nothing about *who*
+sealed; the signature, which only the prover can make, is what proves authorship, and it must
+cover exactly the bytes readers will open. (Signing the plain text and sealing both would let
+any reader re-seal a genuine signed plain text under a header of its choosing unless the header
+were signed again inside: the same thing, with the check after the decryption.) Ed25519 is
+deterministic and its signature reveals nothing of the plain text, as the ciphertext does not.
+The header is both signed and the seal's associated data, so neither can be moved to another
+stream, range, key or incarnation. ChaCha20-Poly1305 does not commit to its key, which does not
+matter here: the key is named by the signed ``K`` and read from the database, never chosen by
+the line.
 
 The trust argument
 ==================
 
-Claim: whatever a party with access to Redis alone publishes, a reader delivers only facts of
-its streams that PostgreSQL proved committed, each whole, each once, in ID order, and no fact
-is skipped. Such a party can make a reader slower, nothing more.
+Claim: whatever a party with Redis and any database role *but the prover's* publishes, a reader
+delivers only facts of its streams that PostgreSQL proved committed, in the database history
+the reader is in, each whole, each once, in ID order, and no fact is skipped. Such a party can
+make a reader slower, nothing more.
 
-1. *Only the prober can sign.* Producing a valid ``mac`` for a new message needs the key;
-   HMAC-SHA256 is unforgeable without it. The keys are in PostgreSQL, not in Redis, so a
-   Redis-only party can only forge (rejected), alter a signed line (rejected: the stream, the
-   instance, the token and every byte of every row are signed), or *replay* a line a prober
-   signed.
-2. *Every signed line is true for ever.* The prober signs ``(after, through]`` only with the
-   rows it read after proving ``through`` complete (the store's proof: the same probe that
-   readers run themselves, `streams.store.probe`), and only if retention had removed none of
-   them (checked after the read, as every read does), so the rows are exactly the facts of the
-   range. Facts are immutable and IDs never reused, so a replayed line, however old, still
-   says the truth about its range. The stream, instance and token are signed, so a line
-   cannot be moved to another stream or another range.
-3. *A reader applies a range only where it fits.* A reader at position ``p`` (every fact ``<=
+1. *Only a role that can read ``streams_prover.signing_keys`` can sign.* A valid signature for
+   a new message needs the private key (Ed25519 is unforgeable without it). Readers hold only
+   public keys (and the cipher key, which lets them read but not sign). The seeds are in their
+   own schema, which ``GRANT ... ON ALL TABLES IN SCHEMA public`` and default privileges on
+   ``public`` do not reach, made by the server and never sent as a parameter. Processes that
+   cannot read them never stand for election (`streams.proofs`). So every other party can only
+   forge (rejected), alter a signed line (rejected: the header and every byte of the sealed
+   rows are signed), or *replay* a line a prover signed.
+2. *Every signed line is true for ever, in its history.* The prober signs ``(after, through]``
+   only with the rows it read after proving ``through`` complete (the store's proof: the same
+   probe that readers run themselves, `streams.store.probe`), and only if retention had removed
+   none of them (checked after the read, as every read does), so the rows are exactly the
+   facts of the range. Facts are immutable and IDs never reused *within one history*, so a
+   replayed line, however old, still says the truth about its range there. The stream,
+   instance and token are signed, so a line cannot be moved to another stream or range.
+3. *Another history never verifies.* A restore, a failover to an asynchronous standby, or a
+   recreated database may lack facts that signed lines describe, and reissue their IDs. The
+   signed header names the incarnation the prover was in, and a reader verifies with its own
+   (``"other-history"`` before any signature check if the key was made in another one); a
+   reader accepts only keys made in its own incarnation, and a prover that finds its newest key
+   made in another one makes a new key before signing (`streams.store.keys.renew_keys`). So a
+   line signed before a restore or a failover verifies for no reader after it.
+4. *A reader applies a range only where it fits.* A reader at position ``p`` (every fact ``<=
    p`` delivered, none after) applies a verified range only if ``after <= p < through``, and
    then delivers exactly the facts with ``p < ID <= through``, whole (a fact's rows share its
    ID, and the range holds all of them), then moves to ``through``. Nothing below ``p`` is
    delivered again; nothing in ``(p, through]`` is missing, by 2. A range that does not fit
    (a gap: lines dropped, truncated, reordered, or never sent) is not applied; the reader reads
    PostgreSQL as it did before signed ranges, which is correct on its own.
-4. *Retired keys.* ``streams keys rotate`` adds a key and retires the others. Readers drop
-   retired keys when they next read the key table (at most `KEY_REFRESH` seconds later, and
-   whenever a line names a key they do not know); from then on lines signed with a retired key
-   are rejected like forgeries. So rotating after a key leaked bounds how long the leaked key
-   is accepted. (Per 2, a line genuinely signed with a retired key is still true; retirement
-   matters only if the key leaked.)
-5. *Proofs beyond the truth.* A Redis-only party cannot sign a claim that a range is complete
+5. *Retired keys.* ``streams keys rotate`` adds a key and retires the others, and announces it
+   with ``KEYS`` on the replication channel: every reader that hears it stops verifying at
+   once (lines wait until it has read the key table again, and a range verified under a key
+   that is no longer live is not applied). Readers that did not hear it drop retired keys when
+   they next read the table (at most `KEY_REFRESH` seconds later). (Per 2, a line genuinely
+   signed with a retired key is still true; retirement matters only if a seed leaked.)
+6. *Proofs beyond the truth.* Nobody but the prover can sign a claim that a range is complete
    (1.), and unsigned ``POSITION`` lines, forged or not, are only hints: a reader that follows
    one reads PostgreSQL, which proves completeness itself.
 
-What is *not* covered: a database restored to an earlier state re-issues IDs; lines signed
-before the restore describe facts the restored database no longer has. Rotate the keys after a
-restore (``streams keys rotate``), which makes every earlier line unverifiable.
+What is *not* covered: a role that can read ``streams_prover.signing_keys`` (the prover role,
+the owner, a superuser) can sign anything; treat those credentials as the database's own.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
+import base64
+import binascii
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 import orjson
+from cryptography.exceptions import InvalidSignature, InvalidTag
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from .epochs import Row
-from .payloads import signed_text
 
 __all__ = [
     "KEY_REFRESH",
     "MAX_SIGNED_BYTES",
     "MAX_SIGNED_ROWS",
+    "NONCE_BYTES",
+    "PublicKeys",
     "Rejected",
     "SignedRange",
+    "SigningKey",
+    "public_key_of",
     "sign_range",
-    "signed_message",
     "split_for_signing",
     "verify_range",
 ]
 
-#: Seconds between two reads of the key table by a reader or prover (retirement takes effect
-#: within this long).
+#: Seconds between two reads of the key table by a reader or prover that hears no ``KEYS``
+#: line (retirement takes effect within this long for those).
 KEY_REFRESH: Final = 30.0
 #: Most rows the prober puts in one signed line; a longer range is signed in part (the rest is
 #: read from PostgreSQL by the readers that need it).
 MAX_SIGNED_ROWS: Final = 2000
-#: Most bytes of payload text in one signed line (lines stay well below the protocol's 1 MiB).
+#: Most bytes of payload text in one signed line (lines stay well below the protocol's 1 MiB,
+#: base64 and escapes included).
 MAX_SIGNED_BYTES: Final = 256 * 1024
+#: The seal's nonce: random per line (2**32 lines under one key keep the chance of a repeated
+#: nonce below 2**-32; keys rotate long before).
+NONCE_BYTES: Final = 12
 
-_FORMAT: Final = b"streams-signed-range-v1"
+_FORMAT: Final = b"streams-signed-range-v2"
+_SEAL: Final = b"streams-sealed-rows-v2"
+_PROOF_FIELDS: Final = frozenset({"key", "after", "nonce", "sealed"})
+_LINE_FIELDS: Final = frozenset({"sig", "proof"})
 
-Rejected = Literal["malformed", "unknown-key", "bad-mac", "inconsistent"]
+Rejected = Literal[
+    "malformed", "unknown-key", "other-history", "bad-signature", "undecryptable", "inconsistent"
+]
+
+
+def public_key_of(seed: bytes) -> bytes:
+    """The raw Ed25519 public key (32 bytes) of a private key's 32-byte seed."""
+    return (
+        Ed25519PrivateKey.from_private_bytes(seed)
+        .public_key()
+        .public_bytes(Encoding.Raw, PublicFormat.Raw)
+    )
+
+
+class PublicKeys:
+    """What a reader holds of one key: verify its signatures, open its seals."""
+
+    __slots__ = ("_cipher", "_verifier", "cipher_key", "incarnation", "key_id", "public_key")
+
+    def __init__(
+        self, key_id: int, public_key: bytes, cipher_key: bytes, incarnation: str | None
+    ) -> None:
+        self.key_id = key_id
+        self.public_key = public_key
+        self.cipher_key = cipher_key
+        #: The database incarnation the key was made in (None: unknown, verifies nowhere).
+        self.incarnation = incarnation
+        self._verifier = Ed25519PublicKey.from_public_bytes(public_key)
+        self._cipher = ChaCha20Poly1305(cipher_key)
+
+    def __repr__(self) -> str:
+        return f"<PublicKeys {self.key_id} of {self.incarnation}>"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PublicKeys):
+            return NotImplemented
+        return (self.key_id, self.public_key, self.cipher_key, self.incarnation) == (
+            other.key_id,
+            other.public_key,
+            other.cipher_key,
+            other.incarnation,
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.key_id, self.public_key))
+
+
+class SigningKey:
+    """What the prover holds of the key it signs with (never printed: no seed in a repr)."""
+
+    __slots__ = ("_cipher", "_private", "cipher_key", "incarnation", "key_id", "public_key")
+
+    def __init__(
+        self, key_id: int, seed: bytes, cipher_key: bytes, incarnation: str | None
+    ) -> None:
+        self.key_id = key_id
+        self.incarnation = incarnation
+        self.cipher_key = cipher_key
+        self._private = Ed25519PrivateKey.from_private_bytes(seed)
+        self.public_key = self._private.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+        self._cipher = ChaCha20Poly1305(cipher_key)
+
+    def __repr__(self) -> str:
+        return f"<SigningKey {self.key_id} of {self.incarnation}>"
+
+    def public(self) -> PublicKeys:
+        """The reader's half of this key."""
+        return PublicKeys(self.key_id, self.public_key, self.cipher_key, self.incarnation)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,10 +228,22 @@ class SignedRange:
     key: int
 
 
-def signed_message(stream: str, instance: str, token: int, proof: Any) -> bytes:
-    """The bytes a range's MAC covers."""
-    head = b"%s %s %s %d " % (_FORMAT, stream.encode(), instance.encode(), token)
-    return head + signed_text(proof)
+def _header(
+    stream: str, instance: str, token: int, incarnation: str, key_id: int, after: int
+) -> bytes:
+    """What both the signature and the seal bind a line to (see the module doc)."""
+    return b" %s %s %d %s %d %d " % (
+        stream.encode(),
+        instance.encode(),
+        token,
+        incarnation.encode(),
+        key_id,
+        after,
+    )
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
 
 
 def sign_range(
@@ -118,13 +252,21 @@ def sign_range(
     after: int,
     through: int,
     rows: Sequence[Row],
-    key_id: int,
-    secret: bytes,
+    key: SigningKey,
+    nonce: bytes | None = None,
 ) -> dict[str, Any]:
-    """The row JSON of the signed line for ``(after, through]`` (``rows``: all of its rows)."""
-    proof = {"key": key_id, "after": after, "rows": [list(r) for r in rows]}
-    mac = hmac.digest(secret, signed_message(stream, instance, through, proof), hashlib.sha256)
-    return {"mac": mac.hex(), "proof": proof}
+    """The row JSON of the signed line for ``(after, through]`` (``rows``: all of its rows),
+    sealed, then signed, under ``key`` in its incarnation. ``nonce``: for tests only."""
+    if key.incarnation is None:
+        raise ValueError("a key without an incarnation signs nothing")
+    nonce = os.urandom(NONCE_BYTES) if nonce is None else nonce
+    header = _header(stream, instance, through, key.incarnation, key.key_id, after)
+    sealed = key._cipher.encrypt(nonce, orjson.dumps(rows), _SEAL + header)
+    signature = key._private.sign(_FORMAT + header + nonce + sealed)
+    return {
+        "sig": _b64(signature),
+        "proof": {"key": key.key_id, "after": after, "nonce": _b64(nonce), "sealed": _b64(sealed)},
+    }
 
 
 def split_for_signing(
@@ -151,36 +293,70 @@ def split_for_signing(
     return through, len(rows)
 
 
-def verify_range(
-    stream: str, instance: str, token: int, row: Any, keys: Mapping[int, bytes]
-) -> SignedRange | Rejected:
-    """Check a signed line's row JSON; the range, or why it is rejected (see the module doc).
+def _int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
-    The MAC is checked first, so nothing of an unsigned line is trusted; the checks after it
-    guard against a prober of another version, never against Redis.
+
+def verify_range(
+    stream: str,
+    instance: str,
+    token: int,
+    row: Any,
+    keys: Mapping[int, PublicKeys],
+    incarnation: str | None,
+) -> SignedRange | Rejected:
+    """Check a signed line's row JSON against the live ``keys`` and the reader's own
+    ``incarnation``; the range, or why it is rejected (see the module doc).
+
+    The signature is checked before anything is decrypted or parsed, so nothing of an unsigned
+    line is trusted; the checks after it guard against a prober of another version, never
+    against Redis.
     """
-    if not isinstance(row, dict) or set(row) != {"mac", "proof"}:
+    if not isinstance(row, dict) or row.keys() != _LINE_FIELDS:
         return "malformed"
-    mac, proof = row["mac"], row["proof"]
-    if not isinstance(mac, str) or len(mac) != 64 or not isinstance(proof, dict):
+    sig, proof = row["sig"], row["proof"]
+    if not isinstance(sig, str) or not isinstance(proof, dict) or proof.keys() != _PROOF_FIELDS:
         return "malformed"
-    key = proof.get("key")
-    if not isinstance(key, int) or isinstance(key, bool):
+    key_id, after, nonce_text, sealed_text = (
+        proof["key"],
+        proof["after"],
+        proof["nonce"],
+        proof["sealed"],
+    )
+    if not (
+        _int(key_id)
+        and _int(after)
+        and isinstance(nonce_text, str)
+        and isinstance(sealed_text, str)
+    ):
         return "malformed"
-    secret = keys.get(key)
-    if secret is None:
+    key = keys.get(key_id)
+    if key is None:
         return "unknown-key"
+    if incarnation is None or key.incarnation != incarnation:
+        return "other-history"
     try:
-        expected = hmac.digest(
-            secret, signed_message(stream, instance, token, proof), hashlib.sha256
-        )
-        given = bytes.fromhex(mac)
-    except (ValueError, TypeError, orjson.JSONEncodeError):
+        signature = base64.b64decode(sig, validate=True)
+        nonce = base64.b64decode(nonce_text, validate=True)
+        sealed = base64.b64decode(sealed_text, validate=True)
+    except (binascii.Error, ValueError):
         return "malformed"
-    if not hmac.compare_digest(expected, given):
-        return "bad-mac"
-    after, rows = proof.get("after"), proof.get("rows")
-    if not isinstance(after, int) or not isinstance(rows, list) or not 0 <= after < token:
+    if len(signature) != 64 or len(nonce) != NONCE_BYTES:
+        return "malformed"
+    header = _header(stream, instance, token, incarnation, key_id, after)
+    try:
+        key._verifier.verify(signature, _FORMAT + header + nonce + sealed)
+    except InvalidSignature:
+        return "bad-signature"
+    try:
+        plain = key._cipher.decrypt(nonce, sealed, _SEAL + header)
+    except InvalidTag:
+        return "undecryptable"
+    try:
+        rows = orjson.loads(plain)
+    except orjson.JSONDecodeError:
+        return "inconsistent"
+    if not isinstance(rows, list) or not 0 <= after < token:
         return "inconsistent"
     checked: list[Row] = []
     last = (after, 2**31)  # rows ascend by (ID, row number), all in (after, token]
@@ -189,10 +365,10 @@ def verify_range(
             return "inconsistent"
         stream_id, row_no, writer, ts, payload = r
         if not (
-            isinstance(stream_id, int)
-            and isinstance(row_no, int)
+            _int(stream_id)
+            and _int(row_no)
             and isinstance(writer, str)
-            and isinstance(ts, int)
+            and _int(ts)
             and (payload is None or isinstance(payload, str))
         ):
             return "inconsistent"
@@ -201,4 +377,4 @@ def verify_range(
             return "inconsistent"
         last = here
         checked.append((stream_id, row_no, writer, ts, payload))
-    return SignedRange(stream, after, token, tuple(checked), key)
+    return SignedRange(stream, after, token, tuple(checked), key_id)

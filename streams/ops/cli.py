@@ -225,10 +225,13 @@ def keys(
     """List the replication keys (never their secrets), or rotate them: add a key and retire
     the others.
 
-    The elected prober signs the facts it publishes on Redis with the newest key; readers
-    deliver them without PostgreSQL only if the signature checks. Rotate after a key may have
-    leaked or after restoring the database from a backup; readers and provers follow within
-    30 s, and until then read PostgreSQL, as they always can.
+    The elected prober signs the facts it publishes on Redis with the newest key's private
+    seed (schema streams_prover, readable by the prover role only) and seals their payloads
+    with its cipher key; readers deliver them without PostgreSQL only if the signature checks
+    under a live key of their database incarnation. Rotate after a seed may have leaked (the
+    server makes the new secrets; rotating needs the right to write the key tables). With
+    Redis, a KEYS line makes readers and provers read the keys again at once; others follow
+    within 30 s. After a restore or a failover the prover makes a new key by itself.
     """
     with _client(database_url, redis_url, prefix) as client:
         if action == "rotate":
@@ -250,7 +253,7 @@ def _iso(value: object) -> str | None:
 def _keys_text(keys: list[dict[str, Any]]) -> Iterator[str]:
     for k in keys:
         state = "live" if k["live"] else f"retired {k['retired_at']}"
-        yield f"key {k['id']}: created {k['created_at']}, {state}"
+        yield f"key {k['id']}: created {k['created_at']}, {state}, incarnation {k['incarnation']}"
 
 
 @ops.command()

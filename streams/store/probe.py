@@ -102,7 +102,10 @@ Nor does a row above the stream's max allocated ID: the same statement reads the
 refuses a ``C`` above it (a prober's ``C`` is at most the ``A[s]`` its statement 1 read, before
 its proof committed, so before the follower's snapshot, and the sequence only grows: an honest
 proof always passes; one above it was written by a role that may write ``streams_proofs``, not
-by a prober). The next proof replaces such a row.
+by a prober). The next proof replaces such a row. The row names the database incarnation the
+prober proved in (`streams.core.incarnation`), and a follower reads only a row of its own
+(`streams.store.rows.fetch_rows_after_proof`): a row restored with the database, or written by
+a primary before a failover, is as good as missing.
 The choice against the alternatives (coalescing probes per process, sharing one probe inside a
 process) is that this one costs O(streams) ``pg_locks`` reads, not O(reader processes), and a
 reader's read becomes a primary-key lookup plus the range scan it needed anyway.
@@ -285,18 +288,24 @@ def probe(infos: Sequence[StreamInfo]) -> Gen[dict[str, Probe]]:
 #: record above the stream's sequence (no prober wrote it: followers refuse it) is replaced,
 #: not kept by ``GREATEST``, so shared proofs work again from the next proof on.
 _RECORD_PROOF_SQL = f"""
-INSERT INTO streams_proofs (stream, complete, proven_at)
-SELECT k.id, current_setting('{COMPLETE_SETTING}' || k.id)::bigint, clock_timestamp()
+INSERT INTO streams_proofs (stream, complete, proven_at, incarnation)
+SELECT k.id, current_setting('{COMPLETE_SETTING}' || k.id)::bigint, clock_timestamp(),
+       %(incarnation)s
 FROM unnest(%(ids)s::int[]) AS k(id)
 ON CONFLICT (stream) DO UPDATE
 SET complete = CASE
-        WHEN streams_proofs.complete > (
+        -- A record of another history (restored with the database, or left by a primary
+        -- before a failover) says nothing about this one, and one above the sequence was not
+        -- written by a prober: both are replaced, not maxed.
+        WHEN streams_proofs.incarnation IS DISTINCT FROM EXCLUDED.incarnation
+          OR streams_proofs.complete > (
             SELECT COALESCE(pg_sequence_last_value(r.sequence_name::regclass), 0)
             FROM streams_registry r WHERE r.id = streams_proofs.stream)
         THEN EXCLUDED.complete
         ELSE GREATEST(streams_proofs.complete, EXCLUDED.complete)
     END,
-    proven_at = EXCLUDED.proven_at
+    proven_at = EXCLUDED.proven_at,
+    incarnation = EXCLUDED.incarnation
 RETURNING stream
 """
 
@@ -307,18 +316,22 @@ RETURNING stream
 PROVER_SESSION_SETUP = ("SET synchronous_commit = off",)
 
 
-def record_proof_query(infos: Sequence[StreamInfo]) -> Query:
+def record_proof_query(infos: Sequence[StreamInfo], incarnation: str | None = None) -> Query:
     """The statement that records in ``streams_proofs`` what the probe before it in the same
-    session proved for each of ``infos`` (forward-only; see "shared proofs")."""
-    return Query(_RECORD_PROOF_SQL, {"ids": [info.id for info in infos]})
+    session proved for each of ``infos`` (forward-only within one database ``incarnation``,
+    the prover's token, which followers compare with theirs; see "shared proofs")."""
+    return Query(
+        _RECORD_PROOF_SQL, {"ids": [info.id for info in infos], "incarnation": incarnation}
+    )
 
 
-def prove(infos: Sequence[StreamInfo]) -> Gen[dict[str, Probe]]:
+def prove(infos: Sequence[StreamInfo], incarnation: str | None = None) -> Gen[dict[str, Probe]]:
     """`probe` every stream in ``infos`` and record the result in ``streams_proofs`` for the
-    readers of other processes, in one round trip (see "shared proofs"). The prober reads the
-    rows it signs in the same round trip: `streams.store.reads.prove_with_rows`."""
+    readers of other processes (under ``incarnation``: a record without one is followed by
+    nobody), in one round trip (see "shared proofs"). The prober reads the rows it signs in
+    the same round trip: `streams.store.reads.prove_with_rows`."""
     queries = probe_queries(infos)
-    queries.append(record_proof_query(infos))
+    queries.append(record_proof_query(infos, incarnation))
     results = yield Pipeline(queries)
     yield Commit()
     return probes_from_results(results)
@@ -326,7 +339,9 @@ def prove(infos: Sequence[StreamInfo]) -> Gen[dict[str, Probe]]:
 
 def try_become_prover(infos: Sequence[StreamInfo]) -> Gen[list[str]]:
     """Take the prober election lock of each stream that nobody holds (session-scoped: it is
-    kept until `resign_prover` or the session ends); returns the names taken."""
+    kept until `resign_prover` or the session ends); returns the names taken. Only a process
+    whose role may read the signing seeds calls it (`streams.store.keys.may_sign`: a prover
+    that could not sign would only slow its followers down)."""
     by_id = {info.id: info.name for info in infos}
     rows = yield Query(
         "SELECT k.id FROM unnest(%s::int[]) AS k(id) WHERE pg_try_advisory_lock(%s, k.id)",

@@ -25,8 +25,10 @@ Nothing from Redis is trusted: a hint only decides *when* to ask PostgreSQL, so 
 stale or duplicated commands cannot make a reader skip or invent a fact, and catching up after a
 reconnect is the ordinary path, not a special one. The one thing a reader takes from Redis is a
 *signed range* of a stream's prover (`streams.core.signing`, where the argument is): facts it
-delivers without PostgreSQL when the signature verifies under a live key and the range fits
-where the reader is (`_step_on_signed_ranges`); a line that does not verify is dropped unread.
+delivers without PostgreSQL when the signature verifies under a live key of the reader's own
+database incarnation and the range fits where the reader is (`_step_on_signed_ranges`); a line
+that does not verify is dropped unread (counted by reason in ``rejected_ranges``). A ``KEYS``
+line (a rotation) stops all verifying until the key table is read again.
 After a (re)connect every stream counts as disconnected (`Reader.live` is False, polling is
 fast) until the next probe re-establishes it.
 
@@ -50,8 +52,8 @@ from ..core.epochs import Epoch, Fact, Row, plan_page
 from ..core.frontier import Antichain, FrontierProbe, FrontierSnapshot, LiveFilter, UpperAntichain
 from ..core.incarnation import Guard, Incarnation, written_elsewhere
 from ..core.payloads import decode_payloads
-from ..core.replication import Hint, is_proof_hint
-from ..core.signing import KEY_REFRESH, SignedRange, verify_range
+from ..core.replication import Hint, is_keys_hint, is_proof_hint
+from ..core.signing import KEY_REFRESH, PublicKeys, SignedRange, verify_range
 from ..core.stalls import HeldStreams
 from ..errors import (
     ConnectionLost,
@@ -199,9 +201,11 @@ class ReaderCore:
         # (deque appends and pops are atomic), then by `after`, and the keys.
         self._verified: deque[SignedRange] = deque(maxlen=MAX_WAITING_RANGES)
         self._ranges: dict[str, dict[int, SignedRange]] = {}
-        self._keys: dict[int, bytes] = {}
+        self._keys: dict[int, PublicKeys] = {}
         self._keys_at = -KEY_REFRESH
         self._keys_wanted = False
+        # A ``KEYS`` line said the keys changed: no line verifies until they are read again.
+        self._keys_stale = False
         #: Signed ranges delivered from Redis, lines that verified, and lines rejected by
         #: reason (what `verify_range` returned, and ``no-keys``), for metrics.
         self.signed_ranges = 0
@@ -330,6 +334,12 @@ class ReaderCore:
     def wants(self, hint: Hint) -> bool:
         """Could this hint mean something new for this reader? Following fresh shared proofs,
         only a prober's line can: a writer's commit is not readable before it is proven."""
+        if is_keys_hint(hint):
+            # The keys changed (a rotation, a retirement): verify nothing more with the keys
+            # held now; the next step reads them again (at most every KEY_RETRY).
+            self._keys_stale = True
+            self._keys_wanted = True
+            return time.monotonic() - self._keys_at >= KEY_RETRY
         position = self.positions.get(hint.stream)
         if position is None or hint.token <= position:
             return False
@@ -353,11 +363,18 @@ class ReaderCore:
 
         A line under a key this reader does not know is dropped, and asks for a read of the
         keys (at most every `KEY_RETRY`: a flood of lines under unknown keys costs that, no
-        more). Keeping it until then would keep what anyone with Redis may send: parsed, a
-        1 MiB line of ``[],`` is 350k lists, 20 times its size, and 52 of them took a reader
-        to 1.2 GB. Dropping it costs only after a rotation, until this reader has read the
-        new key (a line it did not take is read from PostgreSQL, as for a line Redis lost)."""
-        found = verify_range(hint.stream, hint.instance, hint.token, hint.proof, self._keys)
+        more); so is every line after a ``KEYS`` line, until the keys are read again. Keeping
+        such a line until then would keep what anyone with Redis may send: parsed, a 1 MiB line
+        of ``[],`` is 350k lists, 20 times its size, and 52 of them took a reader to 1.2 GB.
+        Dropping it costs only after a rotation, until this reader has read the new key (a
+        line it did not take is read from PostgreSQL, as for a line Redis lost)."""
+        if self._keys_stale:
+            self.rejected_ranges["keys-changed"] = self.rejected_ranges.get("keys-changed", 0) + 1
+            self._keys_wanted = True
+            return time.monotonic() - self._keys_at >= KEY_RETRY
+        found = verify_range(
+            hint.stream, hint.instance, hint.token, hint.proof, self._keys, self.incarnation
+        )
         if isinstance(found, SignedRange):
             self.verified_ranges += 1
             self._verified.append(found)
@@ -453,7 +470,7 @@ class ReaderCore:
         each, one round trip; None (nothing delivered) when a proof is missing or stale, and
         the caller probes itself."""
         infos = [self.infos[n] for n in self.names]
-        results = yield from read_after_proof(infos, lower, self.page_size)
+        results = yield from read_after_proof(infos, lower, self.page_size, self.incarnation)
         refused = {
             i.name: int(rows[0][0])
             for i, rows in zip(infos, results, strict=True)
@@ -508,8 +525,14 @@ class ReaderCore:
         now = time.monotonic()
         if self._keys_wanted and now - self._keys_at >= KEY_RETRY:
             yield from self.read_keys()
+        if self._keys_stale:  # told the keys changed, not read since: apply nothing
+            return []
+        keys = self._keys
         while self._verified:
             found = self._verified.popleft()
+            if found.key not in keys:  # verified before the key table said it was retired
+                self.rejected_ranges["retired-key"] = self.rejected_ranges.get("retired-key", 0) + 1
+                continue
             waiting = self._ranges.setdefault(found.stream, {})
             known = waiting.get(found.after)
             if known is None or known.through < found.through:
@@ -525,8 +548,12 @@ class ReaderCore:
             position, floor = start, self.ts_floors[name]
             facts: list[Fact] = []
             while True:
-                fits = [r for r in ranges.values() if r.after <= position < r.through]
-                for stale in [a for a, r in ranges.items() if r.through <= position]:
+                fits = [
+                    r for r in ranges.values() if r.after <= position < r.through and r.key in keys
+                ]
+                for stale in [
+                    a for a, r in ranges.items() if r.through <= position or r.key not in keys
+                ]:
                     del ranges[stale]
                 if not fits:
                     break
@@ -558,6 +585,7 @@ class ReaderCore:
         """Read the live keys; a reader that may not read them takes nothing from Redis."""
         self._keys_at = time.monotonic()
         self._keys_wanted = False
+        self._keys_stale = False  # a KEYS line heard from here on asks for another read
         try:
             self._keys = yield from live_keys()
         except ConnectionLost:

@@ -143,17 +143,21 @@ def probe_and_read(
 
 
 def prove_with_rows(
-    infos: Sequence[StreamInfo], after: Mapping[str, int], limit: int
+    infos: Sequence[StreamInfo],
+    after: Mapping[str, int],
+    limit: int,
+    incarnation: str | None = None,
 ) -> Gen[tuple[dict[str, Probe], dict[str, list[Row]]]]:
     """The prober's read: `streams.store.probe.prove` (steps 2 and the proof recorded), and for
     each stream named in ``after`` the first ``limit`` rows after ``after[name]`` up to what
-    this probe proved (steps 3-4), in the same round trip: the rows the prober signs for
+    this probe proved (steps 3-4), in the same round trip (the proof recorded under the
+    prover's database ``incarnation``): the rows the prober signs for
     readers that take them from Redis (`streams.core.signing`). A stream whose retention passed
     ``after[name]`` may miss facts of the range: none of its rows are given (the prober signs
     nothing for it; its readers read PostgreSQL, and learn of the loss there)."""
     read = [info for info in infos if info.name in after]
     results = yield Pipeline(
-        _probed_reads(infos, read, after, limit, between=[record_proof_query(infos)])
+        _probed_reads(infos, read, after, limit, between=[record_proof_query(infos, incarnation)])
     )
     yield Commit()
     rows: dict[str, list[Row]] = {}
@@ -180,15 +184,19 @@ def read_proven(info: StreamInfo, after: int, through: int, limit: int) -> Gen[l
 
 
 def read_after_proof(
-    infos: Sequence[StreamInfo], after: Mapping[str, int], limit: int
+    infos: Sequence[StreamInfo],
+    after: Mapping[str, int],
+    limit: int,
+    incarnation: str | None = None,
 ) -> Gen[list[tuple[Row, ...]]]:
     """Steps 3-4 for a follower of shared proofs, in one round trip: each stream's proof and up
     to ``limit`` rows behind it (one statement each: `streams.store.rows.fetch_rows_after_proof`
     says what its rows are), then the retention check: `FactsPruned` if facts after
-    ``after[name]`` were removed. The results, one per stream of ``infos``."""
+    ``after[name]`` were removed. The results, one per stream of ``infos``; a proof recorded
+    in another database ``incarnation`` than the follower's counts as none."""
     *results, pruned = yield Pipeline(
         [
-            *(fetch_rows_after_proof(info, after[info.name], limit) for info in infos),
+            *(fetch_rows_after_proof(info, after[info.name], limit, incarnation) for info in infos),
             retention_query(infos),  # after the rows (step 4)
         ]
     )

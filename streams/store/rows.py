@@ -25,21 +25,24 @@ from .driver import Commit, Gen, Query, Row
 from .registry import StreamInfo
 
 
-def fetch_rows_after_proof(info: StreamInfo, after: int, limit: int) -> Query:
+def fetch_rows_after_proof(
+    info: StreamInfo, after: int, limit: int, incarnation: str | None = None
+) -> Query:
     """One statement: the shared proof of ``info`` and up to ``limit`` rows ``(stream_id,
     row_no, instance, ts, payload)`` after ``after`` and ``<=`` it, in (stream ID, row) order.
 
     Its rows are ``(complete, age_ms, possible, *row)`` (``row`` all NULL when there is none);
-    no rows at all when nobody has proven the stream yet. One snapshot serves both reads: see
-    "shared proofs". ``age_ms``: how long ago (server clock) the prober last proved it.
-    ``possible``: ``complete`` is at or below the stream's max allocated ID (its sequence's
-    last value, read here as the probe reads it); a proof above it was not written by a prober
-    (a prober proves only IDs its probe saw allocated, and the sequence only grows), so it is
-    refused: no rows are read behind it and the reader probes for itself. The stream and its
-    sequence are literals, so the planner reads (and locks) only its partition; a value from
-    the join would be pruned at run time, after every partition had been locked.
+    no rows at all when nobody has proven the stream yet in the database ``incarnation`` (the
+    follower's token: a record of another history, or of none, is not read). One snapshot
+    serves both reads: see "shared proofs". ``age_ms``: how long ago (server clock) the prober
+    last proved it. ``possible``: ``complete`` is at or below the stream's max allocated ID (its
+    sequence's last value, read here as the probe reads it); a proof above it was not written
+    by a prober (a prober proves only IDs its probe saw allocated, and the sequence only
+    grows), so it is refused: no rows are read behind it and the reader probes for itself. The
+    stream and its sequence are literals, so the planner reads (and locks) only its partition;
+    a value from the join would be pruned at run time, after every partition had been locked.
     """
-    return Query(_proof_rows_sql(info.id, info.sequence_name), (after, limit))
+    return Query(_proof_rows_sql(info.id, info.sequence_name), (after, limit, incarnation))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -58,7 +61,7 @@ def _proof_rows_sql(stream_key: int, sequence_name: str) -> bytes:
         f"WHERE stream = {key} AND stream_id > %s AND stream_id <= p.complete "
         "AND p.complete <= a.allocated "
         "ORDER BY stream_id, row_no LIMIT %s) AS f ON true "
-        f"WHERE p.stream = {key}"
+        f"WHERE p.stream = {key} AND p.incarnation = %s"
     ).encode()
 
 

@@ -41,6 +41,7 @@ __all__ = [
     "Message",
     "Subscriber",
     "client_options",
+    "publish_now",
 ]
 
 log = logging.getLogger("streams.redis")
@@ -72,6 +73,22 @@ def client_options(socket_timeout: float | None = None) -> dict[str, Any]:
         "socket_timeout": socket_timeout,
         "retry": Retry(NoBackoff(), 0),
     }
+
+
+def publish_now(url: str, channel: str, line: bytes) -> int | None:
+    """Publish one line at once, on a connection of its own, and wait for Redis to take it:
+    for a rare line that must go out before the call that makes it returns (``KEYS``, after a
+    key rotation), which a link would drop while it is not subscribed yet. Returns how many
+    subscribers received it, or None if Redis could not be reached (logged)."""
+    client = redis.Redis.from_url(url, **client_options(socket_timeout=5))
+    try:
+        received: Any = client.publish(channel, line)
+        return int(received)
+    except REDIS_ERRORS as exc:
+        log.warning("could not publish on %r: %s", channel, exc)
+        return None
+    finally:
+        client.close()
 
 
 def _message(reply: Any) -> Message:

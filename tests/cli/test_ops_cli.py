@@ -170,9 +170,18 @@ def test_keys_list_and_rotate_never_show_a_secret(streams_url: str) -> None:
     text = ok(cli(streams_url, "keys"))
     assert f"key {rotated['key']}: created" in text and "retired" in text
     with psycopg.connect(streams_url) as conn:
-        secrets = [bytes(s) for (s,) in conn.execute("SELECT secret FROM streams_keys")]
+        secrets = [
+            bytes(s)
+            for row in conn.execute(
+                "SELECT s.seed, k.cipher_key FROM streams_keys k "
+                "JOIN streams_prover.signing_keys s ON s.key_id = k.id"
+            )
+            for s in row
+        ]
+    assert secrets
     for secret in secrets:
         assert secret.hex() not in text and secret.hex() not in json.dumps(after)
+    assert all(k["incarnation"] for k in after[:1])
 
 
 def test_async_client_lists_and_rotates_keys(streams_url: str) -> None:

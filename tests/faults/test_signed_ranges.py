@@ -164,9 +164,9 @@ def test_no_attack_by_a_redis_client_changes_what_readers_deliver(
             assert reader.core.signed_ranges > 0, "the fast path was never used"
         rejected = {
             why: sum(r.core.rejected_ranges.get(why, 0) for r in readers)
-            for why in ("bad-mac", "unknown-key")
+            for why in ("bad-signature", "unknown-key")
         }
-        assert rejected.get("bad-mac", 0) > 0 and rejected.get("unknown-key", 0) > 0, rejected
+        assert rejected.get("bad-signature", 0) > 0 and rejected.get("unknown-key", 0) > 0, rejected
         assert dropping.core.proof_reads > 0
         assert set(attacker.sent) >= {"replay", "truncate", "alter", "forge", "other-stream"}
     finally:

@@ -19,6 +19,7 @@ from streams.core.protocol import (
     ErrorCommand,
     ForeignCommand,
     JsonValue,
+    KeysCommand,
     NameCommand,
     PingCommand,
     PositionCommand,
@@ -50,6 +51,7 @@ EXAMPLES: list[tuple[bytes, Command]] = [
     (b"ERROR something went wrong", ErrorCommand("something went wrong")),
     (b"SERVER example.com", ServerCommand("example.com")),
     (b"NAME event_persister-1", NameCommand("event_persister-1")),
+    (b"KEYS 42", KeysCommand(42)),
     (b"POSITION events w 0 9223372036854775807", PositionCommand("events", "w", 0, MAX_TOKEN)),
     (
         b'LOCK_RELEASED ["master","purge_lock","!r:example.com"]',
@@ -83,7 +85,9 @@ def test_exact_bytes(line: bytes, cmd: Command) -> None:
 
 
 def test_commands_mapping() -> None:
-    assert set(COMMANDS) == {"REPLICATE", "POSITION", "RDATA", "PING", "ERROR", "SERVER", "NAME"}
+    assert set(COMMANDS) == {
+        "REPLICATE", "POSITION", "RDATA", "KEYS", "PING", "ERROR", "SERVER", "NAME"
+    }  # fmt: skip
     for name, cls in COMMANDS.items():
         assert name == cls.NAME
     # Every other command Synapse defines (synapse/replication/tcp/commands.py).
@@ -374,6 +378,7 @@ commands: st.SearchStrategy[Command] = st.one_of(
     st.builds(ErrorCommand, texts),
     st.builds(ServerCommand, names),
     st.builds(NameCommand, names),
+    st.builds(KeysCommand, tokens),
     st.builds(
         ForeignCommand,
         st.just("LOCK_RELEASED"),
@@ -464,3 +469,9 @@ def test_corrupted_lines(cmd: Command, junk: bytes, where: int) -> None:
     where %= len(line) + 1
     _parse_total(line[:where] + junk + line[where:])
     _parse_total(line[:where])
+
+
+@pytest.mark.parametrize("bad", [b"KEYS", b"KEYS ", b"KEYS -1", b"KEYS 01", b"KEYS 1 2", b"KEYS x"])
+def test_keys_takes_one_canonical_id(bad: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        parse(bad)

@@ -25,6 +25,7 @@ from streams.core.protocol import (
     ErrorCommand,
     ForeignCommand,
     JsonValue,
+    KeysCommand,
     NameCommand,
     PingCommand,
     PositionCommand,
@@ -44,6 +45,8 @@ from streams.core.replication import (
     LinkCore,
     backoff_delay,
     foreign_verdict,
+    is_keys_hint,
+    is_proof_hint,
 )
 
 S, W = "events", "w1"
@@ -506,11 +509,22 @@ def test_writers_lines_stop_where_nobody_listens() -> None:
 
 def test_a_proof_rdata_hint_carries_its_row() -> None:
     core = make_core({})
-    row: JsonValue = {"mac": "ab", "proof": {"key": 1}}
+    row: JsonValue = {"sig": "ab", "proof": {"key": 1}}
     (hint,), _ = core.on_command(RdataCommand("s1", "_proof:p", 9, row))
     assert hint == Hint("s1", 9, "_proof:p", row)
     (plain,), _ = core.on_command(RdataCommand("s1", "w2", 9, row))
     assert plain.proof is None  # a writer's row is only a hint
+
+
+def test_a_keys_line_hints_every_listener_and_is_not_foreign() -> None:
+    core = LinkCore("pfx", "me", check_streams=True)
+    (hint,), replies = core.on_message(b"KEYS 12")
+    assert replies == [] and is_keys_hint(hint) and not is_proof_hint(hint)
+    assert hint.token == 12 and hint.stream == ""
+    assert core.foreign is None and not core.refresh_due(10**6)  # no stream name to suspect
+    assert core.route(KeysCommand(12)) == core.channel  # published on the control channel
+    (local,) = LinkCore.hints_for([KeysCommand(12)])
+    assert is_keys_hint(local)
 
 
 # --- LinkCore: REPLICATE when a reader attaches ---------------------------------------------
