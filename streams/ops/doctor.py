@@ -13,6 +13,7 @@ from ..core.staleness import STALE_AFTER_MS
 from ..errors import StreamsError
 from ..store import sessions
 from ..store.driver import run
+from ..store.keys import key_health
 from ..store.leases import (
     expired_writer_count,
     repair_sequence_now,
@@ -91,6 +92,7 @@ def diagnose(settings: Settings, *, stale_after_ms: int = STALE_AFTER_MS) -> lis
             checks.append(Check("schema", False, str(exc)))
             return checks
         checks.append(_roles_check(conn))
+        checks.append(_keys_check(conn))
         infos = run(conn, list_streams())
         for info in infos:
             checks.extend(_stream_checks(conn, info, stale_after_ms))
@@ -202,6 +204,24 @@ def _stream_checks(
         )
     )
     return checks
+
+
+def _keys_check(conn: psycopg.Connection[Any]) -> Check:
+    """A live key made in this database's incarnation: without one no signed range verifies
+    (readers read PostgreSQL for everything, correct but slower) until the prover renews the
+    keys or someone runs ``streams keys rotate``; who may read the private keys is the
+    ``roles`` check's."""
+    health = run(conn, key_health())
+    if health.live_here:
+        return Check("keys", True, f"{health.live_here} live key(s) of this database's history")
+    other = f" ({health.live} of another history)" if health.live else ""
+    return Check(
+        "keys",
+        False,
+        f"no live key of this database's history{other}: signed ranges are not taken from "
+        "Redis until the prover makes one (it does, if its role may write the keys) or you run "
+        "`streams keys rotate`",
+    )
 
 
 def _roles_check(conn: psycopg.Connection[Any]) -> Check:

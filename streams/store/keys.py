@@ -20,15 +20,19 @@ that retire one another. The seed never leaves this module except inside a `Sign
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..core.constants import KEY_ROTATION_LOCK
 from ..core.signing import PublicKeys, SigningKey, public_key_of
 from .driver import Commit, Gen, Query
 from .identity import read_incarnation
 
 __all__ = [
+    "KeyHealth",
     "PublicKeys",
     "SigningKey",
     "describe_keys",
+    "key_health",
     "live_keys",
     "may_sign",
     "renew_keys",
@@ -166,3 +170,25 @@ def renew_keys(incarnation: str) -> Gen[int]:
     key_id = yield from _rotate_locked(incarnation)
     yield Commit()
     return key_id
+
+
+@dataclass(frozen=True)
+class KeyHealth:
+    """What ``streams doctor`` says of the keys: how many are live, and how many of those were
+    made in the database's current incarnation (only those verify: `streams.core.signing`)."""
+
+    live: int
+    live_here: int
+    incarnation: str
+
+
+def key_health() -> Gen[KeyHealth]:
+    """Count the live keys, and those of this history (no secret is read)."""
+    here = yield from read_incarnation()
+    rows = yield Query(
+        "SELECT count(*), count(*) FILTER (WHERE incarnation = %s) FROM streams_keys "
+        "WHERE retired_at IS NULL AND public_key IS NOT NULL AND cipher_key IS NOT NULL",
+        (here.token,),
+    )
+    yield Commit()
+    return KeyHealth(int(rows[0][0]), int(rows[0][1]), here.token)

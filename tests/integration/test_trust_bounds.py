@@ -474,3 +474,23 @@ def test_rejected_lines_refused_proofs_and_signed_ranges_are_counted(
             reader.close()
             raw.close()
             drop_streams(streams_url, [unique_name])
+
+
+def test_doctor_checks_a_live_key_of_this_history(own_database: str) -> None:
+    """No live key of the database's incarnation (all retired, or all made before a restore
+    or a failover): the doctor says so, and that signed ranges are not taken meanwhile."""
+
+    def keys() -> Any:
+        return {c.name: c for c in diagnose(Settings(database_url=own_database))}["keys"]
+
+    assert keys().ok
+    with psycopg.connect(own_database, autocommit=True) as conn:
+        conn.execute("UPDATE streams_keys SET incarnation = 'elsewhere'")
+        found = keys()
+        assert not found.ok and "of another history" in found.detail, found.detail
+        conn.execute("UPDATE streams_keys SET retired_at = now()")
+        found = keys()
+        assert not found.ok and "streams keys rotate" in found.detail, found.detail
+    with streams.connect(own_database) as client:
+        client.rotate_replication_keys()
+    assert keys().ok
