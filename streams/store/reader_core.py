@@ -181,6 +181,9 @@ class ReaderCore:
         #: known; set by the shells).
         self.incarnation: str | None = None
         self._targets: dict[str, int] = {}
+        #: The highest max allocated ID a probe of this reader saw, by stream: a sequence never
+        #: goes back within one history (`_note_probe`).
+        self._allocated: dict[str, int] = {}
         self._filters: dict[str, LiveFilter[int]] = {}
         self._start_ts: dict[str, int] = {}
         self._link_up = False
@@ -302,9 +305,30 @@ class ReaderCore:
 
     # ---------------------------------------------------------------- computation
 
-    def _note_probe(self, probes: Mapping[str, Probe]) -> None:
+    def _note_probe(self, probes: Mapping[str, Probe], *, shared: bool = False) -> None:
+        """Record what a probe proved. A stream whose sequence is now below what an earlier
+        probe of this reader saw allocated went back in time under it (a physical restore in
+        place, a failover to a standby that lagged: the database's incarnation may not show
+        it): the IDs above are handed out again, and this reader would skip the facts written
+        under them as delivered. Nothing is delivered: `DatabaseChanged` names the stream and
+        the range that may differ. ``shared``: proofs of the prober, which say what is
+        complete, not what is allocated."""
         self.probes += 1
         for name, found in probes.items():
+            if shared:
+                self._targets[name] = max(self._targets.get(name, 0), found.complete)
+                continue
+            seen = self._allocated.get(name, 0)
+            if found.max_allocated < seen:
+                through = max(seen, self.positions.get(name, 0))
+                raise DatabaseChanged(
+                    f"reader of {name!r}",
+                    f"stream {name!r}: its sequence went back from {seen} to "
+                    f"{found.max_allocated}, so this history restarted at or below "
+                    f"{found.max_allocated}: the facts this reader saw with IDs up to {through} "
+                    "may differ from the ones the database now has",
+                )
+            self._allocated[name] = found.max_allocated
             self._targets[name] = max(self._targets.get(name, 0), found.complete)
         self._reconcile = False
 
@@ -496,7 +520,7 @@ class ReaderCore:
                 self._awaited_since = None
             if behind and overdue:
                 return None  # the prober is late: probe for ourselves this once
-        self._note_probe({n: Probe(n, c, c) for n, c in proven.items()})
+        self._note_probe({n: Probe(n, c, c) for n, c in proven.items()}, shared=True)
         planned: list[_Planned] = []
         for info, rows in zip(infos, results, strict=True):
             if proven[info.name] > lower[info.name]:

@@ -494,3 +494,38 @@ def test_doctor_checks_a_live_key_of_this_history(own_database: str) -> None:
     with streams.connect(own_database) as client:
         client.rotate_replication_keys()
     assert keys().ok
+
+
+# ------------------------------------------------------------------ a history that went back
+
+
+def test_a_reader_stops_when_its_stream_goes_back_under_it(client: Client, stream: str) -> None:
+    """A physical restore in place (or a failover to a standby that lagged) keeps the
+    database's incarnation but sets the stream back below what the reader saw: the IDs above
+    are handed out again, and the reader, past them, would skip the facts written under them
+    as delivered. It stops with `DatabaseChanged` naming the stream and the range instead, and
+    delivers nothing of the new history."""
+    info = client.stream(stream)
+    with client.writer(stream) as writer:
+        first = writer.append_batch([{"n": n} for n in range(5)])
+    with client.reader(stream, poll_interval=0.05) as reader:
+        assert drain(reader, first.last_id) == list(first.ids)
+        with psycopg.connect(client.settings.database_url, autocommit=True) as conn:
+            # What the restored copy looks like: facts above 2 gone, the sequence at 2, and
+            # the writer rows of that time.
+            conn.execute(
+                "DELETE FROM streams_facts WHERE stream = %s AND stream_id > 2", (info.id,)
+            )
+            conn.execute("DELETE FROM streams_writers WHERE stream = %s", (info.id,))
+            conn.execute("SELECT setval(%s::regclass, 2)", (info.sequence_name,))
+        with client.writer(stream) as writer:
+            again = writer.append({"n": "new history"})
+        assert again.last_id <= first.last_id  # an ID handed out again
+        with pytest.raises(streams.DatabaseChanged) as failed:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                epoch = reader.poll(timeout=0.2)
+                assert epoch is None or not epoch.facts, epoch
+        assert f"stream {stream!r}" in str(failed.value)
+        assert f"went back from {first.last_id} to {again.last_id}" in str(failed.value)
+        assert f"IDs up to {first.last_id} may differ" in str(failed.value)
