@@ -260,6 +260,16 @@ class ReaderCore:
                 self.committed[info.name] = None if committed is None else committed.position
             if committed is not None:
                 self._check_group_incarnation(info.name, committed.incarnation, committed.position)
+                if committed.position > found.max_allocated:
+                    # Commits refuse such a position (`InvalidPosition`): the stream went back
+                    # under the group (a restore in place), or the row was written by hand.
+                    raise DatabaseChanged(
+                        f"group {self.group!r}",
+                        f"stream {info.name!r}: the group committed {committed.position}, "
+                        f"beyond the stream's max allocated ID {found.max_allocated}: the facts "
+                        f"it consumed with IDs above {found.max_allocated} are not in this "
+                        "history, and facts written here under those IDs would be skipped",
+                    )
                 self.positions[info.name] = committed.position
                 self.ts_floors[info.name] = committed.ts_floor
                 continue

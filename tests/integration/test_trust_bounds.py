@@ -529,3 +529,21 @@ def test_a_reader_stops_when_its_stream_goes_back_under_it(client: Client, strea
         assert f"stream {stream!r}" in str(failed.value)
         assert f"went back from {first.last_id} to {again.last_id}" in str(failed.value)
         assert f"IDs up to {first.last_id} may differ" in str(failed.value)
+
+
+def test_a_group_beyond_its_stream_stops_when_opened(client: Client, stream: str) -> None:
+    """A group row beyond the stream's max allocated ID (the stream went back under it, or
+    the row was written by hand): opening the group fails loudly, naming stream and range,
+    rather than skipping the facts written next under those IDs."""
+    info = client.stream(stream)
+    with client.writer(stream) as writer:
+        ack = writer.append_batch([{"n": n} for n in range(3)])
+    with client.reader(stream, group="g") as reader:
+        assert drain(reader, ack.last_id) == list(ack.ids)
+        reader.commit()
+    with psycopg.connect(client.settings.database_url, autocommit=True) as conn:
+        conn.execute("UPDATE streams_reader_groups SET position = 10 WHERE stream = %s", (info.id,))
+    with pytest.raises(streams.DatabaseChanged) as failed:
+        client.reader(stream, group="g").close()
+    assert f"stream {stream!r}: the group committed 10" in str(failed.value)
+    assert f"max allocated ID {ack.last_id}" in str(failed.value)
