@@ -72,3 +72,15 @@ def default_sigint() -> None:
     in the background (``cmd &`` without job control, ``nohup``) makes children inherit SIGINT
     ignored, and Python then never raises KeyboardInterrupt."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def read_through(reader: Any, through: int, timeout: float = 30.0) -> list[int]:
+    """Poll ``reader`` until its position reaches ``through``: the fact IDs it delivered."""
+    got: list[int] = []
+    deadline = time.monotonic() + timeout
+    while reader.position() < through:
+        assert time.monotonic() < deadline, f"stuck at {reader.position()} (want {through})"
+        epoch = reader.poll(timeout=0.5)
+        if epoch is not None:
+            got += [f.stream_id for f in epoch.facts]
+    return got

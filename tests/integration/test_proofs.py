@@ -16,7 +16,7 @@ from typing import Any
 import psycopg
 import pytest
 import redis
-from helpers import wait_until
+from helpers import read_through, wait_until
 
 import streams
 from streams import Client
@@ -56,18 +56,6 @@ def clients(streams_url: str, redis_url: str, redis_prefix: str) -> Iterator[lis
         ]
 
 
-def drain(reader: Reader, through: int, timeout: float = 15.0) -> list[int]:
-    """Fact IDs delivered until the reader's position reaches ``through``."""
-    got: list[int] = []
-    deadline = time.monotonic() + timeout
-    while reader.position() < through:
-        assert time.monotonic() < deadline, f"stuck at {reader.position()} (want {through})"
-        epoch = reader.poll(timeout=1.0)
-        if epoch is not None:
-            got += [f.stream_id for f in epoch.facts]
-    return got
-
-
 def self_probes(reader: Reader) -> int:
     return reader.core.probes - reader.core.proof_reads
 
@@ -91,7 +79,7 @@ def test_one_prober_serves_every_reader(clients: list[Client], unique_name: str)
             ids = [writer.append({"n": n}).last_id for n in range(40)]
             ids += writer.append_batch([{"b": n} for n in range(20)]).ids
         for r in readers:
-            assert drain(r, ids[-1]) == ids  # every fact once, in order
+            assert read_through(r, ids[-1]) == ids  # every fact once, in order
         # poll_interval is 30 s: the proofs' hints woke them, not the poll.
         assert time.monotonic() - started < 10
         prober = next(i for i, s in enumerate(services) if s and unique_name in s.proving)
@@ -116,7 +104,7 @@ def test_held_facts_and_forged_proof_lines_skip_nothing(
         second = writing.writer(unique_name, instance="second")
         before = first.append({"n": 0}).last_id
         for r in readers:
-            assert drain(r, before) == [before]
+            assert read_through(r, before) == [before]
         with psycopg.connect(streams_url) as conn, first.fact(conn) as held:
             held.add({"held": True})
             after = second.append_batch([{"after": n} for n in range(3)]).ids
@@ -128,7 +116,7 @@ def test_held_facts_and_forged_proof_lines_skip_nothing(
                 assert r.position() == before, "nothing past the held fact"
             held_id = held.stream_id
         for r in readers:
-            assert drain(r, after[-1]) == [held_id, *after]
+            assert read_through(r, after[-1]) == [held_id, *after]
         first.close()
         second.close()
     finally:
@@ -162,7 +150,7 @@ def test_a_stopped_then_killed_prober(
         def latency() -> float:
             started = time.monotonic()
             token = writer.append({"t": started}).last_id
-            drain(reader, token, timeout=10)
+            read_through(reader, token, timeout=10)
             return time.monotonic() - started
 
         running = [latency() for _ in range(5)]
@@ -350,7 +338,7 @@ def test_proofs_are_spaced_by_the_number_of_followers(
         # 5 ms gap of few followers the same appends gave many more.
         assert proofs <= elapsed / want + elapsed + 2, (proofs, elapsed)
         for r in readers:
-            assert drain(r, ids[-1])[-300:] == ids  # every fact once, in order
+            assert read_through(r, ids[-1])[-300:] == ids  # every fact once, in order
     finally:
         for listener in listeners:
             listener.close()

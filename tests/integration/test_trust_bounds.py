@@ -24,7 +24,7 @@ import prometheus_client
 import psycopg
 import pytest
 import redis
-from helpers import wait_until
+from helpers import read_through, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 import streams
@@ -45,18 +45,6 @@ from streams.store.reads import READER_SESSION_SETUP, read_after_proof
 pytestmark = pytest.mark.timeout(120)
 
 BIGINT_MAX = 2**63 - 1
-
-
-def drain(reader: Reader, through: int, timeout: float = 30.0) -> list[int]:
-    """Fact IDs delivered until the reader's position reaches ``through``."""
-    got: list[int] = []
-    deadline = time.monotonic() + timeout
-    while reader.position() < through:
-        assert time.monotonic() < deadline, f"stuck at {reader.position()} (want {through})"
-        epoch = reader.poll(timeout=0.5)
-        if epoch is not None:
-            got += [f.stream_id for f in epoch.facts]
-    return got
 
 
 def allocated(url: str, stream: str) -> int:
@@ -154,7 +142,7 @@ class Follow(threading.Thread):
                 epoch = self.reader.poll(timeout=0.1)
                 if epoch is not None:
                     self.got += [f.stream_id for f in epoch.facts]
-            self.got += drain(self.reader, self.through)
+            self.got += read_through(self.reader, self.through)
         except BaseException as exc:  # reported by `finish`
             self.error = exc
 
@@ -271,7 +259,7 @@ def test_group_commits_refuse_a_position_beyond_max_allocated(
         assert run(conn, commit_group("forged", [(info, top, 0)], held)) == {stream: top}
     # A reader whose position was forced there (as a forged signed range did).
     with client.reader(stream, group="g") as reader:
-        assert drain(reader, ack.last_id) == list(ack.ids)
+        assert read_through(reader, ack.last_id) == list(ack.ids)
         assert reader.commit() == {stream: ack.last_id}
         reader.core.positions[stream] = BIGINT_MAX
         with pytest.raises(streams.InvalidPosition, match="beyond the stream's max allocated"):
@@ -287,7 +275,7 @@ def test_group_commits_refuse_a_position_beyond_max_allocated(
     # Nothing was bricked: the stream takes appends and the group resumes where it was.
     more = writer.append({"n": "more"})
     with client.reader(stream, group="g") as reader:
-        assert drain(reader, more.last_id) == list(more.ids)
+        assert read_through(reader, more.last_id) == list(more.ids)
     writer.close()
 
 
@@ -302,7 +290,7 @@ def test_doctor_reports_a_group_beyond_max_allocated_and_a_sequence_near_the_lim
         with client.writer(unique_name) as writer:
             ack = writer.append_batch([{"n": n} for n in range(3)])
         with client.reader(unique_name, group="g") as reader:
-            drain(reader, ack.last_id)
+            read_through(reader, ack.last_id)
             reader.commit()
         info = client.stream(unique_name)
 
@@ -373,7 +361,7 @@ def test_a_flood_of_lines_under_an_unknown_key_costs_no_memory(
         try:
             with client.writer(unique_name) as writer:
                 first = writer.append({"n": 0})
-                assert drain(reader, first.last_id) == list(first.ids)
+                assert read_through(reader, first.last_id) == list(first.ids)
                 wait_until(lambda: reader.core.live, 10, "the reader to be live")
                 count = 40
                 # The protocol's most bytes per line, less the rest, as base64 (4 for 3 bytes).
@@ -405,7 +393,7 @@ def test_a_flood_of_lines_under_an_unknown_key_costs_no_memory(
                 grown = rss_bytes() - before
                 assert grown < 200 * 1024 * 1024, f"RSS grew by {grown / 2**20:.0f} MiB"
                 more = writer.append_batch([{"n": n} for n in range(1, 6)])
-                assert drain(reader, more.last_id) == list(more.ids)
+                assert read_through(reader, more.last_id) == list(more.ids)
         finally:
             reader.close()
             raw.close()
@@ -436,7 +424,7 @@ def test_rejected_lines_refused_proofs_and_signed_ranges_are_counted(
         try:
             with client.writer(unique_name) as writer:
                 ack = writer.append_batch([{"n": n} for n in range(3)])
-                drain(reader, ack.last_id)
+                read_through(reader, ack.last_id)
                 wait_until(lambda: reader.core.live, 10, "the reader to be live")
                 channel = proof_channel(redis_prefix, unique_name)
                 forged = {
@@ -509,7 +497,7 @@ def test_a_reader_stops_when_its_stream_goes_back_under_it(client: Client, strea
     with client.writer(stream) as writer:
         first = writer.append_batch([{"n": n} for n in range(5)])
     with client.reader(stream, poll_interval=0.05) as reader:
-        assert drain(reader, first.last_id) == list(first.ids)
+        assert read_through(reader, first.last_id) == list(first.ids)
         with psycopg.connect(client.settings.database_url, autocommit=True) as conn:
             # What the restored copy looks like: facts above 2 gone, the sequence at 2, and
             # the writer rows of that time.
@@ -539,7 +527,7 @@ def test_a_group_beyond_its_stream_stops_when_opened(client: Client, stream: str
     with client.writer(stream) as writer:
         ack = writer.append_batch([{"n": n} for n in range(3)])
     with client.reader(stream, group="g") as reader:
-        assert drain(reader, ack.last_id) == list(ack.ids)
+        assert read_through(reader, ack.last_id) == list(ack.ids)
         reader.commit()
     with psycopg.connect(client.settings.database_url, autocommit=True) as conn:
         conn.execute("UPDATE streams_reader_groups SET position = 10 WHERE stream = %s", (info.id,))
