@@ -199,6 +199,7 @@ def pg_hba_conf() -> str:
         "# STREAMS_DATABASE_URL.\n"
         "# TYPE  DATABASE  USER  ADDRESS        METHOD\n"
         "host    all       all   127.0.0.1/32   trust\n"
+        "host    replication all 127.0.0.1/32   trust\n"
     )
 
 
