@@ -23,7 +23,9 @@ catch everything with one clause and still tell the cases apart::
     ├── GroupFenced                 another consumer opened the group since this one did: a
     │                               commit from this (older) generation moves nothing
     ├── DatabaseChanged             the database is not the one this process, group row or Spark
-    │                               offset started on (recreated, restored, failed over)
+    │   │                           offset started on (recreated, restored, failed over)
+    │   └── FailoverLoss            after a failover the new primary lacks facts or commits this
+    │                               process saw acknowledged or delivered (asynchronous standby)
     ├── RedisUnavailable            Redis is needed here and failed (down, refused, bad password)
     └── StoreError                  PostgreSQL failed underneath us (down, timed out, ...)
         ├── ConnectionLost          the connection broke mid-operation (restart, network)
@@ -43,6 +45,7 @@ __all__ = [
     "ConnectionLost",
     "DatabaseChanged",
     "FactsPruned",
+    "FailoverLoss",
     "GroupFenced",
     "GroupMoved",
     "InvalidFact",
@@ -286,6 +289,35 @@ class DatabaseChanged(StreamsError):
             f"{where}: the database changed under it ({changed}); positions from before the "
             "change may skip or repeat facts, so nothing more is read or committed: see "
             "`streams incarnation` for what changed and how to go on"
+        )
+
+
+class FailoverLoss(DatabaseChanged):
+    """After a failover (a new timeline of the same database), the new primary lacks what this
+    process saw on the old one: facts it acknowledged (a writer) or delivered (a reader), a
+    group commit it made, or IDs it passed that the stream's sequence would hand out again.
+
+    PostgreSQL's standby holds a prefix of its primary's WAL: what it lacks is the last things
+    the old primary did, which an asynchronous standby had not received yet. ``stream`` and
+    the IDs ``first``..``last`` name the range (``missing`` of them are facts or commits this
+    process saw that are gone). A writer raises it once, on its next call, and goes on; a reader
+    stops (its consumer holds facts the database no longer has). What to do: `streams failover
+    check` and `streams failover repair` (docs/operations.md, "Failover").
+    """
+
+    def __init__(
+        self, where: str, stream: str, first: int, last: int, missing: int, what: str
+    ) -> None:
+        self.stream = stream
+        self.first = first
+        self.last = last
+        self.missing = missing
+        DatabaseChanged.__init__(
+            self,
+            where,
+            f"a failover lost {what}: stream {stream!r}, IDs {first}..{last}; the new primary "
+            "lacks what the old one acknowledged (an asynchronous standby); run `streams "
+            "failover check`",
         )
 
 

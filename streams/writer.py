@@ -112,6 +112,8 @@ class _WriterShell(HeartbeatPlans[C], FactPlans):
         the heartbeat to persist the position that moved."""
         if self._attached is not None:
             self._attached.completed(ids, timestamp)
+        if ids:  # what a failover must not have lost (`streams.core.failover`)
+            self._core.sighting.note(self._core.stream_name, self._core.info.id, ids)
         if self._core.needs_persist and not self._wake.is_set():
             self._wake.set()
 

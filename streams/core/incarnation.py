@@ -22,6 +22,13 @@ A `Guard` holds the first incarnation a process (a client and everything it open
 query) saw and compares every later one with it: on connect and on every reconnect, so a
 process never goes on silently in another history. Group rows and Spark offsets carry the
 `Incarnation.token` they were written under, checked the same way when they are read back.
+
+A *failover* changes the timeline only (`same_history`): the new primary holds a prefix of
+the old history (`streams.core.failover`). The guard takes a higher timeline as the process's
+own from then on, and each role checks what it saw against the new primary before it goes on
+(`streams.store.identity.verify` with a `streams.core.failover.Sighting`). A *lower* timeline
+than one already seen is another branch of the history (a former primary writable again after
+a failover: split brain) and stops the process like any other change.
 This module is pure: `streams.store.identity` reads the numbers.
 """
 
@@ -32,7 +39,14 @@ from dataclasses import dataclass
 
 from ..errors import DatabaseChanged, UsageError
 
-__all__ = ["Guard", "Incarnation", "changes", "token_changes", "written_elsewhere"]
+__all__ = [
+    "Guard",
+    "Incarnation",
+    "changes",
+    "same_history",
+    "token_changes",
+    "written_elsewhere",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +89,18 @@ class Incarnation:
         }
 
 
+def same_history(old: Incarnation, new: Incarnation) -> bool:
+    """The same database and schema, on the same or a later timeline (a failover or a
+    point-in-time recovery of it: `streams.core.failover` says what that may lose)."""
+    return (
+        old.id == new.id
+        and old.system_identifier == new.system_identifier
+        and old.database_oid == new.database_oid
+        and old.table_oid == new.table_oid
+        and old.timeline <= new.timeline
+    )
+
+
 def changes(old: Incarnation, new: Incarnation) -> list[str]:
     """What differs between two incarnations, in words an operator acts on (empty: the same
     history). The most telling first: another cluster explains every other difference."""
@@ -95,7 +121,13 @@ def changes(old: Incarnation, new: Incarnation) -> list[str]:
             f"the streams schema was recreated: incarnation {old.id} -> {new.id} (a restore "
             "with pg_restore --clean, or the tables dropped and migrated again)"
         )
-    if old.timeline != new.timeline:
+    if old.timeline > new.timeline:
+        found.append(
+            f"timeline {old.timeline} -> {new.timeline}: back to an earlier timeline, another "
+            "branch of the history (a former primary writable again after a failover, split "
+            "brain: fence it, or a restore of an older backup)"
+        )
+    elif old.timeline != new.timeline:
         found.append(
             f"timeline {old.timeline} -> {new.timeline} (a failover to a standby, or a "
             "point-in-time recovery: what the old timeline acknowledged may be missing)"
@@ -113,12 +145,24 @@ def token_changes(old_token: str, new: Incarnation) -> list[str]:
     return changes(old, new)
 
 
-def written_elsewhere(token: str | None, current: Incarnation) -> str | None:
+def written_elsewhere(
+    token: str | None, current: Incarnation, *, across_failover: bool = False
+) -> str | None:
     """For something read back with the incarnation it was written in (a group row, a Spark
     offset or partition): what changed since, in words (None: the same history, or written
-    before incarnations existed, ``token`` None, which is taken as it is)."""
+    before incarnations existed, ``token`` None, which is taken as it is).
+
+    ``across_failover``: a token of an earlier timeline of the same history counts as the
+    same, for state kept *in* the database (a group row): the new primary's prefix holds the
+    row and every fact committed before it, so the row is consistent with what is there."""
     if token is None or token == current.token:
         return None
+    if across_failover:
+        try:
+            if same_history(Incarnation.from_token(token), current):
+                return None
+        except UsageError:
+            pass
     return "; ".join(token_changes(token, current))
 
 
@@ -143,13 +187,15 @@ class Guard:
         self._lock = threading.Lock()
 
     def check(self, found: Incarnation, where: str) -> Incarnation:
-        """Take ``found`` as the process's incarnation if it has none yet, else raise
-        `DatabaseChanged` (naming ``where`` and what changed) unless it is the same."""
+        """Take ``found`` as the process's incarnation if it has none yet, or if it is a later
+        timeline of the same history (a failover: the caller checks what its role saw,
+        `streams.store.identity.verify`); else raise `DatabaseChanged` (naming ``where`` and
+        what changed) unless it is the same."""
         with self._lock:
-            if self._expected is None:
+            expected = self._expected
+            if expected is None or (expected != found and same_history(expected, found)):
                 self._expected = found
                 return found
-            expected = self._expected
         differences = changes(expected, found)
         if differences:
             raise DatabaseChanged(where, "; ".join(differences))

@@ -1,7 +1,8 @@
 """The operator's surface: the ``streams`` commands and what only they use.
 
-* `cli`: the commands (click), all but ``streams bench``; `group_commands` and
-  `incarnation_commands`: ``streams groups`` and ``streams incarnation``.
+* `cli`: the commands (click), all but ``streams bench``; `group_commands`,
+  `incarnation_commands` and `failover_commands`: ``streams groups``, ``streams incarnation``
+  and ``streams failover``.
 * `doctor`: health checks and the safe repairs; `render`: tables for terminals and pipes.
 * `channel`: a read-only look at a replication channel (who answers ``REPLICATE``).
 * `demo`: the main job end to end, checking itself (its Spark query is the connector's, found

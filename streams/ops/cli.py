@@ -46,6 +46,7 @@ from ..store.reader_core import Start
 from ..store.reader_groups import StreamPositions
 from ..store.registry import check_schema
 from ..store.retention import PRUNE_BATCH
+from .failover_commands import failover
 from .group_commands import groups
 from .incarnation_commands import incarnation
 from .render import (
@@ -849,6 +850,7 @@ def metrics_serve(
 
 ops.add_command(groups)
 ops.add_command(incarnation)
+ops.add_command(failover)
 ops.add_command(roles)
 
 

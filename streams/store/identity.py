@@ -20,9 +20,11 @@ from __future__ import annotations
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 
+from ..core.failover import Sighting
 from ..core.incarnation import Guard, Incarnation, written_elsewhere
-from ..errors import DatabaseChanged, SchemaNotReady, StoreError
+from ..errors import DatabaseChanged, FailoverLoss, SchemaNotReady, StoreError
 from .driver import Commit, Gen, Query, Row
+from .failover import check_sighting
 
 __all__ = [
     "INCARNATION_SQL",
@@ -77,11 +79,30 @@ def read_incarnation() -> Generator[Query | Commit, list[Row], Incarnation]:
     return incarnation_from_row(rows[0])
 
 
-def verify(guard: Guard, where: str) -> Gen[Incarnation]:
+def verify(
+    guard: Guard, where: str, sighting: Sighting | None = None, seen: str = "facts seen"
+) -> Gen[Incarnation]:
     """`read_incarnation` and check it against ``guard`` (recording it if it is the first):
-    `streams.errors.DatabaseChanged`, naming ``where``, if the history changed."""
+    `streams.errors.DatabaseChanged`, naming ``where``, if the history changed.
+
+    After a failover (a later timeline of the same history, which the guard takes), a role
+    with a ``sighting`` checks that the new primary holds what it saw (``seen``: "facts
+    acknowledged", "facts delivered"), `streams.store.failover.check_sighting`, before it
+    does anything else: `streams.errors.FailoverLoss` otherwise."""
     found = yield from read_incarnation()
-    return guard.check(found, where)
+    guard.check(found, where)
+    if sighting is not None:
+        if sighting.failed is not None:
+            raise sighting.failed
+        previous = sighting.timeline
+        if previous is not None and previous != found.timeline:
+            try:
+                yield from check_sighting(sighting, where, seen)
+            except FailoverLoss:
+                sighting.timeline = found.timeline  # reported: a writer goes on next time
+                raise
+        sighting.timeline = found.timeline  # (not before: a broken check runs again)
+    return found
 
 
 def check_history(token: str, where: str) -> Generator[Query | Commit, list[Row], Incarnation]:

@@ -49,6 +49,7 @@ from typing import NamedTuple, TypeAlias
 
 from ..core.constants import PROOF_GRACE, STALE_AFTER
 from ..core.epochs import Epoch, Fact, Row, plan_page
+from ..core.failover import RECENT_IDS, Sighting
 from ..core.frontier import Antichain, FrontierProbe, FrontierSnapshot, LiveFilter, UpperAntichain
 from ..core.incarnation import Guard, Incarnation, written_elsewhere
 from ..core.payloads import decode_payloads
@@ -221,12 +222,17 @@ class ReaderCore:
         #: The database history this reader's positions belong to: the first session records
         #: it (or the client's, which shares its guard), every reconnect checks it.
         self.guard = Guard()
+        #: The facts delivered lately, checked after a failover (`streams.core.failover`);
+        #: a loss stops the reader (its consumer holds facts the database no longer has).
+        self.sighting = Sighting(sticky=True)
 
     def verify_incarnation(self) -> Gen[Incarnation]:
         """On a new session, before anything else: is it the database history this reader
         started on (`streams.store.identity`)? `DatabaseChanged` otherwise."""
         what = "group " + repr(self.group) if self.group is not None else "reader"
-        found = yield from verify(self.guard, f"{what} of {', '.join(self.names)}")
+        found = yield from verify(
+            self.guard, f"{what} of {', '.join(self.names)}", self.sighting, "facts delivered"
+        )
         self.incarnation = found.token
         return found
 
@@ -300,12 +306,16 @@ class ReaderCore:
         yield from self.read_keys()
 
     def _check_group_incarnation(self, stream: str, token: str | None, position: int) -> None:
-        """A group row committed in another database history (a restore, a failover: its
-        position may name facts this one lacks, or pass facts written here since under the same
-        IDs) stops the reader until an operator binds it to this one (`streams incarnation
-        accept`). Rows committed before incarnations existed (None) are taken as they are."""
+        """A group row committed in another database history (a restore: its position may name
+        facts this one lacks, or pass facts written here since under the same IDs) stops the
+        reader until an operator binds it to this one (`streams incarnation accept`). Rows
+        committed before incarnations existed (None) are taken as they are, and so are rows of
+        an earlier timeline of this history (a failover): the new primary holds the row and
+        every fact committed before it, so it resumes from there (`streams.core.failover`)."""
         current = self.guard.expected
-        changed = None if current is None else written_elsewhere(token, current)
+        changed = (
+            None if current is None else written_elsewhere(token, current, across_failover=True)
+        )
         if changed is None:
             return
         raise DatabaseChanged(
@@ -669,6 +679,9 @@ class ReaderCore:
                 facts = [f for f in facts if f.timestamp >= start_ms]
                 if facts:
                     del self._start_ts[name]
+            if facts:
+                recent = (f.stream_id for f in facts[-RECENT_IDS:])
+                self.sighting.note(name, self.infos[name].id, recent)
             delivered.extend(facts)
         return delivered
 

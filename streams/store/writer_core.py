@@ -61,6 +61,7 @@ from psycopg import sql
 
 from ..config import validate_instance_name
 from ..core.constants import reservation_lock_class
+from ..core.failover import Sighting
 from ..core.incarnation import Guard
 from ..core.payloads import encode_payload
 from ..core.positions import PositionTracker, ReservationToken
@@ -250,6 +251,8 @@ class WriterCore:
         self.lease_seconds = lease_seconds
         #: The database history this writer's state belongs to (shared with its client's).
         self.guard = Guard()
+        #: The facts acknowledged lately, checked after a failover (`streams.core.failover`).
+        self.sighting = Sighting()
         self.max_payload_bytes = max_payload_bytes
         self.clock = DatabaseClock()
         self.generation = 0
@@ -564,7 +567,12 @@ class WriterCore:
         the TCP settings of `_tcp_settings` for the whole session, and, where the server has it
         (PostgreSQL 14+), a check every second that the client is still connected while a
         statement runs."""
-        yield from verify(self.guard, f"writer {self.instance!r} of {self.stream_name!r}")
+        yield from verify(
+            self.guard,
+            f"writer {self.instance!r} of {self.stream_name!r}",
+            self.sighting,
+            "facts acknowledged to this writer",
+        )
         settings = self._tcp_settings()
         yield Query(
             sql.SQL(

@@ -101,3 +101,29 @@ def test_written_elsewhere_takes_rows_from_before_incarnations_as_they_are() -> 
     assert written_elsewhere("a/1/2/3/2", current) == "; ".join(
         changes(Incarnation("a", 1, 2, 3, 2), current)
     )
+
+
+@given(incarnations, st.integers(0, 5))
+def test_the_guard_takes_a_later_timeline_and_refuses_an_earlier_one(
+    first: Incarnation, later: int
+) -> None:
+    guard = Guard(first)
+    promoted = Incarnation(
+        first.id, first.system_identifier, first.database_oid, first.table_oid,
+        first.timeline + later,
+    )  # fmt: skip
+    assert guard.check(promoted, "reader") == promoted  # a failover: the role checks the rest
+    assert guard.expected == promoted
+    if later:
+        with pytest.raises(DatabaseChanged, match="split brain"):
+            guard.check(first, "writer")  # the old primary, writable again
+        assert guard.expected == promoted
+
+
+def test_a_group_row_of_an_earlier_timeline_holds_across_a_failover_only() -> None:
+    current = Incarnation("a", 1, 2, 3, 2)
+    assert written_elsewhere("a/1/2/3/1", current, across_failover=True) is None
+    assert written_elsewhere("a/1/2/3/3", current, across_failover=True) is not None
+    assert written_elsewhere("a/1/9/3/1", current, across_failover=True) is not None
+    assert written_elsewhere("nonsense", current, across_failover=True) is not None
+    assert written_elsewhere("a/1/2/3/1", current) is not None

@@ -1,0 +1,133 @@
+"""After a failover: does the new primary hold what a role saw (`streams.core.failover`)?
+
+`check_sighting` runs on a role's first session on a new timeline, after the incarnation
+check (`streams.store.identity.verify`) and before anything else: it reads which of the fact
+IDs the role remembers are still there, and each stream's ``pruned_through`` in a later
+statement. Why that order is enough: the new primary's history is a prefix of the old one and
+only grows from here, so a fact present now was committed before the switch point and stays
+(retention aside, which the later statement sees: a prune commits ``pruned_through`` with its
+deletes, so a fact gone from the first snapshot because retention removed it shows as pruned
+in the second). Facts absent now were lost with the old timeline: nothing will commit them
+again under their IDs, since the new primary's sequence is past every ID its prefix handed
+out; readers also check their positions against that sequence (`ReaderCore._note_probe`).
+
+`failover_report` is the operator's view (`streams failover check`): per stream, the
+sequence's last value, the highest fact ID, and the group rows committed beyond the sequence.
+`repair_sequences` moves sequences forward so that no ID a process may have seen handed out on
+the old timeline is handed out again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from psycopg import sql
+
+from ..core.failover import Sighting, assess
+from ..errors import FailoverLoss
+from .driver import Commit, Gen, Query
+from .rows import pruned_through_sql
+
+__all__ = [
+    "FailoverStream",
+    "check_sighting",
+    "failover_report",
+    "repair_sequences",
+]
+
+
+def check_sighting(sighting: Sighting, where: str, what: str) -> Gen[None]:
+    """Raise `streams.FailoverLoss` (naming ``where``, the stream, the range, and ``what``
+    the IDs were: "facts acknowledged", "facts delivered") if the new primary lacks facts the
+    role saw; the first such stream is named. A non-sticky role (a writer) then forgets what
+    it saw and goes on at its next call; a sticky one (a reader) keeps the error."""
+    if sighting.failed is not None:
+        raise sighting.failed
+    losses = []
+    for stream, (key, ids) in sorted(sighting.snapshot().items()):
+        if not ids:
+            continue
+        present = yield Query(
+            sql.SQL(
+                "SELECT DISTINCT stream_id FROM streams_facts "
+                "WHERE stream = {key} AND stream_id = ANY(%s)"
+            ).format(key=sql.Literal(int(key))),
+            (ids,),
+        )
+        pruned = yield Query(pruned_through_sql(key))
+        yield Commit()
+        loss = assess(stream, ids, (int(r[0]) for r in present), int(pruned[0][0]) if pruned else 0)
+        if loss is not None:
+            losses.append(loss)
+    if not losses:
+        return
+    error: FailoverLoss = losses[0].error(where, what)
+    if sighting.sticky:
+        sighting.failed = error
+    else:
+        sighting.forget()
+    raise error
+
+
+@dataclass(frozen=True, slots=True)
+class FailoverStream:
+    """One stream as `streams failover check` shows it."""
+
+    name: str
+    #: The sequence's last value (the highest ID it handed out, logged ahead: see below).
+    sequence: int
+    #: The highest fact ID stored (0: none).
+    max_fact: int
+    #: Group rows committed beyond ``sequence``: ``(group, position)``.
+    groups_beyond: tuple[tuple[str, int], ...]
+
+
+def failover_report() -> Gen[list[FailoverStream]]:
+    """Every stream's sequence, highest fact and the group rows beyond its sequence."""
+    rows = yield Query(
+        """
+        SELECT r.name, s.value,
+               COALESCE((SELECT max(f.stream_id) FROM streams_facts f WHERE f.stream = r.id), 0),
+               ARRAY(SELECT g.group_name || '=' || g.position FROM streams_reader_groups g
+                     WHERE g.stream = r.id AND g.position > s.value ORDER BY g.group_name)
+        FROM streams_registry r
+        CROSS JOIN LATERAL (SELECT COALESCE(pg_sequence_last_value(r.sequence_name::regclass),
+                                            0) AS value) s
+        ORDER BY r.name
+        """
+    )
+    yield Commit()
+    found = []
+    for name, sequence, max_fact, groups in rows:
+        beyond = tuple((g.rsplit("=", 1)[0], int(g.rsplit("=", 1)[1])) for g in groups or ())
+        found.append(FailoverStream(str(name), int(sequence), int(max_fact), beyond))
+    return found
+
+
+def repair_sequences(skip: int, streams: Sequence[str] | None) -> Gen[list[tuple[str, int, int]]]:
+    """Move each stream's sequence (every stream if ``streams`` is None) to ``skip`` IDs past
+    the highest of its last value, its highest fact and its groups' positions, so that IDs
+    handed out on the old timeline and lost with it are not handed out again (a reader that
+    passed them would skip the new facts under them). Returns ``(stream, old, new)``."""
+    if skip < 0:
+        raise ValueError("skip must not be negative")
+    report = yield from failover_report()
+    moved = []
+    for stream in report:
+        if streams is not None and stream.name not in streams:
+            continue
+        highest = max([stream.sequence, stream.max_fact, *(p for _, p in stream.groups_beyond)])
+        target = highest + skip
+        if target <= stream.sequence:
+            continue
+        # GREATEST: a writer may have moved the sequence past ``target`` meanwhile.
+        yield Query(
+            "SELECT setval(r.sequence_name::regclass, GREATEST(%s, "
+            "COALESCE(pg_sequence_last_value(r.sequence_name::regclass), 0))) "
+            "FROM streams_registry r WHERE r.name = %s",
+            (target, stream.name),
+        )
+        moved.append((stream.name, stream.sequence, target))
+    yield Commit()
+    return moved

@@ -1,0 +1,254 @@
+"""PostgreSQL failover: a primary killed, its streaming standby promoted (`tests/pgpair.py`).
+
+Every role gets the libpq multi-host URL (``host1:port1,host2:port2`` with
+``target_session_attrs=read-write``) and finds the new primary by itself.
+
+* **Synchronous** standby: nothing acknowledged is lost, no ID is handed out twice, writers,
+  plain and group readers, the prover of shared proofs and the CLI resume by themselves, and
+  every fact the new primary holds is delivered once to each reader.
+* **Asynchronous** standby, cut off from the primary before the last facts: the new primary
+  lacks facts that were acknowledged and delivered. The writer's next call and the reader
+  stop with `streams.FailoverLoss`, naming the stream and the range; `streams failover check`
+  shows the streams and `streams failover repair` moves their sequences past every ID the old
+  primary may have handed out.
+
+The figures of one run (time to resume, facts acknowledged, lost, delivered) are printed with
+``-s`` and kept in docs/operations.md ("Failover").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from click.testing import CliRunner
+from faultkit import Appender
+from pgpair import PostgresPair, postgres_pair
+
+import streams
+from streams.command import main as cli
+from streams.migrate import upgrade
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _stored(url: str, stream: str) -> list[int]:
+    with psycopg.connect(url) as conn:
+        rows = conn.execute(
+            "SELECT DISTINCT f.stream_id FROM streams_facts f JOIN streams_registry r "
+            "ON r.id = f.stream WHERE r.name = %s ORDER BY 1",
+            (stream,),
+        ).fetchall()
+    return [int(r[0]) for r in rows]
+
+
+class Consumer(threading.Thread):
+    """Polls a reader until stopped; keeps every delivered ID and the errors met."""
+
+    def __init__(self, reader: streams.Reader, *, commit: bool = False) -> None:
+        super().__init__(daemon=True)
+        self.reader = reader
+        self.commit = commit
+        self.got: list[int] = []
+        self.errors: list[BaseException] = []
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                epoch = self.reader.poll(timeout=0.2)
+                if epoch is not None:
+                    self.got += [f.stream_id for f in epoch.facts]
+                    if self.commit:
+                        self.reader.commit()
+            except streams.DatabaseChanged as exc:
+                self.errors.append(exc)
+                return
+            except streams.StreamsError as exc:  # the server is down: poll tries again
+                self.errors.append(exc)
+                time.sleep(0.05)
+
+    def drain(self, stored: list[int], timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        want = set(stored)
+        while not want <= set(self.got) and self.is_alive():
+            assert time.monotonic() < deadline, f"missing {sorted(want - set(self.got))[:10]}"
+            time.sleep(0.05)
+        self.stopped.set()
+        self.join(timeout=30)
+
+
+@contextlib.contextmanager
+def _pair(synchronous: bool) -> Iterator[PostgresPair]:
+    with postgres_pair(synchronous=synchronous) as pair:
+        upgrade(pair.primary_url)
+        yield pair
+
+
+def _first_append_after(writer: streams.Writer, since: float) -> float:
+    """Seconds from ``since`` until ``writer`` appends again."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            writer.append({"probe": True})
+            return time.monotonic() - since
+        except streams.StreamsError:
+            assert time.monotonic() < deadline, "no append succeeded after the failover"
+            time.sleep(0.01)
+
+
+def test_synchronous_failover_loses_nothing_and_every_role_resumes(
+    redis_url: str, redis_prefix: str, unique_name: str
+) -> None:
+    with _pair(synchronous=True) as pair:
+        url = pair.multi_host_url
+        client = streams.connect(url, redis_url, redis_prefix, connect_timeout=20)
+        client.create_stream(unique_name)
+        appenders = [Appender(client.writer(unique_name), pace=0.002) for _ in range(2)]
+        plain = Consumer(client.reader(unique_name, start="earliest"))
+        group = Consumer(client.reader(unique_name, group="billing"), commit=True)
+        proved = Consumer(client.reader(unique_name, start="earliest", shared_proofs=True))
+        consumers = [plain, group, proved]
+        for thread in [*appenders, *consumers]:
+            thread.start()
+        time.sleep(1.5)
+
+        acked_before = sum(len(a.acked) for a in appenders)
+        pair.kill_primary()
+        killed = time.monotonic()
+        promote_s = pair.promote()
+        probe_writer = client.writer(unique_name, instance="after-failover")
+        resume_s = _first_append_after(probe_writer, killed)
+        time.sleep(1.5)
+        for appender in appenders:
+            appender.stop()
+        probe_writer.close()
+
+        stored = _stored(pair.standby_url, unique_name)
+        acked = [i for a in appenders for i in a.acked]
+        assert len(acked) == len(set(acked)), "an ID was acknowledged twice"
+        lost = sorted(set(acked) - set(stored))
+        assert lost == [], f"acknowledged facts lost: {lost}"
+        for consumer in consumers:
+            consumer.drain(stored)
+            fatal = [e for e in consumer.errors if isinstance(e, streams.DatabaseChanged)]
+            assert fatal == [], fatal
+            assert sorted(consumer.got) == sorted(set(consumer.got)), "delivered twice"
+            assert set(consumer.got) == set(stored), "delivered a fact the new primary lacks"
+        # The CLI on the same URL sees the new primary.
+        result = CliRunner().invoke(cli, ["positions", "--json", "--database-url", url])
+        assert result.exit_code == 0, result.output
+        positions = json.loads(result.output)
+        assert unique_name in json.dumps(positions)
+        client.close()
+        print(
+            f"\nsynchronous failover: promote {promote_s:.2f} s, first append {resume_s:.2f} s "
+            f"after the kill; acked {len(acked)} ({acked_before} before the kill), lost 0, "
+            f"stored {len(stored)}, delivered {len(plain.got)}/{len(group.got)}/"
+            f"{len(proved.got)} (plain/group/shared proofs), each once"
+        )
+
+
+def _cut_off(pair: PostgresPair) -> None:
+    """The standby stops receiving WAL (its primary_conninfo emptied): what the primary
+    writes from now on is acknowledged (asynchronous) but never reaches it."""
+    with psycopg.connect(pair.standby.url, autocommit=True) as conn:
+        conn.execute("ALTER SYSTEM SET primary_conninfo = ''")
+        conn.execute("SELECT pg_reload_conf()")
+    deadline = time.monotonic() + 30
+    while True:
+        with psycopg.connect(pair.primary.url, autocommit=True) as conn:
+            row = conn.execute("SELECT count(*) FROM pg_stat_replication").fetchone()
+        if row == (0,):
+            return
+        assert time.monotonic() < deadline, "the standby still streams"
+        time.sleep(0.05)
+
+
+def test_asynchronous_failover_is_detected_and_named(
+    redis_url: str, redis_prefix: str, unique_name: str
+) -> None:
+    with _pair(synchronous=False) as pair:
+        url = pair.multi_host_url
+        client = streams.connect(url, redis_url, redis_prefix, connect_timeout=20)
+        client.create_stream(unique_name)
+        writer = client.writer(unique_name)
+        reader = client.reader(unique_name, start="earliest")
+        group = client.reader(unique_name, group="billing")
+        kept = [writer.append({"n": n}).ids[0] for n in range(20)]
+        pair.wait_replayed()
+        _cut_off(pair)
+        lost = [writer.append({"n": n}).ids[0] for n in range(20, 30)]
+        delivered: list[int] = []
+        while len(delivered) < 30:
+            epoch = reader.poll(timeout=2.0)
+            assert epoch is not None
+            delivered += [f.stream_id for f in epoch.facts]
+        grouped: list[Any] = []
+        while len(grouped) < 30:
+            epoch = group.poll(timeout=2.0)
+            assert epoch is not None
+            grouped += epoch.facts
+        group.commit()
+
+        pair.kill_primary()
+        pair.promote()
+        assert _stored(pair.standby_url, unique_name) == kept
+
+        # The writer: its next call names the acknowledged facts that are gone, once.
+        with pytest.raises(streams.FailoverLoss) as caught:
+            writer.append({"n": 30})
+        assert caught.value.stream == unique_name
+        assert (caught.value.first, caught.value.last, caught.value.missing) == (
+            lost[0],
+            lost[-1],
+            len(lost),
+        )
+        assert "facts acknowledged" in str(caught.value)
+        after = writer.append({"n": 31})  # reported: the writer goes on
+        assert after.ids[0] > lost[-1], "an ID was handed out twice"
+
+        # The reader: stops, naming what it delivered that is gone; and stays stopped.
+        for _ in range(2):
+            with pytest.raises(streams.FailoverLoss) as caught:
+                reader.poll(timeout=2.0)
+            assert (caught.value.first, caught.value.last) == (lost[0], lost[-1])
+            assert "facts delivered" in str(caught.value)
+        with pytest.raises(streams.FailoverLoss):
+            group.poll(timeout=2.0)
+
+        # The operator's view, and the repair: sequences move past every ID handed out.
+        runner = CliRunner()
+        result = runner.invoke(cli, ["failover", "check", "--json", "--database-url", url])
+        assert result.exit_code == 0, result.output
+        report = {s["stream"]: s for s in json.loads(result.output)["streams"]}
+        assert report[unique_name]["max_fact"] == after.ids[0]
+        result = runner.invoke(
+            cli, ["failover", "repair", "--skip", "1000", "--yes", "--database-url", url]
+        )
+        assert result.exit_code == 0, result.output
+        assert writer.append({"n": 32}).ids[0] > after.ids[0] + 999
+
+        # A new reader starts on the new history and delivers what is there, once.
+        with streams.connect(url, redis_url, redis_prefix) as fresh:
+            again = fresh.reader(unique_name, start="earliest")
+            got: list[int] = []
+            while len(got) < len(kept) + 2:
+                epoch = again.poll(timeout=2.0)
+                assert epoch is not None
+                got += [f.stream_id for f in epoch.facts]
+            assert got[: len(kept)] == kept
+            again.close()
+        for closable in (reader, group, writer, client):
+            with contextlib.suppress(streams.StreamsError):
+                closable.close()
+        print(
+            f"\nasynchronous failover: acked {len(kept) + len(lost)}, lost {len(lost)} "
+            f"(IDs {lost[0]}..{lost[-1]}), detected by the writer and both readers"
+        )
