@@ -27,6 +27,7 @@ from ..store.reader_groups import groups_beyond, list_groups
 from ..store.registry import StreamInfo, check_schema, list_streams
 from ..store.retention import prune_target
 from ..transport.redis_errors import connection_error
+from .pg_topology import postgres_topology
 from .render import age
 
 #: A reservation held open longer than this is reported: it holds every reader back.
@@ -79,12 +80,17 @@ def diagnose(settings: Settings, *, stale_after_ms: int = STALE_AFTER_MS) -> lis
             purpose="doctor",
         )
     except StreamsError as exc:  # StoreError (unreachable) or ConfigurationError (bad URL)
-        return [Check("database", False, str(exc))]
+        found = [Check("database", False, str(exc))]
+        if "," in settings.database_url:  # which hosts of a multi-host URL answer, as what
+            found += [Check(*f) for f in postgres_topology(settings.database_url)]
+        return found
     with conn:
         version = conn.execute("SHOW server_version").fetchone()
         checks.append(
             Check("database", True, f"{where} (PostgreSQL {version[0] if version else '?'})")
         )
+        read_url = getattr(settings, "read_database_url", None)
+        checks += [Check(*f) for f in postgres_topology(settings.database_url, read_url)]
         try:
             run(conn, check_schema())
             checks.append(Check("schema", True, "at head"))

@@ -252,3 +252,34 @@ def test_asynchronous_failover_is_detected_and_named(
             f"\nasynchronous failover: acked {len(kept) + len(lost)}, lost {len(lost)} "
             f"(IDs {lost[0]}..{lost[-1]}), detected by the writer and both readers"
         )
+
+
+def _doctor(url: str) -> dict[str, dict[str, Any]]:
+    result = CliRunner().invoke(cli, ["doctor", "--json", "--database-url", url])
+    checks = json.loads(result.output)
+    return {c["name"]: c for c in checks}
+
+
+def test_doctor_shows_the_topology_and_what_is_degraded() -> None:
+    with _pair(synchronous=True) as pair:
+        primary = f"postgres 127.0.0.1:{pair.primary.port}"
+        standby = f"postgres 127.0.0.1:{pair.standby.port}"
+        checks = _doctor(pair.multi_host_url)
+        assert checks[primary]["ok"] and "primary, timeline 1" in checks[primary]["detail"]
+        assert checks[standby]["ok"] and "standby, timeline 1" in checks[standby]["detail"]
+        replication = checks["postgres replication"]
+        assert replication["ok"] and "standby1 (streaming, sync" in replication["detail"]
+
+        pair.pause_replay()
+        checks = _doctor(pair.multi_host_url)
+        assert not checks[standby]["ok"] and "replay PAUSED" in checks[standby]["detail"]
+        pair.resume_replay()
+
+        pair.promote()  # the primary still runs: two primaries
+        checks = _doctor(pair.multi_host_url)
+        assert not checks["postgres primary"]["ok"]
+        assert "split brain" in checks["postgres primary"]["detail"]
+        assert "timeline 2" in checks["postgres primary"]["detail"]
+        # With no standby left, the old primary's commits would wait for one.
+        old = checks[f"postgres replication 127.0.0.1:{pair.primary.port}"]
+        assert not old["ok"] and "every commit waits" in old["detail"]
