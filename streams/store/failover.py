@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from psycopg import sql
 
 from ..core.failover import Sighting, assess
-from ..errors import FailoverLoss
+from ..errors import FailoverLoss, StoreError
 from .driver import Commit, Gen, Query
 from .rows import pruned_through_sql
 
@@ -34,6 +34,7 @@ __all__ = [
     "check_sighting",
     "failover_report",
     "repair_sequences",
+    "switchpoint",
 ]
 
 
@@ -131,3 +132,29 @@ def repair_sequences(skip: int, streams: Sequence[str] | None) -> Gen[list[tuple
         moved.append((stream.name, stream.sequence, target))
     yield Commit()
     return moved
+
+
+def lsn_int(text: str) -> int:
+    """A WAL position ``X/Y`` as an integer (what PostgreSQL's ``pg_lsn`` orders by)."""
+    high, _, low = text.partition("/")
+    return (int(high, 16) << 32) + int(low, 16)
+
+
+def switchpoint(old_timeline: int) -> Gen[int | None]:
+    """Where the current timeline left ``old_timeline`` (revision
+    ``0013_timeline_switchpoint``), as an integer WAL position; None when it cannot be known
+    here (the function's owner may not read the timeline history, or ``old_timeline`` is not
+    an ancestor of the current one): callers then take the safe side."""
+    try:
+        rows = yield Query(
+            "SELECT streams_timeline_switchpoint(%s)::text", (int(old_timeline),), prepare=False
+        )
+    except StoreError as exc:
+        # 42501: the owner may not read the file; 58P01: no history file (restored elsewhere);
+        # 42883: the function is missing (schema older than 0013).
+        if exc.sqlstate not in ("42501", "58P01", "42883"):
+            raise
+        return None  # (the driver rolled the failed statement's transaction back)
+    yield Commit()
+    text = rows[0][0] if rows else None
+    return None if text is None else lsn_int(str(text))

@@ -91,16 +91,24 @@ def _pair(synchronous: bool) -> Iterator[PostgresPair]:
         yield pair
 
 
-def _first_append_after(writer: streams.Writer, since: float) -> float:
-    """Seconds from ``since`` until ``writer`` appends again."""
+def _first_append_after(writer: streams.Writer, since: float) -> tuple[int, float]:
+    """The ID of ``writer``'s first append that succeeds, and the seconds from ``since``."""
     deadline = time.monotonic() + 60
     while True:
         try:
-            writer.append({"probe": True})
-            return time.monotonic() - since
+            ack = writer.append({"probe": True})
+            return ack.ids[0], time.monotonic() - since
         except streams.StreamsError:
             assert time.monotonic() < deadline, "no append succeeded after the failover"
             time.sleep(0.01)
+
+
+def _delivered_after(consumer: Consumer, fact: int, since: float) -> float:
+    deadline = time.monotonic() + 60
+    while fact not in consumer.got:
+        assert time.monotonic() < deadline, f"fact {fact} not delivered after the failover"
+        time.sleep(0.005)
+    return time.monotonic() - since
 
 
 def test_synchronous_failover_loses_nothing_and_every_role_resumes(
@@ -124,7 +132,8 @@ def test_synchronous_failover_loses_nothing_and_every_role_resumes(
         killed = time.monotonic()
         promote_s = pair.promote()
         probe_writer = client.writer(unique_name, instance="after-failover")
-        resume_s = _first_append_after(probe_writer, killed)
+        first, resume_s = _first_append_after(probe_writer, killed)
+        delivered_s = [_delivered_after(c, first, killed) for c in consumers]
         time.sleep(1.5)
         for appender in appenders:
             appender.stop()
@@ -149,7 +158,8 @@ def test_synchronous_failover_loses_nothing_and_every_role_resumes(
         client.close()
         print(
             f"\nsynchronous failover: promote {promote_s:.2f} s, first append {resume_s:.2f} s "
-            f"after the kill; acked {len(acked)} ({acked_before} before the kill), lost 0, "
+            f"after the kill, delivered {max(delivered_s):.2f} s after it; acked {len(acked)} "
+            f"({acked_before} before the kill), lost 0, "
             f"stored {len(stored)}, delivered {len(plain.got)}/{len(group.got)}/"
             f"{len(proved.got)} (plain/group/shared proofs), each once"
         )

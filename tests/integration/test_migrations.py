@@ -32,7 +32,7 @@ TABLES = (
     "streams_writers",
 )
 VERSION_TABLE = "streams_alembic_version"
-HEAD = "0012_prover_keys"
+HEAD = "0013_timeline_switchpoint"
 
 
 # ---------------------------------------------------------------------------------------------
