@@ -500,7 +500,10 @@ def test_doctor_healthy(fresh_url: str) -> None:
         assert set(check) == {"name", "ok", "detail"}
         assert check["ok"] is True, check
     names = [c["name"] for c in checks]
-    assert names[:2] == ["database", "schema"]
+    assert names[0] == "database"
+    # The server's place in the deployment (`streams.ops.pg_topology`), then the schema.
+    assert names[1].startswith("postgres ") and names[2] == "postgres replication"
+    assert names[3] == "schema"
     assert "stream doctor-stream: sequence" in names
     assert "stream doctor-stream: writers" in names
     text = ok(cli(fresh_url, "doctor"))
