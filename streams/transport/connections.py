@@ -362,17 +362,20 @@ class InlinePublisher:
             for k, n in zip(reply[::2], reply[1::2], strict=True)
         }
 
-    def send(self, lines: Sequence[tuple[str, bytes]], may_connect: bool) -> int:
-        """Publish each ``(channel, line)``, in order, in one ``send``."""
+    def send(
+        self, lines: Sequence[tuple[str, bytes]], may_connect: bool, *, verb: str = "PUBLISH"
+    ) -> int:
+        """Publish each ``(channel, line)``, in order, in one ``send`` (``verb``: ``SPUBLISH``
+        for a stream's channel on a cluster)."""
         with self._lock:
             conn = self._connected_locked(may_connect)
             if conn is None:
                 return 0
             try:
                 if len(lines) == 1:
-                    packed = conn.pack_command("PUBLISH", *lines[0])
+                    packed = conn.pack_command(verb, *lines[0])
                 else:
-                    packed = conn.pack_commands([("PUBLISH", *item) for item in lines])
+                    packed = conn.pack_commands([(verb, *item) for item in lines])
                 conn.send_packed_command(packed, check_health=False)
             except REDIS_ERRORS as exc:
                 log.debug("inline publish failed: %s", exc)

@@ -71,6 +71,7 @@ import redis.asyncio
 
 from .._aio import wait_event
 from ..config import redact_url
+from ..core.constants import sharded_channel
 from ..core.protocol import Command, serialize
 from ..core.replication import (
     Announcer,
@@ -80,7 +81,9 @@ from ..core.replication import (
     LinkStats,
     backoff_delay,
 )
+from ..errors import ConfigurationError
 from ..redis_urls import parse_redis_url
+from .cluster import ClusterPublisher, ClusterSubscriber
 from .connections import (
     REDIS_ERRORS,
     AsyncSubscriber,
@@ -90,7 +93,7 @@ from .connections import (
     client_options,
 )
 from .faces import AttachedWriter, LinkListener
-from .topology import NotMaster, master_url
+from .topology import ClusterMap, NotMaster, master_url
 
 __all__ = ["KEEPALIVE", "AsyncRedisLink", "KnownStreams", "LinkListener", "RedisLink"]
 
@@ -141,6 +144,8 @@ class _LinkBase:
         #: The server the subscriber reached last (a Sentinel set's master, `_resolve`); the
         #: publisher follows it. None until the first connect for a Sentinel URL.
         self._target: str | None = url if self._topology.kind == "single" else None
+        #: A cluster's slot map, shared by the subscriber and the publisher (`cluster`).
+        self._slots = ClusterMap(self._topology) if self._topology.kind == "cluster" else None
         self._known_streams = known_streams
         self._listeners: list[LinkListener] = []
         self._listeners_lock = threading.Lock()
@@ -340,6 +345,9 @@ class _LinkBase:
         self.core.on_disconnected()
         self._set_connected(False)
 
+    def _sharded(self, channel: str) -> bool:
+        return sharded_channel(self.core.prefix, channel)
+
     def _keepalive_plan(self) -> Generator[_ListenOp, Any, None]:
         yield _Ping()
         if self._topology.kind == "sentinel":
@@ -496,7 +504,11 @@ class RedisLink(_LinkBase):
         publish_window: float = PUBLISH_WINDOW,
     ) -> None:
         super().__init__(url, prefix, name, known_streams, idle_read_interval)
-        self._publisher = InlinePublisher(self._target, self.client_name("pub"))
+        self._publisher: InlinePublisher | ClusterPublisher
+        if self._slots is not None:
+            self._publisher = ClusterPublisher(self._slots, self.client_name("pub"), self._sharded)
+        else:
+            self._publisher = InlinePublisher(self._target, self.client_name("pub"))
         self._publish_window = publish_window
         self._pending: list[_Out] = []
         self._pending_lock = threading.Lock()
@@ -595,7 +607,7 @@ class RedisLink(_LinkBase):
 
     def _listen_loop(self) -> None:
         plan = self._listen_plan()
-        subscriber: Subscriber | None = None
+        subscriber: Subscriber | ClusterSubscriber | None = None
         result: Any = None
         error: BaseException | None = None
         try:
@@ -611,6 +623,14 @@ class RedisLink(_LinkBase):
                             if subscriber is not None:
                                 subscriber.close()
                                 subscriber = None
+                            if self._slots is not None:
+                                subscriber = ClusterSubscriber(
+                                    self._slots,
+                                    self.client_name("sub"),
+                                    self.core.channel,
+                                    self._sharded,
+                                )
+                                continue
                             target = self._resolve()
                             subscriber = Subscriber(
                                 target,
@@ -678,6 +698,11 @@ class AsyncRedisLink(_LinkBase):
         self, url: str, prefix: str, name: str, *, known_streams: KnownStreams | None = None
     ) -> None:
         super().__init__(url, prefix, name, known_streams)
+        if self._slots is not None:
+            raise ConfigurationError(
+                "redis+cluster:// is supported by the threaded client (streams.connect) only; "
+                "the asyncio client needs a single server or redis+sentinel://"
+            )
         self._queue: asyncio.Queue[_Out | None] = asyncio.Queue(PUBLISH_QUEUE_LIMIT)
         self._stopped = asyncio.Event()
         self._resubscribe = asyncio.Event()
