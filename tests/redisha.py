@@ -203,13 +203,22 @@ class SentinelSet:
             server.kill()
 
 
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is a free port too."""
+    for _ in range(200):
+        port = free_port()
+        if port + 10000 < 65536 and port_free(port + 10000):
+            return port
+    raise AssertionError("no free port pair for a cluster node")
+
+
 class RedisCluster:
     """Three cluster masters on free ports, slots assigned by ``redis-cli --cluster create``."""
 
     def __init__(self, workdir: Path, masters: int = 3) -> None:
         self.nodes = []
         for i in range(masters):
-            port = free_port()
+            port = _cluster_port()
             self.nodes.append(
                 _Server(
                     workdir,

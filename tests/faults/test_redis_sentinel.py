@@ -22,6 +22,7 @@ from redisha import sentinel_set
 from servers import new_redis_prefix
 
 import streams
+from streams.ops.redis_topology import redis_topology
 from streams.transport.link import AsyncRedisLink
 
 #: The reader's fallback poll interval: a delivery much faster than this came from a hint.
@@ -79,6 +80,9 @@ def test_master_failover_loses_nothing_and_links_follow(
                 assert time.monotonic() < deadline, "links never connected"
                 time.sleep(0.02)
             first_master = ha.master_port()
+            ok, detail = redis_topology(ha.url)
+            assert ok and f"master 127.0.0.1:{first_master}" in detail, detail
+            assert "3/3 Sentinel(s) answer (quorum 2); 1 healthy replica(s)" in detail, detail
             assert {_port(link._target) for link in links} == {first_master}  # type: ignore[union-attr]
 
             appender = threading.Thread(target=append, daemon=True)
@@ -116,6 +120,9 @@ def test_master_failover_loses_nothing_and_links_follow(
                 pump(time.monotonic() + 0.01)
             latency = time.monotonic() - started
             assert latency < POLL_INTERVAL / 5, latency
+            ok, detail = redis_topology(ha.url)  # the replica is the master now: none left
+            assert not ok and f"master 127.0.0.1:{new}" in detail, detail
+            assert "no healthy replica" in detail, detail
             stats: Any = reading.link.stats  # type: ignore[union-attr]
             assert stats.reconnects >= 1
             print(
