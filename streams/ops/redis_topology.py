@@ -39,7 +39,7 @@ def redis_topology(url: str) -> tuple[bool, str]:
         if topology.kind == "cluster":
             return _cluster(topology)
         return _single(url)
-    except _ERRORS as exc:
+    except Exception as exc:  # only the class name: a parser's message may quote the password
         return False, f"{redact_url(url)}: {type(exc).__name__}: cannot see the topology"
 
 

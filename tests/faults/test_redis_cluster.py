@@ -120,7 +120,7 @@ def test_cluster_shards_streams_and_survives_a_shard_restart(
             appender.join(10)
             for name in streams_:
                 deadline = time.monotonic() + 3 * POLL_INTERVAL
-                while set(delivered[name]) < set(acked[name]) and time.monotonic() < deadline:
+                while not set(acked[name]) <= set(delivered[name]) and time.monotonic() < deadline:
                     pump(0.1)
                 assert delivered[name] == sorted(set(delivered[name]))
                 assert set(acked[name]) <= set(delivered[name])

@@ -46,8 +46,8 @@ PURE_FILES = (
     PACKAGE_DIR / "redis_urls.py",
 )
 PURE_MODULES = tuple(path.stem for path in PURE_FILES)
-#: What a pure module may import of `streams`: the core itself and the error tree.
-PURE_ALLOWED = frozenset({"streams.core", "streams.errors"})
+#: What a pure module may import of `streams`: the core itself, the error tree, the URL parser.
+PURE_ALLOWED = frozenset({"streams.core", "streams.errors", "streams.redis_urls"})
 IO_MODULES = frozenset(
     {
         "socket",
