@@ -3,7 +3,8 @@
 Configuration comes from arguments first, then the environment:
 
 * ``STREAMS_DATABASE_URL``: a ``postgresql://`` URL (the truth);
-* ``STREAMS_REDIS_URL``: ``redis://`` or ``rediss://`` (the fast path);
+* ``STREAMS_REDIS_URL``: ``redis://`` or ``rediss://`` (the fast path), or
+  ``redis+sentinel://`` / ``redis+cluster://`` (`streams.redis_urls`);
 * ``STREAMS_PREFIX``: the Redis channel prefix, default ``streams``;
 * ``STREAMS_CONNECT_TIMEOUT``: seconds spent opening a PostgreSQL connection while the server
   is starting, restarting or refusing connections, default `DEFAULT_CONNECT_TIMEOUT`.
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from urllib.parse import quote, quote_plus, unquote, unquote_plus, urlsplit
 
 from .errors import ConfigurationError, InvalidStreamName
+from .redis_urls import CLUSTER_SCHEME, SENTINEL_SCHEME, parse_redis_url
 
 __all__ = [
     "DEFAULT_CONNECT_TIMEOUT",
@@ -220,9 +222,13 @@ def validate_redis_url(url: str) -> str:
     URL.
     """
     scheme = _scheme_of(url)
+    if scheme in (SENTINEL_SCHEME, CLUSTER_SCHEME):
+        parse_redis_url(url)  # its errors never quote the password
+        return url
     if scheme not in ("redis", "rediss", "unix"):
         raise ConfigurationError(
-            f"Redis URL must be redis://, rediss:// or unix://, got {redact_url(url)!r}"
+            "Redis URL must be redis://, rediss://, unix://, redis+sentinel:// or "
+            f"redis+cluster://, got {redact_url(url)!r}"
         )
     rest = url[len(scheme) + 3 :]
     host_end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))

@@ -35,10 +35,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import click
-import redis
 
 from ..cli_params import FiniteFloat, IntList, NameList, common_options
 from ..config import Settings, redact_url
+from ..transport.topology import open_client
 from .common import Scratch, percentiles_ms, scratch_streams
 
 __all__ = ["bench_fanout_command", "run_fanout_bench"]
@@ -156,7 +156,7 @@ def _redis_baseline(
     try:
         _ready(subs)
         time.sleep(0.3)
-        r = redis.Redis.from_url(redis_url)
+        r = open_client(redis_url)
         due = time.monotonic()
         end = due + seconds
         while due < end:

@@ -27,8 +27,7 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
 
-import redis
-
+from ..transport.topology import open_client
 from .common import ignore_interrupts
 
 __all__ = ["main"]
@@ -106,7 +105,7 @@ def writer(url: str, redis_url: str, prefix: str, stream: str, seconds: str, rat
 
 
 def subscriber(redis_url: str, channel: str) -> None:
-    r = redis.Redis.from_url(redis_url)
+    r = open_client(redis_url)
     pubsub = r.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
     pubsub.subscribe(channel)
     stop = _stopper()

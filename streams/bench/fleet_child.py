@@ -30,8 +30,8 @@ from collections.abc import Callable
 from typing import Any
 
 import psycopg
-import redis
 
+from ..transport.topology import open_client
 from .common import ignore_interrupts
 
 __all__ = ["main"]
@@ -128,7 +128,7 @@ def writer(url: str, redis_url: str, prefix: str, stream: str) -> None:
 
 def raw_writer(url: str, redis_url: str, channel: str, table: str) -> None:
     conn = psycopg.connect(url, autocommit=True)
-    r = redis.Redis.from_url(redis_url)
+    r = open_client(redis_url)
     statement = f"INSERT INTO {table} (payload) VALUES (%s)".encode()  # the parent's name
 
     def append(n: int, timed: bool) -> None:
@@ -223,7 +223,7 @@ def reader(url: str, redis_url: str, prefix: str, stream: str) -> None:
 
 
 def raw_reader(redis_url: str, channel: str) -> None:
-    r = redis.Redis.from_url(redis_url)
+    r = open_client(redis_url)
     pubsub: Any = r.pubsub()  # type: ignore[no-untyped-call]
     pubsub.subscribe(channel)
     deadline = time.monotonic() + 10

@@ -41,13 +41,13 @@ from typing import TYPE_CHECKING, Any
 
 import click
 import psycopg
-import redis
 from psycopg import sql
 
 from ..cli_params import FiniteFloat, common_options
 from ..config import Settings, redact_url
 from ..core.constants import facts_partition
 from ..store.reader_core import DEFAULT_PAGE_SIZE
+from ..transport.topology import open_client
 from .common import (
     PAYLOAD,
     Scratch,
@@ -291,7 +291,7 @@ def _redis_child(
     start_at: Any,
 ) -> None:
     ignore_interrupts()
-    client = redis.Redis.from_url(redis_url)
+    client = open_client(redis_url)
     try:
         for _ in range(WARMUP_APPENDS):
             client.publish(f"{channel}:warmup", b"0")
@@ -325,7 +325,7 @@ def _measure_raw_redis(
     channel = f"bench-lat-raw-{secrets.token_hex(6)}"
     barrier = ctx.Barrier(2)
     start_at = ctx.Value("d", 0.0)
-    client = redis.Redis.from_url(redis_url)
+    client = open_client(redis_url)
     pubsub = client.pubsub()  # type: ignore[no-untyped-call]
     proc = scratch.watch(
         ctx.Process(

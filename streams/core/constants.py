@@ -85,6 +85,7 @@ __all__ = [
     "proof_channel",
     "replication_channel",
     "reservation_lock_class",
+    "sharded_channel",
 ]
 
 #: First key of the per-stream registration lock.
@@ -128,6 +129,14 @@ def data_channel(prefix: str, stream: str) -> str:
 def proof_channel(prefix: str, stream: str) -> str:
     """The channel of what one stream's prover publishes (heard by every reader of it)."""
     return f"{prefix}:proof:{stream}"
+
+
+def sharded_channel(prefix: str, channel: str) -> bool:
+    """Whether ``channel`` is one stream's (its data or proof channel): on a Redis Cluster it
+    is published with ``SPUBLISH`` and heard with ``SSUBSCRIBE`` on the shard that owns its
+    slot; every other channel (``<prefix>``, instance channels) is control traffic, published
+    with ``PUBLISH``, which a cluster delivers on every node."""
+    return channel.startswith((f"{prefix}:data:", f"{prefix}:proof:"))
 
 
 def instance_channel(prefix: str, instance: str) -> str:

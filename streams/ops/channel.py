@@ -34,6 +34,7 @@ from ..core.protocol import (
 )
 from ..core.replication import ForeignDeployment, foreign_verdict
 from ..transport.redis_errors import connection_error
+from ..transport.topology import open_client
 
 __all__ = ["ChannelPosition", "ChannelReport", "ChannelTally", "observe_channel"]
 
@@ -231,9 +232,7 @@ def _observe(
     known_streams: Collection[str] | None,
 ) -> ChannelReport:
     channel = replication_channel(prefix)
-    client = redis.Redis.from_url(
-        redis_url, socket_connect_timeout=5, socket_timeout=max(5.0, cap + 1)
-    )
+    client = open_client(redis_url, socket_connect_timeout=5, socket_timeout=max(5.0, cap + 1))
     pubsub: Any = None
     try:
         pubsub = client.pubsub()  # type: ignore[no-untyped-call]

@@ -28,6 +28,7 @@ from ..store.registry import StreamInfo, check_schema, list_streams
 from ..store.retention import prune_target
 from ..transport.redis_errors import connection_error
 from .pg_topology import postgres_topology
+from .redis_topology import redis_topology
 from .render import age
 
 #: A reservation held open longer than this is reported: it holds every reader back.
@@ -105,14 +106,14 @@ def diagnose(settings: Settings, *, stale_after_ms: int = STALE_AFTER_MS) -> lis
     if settings.redis_url:
         import redis
 
+        from ..transport.topology import open_client
+
         # A connection failure says why (`streams.transport.redis_errors`, password scrubbed);
         # anything else, even redis-py's URL parser raising ValueError, shows only the class name:
         # such messages may quote part of the URL, and so of its password.
         failure: str | None = None
         try:
-            client = redis.Redis.from_url(
-                settings.redis_url, socket_timeout=3, socket_connect_timeout=3
-            )
+            client = open_client(settings.redis_url, socket_timeout=3, socket_connect_timeout=3)
             try:
                 client.ping()
                 channel = replication_channel(settings.prefix)
@@ -136,6 +137,7 @@ def diagnose(settings: Settings, *, stale_after_ms: int = STALE_AFTER_MS) -> lis
             checks.append(Check("redis", False, failure))
     if settings.redis_url:
         checks.append(_channel_check(settings, [i.name for i in infos]))
+        checks.append(Check("redis topology", *redis_topology(settings.redis_url)))
     return checks
 
 

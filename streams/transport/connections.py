@@ -31,6 +31,7 @@ from redis.retry import Retry
 
 from .._aio import uninterrupted
 from ..core import resp
+from .topology import NotMaster, check_master, open_client
 
 __all__ = [
     "INLINE_RECONNECT_INTERVAL",
@@ -80,7 +81,12 @@ def publish_now(url: str, channel: str, line: bytes) -> int | None:
     for a rare line that must go out before the call that makes it returns (``KEYS``, after a
     key rotation), which a link would drop while it is not subscribed yet. Returns how many
     subscribers received it, or None if Redis could not be reached (logged)."""
-    client = redis.Redis.from_url(url, **client_options(socket_timeout=5))
+    try:
+        # A Sentinel URL's current master, or any node of a cluster (PUBLISH reaches all).
+        client = open_client(url, **client_options(socket_timeout=5))
+    except REDIS_ERRORS as exc:
+        log.warning("could not publish on %r: %s", channel, exc)
+        return None
     try:
         received: Any = client.publish(channel, line)
         return int(received)
@@ -148,10 +154,16 @@ class Subscriber:
     arrived at a time, parsed by `Inbox` (see `streams.core.resp` for why).
     """
 
-    def __init__(self, url: str, client_name: str) -> None:
+    def __init__(self, url: str, client_name: str, *, expect_master: bool = False) -> None:
         conn: Any = subscriber_pool(redis.ConnectionPool, url, client_name).make_connection()
         self._conn = conn
         conn.connect()
+        if expect_master:  # a Sentinel's master: check before subscribing (`topology`)
+            try:
+                check_master(conn)
+            except BaseException:
+                self.close()
+                raise
         self._sock: Any = conn._sock  # redis-py's socket (plain or TLS), ours from here
         self._inbox = Inbox()
 
@@ -204,12 +216,19 @@ class AsyncSubscriber:
         self._read: asyncio.Future[bytes] | None = None
 
     @classmethod
-    async def open(cls, url: str, client_name: str) -> AsyncSubscriber:
+    async def open(
+        cls, url: str, client_name: str, *, expect_master: bool = False
+    ) -> AsyncSubscriber:
         conn: Any = subscriber_pool(
             redis.asyncio.ConnectionPool, url, client_name
         ).make_connection()
         try:
             await conn.connect()
+            if expect_master:  # see `Subscriber`
+                await conn.send_command("ROLE", check_health=False)
+                role: Any = await conn.read_response()
+                if not (isinstance(role, list) and role and role[0] == b"master"):
+                    raise NotMaster(f"the server Sentinel named is not the master ({role!r:.40})")
         except BaseException:  # a cancellation mid-handshake too: leave no socket behind
             with contextlib.suppress(Exception):
                 await uninterrupted(conn.disconnect())
@@ -268,22 +287,43 @@ class InlinePublisher:
     connects only when `may_connect` says so (see the module docstring).
     """
 
-    def __init__(self, url: str, client_name: str) -> None:
-        self._pool = redis.ConnectionPool.from_url(
-            url,
-            socket_connect_timeout=1,
-            socket_timeout=INLINE_SEND_TIMEOUT,
-            client_name=client_name,
-        )
+    def __init__(self, url: str | None, client_name: str) -> None:
+        # ``url`` None: not known yet (a Sentinel's master, until the link asks; `retarget`).
+        self._client_name = client_name
+        self._url = url
+        self._pool = self._new_pool(url)
         self._lock = threading.Lock()
         self._conn: Any = None
         self._next_attempt = 0.0
+
+    def _new_pool(self, url: str | None) -> Any:
+        if url is None:
+            return None
+        return redis.ConnectionPool.from_url(
+            url,
+            socket_connect_timeout=1,
+            socket_timeout=INLINE_SEND_TIMEOUT,
+            client_name=self._client_name,
+        )
+
+    def retarget(self, url: str) -> None:
+        """Publish to the server at ``url`` from now on (a Sentinel set's new master: the
+        link's subscriber found it); nothing happens if it is the current one."""
+        if url == self._url:
+            return
+        with self._lock:
+            self._reset_locked()
+            old, self._pool, self._url = self._pool, self._new_pool(url), url
+            self._next_attempt = 0.0
+        with contextlib.suppress(Exception):
+            if old is not None:
+                old.disconnect()
 
     def _connected_locked(self, may_connect: bool) -> Any:
         conn: Any = self._conn
         if conn is None:
             now = time.monotonic()
-            if not may_connect or now < self._next_attempt:
+            if not may_connect or now < self._next_attempt or self._pool is None:
                 return None
             self._next_attempt = now + INLINE_RECONNECT_INTERVAL
             try:
@@ -322,17 +362,20 @@ class InlinePublisher:
             for k, n in zip(reply[::2], reply[1::2], strict=True)
         }
 
-    def send(self, lines: Sequence[tuple[str, bytes]], may_connect: bool) -> int:
-        """Publish each ``(channel, line)``, in order, in one ``send``."""
+    def send(
+        self, lines: Sequence[tuple[str, bytes]], may_connect: bool, *, verb: str = "PUBLISH"
+    ) -> int:
+        """Publish each ``(channel, line)``, in order, in one ``send`` (``verb``: ``SPUBLISH``
+        for a stream's channel on a cluster)."""
         with self._lock:
             conn = self._connected_locked(may_connect)
             if conn is None:
                 return 0
             try:
                 if len(lines) == 1:
-                    packed = conn.pack_command("PUBLISH", *lines[0])
+                    packed = conn.pack_command(verb, *lines[0])
                 else:
-                    packed = conn.pack_commands([("PUBLISH", *item) for item in lines])
+                    packed = conn.pack_commands([(verb, *item) for item in lines])
                 conn.send_packed_command(packed, check_health=False)
             except REDIS_ERRORS as exc:
                 log.debug("inline publish failed: %s", exc)
@@ -354,4 +397,5 @@ class InlinePublisher:
     def close(self) -> None:
         self.reset()
         with contextlib.suppress(Exception):
-            self._pool.disconnect()
+            if self._pool is not None:
+                self._pool.disconnect()

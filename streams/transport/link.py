@@ -71,6 +71,7 @@ import redis.asyncio
 
 from .._aio import wait_event
 from ..config import redact_url
+from ..core.constants import sharded_channel
 from ..core.protocol import Command, serialize
 from ..core.replication import (
     Announcer,
@@ -80,6 +81,9 @@ from ..core.replication import (
     LinkStats,
     backoff_delay,
 )
+from ..errors import ConfigurationError
+from ..redis_urls import parse_redis_url
+from .cluster import ClusterPublisher, ClusterSubscriber
 from .connections import (
     REDIS_ERRORS,
     AsyncSubscriber,
@@ -89,6 +93,7 @@ from .connections import (
     client_options,
 )
 from .faces import AttachedWriter, LinkListener
+from .topology import ClusterMap, NotMaster, master_url
 
 __all__ = ["KEEPALIVE", "AsyncRedisLink", "KnownStreams", "LinkListener", "RedisLink"]
 
@@ -135,6 +140,12 @@ class _LinkBase:
         )
         self._idle_read_interval = idle_read_interval
         self._url = url
+        self._topology = parse_redis_url(url)
+        #: The server the subscriber reached last (a Sentinel set's master, `_resolve`); the
+        #: publisher follows it. None until the first connect for a Sentinel URL.
+        self._target: str | None = url if self._topology.kind == "single" else None
+        #: A cluster's slot map, shared by the subscriber and the publisher (`cluster`).
+        self._slots = ClusterMap(self._topology) if self._topology.kind == "cluster" else None
         self._known_streams = known_streams
         self._listeners: list[LinkListener] = []
         self._listeners_lock = threading.Lock()
@@ -311,7 +322,7 @@ class _LinkBase:
                     if now - last_ping >= KEEPALIVE:
                         if now - last_pong > 2 * KEEPALIVE + 1:
                             raise redis.ConnectionError("no reply to keep-alive PING")
-                        yield _Ping()
+                        yield from self._keepalive_plan()
                         last_ping = now
             except REDIS_ERRORS as exc:
                 if self._stopped.is_set():
@@ -319,7 +330,10 @@ class _LinkBase:
                 self.core.on_disconnected()
                 self._set_connected(False)
                 self.core.stats.reconnects += 1
-                delay = backoff_delay(attempt, jitter=random.random())
+                # Under Sentinel the next attempt asks for the master again: retry at least
+                # once a second, so the link is live soon after the promotion.
+                cap = 1.0 if self._topology.kind == "sentinel" else 5.0
+                delay = backoff_delay(attempt, cap=cap, jitter=random.random())
                 attempt += 1
                 log.warning(
                     "Redis link %s lost (%s); reconnecting in %.2fs",
@@ -330,6 +344,31 @@ class _LinkBase:
                 yield _Sleep(delay)
         self.core.on_disconnected()
         self._set_connected(False)
+
+    def _sharded(self, channel: str) -> bool:
+        return sharded_channel(self.core.prefix, channel)
+
+    def _keepalive_plan(self) -> Generator[_ListenOp, Any, None]:
+        yield _Ping()
+        if self._topology.kind == "sentinel":
+            yield _Verify()  # still the master? (a demoted one still relays the new one's)
+
+    def _resolve(self) -> str:
+        """The URL to open the subscriber on (blocking: asks the Sentinels, if any)."""
+        if self._topology.kind == "sentinel":
+            return master_url(self._topology)
+        return self._url
+
+    def _verify(self) -> None:
+        """Raise `NotMaster` if the Sentinels now name another master than the one the link
+        is on (it was demoted, or a failover happened while it stayed reachable); if no
+        Sentinel answers, stay on the current one."""
+        try:
+            now = self._resolve()
+        except REDIS_ERRORS:
+            return
+        if self._target is not None and now != self._target:
+            raise NotMaster("the Sentinels name a new master")
 
     def _refresh_plan(self) -> Generator[_ListenOp, Any, None]:
         # Read after every suspect name was heard: the listen plan is the only consumer of
@@ -414,6 +453,11 @@ class _Sleep:
 
 
 @dataclass(frozen=True, slots=True)
+class _Verify:
+    """Sentinel only: check that the master the link is on is still the master (`_verify`)."""
+
+
+@dataclass(frozen=True, slots=True)
 class _Refresh:
     """Call ``known_streams``; the result is its names as a frozenset, or the exception."""
 
@@ -423,7 +467,9 @@ class _Publish:
     lines: tuple[_Out, ...]
 
 
-_ListenOp: TypeAlias = _Open | _Subscribe | _Unsubscribe | _Receive | _Ping | _Sleep | _Refresh
+_ListenOp: TypeAlias = (
+    _Open | _Subscribe | _Unsubscribe | _Receive | _Ping | _Sleep | _Refresh | _Verify
+)
 
 
 def _step(plan: Generator[Any, Any, None], result: Any, error: BaseException | None) -> Any:
@@ -458,7 +504,11 @@ class RedisLink(_LinkBase):
         publish_window: float = PUBLISH_WINDOW,
     ) -> None:
         super().__init__(url, prefix, name, known_streams, idle_read_interval)
-        self._publisher = InlinePublisher(url, self.client_name("pub"))
+        self._publisher: InlinePublisher | ClusterPublisher
+        if self._slots is not None:
+            self._publisher = ClusterPublisher(self._slots, self.client_name("pub"), self._sharded)
+        else:
+            self._publisher = InlinePublisher(self._target, self.client_name("pub"))
         self._publish_window = publish_window
         self._pending: list[_Out] = []
         self._pending_lock = threading.Lock()
@@ -557,7 +607,7 @@ class RedisLink(_LinkBase):
 
     def _listen_loop(self) -> None:
         plan = self._listen_plan()
-        subscriber: Subscriber | None = None
+        subscriber: Subscriber | ClusterSubscriber | None = None
         result: Any = None
         error: BaseException | None = None
         try:
@@ -573,7 +623,22 @@ class RedisLink(_LinkBase):
                             if subscriber is not None:
                                 subscriber.close()
                                 subscriber = None
-                            subscriber = Subscriber(self._url, self.client_name("sub"))
+                            if self._slots is not None:
+                                subscriber = ClusterSubscriber(
+                                    self._slots,
+                                    self.client_name("sub"),
+                                    self.core.channel,
+                                    self._sharded,
+                                )
+                                continue
+                            target = self._resolve()
+                            subscriber = Subscriber(
+                                target,
+                                self.client_name("sub"),
+                                expect_master=self._topology.kind == "sentinel",
+                            )
+                            self._target = target
+                            self._publisher.retarget(target)
                         case _Subscribe(channels=channels):
                             assert subscriber is not None
                             subscriber.send("SUBSCRIBE", *channels)
@@ -590,6 +655,8 @@ class RedisLink(_LinkBase):
                             self._stopped.wait(seconds)
                         case _Refresh():
                             result = self._read_known_streams()
+                        case _Verify():
+                            self._verify()
                 except REDIS_ERRORS as exc:
                     error = exc
         finally:
@@ -631,6 +698,11 @@ class AsyncRedisLink(_LinkBase):
         self, url: str, prefix: str, name: str, *, known_streams: KnownStreams | None = None
     ) -> None:
         super().__init__(url, prefix, name, known_streams)
+        if self._slots is not None:
+            raise ConfigurationError(
+                "redis+cluster:// is supported by the threaded client (streams.connect) only; "
+                "the asyncio client needs a single server or redis+sentinel://"
+            )
         self._queue: asyncio.Queue[_Out | None] = asyncio.Queue(PUBLISH_QUEUE_LIMIT)
         self._stopped = asyncio.Event()
         self._resubscribe = asyncio.Event()
@@ -703,9 +775,15 @@ class AsyncRedisLink(_LinkBase):
                             if subscriber is not None:
                                 await subscriber.close()
                                 subscriber = None
+                            target = self._url
+                            if self._topology.kind != "single":
+                                target = await asyncio.to_thread(self._resolve)
                             subscriber = await AsyncSubscriber.open(
-                                self._url, self.client_name("sub")
+                                target,
+                                self.client_name("sub"),
+                                expect_master=self._topology.kind == "sentinel",
                             )
+                            self._target = target
                         case _Subscribe(channels=channels):
                             assert subscriber is not None
                             await subscriber.send("SUBSCRIBE", *channels)
@@ -722,6 +800,8 @@ class AsyncRedisLink(_LinkBase):
                             await wait_event(self._stopped, seconds)
                         case _Refresh():
                             result = await self._read_known_streams()
+                        case _Verify():
+                            await asyncio.to_thread(self._verify)
                 except REDIS_ERRORS as exc:
                     error = exc
         finally:
@@ -739,9 +819,8 @@ class AsyncRedisLink(_LinkBase):
         # No socket timeout inside redis-py: it would bound each send with asyncio.wait_for,
         # which on Python 3.11 can swallow a cancellation (`streams._aio`); `_send` bounds the
         # whole publish with asyncio.timeout instead.
-        client = redis.asyncio.Redis.from_url(
-            self._url, client_name=self.client_name("pub"), **client_options()
-        )
+        client: redis.asyncio.Redis | None = None
+        client_url: str | None = None
         try:
             while True:
                 line = await self._queue.get()
@@ -754,6 +833,19 @@ class AsyncRedisLink(_LinkBase):
                     stop = more is None
                     if more is not None:
                         batch.append(more)
+                if self._target != client_url:  # first use, or a Sentinel set's new master
+                    if client is not None:
+                        await client.aclose()
+                    client, client_url = None, self._target
+                    if client_url is not None:
+                        client = redis.asyncio.Redis.from_url(
+                            client_url, client_name=self.client_name("pub"), **client_options()
+                        )
+                if client is None:  # the master is not known yet: best effort, dropped
+                    self.dropped += len(batch)
+                    if stop:
+                        return
+                    continue
                 due = self.core.listeners_due(time.monotonic())
                 if due:  # see `RedisLink._enqueue`
                     with contextlib.suppress(*REDIS_ERRORS):
@@ -766,7 +858,8 @@ class AsyncRedisLink(_LinkBase):
                 if stop:
                     return
         finally:
-            await client.aclose()
+            if client is not None:
+                await client.aclose()
 
     async def _send(self, client: redis.asyncio.Redis, batch: list[_Out]) -> None:
         plan = self._send_plan(batch)

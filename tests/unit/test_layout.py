@@ -4,7 +4,7 @@ import graph, and the package list of the wheel. No servers: this is the fast lo
 The layers, from the bottom (a module imports only from its own layer or below; the two I/O
 packages never import each other; there are no import cycles):
 
-0. `streams.errors`, `streams.config`, `streams._aio`: foundations;
+0. `streams.errors`, `streams.config`, `streams.redis_urls`, `streams._aio`: foundations;
 1. `streams.core`: the pure model (sans-IO);
 2. `streams.store` (PostgreSQL) and `streams.transport` (Redis): the I/O;
 3. `streams.writer` (with `streams.heartbeat`, `streams.fact_blocks`, `streams.plans`),
@@ -43,10 +43,11 @@ PACKAGE_DIR = Path(streams.__file__).resolve().parent
 PURE_FILES = (
     *sorted(p for p in (PACKAGE_DIR / "core").glob("*.py") if p.name != "__init__.py"),
     PACKAGE_DIR / "config.py",
+    PACKAGE_DIR / "redis_urls.py",
 )
 PURE_MODULES = tuple(path.stem for path in PURE_FILES)
-#: What a pure module may import of `streams`: the core itself and the error tree.
-PURE_ALLOWED = frozenset({"streams.core", "streams.errors"})
+#: What a pure module may import of `streams`: the core itself, the error tree, the URL parser.
+PURE_ALLOWED = frozenset({"streams.core", "streams.errors", "streams.redis_urls"})
 IO_MODULES = frozenset(
     {
         "socket",
@@ -206,7 +207,7 @@ def test_version() -> None:
 # Layers and cycles
 
 LAYERS = (
-    ("streams.errors", "streams.config", "streams._aio"),
+    ("streams.errors", "streams.config", "streams.redis_urls", "streams._aio"),
     ("streams.core",),
     ("streams.store", "streams.transport"),
     (
