@@ -184,6 +184,20 @@ class PostgresPair:
         self.promoted = True
         return time.monotonic() - started
 
+    def cut_off(self) -> None:
+        """The standby stops receiving WAL (its ``primary_conninfo`` emptied): what the primary
+        writes from now on is acknowledged (asynchronous) but never reaches it."""
+        with psycopg.connect(self.standby.url, autocommit=True) as conn:
+            conn.execute("ALTER SYSTEM SET primary_conninfo = ''")
+            conn.execute("SELECT pg_reload_conf()")
+
+        def gone() -> bool:
+            with psycopg.connect(self.primary.url, autocommit=True) as conn:
+                row = conn.execute("SELECT count(*) FROM pg_stat_replication").fetchone()
+            return row == (0,)
+
+        self._wait(gone, "the standby to stop streaming")
+
     # -- standby reads ---------------------------------------------------------------------
 
     def pause_replay(self) -> None:

@@ -165,22 +165,6 @@ def test_synchronous_failover_loses_nothing_and_every_role_resumes(
         )
 
 
-def _cut_off(pair: PostgresPair) -> None:
-    """The standby stops receiving WAL (its primary_conninfo emptied): what the primary
-    writes from now on is acknowledged (asynchronous) but never reaches it."""
-    with psycopg.connect(pair.standby.url, autocommit=True) as conn:
-        conn.execute("ALTER SYSTEM SET primary_conninfo = ''")
-        conn.execute("SELECT pg_reload_conf()")
-    deadline = time.monotonic() + 30
-    while True:
-        with psycopg.connect(pair.primary.url, autocommit=True) as conn:
-            row = conn.execute("SELECT count(*) FROM pg_stat_replication").fetchone()
-        if row == (0,):
-            return
-        assert time.monotonic() < deadline, "the standby still streams"
-        time.sleep(0.05)
-
-
 def test_asynchronous_failover_is_detected_and_named(
     redis_url: str, redis_prefix: str, unique_name: str
 ) -> None:
@@ -193,7 +177,7 @@ def test_asynchronous_failover_is_detected_and_named(
         group = client.reader(unique_name, group="billing")
         kept = [writer.append({"n": n}).ids[0] for n in range(20)]
         pair.wait_replayed()
-        _cut_off(pair)
+        pair.cut_off()
         lost = [writer.append({"n": n}).ids[0] for n in range(20, 30)]
         delivered: list[int] = []
         while len(delivered) < 30:
