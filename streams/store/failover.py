@@ -19,20 +19,22 @@ the old timeline is handed out again.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 
 from psycopg import sql
 
 from ..core.failover import Sighting, assess
 from ..errors import FailoverLoss, StoreError
-from .driver import Commit, Gen, Query
+from .driver import Commit, Gen, Query, Row
 from .rows import pruned_through_sql
 
 __all__ = [
     "FailoverStream",
     "check_sighting",
     "failover_report",
+    "lsn_int",
+    "lsn_text",
     "repair_sequences",
     "switchpoint",
 ]
@@ -140,15 +142,19 @@ def lsn_int(text: str) -> int:
     return (int(high, 16) << 32) + int(low, 16)
 
 
-def switchpoint(old_timeline: int) -> Gen[int | None]:
+def lsn_text(lsn: int) -> str:
+    """An integer WAL position as PostgreSQL writes it (``X/Y``)."""
+    return f"{lsn >> 32:X}/{lsn & 0xFFFFFFFF:X}"
+
+
+def switchpoint(old_timeline: int) -> Generator[Query | Commit, list[Row], int | None]:
     """Where the current timeline left ``old_timeline`` (revision
     ``0013_timeline_switchpoint``), as an integer WAL position; None when it cannot be known
     here (the function's owner may not read the timeline history, or ``old_timeline`` is not
     an ancestor of the current one): callers then take the safe side."""
     try:
-        rows = yield Query(
-            "SELECT streams_timeline_switchpoint(%s)::text", (int(old_timeline),), prepare=False
-        )
+        # A plain text (no parameters): a Spark task's ADBC session runs it too.
+        rows = yield Query(f"SELECT streams_timeline_switchpoint({int(old_timeline)})::text")
     except StoreError as exc:
         # 42501: the owner may not read the file; 58P01: no history file (restored elsewhere);
         # 42883: the function is missing (schema older than 0013).

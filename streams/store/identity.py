@@ -21,10 +21,10 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 
 from ..core.failover import Sighting
-from ..core.incarnation import Guard, Incarnation, written_elsewhere
+from ..core.incarnation import Guard, Incarnation, same_history, written_elsewhere
 from ..errors import DatabaseChanged, FailoverLoss, SchemaNotReady, StoreError
 from .driver import Commit, Gen, Query, Row
-from .failover import check_sighting
+from .failover import check_sighting, lsn_text, switchpoint
 
 __all__ = [
     "INCARNATION_SQL",
@@ -32,6 +32,7 @@ __all__ = [
     "accept_groups",
     "bound_groups",
     "check_history",
+    "holds_across_failover",
     "incarnation_from_row",
     "read_incarnation",
     "verify",
@@ -105,15 +106,51 @@ def verify(
     return found
 
 
-def check_history(token: str, where: str) -> Generator[Query | Commit, list[Row], Incarnation]:
+def check_history(
+    token: str, where: str, proof_lsn: int | None = None
+) -> Generator[Query | Commit, list[Row], Incarnation]:
     """`read_incarnation` and check that it is the history named ``token`` (the one a range
     was planned in: `streams.store.reads.read_range`): `streams.errors.DatabaseChanged`,
-    naming ``where``, otherwise. For a session without a `Guard` of its own (a Spark task's)."""
+    naming ``where``, otherwise. For a session without a `Guard` of its own (a Spark task's).
+
+    A later timeline of the same history (a failover) holds what was planned before it when
+    the plan's proof was taken at a WAL position ``proof_lsn`` at or below the point where the
+    new timeline left the old one (`failover.switchpoint`): everything that proof saw complete
+    is in the new history, and its sequences are past the range. Otherwise, or when the switch
+    point cannot be read, `DatabaseChanged` names the switch point."""
     found = yield from read_incarnation()
-    changed = written_elsewhere(token, found)
-    if changed is not None:
-        raise DatabaseChanged(where, changed)
+    yield from holds_across_failover(token, found, where, proof_lsn)
     return found
+
+
+def holds_across_failover(
+    token: str, found: Incarnation, where: str, proof_lsn: int | None
+) -> Generator[Query | Commit, list[Row], None]:
+    """`check_history`'s decision for something written in history ``token`` (with the WAL
+    position of the proof behind it, if known), on a session of history ``found``."""
+    changed = written_elsewhere(token, found)
+    if changed is None:
+        return
+    old = Incarnation.from_token(token) if token.count("/") == 4 else None
+    if old is not None and same_history(old, found) and old.timeline != found.timeline:
+        point = yield from switchpoint(old.timeline)
+        if proof_lsn is not None and point is not None and proof_lsn <= point:
+            return  # proven before the switch point: all of it is in this history
+        if proof_lsn is None:
+            why = "its proof's WAL position is not known"
+        elif point is None:
+            why = (
+                f"the switch point of timeline {old.timeline} cannot be read here (revision "
+                "0013's streams_timeline_switchpoint needs an owner that may read pg_wal)"
+            )
+        else:
+            why = (
+                f"it was proven at WAL {lsn_text(proof_lsn)}, after the switch point "
+                f"{lsn_text(point)} where timeline {found.timeline} left timeline "
+                f"{old.timeline}: facts it covers may be missing from this history"
+            )
+        raise DatabaseChanged(where, f"{changed}; {why}")
+    raise DatabaseChanged(where, changed)
 
 
 @dataclass(frozen=True, slots=True)
