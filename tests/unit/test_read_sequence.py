@@ -184,6 +184,10 @@ BUILDERS = frozenset(
         "retention_query",
         "pruned_through_sql",
         "check_retained",
+        "REPLAY_SQL",
+        "replayed_to",
+        "check_standby",
+        "wal_position_query",
     }
 )
 

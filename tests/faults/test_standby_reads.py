@@ -1,0 +1,176 @@
+"""Reads from a hot standby (`streams.core.standby`): proofs on the primary, rows on the standby.
+
+A private primary and a streaming standby (`tests/pgpair.py`, asynchronous replication) serve
+every test of this module. A reader given the standby as its read URL must deliver nothing that
+the standby has not replayed (the fence), deliver every fact once and in order when it has, and
+read its rows there (the standby's ``tup_returned`` grows, the primary's does not by as much).
+Before read URLs existed, a reader with the standby's replay paused delivered 20 of 20 new facts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+from helpers import rows_returned, wait_until
+from pgpair import PostgresPair, postgres_pair
+from proxy import Proxy
+
+import streams
+from streams.core.epochs import Fact
+from streams.migrate import upgrade
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[PostgresPair]:
+    with postgres_pair(synchronous=False) as built:
+        upgrade(built.primary_url)
+        built.wait_replayed()
+        yield built
+
+
+def _write(url: str, stream: str, count: int, start: int) -> None:
+    with streams.connect(url) as client, client.writer(stream) as writer:
+        for n in range(start, start + count):
+            writer.append({"n": n})
+
+
+def _drain(reader: streams.Reader, want: int, timeout: float = 30.0) -> list[Fact]:
+    got: list[Fact] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < want and time.monotonic() < deadline:
+        epoch = reader.poll(0.2)
+        if epoch is not None:
+            got.extend(epoch.facts)
+    return got
+
+
+def _numbers(facts: list[Fact]) -> list[int]:
+    return [int(f.payload["n"]) for f in facts]
+
+
+def test_a_paused_standby_delays_delivery_and_skips_nothing(
+    pair: PostgresPair, unique_name: str, redis_url: str, redis_prefix: str
+) -> None:
+    with streams.connect(pair.primary_url) as admin:
+        admin.create_stream(unique_name)
+    _write(pair.primary_url, unique_name, 10, 0)
+    pair.wait_replayed()
+    client = streams.connect(
+        pair.primary_url,
+        redis_url,
+        redis_prefix,
+        read_database_url=pair.standby_url,
+        standby_max_wait=600.0,  # this test's reader never falls back: it waits
+    )
+    try:
+        reader = client.reader(unique_name)
+        assert _numbers(_drain(reader, 10)) == list(range(10))
+        pair.pause_replay()
+        try:
+            _write(pair.primary_url, unique_name, 20, 10)
+            before = rows_returned(pair.standby_url)
+            # The primary proves 30 complete; the standby has replayed 10: nothing moves.
+            late = _drain(reader, 1, timeout=1.5)
+            assert late == [], f"delivered {len(late)} facts the standby has not replayed"
+            assert reader.position() == 10
+            route = reader.core.route
+            assert route is not None and route.lag_bytes > 0
+            assert route.outcomes["fallback_lag"] == 0
+        finally:
+            pair.resume_replay()
+        rest = _drain(reader, 20)
+        assert _numbers(rest) == list(range(10, 30))
+        assert reader.poll(0.3) is None  # nothing twice
+        assert reader.core.standby_rows >= 30
+        wait_until(lambda: rows_returned(pair.standby_url) >= before + 20, 5.0, "stats")
+        reader.close()
+    finally:
+        client.close()
+
+
+def test_a_lagging_standby_delays_delivery_complete_and_in_order(
+    pair: PostgresPair, unique_name: str
+) -> None:
+    with psycopg.connect(pair.standby_url, autocommit=True) as conn:
+        conn.execute("ALTER SYSTEM SET recovery_min_apply_delay = '1s'")
+        conn.execute("SELECT pg_reload_conf()")
+    try:
+        with streams.connect(
+            pair.primary_url, read_database_url=pair.standby_url, standby_max_wait=30.0
+        ) as client:
+            client.create_stream(unique_name)
+            reader = client.reader(unique_name)
+            started = time.monotonic()
+            _write(pair.primary_url, unique_name, 15, 0)
+            written = time.monotonic()
+            got = _drain(reader, 15)
+            done = time.monotonic()
+            assert _numbers(got) == list(range(15))
+            assert done - written >= 0.9, "delivered before the standby applied the commits"
+            route = reader.core.route
+            assert route is not None
+            assert route.outcomes["standby"] >= 1
+            assert route.outcomes["fallback_lag"] == 0
+            assert reader.core.standby_rows == 15
+            del started
+    finally:
+        with psycopg.connect(pair.standby_url, autocommit=True) as conn:
+            conn.execute("ALTER SYSTEM RESET recovery_min_apply_delay")
+            conn.execute("SELECT pg_reload_conf()")
+
+
+def test_a_standby_restarted_mid_read_loses_and_repeats_nothing(
+    pair: PostgresPair, unique_name: str
+) -> None:
+    proxy = Proxy.for_url(pair.standby_url)  # the read URL follows the standby's new port
+    try:
+        with streams.connect(
+            pair.primary_url,
+            read_database_url=proxy.url(pair.standby_url),
+            standby_max_wait=1.0,
+        ) as client:
+            client.create_stream(unique_name)
+            _write(pair.primary_url, unique_name, 40, 0)
+            reader = client.reader(unique_name, page_size=10)
+            first = _drain(reader, 10)
+            assert reader.core.standby_rows > 0
+            pair.restart_standby(down_for=1.5)
+            proxy.retarget("127.0.0.1", pair.standby.port)
+            _write(pair.primary_url, unique_name, 20, 40)
+            rest = _drain(reader, 60 - len(first))
+            assert _numbers(first + rest) == list(range(60))
+            assert reader.poll(0.3) is None
+            route = reader.core.route
+            assert route is not None
+            # Down for longer than the reader waits: it read from the primary meanwhile, and
+            # from the standby again once the retry interval passed (or it came back first).
+            assert route.outcomes["standby"] >= 2
+    finally:
+        proxy.close()
+
+
+def test_a_group_reader_commits_on_the_primary_exactly_once(
+    pair: PostgresPair, unique_name: str
+) -> None:
+    with streams.connect(
+        pair.primary_url, read_database_url=pair.standby_url, standby_max_wait=30.0
+    ) as client:
+        client.create_stream(unique_name)
+        _write(pair.primary_url, unique_name, 12, 0)
+        group = client.reader(unique_name, group="billing", page_size=5)
+        got = []
+        for fact in group.facts():
+            got.append(fact)
+            if len(got) == 7:
+                group.commit(fact)
+                break
+        group.close()
+        again = client.reader(unique_name, group="billing")
+        rest = _drain(again, 5)
+        again.commit()
+        assert _numbers(got + rest) == list(range(12))
+        assert again.core.standby_rows >= 5
+        assert client.groups(unique_name)[0].position == 12
