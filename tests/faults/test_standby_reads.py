@@ -174,3 +174,33 @@ def test_a_group_reader_commits_on_the_primary_exactly_once(
         assert _numbers(got + rest) == list(range(12))
         assert again.core.standby_rows >= 5
         assert client.groups(unique_name)[0].position == 12
+
+
+def test_the_history_bench_compares_standby_reads(pair: PostgresPair) -> None:
+    from streams.bench.history import run_history_bench
+
+    settings = streams.Settings.resolve(pair.primary_url)
+    lines: list[str] = []
+    result = run_history_bench(
+        settings,
+        facts=4000,
+        catchup_facts=3000,
+        append_seconds=0.2,
+        report=lines.append,
+        read_url=pair.standby_url,
+    )
+    found = result.standby
+    assert found is not None, lines
+    assert found.fallbacks == 0
+    # The primary's scans read the facts for a reader without a read URL, and not with one
+    # (what is left is the sessions' own catalog reads, and the other tests' late counts).
+    saved = found.primary_rows_per_fact_primary_reads - found.primary_rows_per_fact_standby_reads
+    assert saved >= 0.9, lines
+    assert found.primary_cpu_us_per_fact_standby_reads is not None  # the pair runs here
+    assert result.as_dict()["standby"]["throughput_ratio"] > 0
+    assert any(line.startswith("catch-up of 3,000 facts") for line in lines)
+    with psycopg.connect(pair.primary_url) as conn:
+        left = conn.execute(
+            "SELECT count(*) FROM streams_registry WHERE name LIKE 'bench-history-%'"
+        ).fetchone()
+    assert left == (0,)
