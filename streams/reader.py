@@ -225,6 +225,11 @@ class _ReaderBase:
     def vector_probe(self) -> FrontierProbe[tuple[int, ...]]:
         return self._core.vector_probe()
 
+    def _standby_behind(self) -> bool:
+        """Proven on the primary, not delivered: with a read URL, the standby has not replayed
+        it yet (the reader waits for it, up to its max wait, then reads from the primary)."""
+        return self._core.route is not None and not self._closed and self._core.behind()
+
     def _poll_interval(self, configured: float | None) -> float:
         if not self._core.needs_writer_hints:
             # Following fresh proofs without writers' hints: only this look notices a prober
@@ -534,9 +539,12 @@ class Reader(_ReaderBase):
                 yield epoch
 
     def epochs(self, *, idle_timeout: float = 0.0) -> Iterator[Epoch]:
-        """Epochs until none arrives within ``idle_timeout`` seconds (0: until caught up)."""
+        """Epochs until none arrives within ``idle_timeout`` seconds (0: until caught up; with
+        a read URL, facts proven but not yet replayed on the standby are waited for)."""
         while True:
             epoch = self.poll(timeout=idle_timeout)
+            while epoch is None and self._standby_behind():
+                epoch = self.poll(timeout=None)
             if epoch is None:
                 return
             yield epoch
@@ -726,6 +734,8 @@ class AsyncReader(_ReaderBase):
     async def epochs(self, *, idle_timeout: float = 0.0) -> AsyncIterator[Epoch]:
         while True:
             epoch = await self.poll(timeout=idle_timeout)
+            while epoch is None and self._standby_behind():
+                epoch = await self.poll(timeout=None)
             if epoch is None:
                 return
             yield epoch

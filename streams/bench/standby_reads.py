@@ -139,11 +139,11 @@ def _catch_up(
     settings: Settings, stream: str, facts: int, primary: psycopg.Connection[Any]
 ) -> tuple[float | None, float, float, int]:
     """One catch-up: primary CPU (us) per fact, primary rows per fact, facts/s, fallbacks."""
-    pids = _server_pids(primary)
     rows_before = _rows_scanned(primary)
     client = Client(settings)
     try:
         with client.reader(stream, start="earliest") as reader:
+            pids = _server_pids(primary)  # now: the reader's backend is one of them
             cpu_before = _cpu_seconds(pids)
             count = 0
             start = time.perf_counter()

@@ -9,6 +9,7 @@ Before read URLs existed, a reader with the standby's replay paused delivered 20
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 
@@ -204,3 +205,27 @@ def test_the_history_bench_compares_standby_reads(pair: PostgresPair) -> None:
             "SELECT count(*) FROM streams_registry WHERE name LIKE 'bench-history-%'"
         ).fetchone()
     assert left == (0,)
+
+
+def test_an_async_reader_reads_on_the_standby_and_waits_for_it(
+    pair: PostgresPair, unique_name: str
+) -> None:
+    async def main() -> list[int]:
+        async with await streams.aconnect(
+            pair.primary_url, read_database_url=pair.standby_url, standby_max_wait=30.0
+        ) as client:
+            await client.create_stream(unique_name)
+            reader = await client.reader(unique_name)
+            pair.pause_replay()
+            try:
+                _write(pair.primary_url, unique_name, 8, 0)
+                assert await reader.poll(0.5) is None  # proven, not replayed: nothing yet
+            finally:
+                pair.resume_replay()
+            # `facts()` (idle timeout 0) waits for what is proven but not yet replayed.
+            got = [int(f.payload["n"]) async for f in reader.facts()]
+            assert reader.core.standby_rows == 8
+            await reader.aclose()
+            return got
+
+    assert asyncio.run(main()) == list(range(8))
