@@ -207,7 +207,7 @@ def describe(found: StandbyMeasure) -> str:
     """The report line of a `StandbyMeasure`."""
 
     def cpu(value: float | None) -> str:
-        return "n/a (server not on this host)" if value is None else f"{value:.2f} us"
+        return "n/a (server not on this host)" if value is None else f"{value:.3f} us"
 
     ratio = found.cpu_ratio
     return (

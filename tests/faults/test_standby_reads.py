@@ -13,14 +13,17 @@ import asyncio
 import time
 from collections.abc import Iterator
 
+import prometheus_client
 import psycopg
 import pytest
 from helpers import rows_returned, wait_until
 from pgpair import PostgresPair, postgres_pair
+from prometheus_client.parser import text_string_to_metric_families
 from proxy import Proxy
 
 import streams
 from streams.core.epochs import Fact
+from streams.metrics import ClientCollector
 from streams.migrate import upgrade
 
 
@@ -117,6 +120,19 @@ def test_a_lagging_standby_delays_delivery_complete_and_in_order(
             assert route.outcomes["fallback_lag"] == 0
             assert reader.core.standby_rows == 15
             del started
+            registry = prometheus_client.CollectorRegistry()
+            registry.register(ClientCollector(client))
+            text = prometheus_client.generate_latest(registry).decode()
+            metrics = {
+                (s.name, s.labels.get("outcome")): s.value
+                for family in text_string_to_metric_families(text)
+                for s in family.samples
+                if s.labels.get("streams") == unique_name
+            }
+            assert metrics[("streams_reader_standby_reads_total", "standby")] >= 1
+            assert metrics[("streams_reader_standby_reads_total", "fallback_lag")] == 0
+            assert metrics[("streams_reader_standby_rows_total", None)] == 15
+            assert ("streams_reader_standby_lag_bytes", None) in metrics
     finally:
         with psycopg.connect(pair.standby_url, autocommit=True) as conn:
             conn.execute("ALTER SYSTEM RESET recovery_min_apply_delay")
