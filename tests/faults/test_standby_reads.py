@@ -10,6 +10,7 @@ Before read URLs existed, a reader with the standby's replay paused delivered 20
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
 
@@ -245,3 +246,23 @@ def test_an_async_reader_reads_on_the_standby_and_waits_for_it(
             return got
 
     assert asyncio.run(main()) == list(range(8))
+
+
+def test_streams_read_takes_a_read_url(pair: PostgresPair, unique_name: str) -> None:
+    from click.testing import CliRunner
+
+    from streams.command import main
+
+    with streams.connect(pair.primary_url) as client:
+        client.create_stream(unique_name)
+    _write(pair.primary_url, unique_name, 6, 0)
+    before = rows_returned(pair.standby_url)
+    result = CliRunner().invoke(
+        main,
+        ["read", unique_name, "--json", "--database-url", pair.primary_url,
+         "--read-database-url", pair.standby_url],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in result.output.splitlines() if line.startswith("{")]
+    assert [line["stream_id"] for line in lines] == list(range(1, 7))
+    wait_until(lambda: rows_returned(pair.standby_url) >= before + 6, 5.0, "stats")

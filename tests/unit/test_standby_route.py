@@ -121,3 +121,20 @@ def test_a_wait_never_outlasts_max_wait(max_wait: float, gaps: list[float]) -> N
 def test_bad_waits_are_configuration_errors(bad: object) -> None:
     with pytest.raises(ConfigurationError):
         StandbyRoute(max_wait=bad)  # type: ignore[arg-type]
+
+
+def test_a_read_url_is_checked_and_never_shown_with_its_password() -> None:
+    from streams.config import Settings
+
+    settings = Settings.resolve(
+        "postgresql://app@primary/db",
+        read_database_url="postgresql://app:s3cret@standby/db",
+        standby_max_wait=2,
+    )
+    assert settings.read_database_url == "postgresql://app:s3cret@standby/db"
+    assert settings.standby_max_wait == 2.0
+    assert "s3cret" not in repr(settings)
+    with pytest.raises(ConfigurationError, match="read URL"):
+        Settings.resolve("postgresql://app@primary/db", read_database_url="redis://standby")
+    with pytest.raises(ConfigurationError, match="standby_max_wait"):
+        Settings.resolve("postgresql://app@primary/db", standby_max_wait=-1)
