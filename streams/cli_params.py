@@ -278,6 +278,19 @@ EMBEDDED_BY_DEFAULT = frozenset({"demo"})
 EMBEDDED_DIR = Path(".streams")
 
 
+def read_url_option(func: F) -> F:
+    """``--read-database-url``: a hot standby where a reading command reads its rows, while
+    completeness is proven on ``--database-url`` (`streams.core.standby`)."""
+    option = click.option(
+        "--read-database-url",
+        envvar="STREAMS_READ_DATABASE_URL",
+        type=DATABASE_URL,
+        default=None,
+        help="postgresql:// URL of a hot standby to read rows from (proofs stay on the primary)",
+    )
+    return option(func)
+
+
 def common_options(func: F) -> F:
     """``--database-url``, ``--redis-url``, ``--prefix``, ``--embedded``, and the error
     discipline of the module docstring, for one command."""

@@ -74,6 +74,7 @@ from .core.incarnation import Guard
 from .core.protocol import KeysCommand, serialize
 from .core.replication import backoff_delay
 from .core.staleness import STALE_AFTER_MS
+from .core.standby import StandbyRoute
 from .core.timestamps import TimestampMode
 from .errors import ConnectionLost, StoreError
 from .proofs import ProofService
@@ -407,6 +408,12 @@ class _ClientBase(Generic[C]):
         core.guard = self.guard
         return core
 
+    def _standby_route(self) -> StandbyRoute | None:
+        """How a reader waits for the read URL's standby (None: there is none)."""
+        if self.settings.read_database_url is None:
+            return None
+        return StandbyRoute(max_wait=self.settings.standby_max_wait)
+
 
 class Client(_ClientBase[psycopg.Connection[Any]]):
     """A synchronous handle on one `streams` database (and, later, its Redis)."""
@@ -548,6 +555,8 @@ class Client(_ClientBase[psycopg.Connection[Any]]):
             poll_interval=poll_interval,
             proofs=proofs,
             connect_timeout=self.settings.connect_timeout,
+            read_database_url=self.settings.read_database_url,
+            standby=self._standby_route(),
         )
         self.readers.add(reader)
         return reader
@@ -766,6 +775,8 @@ class AsyncClient(_ClientBase[psycopg.AsyncConnection[Any]]):
             self.link,
             poll_interval=poll_interval,
             connect_timeout=self.settings.connect_timeout,
+            read_database_url=self.settings.read_database_url,
+            standby=self._standby_route(),
         )
         self.readers.add(reader)
         return reader
@@ -869,6 +880,10 @@ def connect(
     ``connect_timeout``: seconds opening a PostgreSQL connection (this client's, and those of
     its readers and writers) waits for a server that is starting, restarting or refusing
     connections (default ``STREAMS_CONNECT_TIMEOUT`` or 30: `streams.store.sessions`).
+    ``read_database_url`` (default ``STREAMS_READ_DATABASE_URL``): a hot standby where readers
+    read their rows, behind the fence (`streams.core.standby`; proofs and group commits stay
+    on the primary); ``standby_max_wait`` (default ``STREAMS_STANDBY_MAX_WAIT`` or 5): seconds
+    a reader waits for that standby, behind or down, before it reads from the primary.
     """
     return Client(Settings.resolve(database_url, redis_url, prefix, **options))
 

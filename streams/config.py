@@ -7,7 +7,10 @@ Configuration comes from arguments first, then the environment:
   ``redis+sentinel://`` / ``redis+cluster://`` (`streams.redis_urls`);
 * ``STREAMS_PREFIX``: the Redis channel prefix, default ``streams``;
 * ``STREAMS_CONNECT_TIMEOUT``: seconds spent opening a PostgreSQL connection while the server
-  is starting, restarting or refusing connections, default `DEFAULT_CONNECT_TIMEOUT`.
+  is starting, restarting or refusing connections, default `DEFAULT_CONNECT_TIMEOUT`;
+* ``STREAMS_READ_DATABASE_URL``: a hot standby of the database, where readers read their rows
+  (`streams.core.standby`); ``STREAMS_STANDBY_MAX_WAIT``: seconds a reader waits for it when it
+  is behind or down before reading from the primary, default `DEFAULT_STANDBY_MAX_WAIT`.
 
 Secrets never leave this module unredacted: anything that shows a URL uses `redact_url`.
 """
@@ -30,8 +33,10 @@ __all__ = [
     "DEFAULT_LEASE_SECONDS",
     "DEFAULT_MAX_PAYLOAD_BYTES",
     "DEFAULT_PREFIX",
+    "DEFAULT_STANDBY_MAX_WAIT",
     "ENCODING_HINT",
     "Settings",
+    "check_read_database_url",
     "default_connect_timeout",
     "redact_url",
     "scrub_secrets",
@@ -53,6 +58,9 @@ DEFAULT_LEASE_SECONDS = 10.0
 #: 30 s rides out most without hiding a server that is really down for long. Not retried at
 #: all: a bad password, an unknown database or role, a bad URL.
 DEFAULT_CONNECT_TIMEOUT = 30.0
+#: Seconds a reader with a read URL waits for its standby before reading from the primary
+#: (`streams.core.standby.DEFAULT_MAX_WAIT`, repeated here: config imports no core).
+DEFAULT_STANDBY_MAX_WAIT = 5.0
 
 _STREAM_NAME = re.compile(r"[a-z][a-z0-9_.\-]{0,62}")
 _INSTANCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:\-]{0,127}")
@@ -331,14 +339,22 @@ class Settings:
     shared_proofs: bool = False
     #: Seconds opening a connection waits for a server that is starting (`connect_timeout`).
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
+    #: A hot standby's URL: readers read their rows there, behind the fence
+    #: (`streams.core.standby`); None: every read goes to ``database_url``.
+    read_database_url: str | None = field(default=None, repr=False)
+    #: Seconds a reader waits for a standby that is behind or down before reading from the
+    #: primary (`streams.core.standby.StandbyRoute`).
+    standby_max_wait: float = DEFAULT_STANDBY_MAX_WAIT
 
     def __repr__(self) -> str:
         redis = redact_url(self.redis_url) if self.redis_url else None
+        read = redact_url(self.read_database_url) if self.read_database_url else None
         return (
             f"Settings(database_url={redact_url(self.database_url)!r}, redis_url={redis!r}, "
             f"prefix={self.prefix!r}, max_payload_bytes={self.max_payload_bytes}, "
             f"lease_seconds={self.lease_seconds}, shared_proofs={self.shared_proofs}, "
-            f"connect_timeout={self.connect_timeout})"
+            f"connect_timeout={self.connect_timeout}, read_database_url={read!r}, "
+            f"standby_max_wait={self.standby_max_wait})"
         )
 
     @classmethod
@@ -353,6 +369,8 @@ class Settings:
         require_redis: bool = False,
         shared_proofs: bool | None = None,
         connect_timeout: float | None = None,
+        read_database_url: str | None = None,
+        standby_max_wait: float | None = None,
     ) -> Settings:
         db = database_url or os.environ.get("STREAMS_DATABASE_URL")
         if not db:
@@ -386,7 +404,19 @@ class Settings:
             connect_timeout = default_connect_timeout()
         else:
             connect_timeout = _check_connect_timeout(connect_timeout, "connect_timeout")
+        read_url = read_database_url or os.environ.get("STREAMS_READ_DATABASE_URL") or None
+        if read_url is not None:
+            read_url = _plain_postgres_url(check_read_database_url(read_url))
+        if standby_max_wait is None:
+            raw = os.environ.get("STREAMS_STANDBY_MAX_WAIT", "").strip()
+            standby_max_wait = _seconds(raw, "STREAMS_STANDBY_MAX_WAIT") if raw else None
+        else:
+            standby_max_wait = _check_max_wait(standby_max_wait, "standby_max_wait")
         return cls(
+            read_database_url=read_url,
+            standby_max_wait=(
+                DEFAULT_STANDBY_MAX_WAIT if standby_max_wait is None else standby_max_wait
+            ),
             database_url=_plain_postgres_url(db),
             redis_url=redis,
             prefix=chosen_prefix,
@@ -413,6 +443,30 @@ def default_connect_timeout() -> float:
 def _check_connect_timeout(value: float, what: str) -> float:
     if not (isinstance(value, int | float) and 0 <= value <= 3600):  # also rejects NaN
         raise ConfigurationError(f"{what} must be a number of seconds from 0 to 3600")
+    return float(value)
+
+
+def check_read_database_url(url: str) -> str:
+    """A read URL (``STREAMS_READ_DATABASE_URL``, ``read_database_url=``, Spark's
+    ``readDatabaseUrl``): a PostgreSQL URL, as the database URL; `ConfigurationError` else."""
+    scheme = _scheme_of(url)
+    if scheme not in ("postgresql", "postgres") and not scheme.startswith("postgresql+"):
+        raise ConfigurationError(f"read URL must be postgresql://..., got {redact_url(url)!r}")
+    validate_database_url(url)
+    return url
+
+
+def _seconds(raw: str, what: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    return _check_max_wait(value, what)
+
+
+def _check_max_wait(value: float, what: str) -> float:
+    if isinstance(value, bool) or not (isinstance(value, int | float) and 0 <= value <= 86400):
+        raise ConfigurationError(f"{what} must be a number of seconds from 0 to 86400")
     return float(value)
 
 

@@ -13,7 +13,9 @@ retention, and why its order is the proof; a connector runs these plans, never i
   time by any driver (Spark executors, over ADBC), which answers the plan's operations:
   `Query` (plain text), `Commit` and `StreamRows` (the rows statement, its rows streamed);
 * `probe`, `Probe`, `pruned_positions`: steps 2 and 4 alone, for planners that decide
-  positions without reading rows (the Spark source's offsets);
+  positions without reading rows (the Spark source's offsets); a `Probe` carries its proof's
+  LSN (``wal_lsn``), which `read_range` with ``proof_lsn`` waits for on a hot standby (a read
+  URL), and `StandbyRoute` says how long to wait before reading from the primary;
 * `READER_SESSION_SETUP`, `statement_timeout_setup`: the settings of a reading session;
 * `ReaderCore`: the Python reader's own start logic (a group's position, earliest, latest, an
   ID, a time), for a connector that resolves starts as Python readers do.
@@ -48,6 +50,7 @@ from .core.incarnation import Guard, Incarnation, written_elsewhere
 from .core.payloads import encode_payload
 from .core.replication import Hint, backoff_delay
 from .core.stalls import HeldStreams
+from .core.standby import StandbyRoute
 from .store.driver import Commit, Gen, Query, run, transient_sqlstate
 from .store.identity import read_incarnation, verify
 from .store.leases import retire_where_held
@@ -91,6 +94,7 @@ __all__ = [
     "RangeGen",
     "ReaderCore",
     "RedisLink",
+    "StandbyRoute",
     "StreamRows",
     "TaskKey",
     "Writer",

@@ -32,6 +32,8 @@ catch everything with one clause and still tell the cases apart::
         │   └── CommitUnknown       ... while committing: it may or may not have committed
         ├── SchemaNotReady          the schema is missing or older than this library's
         ├── SequenceRewound         a stream's sequence was set back below IDs already used
+        ├── StandbyBehind           a read URL's standby has not replayed a proof yet, or is on
+        │                           another timeline: the read waits, or goes to the primary
         └── InvalidFactTables       a declared user table / ID column does not exist or fits not
 
 Errors never carry passwords: anything that renders a URL goes through `redact_url`.
@@ -58,6 +60,7 @@ __all__ = [
     "RedisUnavailable",
     "SchemaNotReady",
     "SequenceRewound",
+    "StandbyBehind",
     "StoreError",
     "StreamExists",
     "StreamsError",
@@ -188,6 +191,20 @@ class CommitUnknown(ConnectionLost):
 
 class SchemaNotReady(StoreError):
     """The database has no `streams` schema, or an older one: run `streams migrate`."""
+
+
+class StandbyBehind(StoreError):
+    """The standby of a read URL cannot serve this read yet: it has replayed only to
+    ``replayed`` (an LSN as an int), below the proof's ``proof_lsn`` (`streams.core.standby`),
+    or it is on another timeline than the primary (``timeline`` True). Nothing was read; the
+    reader waits and looks again, or reads from the primary. Never a fact skipped."""
+
+    def __init__(self, message: str, *, replayed: int = 0, proof_lsn: int = 0,
+                 timeline: bool = False) -> None:  # fmt: skip
+        super().__init__(message)
+        self.replayed = replayed
+        self.proof_lsn = proof_lsn
+        self.timeline = timeline
 
 
 class SequenceRewound(StoreError):

@@ -122,6 +122,24 @@ class ClientCollector:
             "Shared proofs refused: above the stream's max allocated ID.",
             ["streams", "group"],
         )
+        standby = _family(
+            "counter",
+            "reader_standby_reads",
+            "Reads of a reader with a read URL, by outcome: rows read on the standby; read on "
+            "the primary after the standby was behind (fallback_lag) or down "
+            "(fallback_unreachable) for the max wait, or on another timeline "
+            "(fallback_timeline), or in the retry interval after a fallback (primary).",
+            ["streams", "group", "outcome"],
+        )
+        standby_lag = _family(
+            "gauge",
+            "reader_standby_lag_bytes",
+            "Bytes of WAL the read URL's standby was behind the last proof at the last look.",
+            ["streams", "group"],
+        )
+        standby_rows = _family(
+            "counter", "reader_standby_rows", "Rows read on the standby.", ["streams", "group"]
+        )
         for reader in list(self._client.readers):
             rcore = reader.core
             group = rcore.group or ""
@@ -137,7 +155,14 @@ class ClientCollector:
             for reason, value in sorted(dict(rcore.rejected_ranges).items()):
                 rejected.add_metric([*key, reason], value)
             refused.add_metric(key, rcore.refused_proofs)
+            route = rcore.route
+            if route is not None:
+                for outcome, value in route.outcomes.items():
+                    standby.add_metric([*key, outcome], value)
+                standby_lag.add_metric(key, route.lag_bytes)
+                standby_rows.add_metric(key, rcore.standby_rows)
         yield from (reader_position, probes, pages, rows, signed, rejected, refused)
+        yield from (standby, standby_lag, standby_rows)
 
         link = self._client._link
         if link is not None:

@@ -23,14 +23,16 @@ from ._aio import wait_event
 from .core.epochs import Epoch, Fact
 from .core.frontier import Antichain, FrontierProbe
 from .core.replication import Hint, backoff_delay
-from .errors import ConnectionLost, StoreError, UsageError, WaitTimeout
+from .core.standby import StandbyRoute
+from .errors import ConnectionLost, StandbyBehind, StoreError, UsageError, WaitTimeout
 from .orm import async_target, sync_target
 from .store import sessions
-from .store.driver import Gen, arun, run
+from .store.driver import Gen, arun, run, transient_sqlstate
 from .store.probe import (
     READER_SESSION_SETUP,
 )
 from .store.reader_core import ReaderCore, Start
+from .store.standby import check_standby
 from .transport.faces import Link
 
 if TYPE_CHECKING:
@@ -73,8 +75,25 @@ class _Pause(NamedTuple):
     seconds: float
 
 
+class _OnStandby(NamedTuple):
+    """Run this store generator on the read URL's session (`streams.core.standby`); the driver
+    sends back its result, or throws in what made the standby fail (`StandbyBehind`,
+    `ConnectionLost`, a `StoreError` the standby may mend by itself)."""
+
+    plan: Gen[Any]
+
+
 T = TypeVar("T")
-_Plan: TypeAlias = Generator["_WaitWake | _Pause | Gen[Any]", Any, T]
+_Plan: TypeAlias = Generator["_WaitWake | _Pause | _OnStandby | Gen[Any]", Any, T]
+
+
+def _standby_failure(exc: BaseException) -> bool:
+    """Is this failure on the standby's session one to wait out or fall back from (behind,
+    another timeline, unreachable, a statement cancelled by a conflict with recovery or a
+    timeout), rather than a reader's error (`FactsPruned`, `DatabaseChanged`, ...)?"""
+    if isinstance(exc, StandbyBehind | ConnectionLost):
+        return True
+    return isinstance(exc, StoreError) and transient_sqlstate(exc.sqlstate)
 
 
 def _connect(
@@ -99,6 +118,56 @@ def _connect(
         return conn
     except psycopg.Error as exc:
         raise StoreError(f"cannot connect to PostgreSQL: {type(exc).__name__}") from None
+
+
+def _standby_where(core: ReaderCore) -> str:
+    return f"reader of {', '.join(core.names)}"
+
+
+def _connect_standby(url: str, core: ReaderCore) -> psycopg.Connection[Any]:
+    """A session on the read URL's standby, checked against the reader's incarnation
+    (`streams.store.standby.check_standby`); one attempt (the plans wait and fall back)."""
+    try:
+        conn = sessions.connect(url, autocommit=True, connect_timeout=0, purpose="standby reader")
+        try:
+            for statement in READER_SESSION_SETUP:
+                conn.execute(statement)
+            assert core.guard.expected is not None  # the primary's session checked first
+            run(conn, check_standby(core.guard.expected, _standby_where(core)))
+        except BaseException:
+            conn.close()
+            raise
+        sessions.use_payload_decoder(conn)
+        return conn
+    except psycopg.Error as exc:
+        raise ConnectionLost(f"cannot connect to the standby: {type(exc).__name__}") from None
+    except StoreError as exc:
+        if isinstance(exc, StandbyBehind):
+            raise
+        raise ConnectionLost(f"cannot connect to the standby: {exc}") from None
+
+
+async def _aconnect_standby(url: str, core: ReaderCore) -> psycopg.AsyncConnection[Any]:
+    try:
+        conn = await sessions.aconnect(
+            url, autocommit=True, connect_timeout=0, purpose="standby reader"
+        )
+        try:
+            for statement in READER_SESSION_SETUP:
+                await conn.execute(statement)
+            assert core.guard.expected is not None
+            await arun(conn, check_standby(core.guard.expected, _standby_where(core)))
+        except BaseException:
+            await conn.close()
+            raise
+        sessions.use_payload_decoder(conn)
+        return conn
+    except psycopg.Error as exc:
+        raise ConnectionLost(f"cannot connect to the standby: {type(exc).__name__}") from None
+    except StoreError as exc:
+        if isinstance(exc, StandbyBehind):
+            raise
+        raise ConnectionLost(f"cannot connect to the standby: {exc}") from None
 
 
 async def _aconnect(
@@ -155,6 +224,11 @@ class _ReaderBase:
 
     def vector_probe(self) -> FrontierProbe[tuple[int, ...]]:
         return self._core.vector_probe()
+
+    def _standby_behind(self) -> bool:
+        """Proven on the primary, not delivered: with a read URL, the standby has not replayed
+        it yet (the reader waits for it, up to its max wait, then reads from the primary)."""
+        return self._core.route is not None and not self._closed and self._core.behind()
 
     def _poll_interval(self, configured: float | None) -> float:
         if not self._core.needs_writer_hints:
@@ -241,12 +315,50 @@ class _ReaderBase:
             # The server restarted or the network failed: a step moves nothing until it has
             # read everything, so trying again (on a new connection) delivers each fact once.
             # Within the caller's timeout; for ever when there is none.
-            epoch: Epoch | None = yield from self._retried(self._core.step, deadline)
+            epoch: Epoch | None = yield from self._step_plan(deadline)
             self._sync_writer_hints()
             if epoch is not None:
                 return epoch
             if deadline is not None and time.monotonic() >= deadline:
                 return None
+
+    def _step_plan(self, deadline: float | None) -> _Plan[Epoch | None]:
+        """One step of the reader. With a read URL (`streams.core.standby`): prove on the
+        primary (no rows), then read the rows on the standby behind the fence, waiting for it
+        with backoff (never past the caller's ``deadline``: None is returned, nothing moved),
+        or from the primary when the route says so (a fallback, logged and counted)."""
+        core = self._core
+        route = core.route
+        if route is None:
+            return (yield from self._retried(core.step, deadline))
+        epoch: Epoch | None = yield from self._retried(lambda: core.step(False), deadline)
+        if epoch is not None or not core.behind():
+            return epoch
+        if not route.use_standby(time.monotonic()):
+            return (yield from self._retried(core.step, deadline))
+        while True:
+            try:
+                epoch = yield _OnStandby(core.standby_step())
+            except StoreError as exc:
+                now = time.monotonic()
+                pause: float | None = None
+                if isinstance(exc, StandbyBehind) and exc.timeline:
+                    route.other_timeline(now)
+                elif isinstance(exc, StandbyBehind):
+                    pause = route.behind(now, exc.proof_lsn, exc.replayed)
+                else:
+                    pause = route.unreachable(now)
+                if pause is None:
+                    log.warning(
+                        "%r reads from the primary for %gs: %s", self, route.retry_after, exc
+                    )
+                    return (yield from self._retried(core.step, deadline))
+                if deadline is not None and time.monotonic() + pause >= deadline:
+                    return None
+                yield _Pause(pause)
+                continue
+            route.read_on_standby()
+            return epoch
 
     def _commit_plan(self, through: Fact | None) -> _Plan[dict[str, int]]:
         """A group commit, tried again for `COMMIT_RETRY_SECONDS` if the connection breaks
@@ -318,9 +430,17 @@ class Reader(_ReaderBase):
         poll_interval: float | None = None,
         proofs: ProofService | None = None,
         connect_timeout: float | None = None,
+        read_database_url: str | None = None,
+        standby: StandbyRoute | None = None,
     ) -> None:
         self._core = core
         self._url = database_url
+        # ``read_database_url``: a hot standby where the rows are read (`streams.core.standby`),
+        # opened at the first read there; ``standby``: how long to wait for it.
+        self._read_url = read_database_url
+        self._standby: psycopg.Connection[Any] | None = None
+        if read_database_url is not None:
+            core.route = standby or StandbyRoute()
         self._conn = _connect(database_url, core, connect_timeout)  # None: the default wait
         self._wake = threading.Event()
         self._closed = False
@@ -359,7 +479,7 @@ class Reader(_ReaderBase):
 
     def _drive(self, plan: _Plan[T]) -> T:
         result: Any = None
-        error: ConnectionLost | None = None
+        error: StoreError | None = None
         while True:
             try:
                 op = plan.throw(error) if error is not None else plan.send(result)
@@ -371,11 +491,31 @@ class Reader(_ReaderBase):
             elif isinstance(op, _Pause):
                 time.sleep(op.seconds)
                 result = None
+            elif isinstance(op, _OnStandby):
+                try:
+                    result = run(self._standby_connection(), op.plan)
+                except StoreError as exc:  # the plan decides: wait, or read from the primary
+                    if not _standby_failure(exc):
+                        raise
+                    result, error = None, exc
             else:
                 try:
                     result = run(self._connection(), op)
                 except ConnectionLost as lost:  # the plan decides: try again, or give up
                     result, error = None, lost
+
+    def _standby_connection(self) -> psycopg.Connection[Any]:
+        """The session on the read URL's standby, opened (again) when needed."""
+        assert self._read_url is not None
+        conn = self._standby
+        if conn is None or conn.closed or conn.broken:
+            if conn is not None:
+                conn.close()
+            self._standby = None
+            if self._closed:
+                raise UsageError("reader is closed")
+            self._standby = conn = _connect_standby(self._read_url, self._core)
+        return conn
 
     def _connection(self) -> psycopg.Connection[Any]:
         """The reader's connection, reopened if the server or an interruption closed it (the
@@ -399,9 +539,12 @@ class Reader(_ReaderBase):
                 yield epoch
 
     def epochs(self, *, idle_timeout: float = 0.0) -> Iterator[Epoch]:
-        """Epochs until none arrives within ``idle_timeout`` seconds (0: until caught up)."""
+        """Epochs until none arrives within ``idle_timeout`` seconds (0: until caught up; with
+        a read URL, facts proven but not yet replayed on the standby are waited for)."""
         while True:
             epoch = self.poll(timeout=idle_timeout)
+            while epoch is None and self._standby_behind():
+                epoch = self.poll(timeout=None)
             if epoch is None:
                 return
             yield epoch
@@ -453,6 +596,8 @@ class Reader(_ReaderBase):
             self._proofs.unfollow(self._core.names)
         self._wake.set()
         self._conn.close()
+        if self._standby is not None:
+            self._standby.close()
 
     def __enter__(self) -> Reader:
         return self
@@ -473,8 +618,11 @@ class AsyncReader(_ReaderBase):
         conn: psycopg.AsyncConnection[Any],
         link: Link | None,
         poll: float | None,
+        read_url: str | None = None,
     ) -> None:
         self._url = url
+        self._read_url = read_url
+        self._standby: psycopg.AsyncConnection[Any] | None = None
         self._core = core
         self._conn = conn
         self._link = link
@@ -492,14 +640,18 @@ class AsyncReader(_ReaderBase):
         *,
         poll_interval: float | None = None,
         connect_timeout: float | None = None,
+        read_database_url: str | None = None,
+        standby: StandbyRoute | None = None,
     ) -> AsyncReader:
+        if read_database_url is not None:
+            core.route = standby or StandbyRoute()
         conn = await _aconnect(database_url, core, connect_timeout)
         try:
             await arun(conn, core.open())
         except BaseException:
             await conn.close()
             raise
-        self = cls(database_url, core, conn, link, poll_interval)
+        self = cls(database_url, core, conn, link, poll_interval, read_database_url)
         if link is not None:
             core.set_link_state(link.connected)
             link.add_listener(self, core.names)
@@ -520,7 +672,7 @@ class AsyncReader(_ReaderBase):
 
     async def _drive(self, plan: _Plan[T]) -> T:
         result: Any = None
-        error: ConnectionLost | None = None
+        error: StoreError | None = None
         while True:
             try:
                 op = plan.throw(error) if error is not None else plan.send(result)
@@ -532,11 +684,31 @@ class AsyncReader(_ReaderBase):
             elif isinstance(op, _Pause):
                 await asyncio.sleep(op.seconds)
                 result = None
+            elif isinstance(op, _OnStandby):
+                try:
+                    result = await arun(await self._standby_connection(), op.plan)
+                except StoreError as exc:
+                    if not _standby_failure(exc):
+                        raise
+                    result, error = None, exc
             else:
                 try:
                     result = await arun(await self._connection(), op)
                 except ConnectionLost as lost:
                     result, error = None, lost
+
+    async def _standby_connection(self) -> psycopg.AsyncConnection[Any]:
+        """The asyncio twin of `Reader._standby_connection`."""
+        assert self._read_url is not None
+        conn = self._standby
+        if conn is None or conn.closed or conn.broken:
+            if conn is not None:
+                await conn.close()
+            self._standby = None
+            if self._closed:
+                raise UsageError("reader is closed")
+            self._standby = conn = await _aconnect_standby(self._read_url, self._core)
+        return conn
 
     async def _connection(self) -> psycopg.AsyncConnection[Any]:
         """The asyncio twin of `Reader._connection`."""
@@ -562,6 +734,8 @@ class AsyncReader(_ReaderBase):
     async def epochs(self, *, idle_timeout: float = 0.0) -> AsyncIterator[Epoch]:
         while True:
             epoch = await self.poll(timeout=idle_timeout)
+            while epoch is None and self._standby_behind():
+                epoch = await self.poll(timeout=None)
             if epoch is None:
                 return
             yield epoch
@@ -592,6 +766,8 @@ class AsyncReader(_ReaderBase):
             self._link.remove_listener(self, self._core.names, writers=self._writer_hints)
         self._wake.set()
         await self._conn.close()
+        if self._standby is not None:
+            await self._standby.close()
 
     async def __aenter__(self) -> AsyncReader:
         return self

@@ -35,6 +35,20 @@ def fill_stream(url: str, stream: str, count: int) -> None:
             writer.append_batch([{"n": n} for n in range(count)])
 
 
+def rows_returned(url: str) -> int:
+    """Rows the scans of every session of ``url``'s database returned (``pg_stat_database``'s
+    ``tup_returned + tup_fetched``; backends report at most every second and when idle): how a
+    test tells which server a read ran on."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        row = conn.execute(
+            "SELECT tup_returned + tup_fetched FROM pg_stat_database "
+            "WHERE datname = current_database()"
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
 def fact_rows(url: str, stream: str) -> list[tuple[Any, ...]]:
     """``(stream_id, row_no, instance, ts, payload)`` of every row of ``stream``, in order."""
     with psycopg.connect(url, autocommit=True) as conn:

@@ -29,6 +29,7 @@ import contextlib
 import functools
 import gc
 import logging
+import math
 import random
 import threading
 import time
@@ -51,6 +52,7 @@ from streams.connector import (
     READER_SESSION_SETUP,
     Query,
     RangeGen,
+    StandbyRoute,
     StreamRows,
     backoff_delay,
     read_range,
@@ -58,7 +60,7 @@ from streams.connector import (
     transient_sqlstate,
     with_client_tcp_settings,
 )
-from streams.errors import ConnectionLost, FactsPruned, StoreError
+from streams.errors import ConnectionLost, FactsPruned, StandbyBehind, StoreError
 
 from .options import DEFAULT_STATEMENT_TIMEOUT
 
@@ -146,6 +148,13 @@ class RangePartition(InputPartition):
     #: The database history the driver planned in (`streams.core.incarnation`): a session on
     #: another one fails the task with `streams.DatabaseChanged` (None: not checked).
     incarnation: str | None = None
+    #: A hot standby to read the range on (``readDatabaseUrl``), once it has replayed past
+    #: ``proof_lsn`` (the LSN of the driver's probe that proved the range): the store's
+    #: `read_range` with ``proof_lsn``. None: read on ``database_url``.
+    read_database_url: str | None = None
+    proof_lsn: int = 0
+    #: Seconds to wait for the standby (behind, unreachable) before reading on the primary.
+    standby_max_wait: float = 5.0
 
     def __repr__(self) -> str:
         return (
@@ -319,7 +328,9 @@ def _prefetched(reader: Iterator[pa.RecordBatch], depth: int = 2) -> Iterator[pa
         thread.join()
 
 
-def _plan(part: RangePartition, floor: int, resume: tuple[int, int] | None) -> RangeGen[list[Any]]:
+def _plan(
+    part: RangePartition, floor: int, resume: tuple[int, int] | None, standby: bool = False
+) -> RangeGen[list[Any]]:
     """The store's plan for this partition (`streams.store.reads.read_range`), with what
     ``failOnDataLoss`` makes of a range no longer complete (`StreamWentBackwards`, or a warning
     and the read stops at what is complete) and of facts retention removed before they were
@@ -351,6 +362,7 @@ def _plan(part: RangePartition, floor: int, resume: tuple[int, int] | None) -> R
         resume_after=resume,
         went_backwards=backwards,
         lost=lost,
+        proof_lsn=part.proof_lsn if standby else None,
     )
 
 
@@ -385,11 +397,13 @@ class _Progress:
     failures: int = 0
 
 
-def _drive(cur: Any, part: RangePartition, progress: _Progress) -> Iterator[pa.RecordBatch]:
+def _drive(
+    cur: Any, part: RangePartition, progress: _Progress, standby: bool = False
+) -> Iterator[pa.RecordBatch]:
     """Drive the store's plan (`_plan`) on an ADBC cursor: each `Query` run and its rows sent
     back, the `StreamRows` statement streamed to Spark (`_stream_rows`), a `Commit` nothing
     (the session is in autocommit: each statement committed by itself)."""
-    plan = _plan(part, progress.floor, progress.resume)
+    plan = _plan(part, progress.floor, progress.resume, standby)
     answer: list[Any] | None = None
     while True:
         try:
@@ -432,6 +446,26 @@ def _stream_rows(
             close()  # stops and joins the prefetch thread before the cursor closes
 
 
+def _wait_for_standby(route: StandbyRoute, exc: Exception, part: RangePartition) -> None:
+    """The standby could not serve the read (behind the proof, another timeline, down): pause
+    and look again, or (after ``standby_max_wait``) read from the primary from now on."""
+    now = time.monotonic()
+    if isinstance(exc, StandbyBehind) and exc.timeline:
+        route.other_timeline(now)
+        pause = None
+    elif isinstance(exc, StandbyBehind):
+        pause = route.behind(now, exc.proof_lsn, exc.replayed)
+    else:
+        pause = route.unreachable(now)
+    if pause is None:
+        log.warning(
+            "reading stream %s (%d, %d] on the primary: %s",
+            part.stream, part.after, part.through, exc,
+        )  # fmt: skip
+    else:
+        time.sleep(pause)
+
+
 def read_partition(part: RangePartition) -> Iterator[pa.RecordBatch]:
     """The rows of one partition as Arrow record batches in (stream ID, row) order (executors):
     the store's plan driven over ADBC (`_drive`).
@@ -448,17 +482,34 @@ def read_partition(part: RangePartition) -> Iterator[pa.RecordBatch]:
         return
     progress = _Progress(part.ts_floor)
     failing_since = 0.0
+    # With a read URL: on the standby behind the fence, waiting for it as a Python reader does
+    # (`streams.connector.StandbyRoute`), then on the primary for the rest of this task.
+    route = None
+    if part.read_database_url is not None:
+        route = StandbyRoute(max_wait=part.standby_max_wait, retry_after=math.inf)
+    stale_standby = False  # a failed standby session: open a fresh one
     while True:
         cur = None
+        standby = route is not None and route.use_standby(time.monotonic())
+        url = part.read_database_url if standby and part.read_database_url else part.database_url
+        fresh = progress.failures > 0 or (standby and stale_standby)
         try:
-            conn = _adbc_connection(
-                part.database_url, progress.failures > 0, part.statement_timeout_ms
-            )
+            conn = _adbc_connection(url, fresh, part.statement_timeout_ms)
             freeze_imports()  # after the first connection: ADBC's modules are loaded
             cur = conn.cursor()
-            yield from _drive(cur, part, progress)
+            yield from _drive(cur, part, progress, standby)
+            if route is not None and standby:
+                route.read_on_standby()
             return
         except Exception as exc:  # not FactsPruned, StreamWentBackwards: no outage
+            if (
+                standby
+                and route is not None
+                and (isinstance(exc, StandbyBehind) or _transient(exc))
+            ):
+                stale_standby = not isinstance(exc, StandbyBehind)
+                _wait_for_standby(route, exc, part)
+                continue
             if not _transient(exc):
                 raise
             now = time.monotonic()

@@ -15,6 +15,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from streams.config import Settings, redact_url, validate_stream_name
 from streams.errors import ConfigurationError, InvalidStreamName
@@ -30,6 +31,8 @@ KNOWN_OPTIONS = (
     "stream",
     "streams",
     "databaseUrl",
+    "readDatabaseUrl",
+    "standbyMaxWait",
     "redisUrl",
     "prefix",
     "startingPosition",
@@ -176,6 +179,11 @@ class SourceOptions:
     timestamp_in: str = "arrow"
     statement_timeout: float = DEFAULT_STATEMENT_TIMEOUT
     prefetch: bool = True
+    #: A hot standby where executors read their ranges, behind the fence
+    #: (`streams.connector.read_range` with ``proof_lsn``); None: the database URL.
+    read_database_url: str | None = field(default=None, repr=False)
+    #: Seconds an executor waits for that standby before reading from the primary.
+    standby_max_wait: float = 5.0
     #: The option that set ``end`` (for errors).
     end_option: str = "endingPosition"
 
@@ -279,6 +287,7 @@ def parse_options(
         statement_timeout=timeout,
         prefetch=prefetch,
         end_option=end_option,
+        **_standby(given, env, settings),
     )
 
 
@@ -338,6 +347,26 @@ def _stream_names(given: Mapping[str, str]) -> list[str]:
             raise ConfigurationError(f"option {option}: {exc}") from None
 
     return names
+
+
+def _standby(
+    given: Mapping[str, str], env: Mapping[str, str], settings: Settings
+) -> dict[str, Any]:
+    """``readDatabaseUrl`` (or env ``STREAMS_READ_DATABASE_URL``) and ``standbyMaxWait``."""
+    read_url = given.get("readDatabaseUrl") or env.get("STREAMS_READ_DATABASE_URL") or None
+    if read_url is not None:
+        try:
+            read_url = Settings.resolve(read_url).database_url
+        except ConfigurationError as exc:
+            raise ConfigurationError(
+                f"option readDatabaseUrl (or env STREAMS_READ_DATABASE_URL): {exc}"
+            ) from None
+    max_wait = settings.standby_max_wait
+    if "standbyMaxWait" in given:
+        max_wait = parse_duration(given["standbyMaxWait"], "standbyMaxWait")
+        if not 0 <= max_wait <= 86400:
+            raise ConfigurationError("option standbyMaxWait: between 0 and 1d")
+    return {"read_database_url": read_url, "standby_max_wait": max_wait}
 
 
 def _settings(given: Mapping[str, str], env: Mapping[str, str]) -> Settings:

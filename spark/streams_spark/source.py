@@ -228,6 +228,9 @@ class _Driver:
         #: The database history this query reads (`streams.store.identity`): every session
         #: of the driver checks it, and offsets and partitions carry it.
         self.guard = Guard()
+        #: The highest LSN of the driver's probes ("the standby fence" of the store): what
+        #: an executor with a read URL waits for the standby to replay.
+        self.proof_lsn = 0
 
     def __getstate__(self) -> dict[str, Any]:
         # Spark pickles a fresh reader to ship read() to executors: never a connection.
@@ -361,6 +364,9 @@ class _Driver:
         expired writer gets that writer's sessions ended (`streams.store.leases`)."""
         infos = self.infos()
         found = self.run(probe, [infos[n] for n in self.config.streams])
+        # The proofs' LSN, for executors that read on a standby (the highest: replay passes
+        # the lower ones first).
+        self.proof_lsn = max([self.proof_lsn, *(p.wal_lsn for p in found.values())])
         observed = [(n, found[n].complete, found[n].max_allocated) for n in self.config.streams]
         self.run(retire_where_held, infos, self._held, time.monotonic(), observed)
         return {n: found[n].complete for n in self.config.streams}
@@ -525,6 +531,9 @@ class _Driver:
                         statement_timeout_ms=self.config.statement_timeout_ms,
                         prefetch=self.config.prefetch,
                         incarnation=self.incarnation(),
+                        read_database_url=self.config.read_database_url,
+                        proof_lsn=self.proof_lsn,
+                        standby_max_wait=self.config.standby_max_wait,
                     )
                 )
         return parts

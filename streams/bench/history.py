@@ -25,7 +25,10 @@ benchmarks' 197-byte payload), then:
   stream: rows/s, append latency before and during (no long locks: p99 within
   `TARGET_PRUNE_P99_RATIO` x), and the size of the heap and both indexes after each cycle (no
   bloat: the last within `TARGET_REFILL_RATIO` x of the first; B-tree pages emptied by a prune
-  are reused only after a later VACUUM, so the first cycle grows the indexes once).
+  are reused only after a later VACUUM, so the first cycle grows the indexes once);
+* **standby reads** (``--read-url``, a hot standby of the database): catch-up with the rows
+  read on the standby beside reads on the primary, primary CPU per fact and throughput
+  (`streams.bench.standby_reads`).
 
 Both streams are the run's own (`common.scratch_streams`): they are dropped when it ends, also
 on Ctrl-C or an error, except the long one with ``keep`` (its name is in the first line the
@@ -43,14 +46,14 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from typing import Any
 
 import click
 import psycopg
 
-from ..cli_params import common_options
+from ..cli_params import DATABASE_URL, common_options
 from ..client import Client
 from ..config import Settings, redact_url
 from ..store import sessions
@@ -60,6 +63,7 @@ from ..store.registry import StreamInfo
 from ..store.retention import PruneResult
 from ..store.rows import position_before_time
 from .common import PAYLOAD, percentile, progress_report, raw_catchup, scratch_streams
+from .standby_reads import StandbyMeasure, describe, measure_standby_reads
 
 __all__ = ["HistoryBenchResult", "bench_history_command", "run_history_bench"]
 
@@ -99,6 +103,8 @@ class HistoryBenchResult:
     catchup_per_s: float
     catchup_raw_per_s: float
     prune: PruneMeasure
+    #: With ``--read-url``: catch-up with reads on the primary beside reads on the standby.
+    standby: StandbyMeasure | None = None
 
     @property
     def bytes_per_fact(self) -> float:
@@ -138,6 +144,10 @@ class HistoryBenchResult:
             catchup_ratio=round(self.catchup_ratio, 3),
             targets=self.targets(),
         )
+        if self.standby is not None:
+            d["standby"].update(
+                cpu_ratio=self.standby.cpu_ratio, throughput_ratio=self.standby.throughput_ratio
+            )
         return d
 
 
@@ -396,8 +406,10 @@ def run_history_bench(
     keep: bool = False,
     append_seconds: float = APPEND_SECONDS,
     report: Callable[[str], None] = print,
+    read_url: str | None = None,
 ) -> HistoryBenchResult:
-    """Run the history benchmarks (see the module doc); report lines as they go."""
+    """Run the history benchmarks (see the module doc); report lines as they go. With
+    ``read_url`` (a hot standby of the database), also `streams.bench.standby_reads`."""
     if facts < 10 or catchup_facts < 1:
         raise ValueError("facts must be >= 10 and catchup_facts >= 1")
     catchup_facts = min(catchup_facts, facts)
@@ -412,10 +424,16 @@ def run_history_bench(
             )
             client = Client(settings)
             try:  # closed before the streams are dropped (a transaction would hold the drop)
-                return _measure_all(
+                result = _measure_all(
                     settings, client, admin, info, empty_name, facts, catchup_facts,
                     append_seconds, report,
                 )  # fmt: skip
+                if read_url is None:
+                    return result
+                standby = measure_standby_reads(settings, read_url, info.name, catchup_facts,
+                                                report)  # fmt: skip
+                report(describe(standby))
+                return replace(result, standby=standby)
             finally:
                 client.close()
                 with contextlib.suppress(psycopg.Error):
@@ -516,12 +534,20 @@ def _measure_all(
 )  # fmt: skip
 @click.option("--keep", is_flag=True, help="Keep the long stream (dropped by default).")
 @click.option("--json", "as_json", is_flag=True, help="Also print the results as JSON.")
+@click.option(
+    "--read-url",
+    type=DATABASE_URL,
+    default=None,
+    help="A hot standby of the database: also catch up reading rows there (primary CPU and "
+    "throughput with standby reads vs without).",
+)
 @common_options
 def bench_history_command(
     facts: int,
     catchup_facts: int,
     keep: bool,
     as_json: bool,
+    read_url: str | None,
     database_url: str | None,
     redis_url: str | None,
     prefix: str | None,
@@ -531,7 +557,8 @@ def bench_history_command(
     redis = "off" if settings.redis_url is None else redact_url(settings.redis_url)
     click.echo(f"database {redact_url(settings.database_url)}, Redis {redis}")
     result = run_history_bench(
-        settings, facts=facts, catchup_facts=catchup_facts, keep=keep, report=progress_report()
-    )
+        settings, facts=facts, catchup_facts=catchup_facts, keep=keep, report=progress_report(),
+        read_url=read_url or None,
+    )  # fmt: skip
     if as_json:
         click.echo(json.dumps(result.as_dict(), sort_keys=True, separators=(",", ":")))

@@ -33,6 +33,7 @@ from ..cli_params import (
     Duration,
     FiniteFloat,
     common_options,
+    read_url_option,
 )
 from ..client import Client, connect
 from ..config import Settings, redact_url
@@ -450,6 +451,7 @@ def append(
     help="table (human timestamps; the default) or json (JSON lines).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Same as --format json.")
+@read_url_option
 @common_options
 def read(
     stream: str,
@@ -463,6 +465,7 @@ def read(
     limit: int | None,
     output_format: str | None,
     as_json: bool,
+    read_database_url: str | None,
     database_url: str | None,
     redis_url: str | None,
     prefix: str | None,
@@ -491,7 +494,7 @@ def read(
         limit = 100
     shown = 0
     with (
-        _client(database_url, redis_url, prefix) as client,
+        connect(database_url, redis_url, prefix, read_database_url=read_database_url) as client,
         client.reader(stream, start=start, group=group) as reader,
     ):
         epochs = iter(reader) if follow else reader.epochs()

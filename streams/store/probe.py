@@ -82,6 +82,27 @@ it for the others, whose sequences were therefore read *after* the lock snapshot
 several streams could pass an ID reserved in between (issue 7; `tests/test_probe.py` forces that
 window).
 
+The standby fence (what a proof tells a reader that reads its rows from a hot standby)
+--------------------------------------------------------------------------------------
+A reader with a read URL (`streams.core.standby`) reads the rows of proven facts from a hot
+standby, which shows a committed transaction only once it has *replayed* its commit record. So
+every proof carries an LSN: statement 3 of the probe also returns ``pg_current_wal_insert_lsn()``.
+Every transaction that held an ID ``<= C[s]`` ended before statement 2 read ``pg_locks``; one
+that committed inserted its commit record into the WAL before it became visible and before it
+released its locks (PostgreSQL inserts the commit record, flushes it unless the writer runs
+with ``synchronous_commit = off``, marks the transaction visible, then releases its locks). So
+that record ends at or below the insert position statement 3 reads, whatever the writer's
+``synchronous_commit``: the insert position, not ``pg_current_wal_lsn()`` (the *write*
+position, which an asynchronous commit may leave behind its own visible commit record). A
+standby whose ``pg_last_wal_replay_lsn()`` (the end of the last record it applied) is at or
+past that LSN has applied all those commit records, and so has every snapshot it takes after
+that look: the rows statement, run after it on the standby session, shows every fact
+``<= C[s]`` (`streams.store.standby`). The WAL up to that LSN reaches the standby: the probe's
+transaction flushed it (the durability argument) and a walsender sends what is flushed.
+A follower of shared proofs takes the LSN in a statement *after* the one whose snapshot showed
+the proof (`wal_position_query`): every commit that snapshot showed had inserted its record
+before the snapshot was taken, hence before the later statement read the insert position.
+
 Shared proofs (one prober per stream instead of one per reader)
 ---------------------------------------------------------------
 A probe reads ``pg_locks``, which the server copies whole (every lock of every application)
@@ -144,6 +165,9 @@ class Probe:
     stream: str
     max_allocated: int
     complete: int
+    #: The primary's WAL insert position read with the proof, as an int ("the standby fence";
+    #: 0: not known): a standby that has replayed past it shows every fact ``<= complete``.
+    wal_lsn: int = 0
 
 
 #: Session settings (plus the stream's registry id) where a probe leaves max allocated
@@ -189,13 +213,14 @@ CROSS JOIN LATERAL (
 """
 
 #: Statement 3 of a probe: make durable every sequence value and commit statements 1 and 2 saw
-#: ("the durability argument"): flushed already, or flushed by this transaction's commit.
+#: ("the durability argument"): flushed already, or flushed by this transaction's commit. Its
+#: second column is the probe's LSN, the WAL insert position ("the standby fence").
 _PROBE_DURABLE_SQL = """
 SELECT CASE
     WHEN pg_current_wal_flush_lsn() >= pg_current_wal_insert_lsn() THEN false
     ELSE (SELECT true FROM (SELECT set_config('synchronous_commit', 'on', true),
                                    pg_logical_emit_message(true, 'streams', 'durable')) AS flush)
-END
+END, (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint
 """
 
 #: Settings of every session that reads facts behind a probe (readers): READ COMMITTED, which the
@@ -264,17 +289,40 @@ PROBE_STATEMENTS = 3
 COMPLETE_STATEMENT = 1
 
 
-def probes_from_rows(rows: Sequence[Row]) -> dict[str, Probe]:
-    """The `Probe` of each stream from the rows of statement `COMPLETE_STATEMENT`."""
+#: Which of them returns the probe's LSN (second column: "the standby fence").
+DURABLE_STATEMENT = 2
+
+
+def probes_from_rows(rows: Sequence[Row], wal_lsn: int = 0) -> dict[str, Probe]:
+    """The `Probe` of each stream from the rows of statement `COMPLETE_STATEMENT` (and the
+    probe's LSN, from statement `DURABLE_STATEMENT`: `wal_lsn_from_rows`)."""
     return {
-        name: Probe(name, int(allocated), int(complete)) for name, allocated, complete, _ in rows
+        name: Probe(name, int(allocated), int(complete), wal_lsn)
+        for name, allocated, complete, _ in rows
     }
+
+
+def wal_lsn_from_rows(rows: Sequence[Row]) -> int:
+    """The probe's LSN from the rows of statement `DURABLE_STATEMENT` (0 if absent)."""
+    return int(rows[0][1]) if rows and len(rows[0]) > 1 and rows[0][1] is not None else 0
 
 
 def probes_from_results(results: Sequence[Sequence[Row]]) -> dict[str, Probe]:
     """The `Probe` of each stream from the results of a pipeline that began with
     `probe_queries`."""
-    return probes_from_rows(results[COMPLETE_STATEMENT])
+    return probes_from_rows(
+        results[COMPLETE_STATEMENT], wal_lsn_from_rows(results[DURABLE_STATEMENT])
+    )
+
+
+#: The primary's WAL insert position as an int: pipelined after a statement that read a shared
+#: proof (`streams.store.reads.read_after_proof`), the proof's LSN ("the standby fence").
+WAL_POSITION_SQL = b"SELECT (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint"
+
+
+def wal_position_query() -> Query:
+    """The statement of `WAL_POSITION_SQL`."""
+    return Query(WAL_POSITION_SQL, ())
 
 
 def probe(infos: Sequence[StreamInfo]) -> Gen[dict[str, Probe]]:

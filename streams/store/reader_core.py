@@ -56,6 +56,7 @@ from ..core.payloads import decode_payloads
 from ..core.replication import Hint, is_keys_hint, is_proof_hint
 from ..core.signing import KEY_REFRESH, PublicKeys, SignedRange, verify_range
 from ..core.stalls import HeldStreams
+from ..core.standby import StandbyRoute
 from ..errors import (
     ConnectionLost,
     DatabaseChanged,
@@ -81,8 +82,9 @@ from .reads import (
     probe,
     probe_and_read,
     pruned_positions,
-    read_after_proof,
+    read_proofs,
     read_proven,
+    standby_fence,
 )
 from .registry import StreamInfo, load_streams
 from .rows import database_time_ms, position_before_time, ts_floor_at
@@ -217,8 +219,17 @@ class ReaderCore:
         self.rejected_ranges: dict[str, int] = {}
         #: Shared proofs refused (above their stream's max allocated ID), for metrics.
         self.refused_proofs = 0
-        #: Rows read from PostgreSQL (catch-up and live), for metrics.
+        #: Rows read from PostgreSQL (catch-up and live), for metrics; of them, from a standby.
         self.rows = 0
+        self.standby_rows = 0
+        #: Read rows on a hot standby (a read URL; set by the shells), and how long to wait
+        #: for it: the shells then `step` without rows on the primary (it only proves) and
+        #: read the rows by `standby_step` behind the fence (`streams.core.standby`).
+        self.route: StandbyRoute | None = None
+        #: The highest LSN of a proof this reader noted ("the standby fence" in
+        #: `streams.store.probe`): a standby replayed past it shows every fact up to the
+        #: targets (taking the highest is safe: replay passes the lower ones first).
+        self.proof_lsn = 0
         #: The database history this reader's positions belong to: the first session records
         #: it (or the client's, which shares its guard), every reconnect checks it.
         self.guard = Guard()
@@ -335,6 +346,7 @@ class ReaderCore:
         complete, not what is allocated."""
         self.probes += 1
         for name, found in probes.items():
+            self.proof_lsn = max(self.proof_lsn, found.wal_lsn)
             if shared:
                 self._targets[name] = max(self._targets.get(name, 0), found.complete)
                 continue
@@ -448,11 +460,15 @@ class ReaderCore:
         """Everything the last probe proved complete is delivered (and no reconnect since)."""
         return not self._reconcile and not self.behind()
 
-    def step(self) -> Gen[Epoch | None]:
+    def step(self, with_rows: bool = True) -> Gen[Epoch | None]:
         """The next epoch, or None if PostgreSQL has nothing complete beyond the positions.
 
         Caught up (or reconciling), it probes and reads the first page of every stream in one
         pipelined round trip; behind the last probe, it reads pages only.
+
+        ``with_rows`` False (a reader with a read URL, on the primary): it proves only, reading no
+        rows (none behind a probe or a shared proof, no pages when behind); `standby_step`
+        reads them from the standby. Signed ranges from Redis are delivered as always.
 
         All or nothing: every read happens before any position moves (`_advance`), so an
         error or a cancellation at any of its steps leaves the reader where it was, and the
@@ -475,9 +491,20 @@ class ReaderCore:
         # Proofs only while the Redis link is live: without it nobody hears writers' commits
         # in time to prove them, and this reader polls PostgreSQL itself.
         if self.shared_proofs and self._link_up and (not self.behind() or self._reconcile):
-            shared = yield from self._step_on_proofs(lower)
+            shared = yield from self._step_on_proofs(lower, with_rows)
         if shared is not None:
             planned = shared
+        elif not with_rows:
+            if not self.behind() or self._reconcile:  # prove only: the rows are the standby's
+                infos = [self.infos[n] for n in self.names]
+                probes = yield from probe(infos)
+                self._note_probe(probes)
+                yield from retire_where_held(
+                    self.infos,
+                    self._held,
+                    time.monotonic(),
+                    ((name, p.complete, p.max_allocated) for name, p in probes.items()),
+                )
         elif not self.behind() or self._reconcile:
             # Probe, rows and retention in one round trip (`streams.store.reads`).
             infos = [self.infos[n] for n in self.names]
@@ -497,24 +524,51 @@ class ReaderCore:
                 if through > lower[info.name]:
                     planned.append((yield from self._plan(info.name, list(raw), through)))
         else:
-            for name in self.names:
-                target = self._targets.get(name, 0)
-                if lower[name] < target:
-                    page = yield from read_proven(
-                        self.infos[name], lower[name], target, self.page_size
-                    )
-                    planned.append((yield from self._plan(name, page, target)))
+            planned = yield from self._read_pages(lower)
         facts = self._advance(planned)  # nothing may be yielded from here on
         if self.positions == lower:
             return None
         return Epoch(lower, dict(self.positions), tuple(facts))
 
-    def _step_on_proofs(self, lower: Mapping[str, int]) -> Gen[list[_Planned] | None]:
+    def _read_pages(self, lower: Mapping[str, int]) -> Gen[list[_Planned]]:
+        """A page of each stream behind its target, up to what the last proof proved."""
+        planned: list[_Planned] = []
+        for name in self.names:
+            target = self._targets.get(name, 0)
+            if lower[name] < target:
+                page = yield from read_proven(self.infos[name], lower[name], target, self.page_size)
+                planned.append((yield from self._plan(name, page, target)))
+        return planned
+
+    def standby_step(self) -> Gen[Epoch | None]:
+        """`step`'s pages, on a hot standby's session (a read URL): the fence first (one
+        statement: `StandbyBehind`, nothing read, while the standby has not replayed past the
+        last proof's LSN: `streams.store.reads.standby_fence`), then a page of each stream
+        behind its target, each with its retention check, on the standby (why that check may
+        run there: `streams.store.standby`). None when no stream is behind. All or nothing, as
+        `step`."""
+        lower = dict(self.positions)
+        if not self.behind():
+            return None
+        yield from standby_fence(self.proof_lsn, f"reader of {', '.join(self.names)}")
+        rows_before = self.rows
+        planned = yield from self._read_pages(lower)
+        facts = self._advance(planned)  # nothing may be yielded from here on
+        self.standby_rows += self.rows - rows_before
+        if self.positions == lower:
+            return None
+        return Epoch(lower, dict(self.positions), tuple(facts))
+
+    def _step_on_proofs(
+        self, lower: Mapping[str, int], with_rows: bool = True
+    ) -> Gen[list[_Planned] | None]:
         """`step` as a follower: every stream's shared proof and its first page, one statement
         each, one round trip; None (nothing delivered) when a proof is missing or stale, and
-        the caller probes itself."""
+        the caller probes itself. ``with_rows`` False: the proofs only (nothing planned)."""
         infos = [self.infos[n] for n in self.names]
-        results = yield from read_after_proof(infos, lower, self.page_size, self.incarnation)
+        results, lsn = yield from read_proofs(
+            infos, lower, self.page_size if with_rows else 0, self.incarnation
+        )
         refused = {
             i.name: int(rows[0][0])
             for i, rows in zip(infos, results, strict=True)
@@ -540,11 +594,13 @@ class ReaderCore:
                 self._awaited_since = None
             if behind and overdue:
                 return None  # the prober is late: probe for ourselves this once
-        self._note_probe({n: Probe(n, c, c) for n, c in proven.items()}, shared=True)
+        self._note_probe({n: Probe(n, c, c, lsn) for n, c in proven.items()}, shared=True)
         planned: list[_Planned] = []
-        for info, rows in zip(infos, results, strict=True):
+        if not with_rows:
+            return planned
+        for info, found in zip(infos, results, strict=True):
             if proven[info.name] > lower[info.name]:
-                page = [tuple(r[3:]) for r in rows if r[3] is not None]
+                page = [tuple(r[3:]) for r in found if r[3] is not None]
                 planned.append((yield from self._plan(info.name, page, proven[info.name])))
         return planned
 

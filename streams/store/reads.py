@@ -48,6 +48,14 @@ The forms of the sequence, one plan each:
 
 Step 2 alone (`probe`) and step 4 alone (`pruned_positions`) are what planners use to decide
 positions without reading rows (the Spark source's driver, a reader's start).
+
+Reads from a hot standby (a read URL: `streams.core.standby`, `streams.store.standby`): step 2
+stays on the primary, and carries the LSN of the proof ("the standby fence" in
+`streams.store.probe`; `read_proofs` for a follower of shared proofs); steps 3-4 run on the
+standby's session behind the fence, a statement that finds the standby replayed past that LSN
+(`streams.store.standby.replayed_to`), and step 1 there is `streams.store.standby.check_standby`.
+A Python reader runs `read_proven` there (`streams.store.reader_core`), a Spark task
+`read_range` with ``proof_lsn``.
 """
 
 from __future__ import annotations
@@ -70,6 +78,7 @@ from .probe import (
     probes_from_results,
     record_proof_query,
     statement_timeout_setup,
+    wal_position_query,
 )
 from .registry import StreamInfo
 from .rows import (
@@ -82,6 +91,7 @@ from .rows import (
     range_rows_sql,
     retention_query,
 )
+from .standby import check_standby, replayed_to
 
 __all__ = [
     "READER_SESSION_SETUP",
@@ -95,8 +105,10 @@ __all__ = [
     "prove_with_rows",
     "pruned_positions",
     "read_after_proof",
+    "read_proofs",
     "read_proven",
     "read_range",
+    "standby_fence",
     "statement_timeout_setup",
 ]
 
@@ -194,14 +206,36 @@ def read_after_proof(
     says what its rows are), then the retention check: `FactsPruned` if facts after
     ``after[name]`` were removed. The results, one per stream of ``infos``; a proof recorded
     in another database ``incarnation`` than the follower's counts as none."""
-    *results, pruned = yield Pipeline(
+    results, _ = yield from read_proofs(infos, after, limit, incarnation)
+    return results
+
+
+def read_proofs(
+    infos: Sequence[StreamInfo],
+    after: Mapping[str, int],
+    limit: int,
+    incarnation: str | None = None,
+) -> Gen[tuple[list[tuple[Row, ...]], int]]:
+    """`read_after_proof`, and the proofs' LSN: the primary's WAL insert position read in a
+    statement after the ones that read the proofs ("the standby fence" in
+    `streams.store.probe`). ``limit`` 0 reads the proofs alone (a reader whose rows come from
+    a standby)."""
+    *results, lsn, pruned = yield Pipeline(
         [
             *(fetch_rows_after_proof(info, after[info.name], limit, incarnation) for info in infos),
+            wal_position_query(),  # after the proofs' snapshot
             retention_query(infos),  # after the rows (step 4)
         ]
     )
     check_retained(pruned, after)
-    return results
+    return results, int(lsn[0][0]) if lsn and lsn[0][0] is not None else 0
+
+
+def standby_fence(proof_lsn: int, where: str) -> Gen[int]:
+    """On a standby's session, before steps 3-4 there: `StandbyBehind` (nothing read) until
+    the standby has replayed past ``proof_lsn``; its replay position otherwise
+    (`streams.store.standby.replayed_to`)."""
+    return (yield from replayed_to(proof_lsn, where))
 
 
 # --- a range planned earlier, one statement at a time (any driver) ------------------------------
@@ -241,6 +275,7 @@ def read_range(
     resume_after: tuple[int, int] | None = None,
     went_backwards: Callable[[int], None] | None = None,
     lost: Callable[[FactsPruned], None] = _lost,
+    proof_lsn: int | None = None,
 ) -> RangeGen[list[Row]]:
     """Steps 1-4 for the rows of ``(after, through]`` of the stream ``stream`` (registry id
     ``stream_key``), planned earlier and read now, one statement at a time, so that the range
@@ -259,10 +294,27 @@ def read_range(
     4. Retention: ``lost(FactsPruned(...))`` if facts after ``after`` were removed (by default
        it raises; a reader allowed to lose facts may log it and return).
 
+    With ``proof_lsn`` (the LSN of the probe that planned the range), the session is a hot
+    standby's (a read URL: `streams.store.standby`, "the standby fence" in
+    `streams.store.probe`), which cannot probe: step 1 checks the standby's incarnation
+    (`check_standby`), and step 2 is the fence instead: `StandbyBehind` (nothing read) until the
+    standby has replayed past ``proof_lsn``; the range was proven complete on the primary when
+    it was planned, and a complete range never changes.
+
     Returns the rows the driver kept (see `StreamRows`).
     """
+    where = f"{who} reading {stream!r} ({after}, {through}]"
+    if proof_lsn is not None:
+        if incarnation is not None:
+            yield from check_standby(incarnation, where)
+        yield from replayed_to(proof_lsn, where)
+        if through <= after:
+            return []
+        return (yield from _rows_and_retention(
+            stream, stream_key, after, through, running_ts_floor, resume_after, lost
+        ))  # fmt: skip
     if incarnation is not None:
-        yield from check_history(incarnation, f"{who} reading {stream!r} ({after}, {through}]")
+        yield from check_history(incarnation, where)
     found: list[Row] = []
     for index, text in enumerate(probe_texts([stream_key])):
         rows = yield Query(text)
@@ -280,6 +332,21 @@ def read_range(
         through = max(after, complete)  # never past what this probe proved
     if through <= after:
         return []
+    return (yield from _rows_and_retention(
+        stream, stream_key, after, through, running_ts_floor, resume_after, lost
+    ))  # fmt: skip
+
+
+def _rows_and_retention(
+    stream: str,
+    stream_key: int,
+    after: int,
+    through: int,
+    running_ts_floor: int | None,
+    resume_after: tuple[int, int] | None,
+    lost: Callable[[FactsPruned], None],
+) -> RangeGen[list[Row]]:
+    """Steps 3 and 4 of `read_range`."""
     kept = yield StreamRows(
         range_rows_sql(
             stream_key,

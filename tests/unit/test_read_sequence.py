@@ -13,13 +13,14 @@ import pytest
 from helpers import REPO_ROOT
 
 from streams import TimestampMode
-from streams.errors import DatabaseChanged, FactsPruned, StoreError
+from streams.errors import DatabaseChanged, FactsPruned, StandbyBehind, StoreError
 from streams.store import reads
 from streams.store.driver import Commit, Pipeline, Query, Row
 from streams.store.identity import INCARNATION_SQL
 from streams.store.probe import PROBE_STATEMENTS, probe_queries, probe_texts
 from streams.store.registry import StreamInfo
 from streams.store.rows import pruned_through_sql
+from streams.store.standby import REPLAY_SQL
 
 
 def _info(key: int, name: str) -> StreamInfo:
@@ -164,6 +165,66 @@ def test_the_prover_records_its_proof_between_the_probe_and_the_rows() -> None:
     assert len(_pipeline(reads.prove_with_rows([INFO], {}, 10))) == PROBE_STATEMENTS + 1
 
 
+def test_on_a_standby_the_fence_replaces_the_probe() -> None:
+    """With ``proof_lsn`` (a read URL): incarnation, then the replay position, then the rows
+    and retention, all on the standby's session; nothing read while it is behind."""
+
+    def drive(replayed: int, history: tuple[object, ...] = SAME_HISTORY) -> list[str]:
+        plan = _plan(proof_lsn=100)
+        log: list[str] = []
+        answer: list[Row] | None = None
+        while True:
+            try:
+                op = next(plan) if answer is None else plan.send(answer)
+            except StopIteration:
+                return log
+            answer = []
+            if isinstance(op, Commit):
+                log.append("commit")
+            elif isinstance(op, reads.StreamRows):
+                log.append("rows")
+            elif op.statement == INCARNATION_SQL:
+                log.append("incarnation")
+                answer = [history]
+            elif op.statement == REPLAY_SQL:
+                log.append("fence")
+                answer = [(replayed,)]
+            else:
+                assert op.statement == pruned_through_sql(INFO.id)
+                log.append("retention")
+                answer = [(0,)]
+
+    assert drive(100) == [
+        "incarnation", "commit", "fence", "commit", "rows", "retention", "commit",
+    ]  # fmt: skip
+    with pytest.raises(StandbyBehind) as behind:
+        drive(99)
+    assert (behind.value.replayed, behind.value.proof_lsn, behind.value.timeline) == (
+        99,
+        100,
+        False,
+    )
+    with pytest.raises(StandbyBehind) as other:
+        drive(100, history=("id", 1, 2, 3, 2))
+    assert other.value.timeline
+    with pytest.raises(DatabaseChanged, match="read URL"):
+        drive(100, history=("other", 1, 2, 3, 1))
+
+
+def test_a_followers_proofs_carry_the_lsn_read_after_them() -> None:
+    queries = _pipeline(reads.read_proofs([INFO], {"s": 0}, 0))
+    assert "streams_proofs" in bytes(queries[0].statement).decode()  # type: ignore[arg-type]
+    assert queries[0].params == (0, 0, None)  # the proof alone: no rows on the primary
+    assert b"pg_current_wal_insert_lsn" in bytes(queries[1].statement)  # type: ignore[arg-type]
+    assert b"pruned_through" in bytes(queries[2].statement)  # type: ignore[arg-type]
+
+
+def test_the_probe_takes_its_lsn_after_the_locks() -> None:
+    queries = probe_queries([INFO])
+    assert b"pg_locks" in bytes(queries[1].statement)  # type: ignore[arg-type]
+    assert b"pg_current_wal_insert_lsn() - '0/0'" in bytes(queries[2].statement)  # type: ignore[arg-type]
+
+
 #: The readers: each runs the plans of `streams.store.reads`.
 READERS = (
     REPO_ROOT / "streams" / "store" / "reader_core.py",
@@ -184,6 +245,10 @@ BUILDERS = frozenset(
         "retention_query",
         "pruned_through_sql",
         "check_retained",
+        "REPLAY_SQL",
+        "replayed_to",
+        "check_standby",
+        "wal_position_query",
     }
 )
 
