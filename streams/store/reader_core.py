@@ -200,9 +200,8 @@ class ReaderCore:
         self._awaited_since: float | None = None
         self.deadline_moved = False
         self._held = HeldStreams()
-        self.probes = 0
-        self.proof_reads = 0
-        self.pages = 0
+        #: Probes run, shared proofs read and pages of rows read (for metrics).
+        self.probes = self.proof_reads = self.pages = 0
         # Signed ranges from Redis (`streams.core.signing`): verified by the link thread
         # (deque appends and pops are atomic), then by `after`, and the keys.
         self._verified: deque[SignedRange] = deque(maxlen=MAX_WAITING_RANGES)
@@ -220,8 +219,7 @@ class ReaderCore:
         #: Shared proofs refused (above their stream's max allocated ID), for metrics.
         self.refused_proofs = 0
         #: Rows read from PostgreSQL (catch-up and live), for metrics; of them, from a standby.
-        self.rows = 0
-        self.standby_rows = 0
+        self.rows = self.standby_rows = 0
         #: Read rows on a hot standby (a read URL; set by the shells), and how long to wait
         #: for it: the shells then `step` without rows on the primary (it only proves) and
         #: read the rows by `standby_step` behind the fence (`streams.core.standby`).
