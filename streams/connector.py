@@ -52,7 +52,8 @@ from .core.replication import Hint, backoff_delay
 from .core.stalls import HeldStreams
 from .core.standby import StandbyRoute
 from .store.driver import Commit, Gen, Query, run, transient_sqlstate
-from .store.identity import read_incarnation, verify
+from .store.failover import replicated
+from .store.identity import holds_across_failover, read_incarnation, verify
 from .store.leases import retire_where_held
 from .store.reader_core import ReaderCore
 from .store.reader_groups import Generation, commit_group, group_position, take_generations
@@ -109,6 +110,7 @@ __all__ = [
     "fetch_all",
     "first_fact_since",
     "group_position",
+    "holds_across_failover",
     "load_stream",
     "load_streams",
     "open_session",
@@ -117,6 +119,7 @@ __all__ = [
     "range_ts_maxima",
     "read_incarnation",
     "read_range",
+    "replicated",
     "retire_where_held",
     "run",
     "split_range",

@@ -363,6 +363,7 @@ def _plan(
         went_backwards=backwards,
         lost=lost,
         proof_lsn=part.proof_lsn if standby else None,
+        planned_lsn=part.proof_lsn or None,
     )
 
 

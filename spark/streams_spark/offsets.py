@@ -30,6 +30,12 @@ Two more keys, both optional, so that offsets logged before they existed still r
   (`streams.core.incarnation`): a checkpoint whose offsets name another one (the database was
   recreated, restored or failed over since) stops the query with `streams.DatabaseChanged`
   instead of reading on from positions that history never had.
+* ``"lsn": 50331648``: the primary's WAL position taken with the proof behind the positions
+  ("the standby fence" of `streams.store.probe`). After a failover (a later timeline of the
+  same database) the offset still holds if that position is at or below where the new
+  timeline left the old one (`streams.store.identity.holds_across_failover`). Kept from the
+  start offset while the positions do not move, so that an offset with nothing new stays
+  equal to its start (Spark compares them to decide whether there is a batch).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ __all__ = [
     "frontier_from_json",
     "frontier_offset",
     "incarnation_of",
+    "lsn_of",
     "positions_of",
     "since_of",
     "waiting_of",
@@ -61,6 +68,7 @@ def frontier_offset(
     floors: Mapping[str, int] | None = None,
     waiting: Collection[str] = (),
     incarnation: str | None = None,
+    lsn: int | None = None,
 ) -> dict[str, Any]:
     """The canonical offset of ``positions`` (keys sorted), with the start times ``since``
     still in force, the timestamp ``floors`` and the streams ``waiting`` for their start
@@ -77,7 +85,18 @@ def frontier_offset(
         offset["waiting"] = sorted(waiting)
     if incarnation:
         offset["incarnation"] = incarnation
+    if lsn:
+        offset["lsn"] = int(lsn)
     return offset
+
+
+def lsn_of(offset: Mapping[str, Any]) -> int | None:
+    """The WAL position of the proof behind an offset (None: logged before offsets carried
+    it)."""
+    lsn = offset.get("lsn")
+    if lsn is not None and (not isinstance(lsn, int) or isinstance(lsn, bool) or lsn < 0):
+        raise ConfigurationError(f"offset {json.dumps(offset)}: 'lsn' must be an integer >= 0")
+    return lsn
 
 
 def incarnation_of(offset: Mapping[str, Any]) -> str | None:

@@ -93,12 +93,14 @@ from streams.connector import (
     default_instance_name,
     first_fact_since,
     group_position,
+    holds_across_failover,
     load_streams,
     open_session,
     probe,
     pruned_positions,
     range_ts_maxima,
     read_incarnation,
+    replicated,
     retire_where_held,
     run,
     split_range,
@@ -131,6 +133,7 @@ from .offsets import (
     floors_of,
     frontier_offset,
     incarnation_of,
+    lsn_of,
     positions_of,
     since_of,
     waiting_of,
@@ -326,9 +329,14 @@ class _Driver:
 
     def check_offset(self, offset: dict[str, Any], what: str) -> None:
         """An offset from Spark's log must belong to this database history (offsets logged
-        before they carried an incarnation are taken as they are): `_written_elsewhere`."""
+        before they carried an incarnation are taken as they are), or to an earlier timeline
+        of it whose switch point is past the offset's proof (a failover that lost nothing the
+        offset covers: `streams.store.identity.holds_across_failover`): `_written_elsewhere`."""
         self._written_elsewhere(
-            incarnation_of(offset), f"{self._where()}: the {what} offset", "was logged"
+            incarnation_of(offset),
+            f"{self._where()}: the {what} offset",
+            "was logged",
+            proof_lsn=lsn_of(offset),
         )
 
     def check_group_row(self, stream: str, token: str | None, position: int) -> None:
@@ -336,17 +344,36 @@ class _Driver:
         this database history, as for Python group readers (rows from before incarnations
         existed are taken as they are): `_written_elsewhere`."""
         what = f"group {self.config.group!r} on stream {stream!r}"
-        self._written_elsewhere(token, what, f"at {position} was committed")
+        self._written_elsewhere(token, what, f"at {position} was committed", in_database=True)
 
-    def _written_elsewhere(self, token: str | None, what: str, how: str) -> None:
+    def _written_elsewhere(
+        self,
+        token: str | None,
+        what: str,
+        how: str,
+        *,
+        proof_lsn: int | None = None,
+        in_database: bool = False,
+    ) -> None:
         """`DatabaseChanged` if ``what`` (read back with incarnation ``token``) belongs to
         another database history; with ``failOnDataLoss=false``, a warning (once), and the
-        query goes on from it."""
-        changed = written_elsewhere(token, self._current())
+        query goes on from it. ``in_database``: a group row, which a failover keeps consistent
+        with the facts (`written_elsewhere`'s ``across_failover``); otherwise a later timeline
+        holds when ``proof_lsn`` is at or below its switch point."""
+        current = self._current()
+        changed = written_elsewhere(token, current, across_failover=in_database)
         if changed is None:
             return
-        if self.config.fail_on_data_loss:
-            raise DatabaseChanged(what, f"it {how} in another incarnation: {changed}")
+        assert token is not None
+        try:
+            self.run(holds_across_failover, token, current, what, proof_lsn)
+        except DatabaseChanged as exc:
+            changed = exc.changed
+            if self.config.fail_on_data_loss:
+                raise DatabaseChanged(what, f"it {how} in another incarnation: {changed}") from None
+        else:
+            log.warning("%s %s on an earlier timeline; it holds after the failover", what, how)
+            return
         self.warn_once(
             ("incarnation", what, token),
             f"{what} {how} in another database history ({changed}); failOnDataLoss=false: "
@@ -498,9 +525,13 @@ class _Driver:
         upper: dict[str, int],
         since: dict[str, int],
         floors: dict[str, int],
+        planned_lsn: int | None = None,
     ) -> list[RangePartition]:
         """Partitions of every stream's ``(lower, upper]`` (deterministic for complete ranges),
-        each with the exact timestamp floor at its start; ``since``: start times in force."""
+        each with the exact timestamp floor at its start; ``since``: start times in force;
+        ``planned_lsn``: the WAL position of the proof of ``upper`` (the end offset's), which
+        executors wait for on a standby and which makes a partition hold across a failover
+        (default: this driver's last probe's)."""
 
         infos = self.infos()
         parts: list[RangePartition] = []
@@ -532,7 +563,7 @@ class _Driver:
                         prefetch=self.config.prefetch,
                         incarnation=self.incarnation(),
                         read_database_url=self.config.read_database_url,
-                        proof_lsn=self.proof_lsn,
+                        proof_lsn=planned_lsn or self.proof_lsn,
                         standby_max_wait=self.config.standby_max_wait,
                     )
                 )
@@ -683,6 +714,10 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
         self.own_group()
         complete = self._refresh(force=True)
         start = self.resolve(self.config.start, complete)
+        token = self.incarnation()
+        self.run(replicated)  # as for every offset (`latestOffset`)
+        if self.incarnation() != token:  # it ran on a new primary: start there
+            return self.initialOffset()
         log.info("streams source starts at %s (group %s)", start.positions, self.config.group)
         if start.waiting:
             log.info(
@@ -694,6 +729,7 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
             floors=start.floors,
             waiting=start.waiting,
             incarnation=self.incarnation(),
+            lsn=self.proof_lsn,
         )
 
     def getDefaultReadLimit(self) -> ReadLimit:
@@ -738,9 +774,17 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
                 upper = lower
         if max_facts is not None and upper != lower:
             upper = self._admit(lower, upper, max_facts)
-        if upper == lower:
-            return frontier_offset(lower, since, floors=floors, waiting=waiting, incarnation=token)
+        if upper == lower:  # the start's proof still stands for it (see `lsn_of`)
+            return frontier_offset(
+                lower, since, floors=floors, waiting=waiting, incarnation=token,
+                lsn=lsn_of(start),
+            )  # fmt: skip
         self._last_batch = time.monotonic()
+        # The offset's proof on every synchronous standby before Spark logs it, so that it
+        # holds after a failover to one (`lsn_of`; one WAL flush per batch).
+        self.run(replicated)
+        if self.incarnation() != token:  # it ran on a new primary: prove again there
+            return self.latestOffset(start, limit)
         moved = {n for n in names if upper[n] > lower[n]}
         end_floors = self.floors_after(lower, upper, floors or self.floors_at(lower))
         return frontier_offset(
@@ -749,6 +793,7 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
             floors=end_floors,
             waiting=waiting - moved,
             incarnation=token,
+            lsn=self.proof_lsn,
         )
 
     def _since_after(
@@ -839,7 +884,7 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
         for name in lost:  # failOnDataLoss=false: read what is still proven
             upper[name] = max(lower[name], complete[name])
         floors = floors_of(start, names) or self.floors_at(lower)
-        parts = self.plan(lower, upper, since_of(start, names), floors)
+        parts = self.plan(lower, upper, since_of(start, names), floors, lsn_of(end))
         return parts or [
             RangePartition(
                 stream=names[0],

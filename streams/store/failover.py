@@ -36,6 +36,7 @@ __all__ = [
     "lsn_int",
     "lsn_text",
     "repair_sequences",
+    "replicated",
     "switchpoint",
 ]
 
@@ -164,3 +165,21 @@ def switchpoint(old_timeline: int) -> Generator[Query | Commit, list[Row], int |
     yield Commit()
     text = rows[0][0] if rows else None
     return None if text is None else lsn_int(str(text))
+
+
+def replicated() -> Gen[None]:
+    """Return once every WAL record written before it is on the synchronous standbys (those
+    of ``synchronous_standby_names``; at once without any): commit a logical message (any role
+    may) with ``synchronous_commit`` on, and PostgreSQL's commit waits for them.
+
+    For a position kept outside the database (a Spark offset) with the WAL position of its
+    proof: after a failover to a synchronous standby, the switch point is past that position
+    (the standby had flushed this commit, which came after it, and a promotion replays all it
+    flushed), so the position holds there (`identity.holds_across_failover`). Without it, the
+    proof's WAL position (the insert position, ahead of what was sent while writers commit)
+    would often be past the switch point although nothing it covers was lost."""
+    yield Query(
+        "SELECT set_config('synchronous_commit', 'on', true), "
+        "pg_logical_emit_message(true, 'streams', 'replicated')"
+    )
+    yield Commit()

@@ -276,6 +276,7 @@ def read_range(
     went_backwards: Callable[[int], None] | None = None,
     lost: Callable[[FactsPruned], None] = _lost,
     proof_lsn: int | None = None,
+    planned_lsn: int | None = None,
 ) -> RangeGen[list[Row]]:
     """Steps 1-4 for the rows of ``(after, through]`` of the stream ``stream`` (registry id
     ``stream_key``), planned earlier and read now, one statement at a time, so that the range
@@ -301,6 +302,9 @@ def read_range(
     standby has replayed past ``proof_lsn``; the range was proven complete on the primary when
     it was planned, and a complete range never changes.
 
+    ``planned_lsn``: the WAL position of the proof the range was planned on, with which a range
+    planned before a failover still holds after it (`identity.check_history`).
+
     Returns the rows the driver kept (see `StreamRows`).
     """
     where = f"{who} reading {stream!r} ({after}, {through}]"
@@ -314,7 +318,7 @@ def read_range(
             stream, stream_key, after, through, running_ts_floor, resume_after, lost
         ))  # fmt: skip
     if incarnation is not None:
-        yield from check_history(incarnation, where)
+        yield from check_history(incarnation, where, planned_lsn)
     found: list[Row] = []
     for index, text in enumerate(probe_texts([stream_key])):
         rows = yield Query(text)

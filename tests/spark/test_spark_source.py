@@ -574,7 +574,9 @@ def test_idle_source_probes_lazily_and_a_redis_hint_wakes_it(
             "streams": {stream: 0},
             "floors": {stream: 0},
             "incarnation": reader.incarnation(),  # the database history (issue 27)
+            "lsn": reader.proof_lsn,  # its proof's WAL position (issue 30)
         }
+        assert start["lsn"] > 0
         wait_until(lambda: reader._link_up, 10, "the Redis link")
         reader.latestOffset(start, ReadAllAvailable())
         before = reader.probes

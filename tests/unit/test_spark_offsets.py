@@ -98,3 +98,14 @@ def test_offsets_carry_the_incarnation_and_older_ones_have_none() -> None:
     assert incarnation_of(frontier_offset({"a": 1})) is None
     with pytest.raises(ConfigurationError, match="'incarnation' must be a string"):
         incarnation_of({"v": 1, "streams": {"a": 1}, "incarnation": 7})
+
+
+def test_offsets_carry_their_proofs_wal_position_and_older_ones_have_none() -> None:
+    from streams_spark.offsets import lsn_of
+
+    offset = frontier_offset({"a": 3}, incarnation="x/1/2/3/1", lsn=50331648)
+    assert json.loads(json.dumps(offset)) == offset and lsn_of(offset) == 50331648
+    assert "lsn" not in frontier_offset({"a": 3}) and lsn_of(frontier_offset({"a": 3})) is None
+    for bad in ("12", -1, 1.5, True):
+        with pytest.raises(ConfigurationError, match="'lsn' must be an integer"):
+            lsn_of({**offset, "lsn": bad})
