@@ -277,3 +277,50 @@ def test_doctor_shows_the_topology_and_what_is_degraded() -> None:
         # With no standby left, the old primary's commits would wait for one.
         old = checks[f"postgres replication 127.0.0.1:{pair.primary.port}"]
         assert not old["ok"] and "every commit waits" in old["detail"]
+
+
+def test_asyncio_roles_ride_out_a_synchronous_failover_and_see_an_asynchronous_loss(
+    redis_url: str, redis_prefix: str, unique_name: str
+) -> None:
+    """The same checks run for `AsyncWriter` and `AsyncReader` (one logic with the sync
+    classes: `streams.store.identity.verify` with their sightings)."""
+    import asyncio
+
+    async def scenario(pair: PostgresPair, synchronous: bool) -> None:
+        url = pair.multi_host_url
+        client = await streams.aconnect(url, redis_url, redis_prefix, connect_timeout=20)
+        await client.create_stream(unique_name)
+        writer = await client.writer(unique_name)
+        reader = await client.reader(unique_name, start="earliest")
+        kept = [(await writer.append({"n": n})).ids[0] for n in range(10)]
+        pair.wait_replayed()
+        if not synchronous:
+            pair.cut_off()
+        more = [(await writer.append({"n": n})).ids[0] for n in range(10, 15)]
+        got: list[int] = []
+        while len(got) < 15:
+            epoch = await reader.poll(timeout=2.0)
+            assert epoch is not None
+            got += [f.stream_id for f in epoch.facts]
+        pair.kill_primary()
+        pair.promote()
+        if synchronous:
+            after = (await writer.append({"n": 15})).ids[0]
+            while after not in got:
+                epoch = await reader.poll(timeout=2.0)
+                got += [f.stream_id for f in epoch.facts] if epoch else []
+            assert got == [*kept, *more, after]
+        else:
+            with pytest.raises(streams.FailoverLoss) as by_writer:
+                await writer.append({"n": 15})
+            with pytest.raises(streams.FailoverLoss) as by_reader:
+                await reader.poll(timeout=2.0)
+            for caught in (by_writer, by_reader):
+                assert (caught.value.first, caught.value.last) == (more[0], more[-1])
+        for closable in (reader, writer, client):
+            with contextlib.suppress(streams.StreamsError):
+                await closable.aclose()
+
+    for synchronous in (True, False):
+        with _pair(synchronous=synchronous) as pair:
+            asyncio.run(scenario(pair, synchronous))
