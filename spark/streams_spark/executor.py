@@ -62,7 +62,7 @@ from streams.connector import (
 )
 from streams.errors import ConnectionLost, FactsPruned, StandbyBehind, StoreError
 
-from .options import DEFAULT_STATEMENT_TIMEOUT
+from .options import DEFAULT_STATEMENT_TIMEOUT, RETRY_CAP
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -523,7 +523,9 @@ def read_partition(part: RangePartition) -> Iterator[pa.RecordBatch]:
                     f"{str(exc).splitlines()[0] if str(exc) else ''}"
                 ) from None
             if progress.failures:  # the first retry is at once: a stale cached one is common
-                time.sleep(backoff_delay(progress.failures - 1, jitter=random.random()))
+                time.sleep(
+                    backoff_delay(progress.failures - 1, cap=RETRY_CAP, jitter=random.random())
+                )
             progress.failures += 1
             log.info("reading stream %s failed (%s); going on", part.stream, type(exc).__name__)
         finally:

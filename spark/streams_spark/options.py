@@ -64,6 +64,10 @@ DEFAULT_MAX_TRIGGER_DELAY = 15 * 60.0
 #: driver's take milliseconds; an executor's read that runs longer goes on from its last row).
 DEFAULT_STATEMENT_TIMEOUT = 60.0
 
+#: Most seconds the driver and the executors wait between two tries to reach PostgreSQL
+#: (exponential from 50 ms): a failover's new primary is found within about a second.
+RETRY_CAP = 1.0
+
 _STARTS = ("startingPosition", "startingTimestamp", "startingAgo", "startingPositionByTimestamp")
 _ENDS = ("endingPosition", "endingTimestamp", "endingPositionByTimestamp")
 

@@ -138,7 +138,7 @@ from .offsets import (
     since_of,
     waiting_of,
 )
-from .options import Position, SourceOptions, parse_options
+from .options import RETRY_CAP, Position, SourceOptions, parse_options
 from .planning import lost_streams, running_floors, share_budget
 
 if TYPE_CHECKING:
@@ -302,7 +302,7 @@ class _Driver:
                     self._conn = None
                 if not (isinstance(exc, ConnectionLost) or transient_sqlstate(exc.sqlstate)):
                     raise
-                delay = backoff_delay(attempt, jitter=random.random())
+                delay = backoff_delay(attempt, cap=RETRY_CAP, jitter=random.random())
                 if time.monotonic() + delay >= deadline:
                     raise
                 if attempt == 0:

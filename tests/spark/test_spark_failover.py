@@ -42,14 +42,17 @@ def test_a_query_rides_out_a_synchronous_failover(
                 time.sleep(0.5)
                 query = Query(spark, url, unique_name, tmp_path / "checkpoint")
                 query.wait_past(appender.acked, 120, "the first micro-batches")
+                before = len(appender.acked)
                 pair.kill_primary()
                 killed = time.monotonic()
                 pair.promote()
                 deadline = time.monotonic() + 60
-                while not appender.acked or appender.acked[-1] < max(query.ids() or [0]):
+                while len(appender.acked) <= before:  # the writer's first append after it
                     assert time.monotonic() < deadline, "no append after the failover"
-                    time.sleep(0.05)
-                first_after = appender.acked[-1]
+                    time.sleep(0.01)
+                first_after = appender.acked[before]
+                appended = time.monotonic() - killed
+                query.wait_for(lambda: first_after in query.ids(), 120, "the first new fact")
                 query.wait_past(appender.acked, 120, "facts after the failover")
                 resumed = time.monotonic() - killed
                 time.sleep(1.0)
@@ -58,7 +61,7 @@ def test_a_query_rides_out_a_synchronous_failover(
             writer.close()
         query.stop_and_check(pair.standby_url, unique_name, acked([appender]))
         print(
-            f"\nSpark, synchronous failover: fact {first_after} (appended after the failover) "
+            f"\nSpark, synchronous failover: fact {first_after} appended {appended:.2f} s and "
             f"delivered {resumed:.2f} s after the kill; {len(appender.acked)} acked, 0 lost, "
             f"{len(query.ids())} delivered once"
         )
