@@ -15,6 +15,17 @@ owner may read the file (the migration run by a superuser); otherwise it raises,
 caller treats the switch point as unknown (the safe side: a process stops rather than
 guesses). Anyone may call it: a WAL position of the past is no secret.
 
+A failover may also lose the WAL record of a sequence's last values (PostgreSQL logs a
+sequence 32 values ahead): the new primary would hand out again IDs the old one gave to facts
+it acknowledged, and readers that passed them would skip the new facts written under them.
+``streams_incarnation.fenced_timeline`` is the timeline whose sequences were last moved past
+that risk, and ``streams_fence_timeline(skip)`` (``SECURITY DEFINER``: writers need no
+privilege on sequences) is what a writer's session runs when it starts: on a timeline newer
+than the fenced one it moves every stream's sequence ``skip`` IDs forward, once (the row's
+lock makes concurrent callers wait for the first, then find it done), and returns how many
+sequences it moved; IDs handed out on the old timeline past the switch point, up to ``skip``
+of them, are never handed out again.
+
 Revision ID: 0013_timeline_switchpoint
 Revises: 0012_prover_keys
 Create Date: 2026-11-26
@@ -28,6 +39,10 @@ revision = "0013_timeline_switchpoint"
 down_revision = "0012_prover_keys"
 branch_labels = None
 depends_on = None
+
+
+#: The timeline WAL is written on (a primary's), as `streams.store.identity.INCARNATION_SQL`.
+TIMELINE_SQL = "('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint"
 
 
 def upgrade() -> None:
@@ -64,7 +79,40 @@ def upgrade() -> None:
         """
     )
     # Functions are executable by PUBLIC by default: what this one tells is no secret.
+    op.execute("ALTER TABLE streams_incarnation ADD COLUMN fenced_timeline bigint")
+    op.execute(f"UPDATE streams_incarnation SET fenced_timeline = ({TIMELINE_SQL})")
+    op.execute(
+        f"""
+        CREATE FUNCTION streams_fence_timeline(skip bigint) RETURNS bigint
+        LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, public AS $$
+        DECLARE
+            current bigint;
+            moved bigint := 0;
+            r record;
+        BEGIN
+            IF pg_is_in_recovery() THEN
+                RETURN 0;
+            END IF;
+            current := ({TIMELINE_SQL});
+            UPDATE streams_incarnation SET fenced_timeline = current
+            WHERE fenced_timeline IS NULL OR fenced_timeline < current;
+            IF NOT FOUND THEN
+                RETURN 0;
+            END IF;
+            FOR r IN SELECT sequence_name FROM streams_registry LOOP
+                PERFORM setval(r.sequence_name::regclass,
+                               COALESCE(pg_sequence_last_value(r.sequence_name::regclass), 0)
+                               + skip);
+                moved := moved + 1;
+            END LOOP;
+            RETURN moved;
+        END
+        $$
+        """
+    )
 
 
 def downgrade() -> None:
+    op.execute("DROP FUNCTION streams_fence_timeline(bigint)")
+    op.execute("ALTER TABLE streams_incarnation DROP COLUMN fenced_timeline")
     op.execute("DROP FUNCTION streams_timeline_switchpoint(bigint)")

@@ -102,6 +102,12 @@ class Sighting:
         with self._lock:
             return {name: (key, list(ids)) for name, (key, ids) in self._recent.items()}
 
+    def take_loss(self) -> FailoverLoss | None:
+        """A non-sticky role's loss, once: the caller raises it (a writer's next call)."""
+        with self._lock:
+            loss, self.failed = self.failed, None
+        return loss
+
     def forget(self) -> None:
         """After a loss was reported: what was remembered is settled."""
         with self._lock:

@@ -93,15 +93,18 @@ def verify(
     found = yield from read_incarnation()
     guard.check(found, where)
     if sighting is not None:
-        if sighting.failed is not None:
+        if sighting.sticky and sighting.failed is not None:
             raise sighting.failed
         previous = sighting.timeline
         if previous is not None and previous != found.timeline:
             try:
                 yield from check_sighting(sighting, where, seen)
             except FailoverLoss:
-                sighting.timeline = found.timeline  # reported: a writer goes on next time
-                raise
+                sighting.timeline = found.timeline
+                if sighting.sticky:
+                    raise
+                # A writer's: its next call reports it (`Sighting.take_loss`), not whichever of
+                # its sessions (a heartbeat's) happened to find it.
         sighting.timeline = found.timeline  # (not before: a broken check runs again)
     return found
 

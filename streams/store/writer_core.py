@@ -48,6 +48,7 @@ Life of an append
 
 from __future__ import annotations
 
+import logging
 import math
 import secrets
 import threading
@@ -73,6 +74,7 @@ from ..errors import (
     WriterFenced,
 )
 from .driver import Autocommit, Commit, CopyIn, Gen, Pipeline, Query, Row
+from .failover import FAILOVER_SKIP, fence_timeline
 from .idempotency import (
     ATTEMPTS,
     FENCED,
@@ -95,6 +97,8 @@ from .leases import (
     writer_lock_sql,
 )
 from .registry import StreamInfo, load_stream
+
+log = logging.getLogger("streams.writer")
 
 __all__ = [
     "Ack",
@@ -573,6 +577,13 @@ class WriterCore:
             self.sighting,
             "facts acknowledged to this writer",
         )
+        moved = yield from fence_timeline()
+        if moved:
+            log.warning(
+                "a new timeline (a failover): moved %d stream sequences %d IDs forward, past IDs "
+                "the old primary may have handed out",
+                moved, FAILOVER_SKIP,
+            )  # fmt: skip
         settings = self._tcp_settings()
         yield Query(
             sql.SQL(
@@ -600,6 +611,14 @@ class WriterCore:
                 "the sequence was set back during the reservation; nothing was written"
             )
         return ids
+
+    def _report_failover(self) -> None:
+        """A failover lost facts acknowledged to this writer (found by whichever of its
+        sessions reached the new primary first: `streams.store.identity.verify`): raise
+        `FailoverLoss` from this call, once; the writer goes on after it."""
+        loss = self.sighting.take_loss()
+        if loss is not None:
+            raise loss
 
     def _lease_params(self) -> dict[str, Any]:
         return {
@@ -629,6 +648,7 @@ class WriterCore:
         if not payloads:
             raise UsageError("append_batch needs at least one payload")
         self._check_usable()
+        self._report_failover()
         if keys is not None:
             return (yield from self._append_keyed(payloads, timestamps, keys))
         info, tracker = self.info, self.tracker
@@ -709,6 +729,7 @@ class WriterCore:
         was written (``first`` said no, or no facts).
         """
         self._check_usable()
+        self._report_failover()
         info, tracker = self.info, self.tracker
         reservations: list[tuple[ReservationToken, list[int]]] = []
         ids: list[int] = []
@@ -923,6 +944,7 @@ class WriterCore:
     ) -> tuple[ReservationToken, int]:
         """Pure first half of `reserve_fact`: validate, resolve the timestamp, go in flight."""
         self._check_usable()
+        self._report_failover()
         validate_client_timestamp(timestamp)
         if key is not None:
             check_keys([key], 1)

@@ -178,14 +178,15 @@ def test_asynchronous_failover_is_detected_and_named(
         kept = [writer.append({"n": n}).ids[0] for n in range(20)]
         pair.wait_replayed()
         pair.cut_off()
-        lost = [writer.append({"n": n}).ids[0] for n in range(20, 30)]
+        # More than a sequence logs ahead (32): the standby's sequence is behind these IDs.
+        lost = [writer.append({"n": n}).ids[0] for n in range(20, 120)]
         delivered: list[int] = []
-        while len(delivered) < 30:
+        while len(delivered) < 120:
             epoch = reader.poll(timeout=2.0)
             assert epoch is not None
             delivered += [f.stream_id for f in epoch.facts]
         grouped: list[Any] = []
-        while len(grouped) < 30:
+        while len(grouped) < 120:
             epoch = group.poll(timeout=2.0)
             assert epoch is not None
             grouped += epoch.facts
@@ -194,6 +195,17 @@ def test_asynchronous_failover_is_detected_and_named(
         pair.kill_primary()
         pair.promote()
         assert _stored(pair.standby_url, unique_name) == kept
+        with psycopg.connect(pair.standby_url) as conn:
+            row = conn.execute(
+                "SELECT pg_sequence_last_value(sequence_name::regclass) FROM streams_registry"
+            ).fetchone()
+        assert row is not None and row[0] < lost[-1], "the standby's sequence is not behind"
+
+        # A writer that never saw the old timeline gets no ID the old primary handed out: its
+        # session moved every sequence past them first (`streams_fence_timeline`).
+        with streams.connect(url, redis_url, redis_prefix) as other:
+            fresh_id = other.writer(unique_name, instance="fresh").append({"n": "fresh"}).ids[0]
+        assert fresh_id > lost[-1], "an ID of the old timeline handed out again"
 
         # The writer: its next call names the acknowledged facts that are gone, once.
         with pytest.raises(streams.FailoverLoss) as caught:
@@ -244,7 +256,8 @@ def test_asynchronous_failover_is_detected_and_named(
                 closable.close()
         print(
             f"\nasynchronous failover: acked {len(kept) + len(lost)}, lost {len(lost)} "
-            f"(IDs {lost[0]}..{lost[-1]}), detected by the writer and both readers"
+            f"(IDs {lost[0]}..{lost[-1]}), detected by the writer and both readers; the next "
+            f"ID handed out {fresh_id}"
         )
 
 

@@ -61,3 +61,14 @@ def test_a_sighting_takes_notes_from_many_threads() -> None:
     for thread in threads:
         thread.join()
     assert sorted(sighting.snapshot()["s"][1]) == list(range(800))
+
+
+def test_a_writers_loss_is_taken_once_and_a_readers_stays() -> None:
+    loss = Loss("s", 1, 2, 2, at_least=False).error("writer", "facts acknowledged")
+    writer = Sighting()
+    writer.failed = loss
+    assert writer.take_loss() is loss
+    assert writer.take_loss() is None
+    reader = Sighting(sticky=True)
+    reader.failed = loss
+    assert reader.failed is loss  # a reader raises it from every later call (store.identity)
