@@ -28,15 +28,19 @@ import json
 
 import click
 
-from ..cli_params import common_options
+from ..cli_params import STREAM_NAME, common_options
 from ..config import Settings, redact_url
 from ..store import sessions
 from ..store.driver import run
-from ..store.failover import failover_report, repair_sequences
+from ..store.failover import FAILOVER_SKIP, failover_report, repair_sequences
 from ..store.identity import read_incarnation
 from ..store.registry import check_schema
 
 __all__ = ["failover"]
+
+#: The most `streams failover repair --skip` takes: a sequence moved further could reach the
+#: bigint limit (2**63 - 1) after which appends fail.
+MAX_SKIP = 2**60
 
 
 @click.group()
@@ -89,18 +93,22 @@ def check(
 @failover.command(name="repair")
 @click.option(
     "--skip",
-    type=click.IntRange(min=0),
-    required=True,
+    type=click.IntRange(min=0, max=MAX_SKIP),
+    default=FAILOVER_SKIP,
+    show_default=True,
     help="IDs to leave unused past the highest known one (more than the old primary could "
     "hand out in the replication lag).",
 )
-@click.option("--stream", "names", multiple=True, help="Only these streams (repeatable).")
+@click.option(
+    "--stream", "streams", multiple=True, type=STREAM_NAME,
+    help="Only this stream (repeatable; default: every stream).",
+)  # fmt: skip
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation (for scripts).")
 @click.option("--json", "as_json", is_flag=True)
 @common_options
 def repair(
     skip: int,
-    names: tuple[str, ...],
+    streams: tuple[str, ...],
     yes: bool,
     as_json: bool,
     database_url: str | None,
@@ -108,16 +116,21 @@ def repair(
     prefix: str | None,
 ) -> None:
     """Move stream sequences SKIP IDs past the highest known ID, so that IDs the old primary
-    handed out are never handed out again."""
+    handed out are never handed out again. Asks first on a terminal; scripts pass --yes."""
     settings = Settings.resolve(database_url, redis_url, prefix)
-    if not yes:
-        click.confirm(
-            f"move the sequences of {', '.join(names) or 'every stream'} {skip} IDs forward?",
-            abort=True,
-        )
     with sessions.connect(settings.database_url, autocommit=True, purpose="failover") as conn:
         run(conn, check_schema())
-        moved = run(conn, repair_sequences(skip, list(names) or None))
+        known = {s.name for s in run(conn, failover_report())}
+        unknown = [name for name in streams if name not in known]
+        if unknown:
+            raise click.ClickException(f"no stream {', '.join(map(repr, unknown))}")
+        if not yes:
+            click.confirm(
+                f"move the sequences of {', '.join(streams) or 'every stream'} {skip} IDs past "
+                "the highest known ID?",
+                abort=True,
+            )
+        moved = run(conn, repair_sequences(skip, list(streams) or None))
     if as_json:
         data = [{"stream": n, "old": o, "new": new} for n, o, new in moved]
         click.echo(json.dumps({"moved": data}, sort_keys=True, separators=(",", ":")))

@@ -131,6 +131,9 @@ _BY_NAME: dict[str, list[str]] = {
     "addr": ["999.1.1.1", "not a host", "::zz", "8.8.8.8"],
     "prefix": ["a b", "x" * 201, "a\x00", "ü", "semi;colon"],
     **_SECRET_URLS,
+    # A hot standby's URL (`bench history --read-url`, `read --read-database-url`).
+    "read_url": _SECRET_URLS["database_url"],
+    "read_database_url": _SECRET_URLS["database_url"],
     "jdbc_jar": ["/nonexistent/driver.jar"],
 }
 

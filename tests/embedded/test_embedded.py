@@ -122,7 +122,10 @@ def test_command_lines_and_auth_stay_on_localhost() -> None:
     for text in (" ".join(argv), " ".join(rargv)):
         assert "0.0.0.0" not in text and "*" not in text
     rules = [line.split() for line in pg_hba_conf().splitlines() if not line.startswith("#")]
-    assert rules == [["host", "all", "all", "127.0.0.1/32", "trust"]]
+    assert rules == [
+        ["host", "all", "all", "127.0.0.1/32", "trust"],
+        ["host", "replication", "all", "127.0.0.1/32", "trust"],  # for a standby's copy
+    ]
 
 
 def test_bindir_choice(tmp_path: Path) -> None:
