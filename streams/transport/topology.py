@@ -158,7 +158,14 @@ class ClusterMap:
         self._owners: list[tuple[str, int] | None] = [None] * SLOTS
         self._known: list[tuple[str, int]] = list(topology.nodes)
         self.masters: list[tuple[str, int]] = []
+        #: Bumped by every `refresh`.
         self.version = 0
+        #: Masters that owned a slot before the last `refresh` and no longer own it (a
+        #: resharding, a failover): lines published there on the previous map may be lost.
+        self.moved_from: frozenset[tuple[str, int]] = frozenset()
+        #: Whether every slot had an online master at the last `refresh` (a node that just
+        #: came back may still be marked failed by the one asked: the map is read again soon).
+        self.complete = False
 
     def any_node(self) -> tuple[str, int]:
         """A node that answers ``PING`` (the seeds first)."""
@@ -217,7 +224,12 @@ class ClusterMap:
                 for slot in range(int(start), int(end) + 1):
                     owners[slot] = master
         with self._lock:
+            old = self._owners
+            self.moved_from = frozenset(
+                was for was, now in zip(old, owners, strict=True) if was is not None and was != now
+            )
             self._owners = owners
+            self.complete = None not in owners
             self.masters = masters
             self._known = list(dict.fromkeys([*self._known, *masters]))
             self.version += 1
