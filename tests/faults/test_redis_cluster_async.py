@@ -24,6 +24,7 @@ from servers import new_redis_prefix
 
 import streams
 from streams.core.constants import data_channel, proof_channel
+from streams.transport.link import AsyncRedisLink, RedisLink
 
 POLL_INTERVAL = 5.0
 
@@ -160,8 +161,8 @@ def test_writers_publish_only_where_someone_listens_on_a_cluster(
             writing.create_stream(name)
             writer = writing.writer(name, instance="w1")
             awriter = await awriting.writer(name, instance="aw")
-            links = (writing.link, awriting.link)
-            assert links[0] is not None and links[1] is not None
+            assert writing.link is not None and awriting.link is not None
+            links: tuple[RedisLink | AsyncRedisLink, ...] = (writing.link, awriting.link)
             deadline = time.monotonic() + 10
             while not all(link.connected for link in links):
                 assert time.monotonic() < deadline
