@@ -58,11 +58,8 @@ def topology_of(url: str) -> RedisTopology:
 
 def _node_client(topology: RedisTopology, host: str, port: int, *, sentinel: bool) -> redis.Redis:
     if sentinel:
-        return redis.Redis(
-            host=host,
-            port=port,
-            username=topology.sentinel_username,
-            password=topology.sentinel_password,
+        return redis.Redis.from_url(
+            topology.sentinel_url(host, port),
             socket_timeout=QUERY_TIMEOUT,
             socket_connect_timeout=QUERY_TIMEOUT,
         )
@@ -215,7 +212,10 @@ class ClusterMap:
                     and _text(fields.get("health", b"online")) == "online"
                 ):
                     ip = _text(fields.get("ip") or fields.get("endpoint") or asked)
-                    master = (ip if ip not in ("", "?") else asked, int(fields["port"]))
+                    # Over TLS a node listens on its ``tls-port`` (``port`` may be absent).
+                    port = fields.get("tls-port") if self.topology.tls else None
+                    port = port or fields["port"]
+                    master = (ip if ip not in ("", "?") else asked, int(port))
             if master is None:
                 continue
             masters.append(master)
