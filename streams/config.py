@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from urllib.parse import quote, quote_plus, unquote, unquote_plus, urlsplit
 
 from .errors import ConfigurationError, InvalidStreamName
-from .redis_urls import CLUSTER_SCHEME, SENTINEL_SCHEME, parse_redis_url
+from .redis_urls import TOPOLOGY_SCHEMES, parse_redis_url
 
 __all__ = [
     "DEFAULT_CONNECT_TIMEOUT",
@@ -230,13 +230,13 @@ def validate_redis_url(url: str) -> str:
     URL.
     """
     scheme = _scheme_of(url)
-    if scheme in (SENTINEL_SCHEME, CLUSTER_SCHEME):
+    if scheme in TOPOLOGY_SCHEMES:
         parse_redis_url(url)  # its errors never quote the password
         return url
     if scheme not in ("redis", "rediss", "unix"):
         raise ConfigurationError(
-            "Redis URL must be redis://, rediss://, unix://, redis+sentinel:// or "
-            f"redis+cluster://, got {redact_url(url)!r}"
+            "Redis URL must be redis://, rediss://, unix://, redis+sentinel://, "
+            f"redis+cluster:// (rediss+ for TLS), got {redact_url(url)!r}"
         )
     rest = url[len(scheme) + 3 :]
     host_end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))

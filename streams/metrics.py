@@ -176,6 +176,8 @@ class ClientCollector:
                 "suppressed": stats.suppressed,
                 "dropped": link.dropped,
                 "reconnects": stats.reconnects,
+                "unheard": stats.unheard,
+                "stale_map": stats.stale_map,
             }
             family = _family(
                 "counter", "link_commands", "Replication commands by outcome.", ["prefix", "kind"]

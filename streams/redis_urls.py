@@ -12,6 +12,10 @@
 * ``redis+cluster://[[user]:password@]host:port[,host:port...][?options]``: a Redis Cluster
   (``cluster``): the hosts are seed nodes (port 6379 if left out); the slot map is read from
   whichever answers. No database number (a cluster has only database 0).
+* ``rediss+sentinel://`` and ``rediss+cluster://``: the same over TLS (``tls``): every server
+  is reached with ``rediss://`` (the Sentinels too), and the ``ssl_*`` query options
+  (``ssl_ca_certs``, ``ssl_cert_reqs``, ``ssl_certfile``, ``ssl_keyfile``,
+  ``ssl_check_hostname``...) go to every connection, the Sentinels' included.
 
 A raw ``@ / ? #`` in the user name or password must be percent-encoded, as in any URL. Errors
 raise `ConfigurationError` and never quote the user information (the password): they name the
@@ -30,6 +34,7 @@ from .errors import ConfigurationError
 __all__ = [
     "CLUSTER_SCHEME",
     "SENTINEL_SCHEME",
+    "TOPOLOGY_SCHEMES",
     "RedisTopology",
     "is_topology_url",
     "parse_redis_url",
@@ -37,6 +42,13 @@ __all__ = [
 
 SENTINEL_SCHEME = "redis+sentinel"
 CLUSTER_SCHEME = "redis+cluster"
+#: Every Sentinel and Cluster scheme, plain and TLS (``rediss+``).
+TOPOLOGY_SCHEMES = (
+    SENTINEL_SCHEME,
+    CLUSTER_SCHEME,
+    "rediss+sentinel",
+    "rediss+cluster",
+)
 DEFAULT_SENTINEL_PORT = 26379
 DEFAULT_CLUSTER_PORT = 6379
 
@@ -64,6 +76,8 @@ class RedisTopology:
     sentinel_password: str | None = field(default=None, repr=False)
     #: Query options passed on to each server's connection, in order.
     options: tuple[tuple[str, str], ...] = ()
+    #: ``rediss+``: every server (the Sentinels too) is reached over TLS.
+    tls: bool = False
 
     def node_url(self, host: str, port: int, *, db: int | None = None) -> str:
         """A plain ``redis://`` URL of one server of this topology (a master, a cluster node),
@@ -76,13 +90,27 @@ class RedisTopology:
             auth += "@"
         where = f"[{host}]" if ":" in host else host
         query = f"?{urlencode(self.options)}" if self.options else ""
-        return f"redis://{auth}{where}:{port}/{self.db if db is None else db}{query}"
+        scheme = "rediss" if self.tls else "redis"
+        return f"{scheme}://{auth}{where}:{port}/{self.db if db is None else db}{query}"
+
+    def sentinel_url(self, host: str, port: int) -> str:
+        """A ``redis(s)://`` URL of one Sentinel: the Sentinel credentials, the TLS options."""
+        auth = ""
+        if self.sentinel_username is not None or self.sentinel_password is not None:
+            auth = quote(self.sentinel_username or "", safe="")
+            if self.sentinel_password is not None:
+                auth += ":" + quote(self.sentinel_password, safe="")
+            auth += "@"
+        where = f"[{host}]" if ":" in host else host
+        tls = [(k, v) for k, v in self.options if k.startswith("ssl_")] if self.tls else []
+        query = f"?{urlencode(tls)}" if tls else ""
+        return f"{'rediss' if self.tls else 'redis'}://{auth}{where}:{port}/0{query}"
 
 
 def is_topology_url(url: str) -> bool:
     """Whether ``url`` is a Sentinel or Cluster URL (cheap: the scheme only)."""
     scheme = url.partition("://")[0].lower()
-    return scheme in (SENTINEL_SCHEME, CLUSTER_SCHEME)
+    return scheme in TOPOLOGY_SCHEMES
 
 
 def parse_redis_url(url: str) -> RedisTopology:
@@ -91,8 +119,10 @@ def parse_redis_url(url: str) -> RedisTopology:
     (``kind="single"``): `streams.config.validate_redis_url` checks those."""
     scheme, sep, rest = url.partition("://")
     scheme = scheme.lower()
-    if not sep or scheme not in (SENTINEL_SCHEME, CLUSTER_SCHEME):
+    if not sep or scheme not in TOPOLOGY_SCHEMES:
         return RedisTopology("single", url)
+    tls = scheme.startswith("rediss+")
+    scheme = scheme.replace("rediss+", "redis+")
     what = "Sentinel" if scheme == SENTINEL_SCHEME else "Cluster"
     if any(c.isspace() for c in rest):
         raise ConfigurationError(f"{what} URL contains white space; {_ENCODE}")
@@ -124,7 +154,7 @@ def parse_redis_url(url: str) -> RedisTopology:
                 "redis+cluster://host:port[,host:port...] with no path"
             )
         return RedisTopology(
-            "cluster", url, nodes, None, 0, username, password, options=tuple(options)
+            "cluster", url, nodes, None, 0, username, password, options=tuple(options), tls=tls
         )
     if not segments or len(segments) > 2:
         raise ConfigurationError(
@@ -156,6 +186,7 @@ def parse_redis_url(url: str) -> RedisTopology:
         given.get("sentinel_username") or None,
         given.get("sentinel_password") or None,
         tuple((k, v) for k, v in options if k not in _SENTINEL_OPTIONS),
+        tls,
     )
 
 

@@ -7,6 +7,9 @@
 * `RedisCluster`: three masters (``--cluster-enabled yes``), slots assigned with ``redis-cli
   --cluster create --cluster-replicas 0``. `url` is the ``redis+cluster://`` URL; `kill` and
   `restart` a node on the same port with its ``nodes.conf`` (its slots come back with it).
+* `make_tls` writes a throwaway CA and a server certificate for 127.0.0.1 (``openssl``);
+  ``SentinelSet(workdir, tls=...)`` then serves TLS only (``rediss+sentinel://``): every data
+  node and Sentinel listens on a TLS port alone, replication and Sentinels' links use TLS.
 
 Every server is a child that dies with the test process (``PR_SET_PDEATHSIG``), leads no
 daemon, and is stopped by PID when the set closes.
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import shutil
 import signal
 import socket
@@ -31,7 +35,7 @@ from servers import free_port
 
 LOCALHOST = "127.0.0.1"
 
-__all__ = ["RedisCluster", "SentinelSet", "redis_cluster", "sentinel_set"]
+__all__ = ["TLS", "RedisCluster", "SentinelSet", "make_tls", "redis_cluster", "sentinel_set"]
 
 
 def _die_with_parent() -> None:
@@ -59,12 +63,15 @@ def _wait(condition: Any, timeout: float, what: str, step: float = 0.05) -> None
 class _Server:
     """One ``redis-server`` process (a data node or a Sentinel) on a fixed port."""
 
-    def __init__(self, workdir: Path, name: str, port: int, args: list[str]) -> None:
+    def __init__(
+        self, workdir: Path, name: str, port: int, args: list[str], tls: TLS | None = None
+    ) -> None:
         self.workdir = workdir / name
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.name = name
         self.port = port
         self.args = args
+        self.tls = tls
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -81,14 +88,19 @@ class _Server:
         _wait(self.ping, 10, f"{self.name} on port {self.port}")
 
     def ping(self) -> bool:
-        client = redis.Redis(LOCALHOST, self.port, socket_timeout=0.5, socket_connect_timeout=0.5)
+        client = self.client(timeout=0.5)
         try:
             return bool(client.ping())
         finally:
             client.close()
 
-    def client(self) -> redis.Redis:
-        return redis.Redis(LOCALHOST, self.port, socket_timeout=2, socket_connect_timeout=2)
+    def client(self, timeout: float = 2) -> redis.Redis:
+        tls: dict[str, Any] = {}
+        if self.tls is not None:
+            tls = {"ssl": True, "ssl_ca_certs": str(self.tls.ca)}
+        return redis.Redis(
+            LOCALHOST, self.port, socket_timeout=timeout, socket_connect_timeout=timeout, **tls
+        )
 
     def kill(self) -> None:
         """SIGKILL, and wait until the port is free."""
@@ -101,11 +113,55 @@ class _Server:
         return self.proc is not None and self.proc.poll() is None
 
 
-def _data_args(port: int, *extra: str) -> list[str]:
+def _data_args(port: int, *extra: str, tls: TLS | None = None) -> list[str]:
+    ports = ["--port", str(port)]
+    if tls is not None:
+        ports = ["--port", "0", "--tls-port", str(port), *tls.server_args()]
     return [
-        "--port", str(port), "--bind", LOCALHOST, "--save", "", "--appendonly", "no",
+        *ports, "--bind", LOCALHOST, "--save", "", "--appendonly", "no",
         "--daemonize", "no", "--protected-mode", "no", *extra,
     ]  # fmt: skip
+
+
+class TLS:
+    """A throwaway CA (``ca``) and a server certificate for 127.0.0.1 (`make_tls`)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.ca = directory / "ca.crt"
+        self.cert = directory / "server.crt"
+        self.key = directory / "server.key"
+
+    def server_args(self) -> list[str]:
+        return [
+            "--tls-cert-file", str(self.cert), "--tls-key-file", str(self.key),
+            "--tls-ca-cert-file", str(self.ca), "--tls-auth-clients", "no",
+            "--tls-replication", "yes",
+        ]  # fmt: skip
+
+    def sentinel_config(self, port: int) -> str:
+        return (
+            f"port 0\ntls-port {port}\ntls-cert-file {self.cert}\ntls-key-file {self.key}\n"
+            f"tls-ca-cert-file {self.ca}\ntls-auth-clients no\ntls-replication yes\n"
+        )
+
+
+def make_tls(directory: Path) -> TLS:
+    """Write a CA and a server certificate for 127.0.0.1 into ``directory`` (``openssl``)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tls = TLS(directory)
+    openssl = _binary("openssl")
+    run = functools.partial(subprocess.run, check=True, capture_output=True, timeout=30)
+    run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+         "-subj", "/CN=streams-test-ca", "-keyout", str(directory / "ca.key"),
+         "-out", str(tls.ca)])  # fmt: skip
+    run([openssl, "req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
+         "-keyout", str(tls.key), "-out", str(directory / "server.csr")])  # fmt: skip
+    ext = directory / "san.ext"
+    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n", encoding="utf-8")
+    run([openssl, "x509", "-req", "-in", str(directory / "server.csr"), "-CA", str(tls.ca),
+         "-CAkey", str(directory / "ca.key"), "-CAcreateserial", "-days", "2",
+         "-extfile", str(ext), "-out", str(tls.cert)])  # fmt: skip
+    return tls
 
 
 class SentinelSet:
@@ -113,16 +169,18 @@ class SentinelSet:
 
     SERVICE = "streamsmaster"
 
-    def __init__(self, workdir: Path, *, down_after_ms: int = 1000) -> None:
+    def __init__(self, workdir: Path, *, down_after_ms: int = 1000, tls: TLS | None = None) -> None:
         self.down_after_ms = down_after_ms
+        self.tls = tls
         master_port, replica_port = free_port(), free_port()
         self.data = [
-            _Server(workdir, "master", master_port, _data_args(master_port)),
+            _Server(workdir, "master", master_port, _data_args(master_port, tls=tls), tls),
             _Server(
                 workdir,
                 "replica",
                 replica_port,
-                _data_args(replica_port, "--replicaof", LOCALHOST, str(master_port)),
+                _data_args(replica_port, "--replicaof", LOCALHOST, str(master_port), tls=tls),
+                tls,
             ),
         ]
         self.sentinels = []
@@ -130,8 +188,9 @@ class SentinelSet:
             port = free_port()
             config = workdir / f"sentinel{i}" / "sentinel.conf"
             config.parent.mkdir(parents=True, exist_ok=True)
+            listen = f"port {port}\n" if tls is None else tls.sentinel_config(port)
             config.write_text(
-                f"port {port}\nbind {LOCALHOST}\ndaemonize no\nprotected-mode no\n"
+                f"{listen}bind {LOCALHOST}\ndaemonize no\nprotected-mode no\n"
                 f"sentinel monitor {self.SERVICE} {LOCALHOST} {master_port} 2\n"
                 f"sentinel down-after-milliseconds {self.SERVICE} {down_after_ms}\n"
                 f"sentinel failover-timeout {self.SERVICE} 5000\n"
@@ -139,12 +198,14 @@ class SentinelSet:
                 encoding="utf-8",
             )
             self.sentinels.append(
-                _Server(workdir, f"sentinel{i}", port, [str(config), "--sentinel"])
+                _Server(workdir, f"sentinel{i}", port, [str(config), "--sentinel"], tls)
             )
 
     @property
     def url(self) -> str:
         hosts = ",".join(f"{LOCALHOST}:{s.port}" for s in self.sentinels)
+        if self.tls is not None:
+            return f"rediss+sentinel://{hosts}/{self.SERVICE}/0?ssl_ca_certs={self.tls.ca}"
         return f"redis+sentinel://{hosts}/{self.SERVICE}/0"
 
     def start(self) -> None:

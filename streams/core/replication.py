@@ -237,6 +237,9 @@ class LinkStats:
     skipped: int = 0
     #: Writers' lines not published: nobody listened on their data channel at the last check.
     unheard: int = 0
+    #: Redis Cluster: lines published to a master that had lost slots by the next read of the
+    #: slot map (an upper bound of those a resharding or failover lost; `transport.cluster`).
+    stale_map: int = 0
 
 
 ForeignReason = Literal["synapse-commands", "unknown-streams"]

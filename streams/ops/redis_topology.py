@@ -43,10 +43,9 @@ def redis_topology(url: str) -> tuple[bool, str]:
         return False, f"{redact_url(url)}: {type(exc).__name__}: cannot see the topology"
 
 
-def _client(host: str, port: int, **auth: Any) -> redis.Redis:
-    return redis.Redis(
-        host=host, port=port, socket_timeout=_TIMEOUT, socket_connect_timeout=_TIMEOUT, **auth
-    )
+def _client(url: str) -> redis.Redis:
+    """A client of one server (its URL carries the credentials and TLS options)."""
+    return redis.Redis.from_url(url, socket_timeout=_TIMEOUT, socket_connect_timeout=_TIMEOUT)
 
 
 def _call(client: redis.Redis, *args: Any) -> Any:
@@ -69,12 +68,12 @@ def _single(url: str) -> tuple[bool, str]:
 
 
 def _sentinel(topology: Any) -> tuple[bool, str]:
-    auth = {"username": topology.sentinel_username, "password": topology.sentinel_password}
     answering, quorum, replicas, flags = 0, 0, 0, ""
     for host, port in topology.nodes:
         try:
-            master = _call(_client(host, port, **auth), "SENTINEL", "MASTER", topology.service)
-            found = _call(_client(host, port, **auth), "SENTINEL", "REPLICAS", topology.service)
+            url = topology.sentinel_url(host, port)
+            master = _call(_client(url), "SENTINEL", "MASTER", topology.service)
+            found = _call(_client(url), "SENTINEL", "REPLICAS", topology.service)
         except _ERRORS:
             continue
         fields = _pairs(master)
@@ -90,7 +89,7 @@ def _sentinel(topology: Any) -> tuple[bool, str]:
     host, port = master_address(topology)
     problems = []
     try:
-        role = _text(_call(_client(host, port, **_master_auth(topology)), "ROLE")[0])
+        role = _text(_call(_client(topology.node_url(host, port)), "ROLE")[0])
     except _ERRORS as exc:
         role = f"unreachable ({type(exc).__name__})"
     if role != "master":
@@ -111,10 +110,6 @@ def _sentinel(topology: Any) -> tuple[bool, str]:
     return True, detail
 
 
-def _master_auth(topology: Any) -> dict[str, Any]:
-    return {"username": topology.username, "password": topology.password, "db": topology.db}
-
-
 def _cluster(topology: Any) -> tuple[bool, str]:
     slots = ClusterMap(topology)
     slots.refresh()
@@ -122,13 +117,11 @@ def _cluster(topology: Any) -> tuple[bool, str]:
     failed, silent = [], []
     for host, port in slots.masters:
         try:
-            _call(_client(host, port, **_master_auth(topology) | {"db": 0}), "PING")
+            _call(_client(topology.node_url(host, port, db=0)), "PING")
         except _ERRORS:
             silent.append(f"{host}:{port}")
     host, port = slots.any_node()
-    nodes = _text(
-        _call(_client(host, port, **_master_auth(topology) | {"db": 0}), "CLUSTER", "NODES")
-    )
+    nodes = _text(_call(_client(topology.node_url(host, port, db=0)), "CLUSTER", "NODES"))
     for line in nodes.splitlines():
         words = line.split()
         if len(words) > 2 and "fail" in words[2].split(","):

@@ -198,6 +198,17 @@ class Subscriber:
                 os.read(wake, 4096)
         return self._sock in ready
 
+    def fileno(self) -> Any:
+        """What to ``select`` on (the socket)."""
+        return self._sock
+
+    def drain(self) -> list[Message]:
+        """Every message that can be read without waiting; raises the connection's failure."""
+        messages = []
+        while (message := self.receive(0.0)) is not None:
+            messages.append(message)
+        return messages
+
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self._conn.disconnect()
@@ -270,6 +281,27 @@ class AsyncSubscriber:
         self._inbox.feed(data)
         return self._inbox.next()
 
+    def reading(self) -> asyncio.Future[bytes]:
+        """The read under way (started if none is): done when data arrived (`drain`)."""
+        if self._read is None:
+            self._read = asyncio.ensure_future(self._conn._reader.read(65536))
+        return self._read
+
+    def drain(self) -> list[Message]:
+        """Every complete message received so far, without waiting (a finished `reading` is
+        taken in first); raises the connection's failure."""
+        if self._read is not None and self._read.done():
+            read, self._read = self._read, None
+            try:
+                data = read.result()
+            except OSError as exc:
+                raise redis.ConnectionError(f"receive failed: {exc}") from None
+            self._inbox.feed(data)
+        messages = []
+        while (message := self._inbox.next()) is not None:
+            messages.append(message)
+        return messages
+
     async def close(self) -> None:
         if self._read is not None:
             self._read.cancel()
@@ -339,8 +371,11 @@ class InlinePublisher:
             self._conn = conn
         return conn
 
-    def numsub(self, channels: Sequence[str], may_connect: bool) -> dict[str, int] | None:
-        """``PUBSUB NUMSUB``: subscribers of each channel (None if Redis could not say).
+    def numsub(
+        self, channels: Sequence[str], may_connect: bool, *, subcommand: str = "NUMSUB"
+    ) -> dict[str, int] | None:
+        """``PUBSUB NUMSUB``: subscribers of each channel (None if Redis could not say;
+        ``subcommand``: ``SHARDNUMSUB`` for a stream's channel on a cluster).
 
         The connection's replies are switched on for this one question and off again."""
         with self._lock:
@@ -350,7 +385,7 @@ class InlinePublisher:
             try:
                 conn.send_command("CLIENT", "REPLY", "ON", check_health=False)
                 conn.read_response()
-                conn.send_command("PUBSUB", "NUMSUB", *channels, check_health=False)
+                conn.send_command("PUBSUB", subcommand, *channels, check_health=False)
                 reply = conn.read_response()
                 conn.send_command("CLIENT", "REPLY", "OFF", check_health=False)
             except REDIS_ERRORS as exc:

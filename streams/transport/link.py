@@ -81,9 +81,13 @@ from ..core.replication import (
     LinkStats,
     backoff_delay,
 )
-from ..errors import ConfigurationError
 from ..redis_urls import parse_redis_url
-from .cluster import ClusterPublisher, ClusterSubscriber
+from .cluster_io import (
+    AsyncClusterPublisher,
+    AsyncClusterSubscriber,
+    ClusterPublisher,
+    ClusterSubscriber,
+)
 from .connections import (
     REDIS_ERRORS,
     AsyncSubscriber,
@@ -506,7 +510,9 @@ class RedisLink(_LinkBase):
         super().__init__(url, prefix, name, known_streams, idle_read_interval)
         self._publisher: InlinePublisher | ClusterPublisher
         if self._slots is not None:
-            self._publisher = ClusterPublisher(self._slots, self.client_name("pub"), self._sharded)
+            self._publisher = ClusterPublisher(
+                self._slots, self.client_name("pub"), self._sharded, self.core.stats
+            )
         else:
             self._publisher = InlinePublisher(self._target, self.client_name("pub"))
         self._publish_window = publish_window
@@ -698,11 +704,6 @@ class AsyncRedisLink(_LinkBase):
         self, url: str, prefix: str, name: str, *, known_streams: KnownStreams | None = None
     ) -> None:
         super().__init__(url, prefix, name, known_streams)
-        if self._slots is not None:
-            raise ConfigurationError(
-                "redis+cluster:// is supported by the threaded client (streams.connect) only; "
-                "the asyncio client needs a single server or redis+sentinel://"
-            )
         self._queue: asyncio.Queue[_Out | None] = asyncio.Queue(PUBLISH_QUEUE_LIMIT)
         self._stopped = asyncio.Event()
         self._resubscribe = asyncio.Event()
@@ -759,7 +760,7 @@ class AsyncRedisLink(_LinkBase):
 
     async def _listen_loop(self) -> None:
         plan = self._listen_plan()
-        subscriber: AsyncSubscriber | None = None
+        subscriber: AsyncSubscriber | AsyncClusterSubscriber | None = None
         result: Any = None
         error: BaseException | None = None
         try:
@@ -775,6 +776,14 @@ class AsyncRedisLink(_LinkBase):
                             if subscriber is not None:
                                 await subscriber.close()
                                 subscriber = None
+                            if self._slots is not None:
+                                subscriber = await AsyncClusterSubscriber.open(
+                                    self._slots,
+                                    self.client_name("sub"),
+                                    self.core.channel,
+                                    self._sharded,
+                                )
+                                continue
                             target = self._url
                             if self._topology.kind != "single":
                                 target = await asyncio.to_thread(self._resolve)
@@ -821,6 +830,11 @@ class AsyncRedisLink(_LinkBase):
         # whole publish with asyncio.timeout instead.
         client: redis.asyncio.Redis | None = None
         client_url: str | None = None
+        cluster = None
+        if self._slots is not None:
+            cluster = AsyncClusterPublisher(
+                self._slots, self.client_name("pub"), self._sharded, self.core.stats
+            )
         try:
             while True:
                 line = await self._queue.get()
@@ -833,7 +847,7 @@ class AsyncRedisLink(_LinkBase):
                     stop = more is None
                     if more is not None:
                         batch.append(more)
-                if self._target != client_url:  # first use, or a Sentinel set's new master
+                if cluster is None and self._target != client_url:  # a Sentinel's new master
                     if client is not None:
                         await client.aclose()
                     client, client_url = None, self._target
@@ -841,7 +855,8 @@ class AsyncRedisLink(_LinkBase):
                         client = redis.asyncio.Redis.from_url(
                             client_url, client_name=self.client_name("pub"), **client_options()
                         )
-                if client is None:  # the master is not known yet: best effort, dropped
+                target = cluster or client
+                if target is None:  # the master is not known yet: best effort, dropped
                     self.dropped += len(batch)
                     if stop:
                         return
@@ -850,18 +865,32 @@ class AsyncRedisLink(_LinkBase):
                 if due:  # see `RedisLink._enqueue`
                     with contextlib.suppress(*REDIS_ERRORS):
                         async with asyncio.timeout(PUBLISH_TIMEOUT):
-                            reply = await client.pubsub_numsub(*due)
-                        self.core.on_listeners({_text(k): int(n) for k, n in reply})
+                            counts = await self._numsub(target, due)
+                        if counts is not None:
+                            self.core.on_listeners(counts)
                 batch = self.core.drop_unheard(batch)
                 if batch:
-                    await self._send(client, batch)
+                    await self._send(target, batch)
                 if stop:
                     return
         finally:
             if client is not None:
                 await client.aclose()
+            if cluster is not None:
+                await cluster.aclose()
 
-    async def _send(self, client: redis.asyncio.Redis, batch: list[_Out]) -> None:
+    @staticmethod
+    async def _numsub(
+        target: redis.asyncio.Redis | AsyncClusterPublisher, channels: list[str]
+    ) -> dict[str, int] | None:
+        if isinstance(target, AsyncClusterPublisher):
+            return await target.numsub(channels)
+        reply = await target.pubsub_numsub(*channels)
+        return {_text(k): int(n) for k, n in reply}
+
+    async def _send(
+        self, target: redis.asyncio.Redis | AsyncClusterPublisher, batch: list[_Out]
+    ) -> None:
         plan = self._send_plan(batch)
         error: BaseException | None = None
         while True:
@@ -872,10 +901,12 @@ class AsyncRedisLink(_LinkBase):
             error = None
             try:
                 async with asyncio.timeout(PUBLISH_TIMEOUT):  # TimeoutError is an OSError
-                    if len(op.lines) == 1:
-                        await client.publish(*op.lines[0])
+                    if isinstance(target, AsyncClusterPublisher):
+                        await target.publish(op.lines)
+                    elif len(op.lines) == 1:
+                        await target.publish(*op.lines[0])
                     else:
-                        pipe = client.pipeline(transaction=False)
+                        pipe = target.pipeline(transaction=False)
                         for channel, line in op.lines:
                             pipe.publish(channel, line)
                         await pipe.execute()

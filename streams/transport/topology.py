@@ -58,11 +58,8 @@ def topology_of(url: str) -> RedisTopology:
 
 def _node_client(topology: RedisTopology, host: str, port: int, *, sentinel: bool) -> redis.Redis:
     if sentinel:
-        return redis.Redis(
-            host=host,
-            port=port,
-            username=topology.sentinel_username,
-            password=topology.sentinel_password,
+        return redis.Redis.from_url(
+            topology.sentinel_url(host, port),
             socket_timeout=QUERY_TIMEOUT,
             socket_connect_timeout=QUERY_TIMEOUT,
         )
@@ -158,7 +155,14 @@ class ClusterMap:
         self._owners: list[tuple[str, int] | None] = [None] * SLOTS
         self._known: list[tuple[str, int]] = list(topology.nodes)
         self.masters: list[tuple[str, int]] = []
+        #: Bumped by every `refresh`.
         self.version = 0
+        #: Masters that owned a slot before the last `refresh` and no longer own it (a
+        #: resharding, a failover): lines published there on the previous map may be lost.
+        self.moved_from: frozenset[tuple[str, int]] = frozenset()
+        #: Whether every slot had an online master at the last `refresh` (a node that just
+        #: came back may still be marked failed by the one asked: the map is read again soon).
+        self.complete = False
 
     def any_node(self) -> tuple[str, int]:
         """A node that answers ``PING`` (the seeds first)."""
@@ -208,7 +212,10 @@ class ClusterMap:
                     and _text(fields.get("health", b"online")) == "online"
                 ):
                     ip = _text(fields.get("ip") or fields.get("endpoint") or asked)
-                    master = (ip if ip not in ("", "?") else asked, int(fields["port"]))
+                    # Over TLS a node listens on its ``tls-port`` (``port`` may be absent).
+                    port = fields.get("tls-port") if self.topology.tls else None
+                    port = port or fields["port"]
+                    master = (ip if ip not in ("", "?") else asked, int(port))
             if master is None:
                 continue
             masters.append(master)
@@ -217,7 +224,12 @@ class ClusterMap:
                 for slot in range(int(start), int(end) + 1):
                     owners[slot] = master
         with self._lock:
+            old = self._owners
+            self.moved_from = frozenset(
+                was for was, now in zip(old, owners, strict=True) if was is not None and was != now
+            )
             self._owners = owners
+            self.complete = None not in owners
             self.masters = masters
             self._known = list(dict.fromkeys([*self._known, *masters]))
             self.version += 1

@@ -40,6 +40,27 @@ def test_cluster_url_parts() -> None:
     assert topology.node_url("h3", 7001) == "redis://u:p@h3:7001/0"
 
 
+def test_tls_topology_urls() -> None:
+    topology = parse_redis_url(
+        "rediss+sentinel://:pw@s1:26379,s2/svc?sentinel_password=spw&ssl_ca_certs=/ca.pem"
+        "&ssl_cert_reqs=required&socket_timeout=2"
+    )
+    assert topology.kind == "sentinel" and topology.tls
+    assert topology.node_url("m", 6380) == (
+        "rediss://:pw@m:6380/0?ssl_ca_certs=%2Fca.pem&ssl_cert_reqs=required&socket_timeout=2"
+    )
+    assert topology.sentinel_url("s2", 26379) == (
+        "rediss://:spw@s2:26379/0?ssl_ca_certs=%2Fca.pem&ssl_cert_reqs=required"
+    )
+    assert parse_redis_url("redis+sentinel://s1/svc").sentinel_url("s1", 1) == "redis://s1:1/0"
+    cluster = parse_redis_url("rediss+cluster://h1:7000?ssl_cert_reqs=none")
+    assert cluster.kind == "cluster" and cluster.tls
+    assert cluster.node_url("h2", 7001) == "rediss://h2:7001/0?ssl_cert_reqs=none"
+    for url in ("rediss+sentinel://s1/svc", "rediss+cluster://h1"):
+        assert is_topology_url(url) and validate_redis_url(url) == url
+    assert redact_url("rediss+cluster://u:secret@h1") == "rediss+cluster://u:***@h1"
+
+
 def test_plain_urls_are_single() -> None:
     for url in ("redis://localhost:6379/0", "rediss://h", "unix:///tmp/r.sock"):
         assert parse_redis_url(url) == RedisTopology("single", url)
