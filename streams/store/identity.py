@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from ..core.failover import Sighting
 from ..core.incarnation import Guard, Incarnation, same_history, written_elsewhere
-from ..errors import DatabaseChanged, FailoverLoss, SchemaNotReady, StoreError
+from ..errors import DatabaseChanged, FailoverLoss, SchemaNotReady, StoreError, UsageError
 from .driver import Commit, Gen, Query, Row
 from .failover import check_sighting, lsn_text, switchpoint
 
@@ -134,7 +134,10 @@ def holds_across_failover(
     changed = written_elsewhere(token, found)
     if changed is None:
         return
-    old = Incarnation.from_token(token) if token.count("/") == 4 else None
+    try:
+        old: Incarnation | None = Incarnation.from_token(token)
+    except UsageError:  # unreadable: `changed` says so
+        old = None
     if old is not None and same_history(old, found) and old.timeline != found.timeline:
         point = yield from switchpoint(old.timeline)
         if proof_lsn is not None and point is not None and proof_lsn <= point:
