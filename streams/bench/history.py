@@ -556,6 +556,12 @@ def bench_history_command(
     settings = Settings.resolve(database_url, redis_url, prefix)
     redis = "off" if settings.redis_url is None else redact_url(settings.redis_url)
     click.echo(f"database {redact_url(settings.database_url)}, Redis {redis}")
+    if read_url:  # before loading facts for minutes: a clear error now if it cannot be used
+        with sessions.connect(
+            read_url, autocommit=True, connect_timeout=min(5.0, settings.connect_timeout),
+            purpose="read URL",
+        ):  # fmt: skip
+            pass
     result = run_history_bench(
         settings, facts=facts, catchup_facts=catchup_facts, keep=keep, report=progress_report(),
         read_url=read_url or None,
