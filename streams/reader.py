@@ -124,6 +124,15 @@ def _standby_where(core: ReaderCore) -> str:
     return f"reader of {', '.join(core.names)}"
 
 
+def _standby_unusable(exc: psycopg.Error | StoreError) -> StoreError:
+    """What opening a standby session raises: `StandbyBehind` as it is (the reader waits or
+    falls back), anything else as `ConnectionLost` (the driver's name only, for psycopg's)."""
+    if isinstance(exc, StandbyBehind):
+        return exc
+    reason = type(exc).__name__ if isinstance(exc, psycopg.Error) else str(exc)
+    return ConnectionLost(f"cannot connect to the standby: {reason}")
+
+
 def _connect_standby(url: str, core: ReaderCore) -> psycopg.Connection[Any]:
     """A session on the read URL's standby, checked against the reader's incarnation
     (`streams.store.standby.check_standby`); one attempt (the plans wait and fall back)."""
@@ -139,12 +148,8 @@ def _connect_standby(url: str, core: ReaderCore) -> psycopg.Connection[Any]:
             raise
         sessions.use_payload_decoder(conn)
         return conn
-    except psycopg.Error as exc:
-        raise ConnectionLost(f"cannot connect to the standby: {type(exc).__name__}") from None
-    except StoreError as exc:
-        if isinstance(exc, StandbyBehind):
-            raise
-        raise ConnectionLost(f"cannot connect to the standby: {exc}") from None
+    except (psycopg.Error, StoreError) as exc:
+        raise _standby_unusable(exc) from None
 
 
 async def _aconnect_standby(url: str, core: ReaderCore) -> psycopg.AsyncConnection[Any]:
@@ -162,12 +167,8 @@ async def _aconnect_standby(url: str, core: ReaderCore) -> psycopg.AsyncConnecti
             raise
         sessions.use_payload_decoder(conn)
         return conn
-    except psycopg.Error as exc:
-        raise ConnectionLost(f"cannot connect to the standby: {type(exc).__name__}") from None
-    except StoreError as exc:
-        if isinstance(exc, StandbyBehind):
-            raise
-        raise ConnectionLost(f"cannot connect to the standby: {exc}") from None
+    except (psycopg.Error, StoreError) as exc:
+        raise _standby_unusable(exc) from None
 
 
 async def _aconnect(

@@ -22,6 +22,7 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from ..config import redact_url
+from ..core.standby import parse_lsn
 from ..store.driver import run
 from ..store.topology import ServerState, server_state, standbys
 
@@ -68,10 +69,7 @@ def _describe(state: ServerState) -> str:
 
 
 def _lsn(text: str | None) -> int | None:
-    if not text:
-        return None
-    high, low = text.split("/")
-    return (int(high, 16) << 32) + int(low, 16)
+    return parse_lsn(text) if text else None
 
 
 def postgres_topology(database_url: str, read_database_url: str | None = None) -> list[Finding]:

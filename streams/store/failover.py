@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from psycopg import sql
 
 from ..core.failover import Sighting, assess
+from ..core.standby import parse_lsn
 from ..errors import FailoverLoss, StoreError
 from .driver import Commit, Gen, Query, Row
 from .rows import pruned_through_sql
@@ -34,8 +35,6 @@ __all__ = [
     "check_sighting",
     "failover_report",
     "fence_timeline",
-    "lsn_int",
-    "lsn_text",
     "repair_sequences",
     "replicated",
     "switchpoint",
@@ -138,17 +137,6 @@ def repair_sequences(skip: int, streams: Sequence[str] | None) -> Gen[list[tuple
     return moved
 
 
-def lsn_int(text: str) -> int:
-    """A WAL position ``X/Y`` as an integer (what PostgreSQL's ``pg_lsn`` orders by)."""
-    high, _, low = text.partition("/")
-    return (int(high, 16) << 32) + int(low, 16)
-
-
-def lsn_text(lsn: int) -> str:
-    """An integer WAL position as PostgreSQL writes it (``X/Y``)."""
-    return f"{lsn >> 32:X}/{lsn & 0xFFFFFFFF:X}"
-
-
 def switchpoint(old_timeline: int) -> Generator[Query | Commit, list[Row], int | None]:
     """Where the current timeline left ``old_timeline`` (revision
     ``0013_timeline_switchpoint``), as an integer WAL position; None when it cannot be known
@@ -165,7 +153,7 @@ def switchpoint(old_timeline: int) -> Generator[Query | Commit, list[Row], int |
         return None  # (the driver rolled the failed statement's transaction back)
     yield Commit()
     text = rows[0][0] if rows else None
-    return None if text is None else lsn_int(str(text))
+    return None if text is None else parse_lsn(str(text))
 
 
 def replicated() -> Gen[None]:

@@ -22,12 +22,14 @@ from dataclasses import dataclass
 
 from ..core.failover import Sighting
 from ..core.incarnation import Guard, Incarnation, same_history, written_elsewhere
+from ..core.standby import format_lsn
 from ..errors import DatabaseChanged, FailoverLoss, SchemaNotReady, StoreError, UsageError
 from .driver import Commit, Gen, Query, Row
-from .failover import check_sighting, lsn_text, switchpoint
+from .failover import check_sighting, switchpoint
 
 __all__ = [
     "INCARNATION_SQL",
+    "TIMELINE_SQL",
     "BoundGroup",
     "accept_groups",
     "bound_groups",
@@ -38,15 +40,19 @@ __all__ = [
     "verify",
 ]
 
-#: One row: ``(id, system identifier, database OID, table OID, timeline)``. A plain text (no
-#: parameters) so that other drivers (ADBC on Spark executors) run it as it is.
-INCARNATION_SQL = """
-SELECT i.id::text, s.system_identifier, d.oid::bigint,
-       'streams_incarnation'::regclass::oid::bigint,
-       CASE WHEN pg_is_in_recovery()
+#: The server's timeline: the one WAL is written on (a primary), the last checkpoint's (a
+#: standby, which writes no WAL).
+TIMELINE_SQL = """CASE WHEN pg_is_in_recovery()
             THEN (SELECT c.timeline_id FROM pg_control_checkpoint() c)::bigint
             ELSE ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint
-       END
+       END"""
+
+#: One row: ``(id, system identifier, database OID, table OID, timeline)``. A plain text (no
+#: parameters) so that other drivers (ADBC on Spark executors) run it as it is.
+INCARNATION_SQL = f"""
+SELECT i.id::text, s.system_identifier, d.oid::bigint,
+       'streams_incarnation'::regclass::oid::bigint,
+       {TIMELINE_SQL}
 FROM streams_incarnation i
 CROSS JOIN pg_control_system() s
 JOIN pg_database d ON d.datname = current_database()
@@ -151,8 +157,8 @@ def holds_across_failover(
             )
         else:
             why = (
-                f"it was proven at WAL {lsn_text(proof_lsn)}, after the switch point "
-                f"{lsn_text(point)} where timeline {found.timeline} left timeline "
+                f"it was proven at WAL {format_lsn(proof_lsn)}, after the switch point "
+                f"{format_lsn(point)} where timeline {found.timeline} left timeline "
                 f"{old.timeline}: facts it covers may be missing from this history"
             )
         raise DatabaseChanged(where, f"{changed}; {why}")

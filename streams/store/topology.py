@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .driver import Commit, Gen, Query
+from .identity import TIMELINE_SQL
 
 __all__ = ["ServerState", "StandbyState", "server_state", "standbys"]
 
@@ -44,13 +45,9 @@ class StandbyState:
 def server_state() -> Gen[ServerState]:
     """The state of the server this session is on."""
     rows = yield Query(
-        """
+        f"""
         SELECT pg_is_in_recovery(),
-               CASE WHEN pg_is_in_recovery()
-                    THEN (SELECT c.timeline_id FROM pg_control_checkpoint() c)::bigint
-                    ELSE ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))
-                         ::bit(32)::bigint
-               END,
+               {TIMELINE_SQL},
                CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn()::text
                     ELSE pg_current_wal_lsn()::text END,
                CASE WHEN pg_is_in_recovery()
