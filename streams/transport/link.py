@@ -334,9 +334,10 @@ class _LinkBase:
                 self.core.on_disconnected()
                 self._set_connected(False)
                 self.core.stats.reconnects += 1
-                # Under Sentinel the next attempt asks for the master again: retry at least
-                # once a second, so the link is live soon after the promotion.
-                cap = 1.0 if self._topology.kind == "sentinel" else 5.0
+                # Under Sentinel the next attempt asks for the master again, on a cluster
+                # another node: retry at least once a second, so the link is live soon after
+                # the promotion or the shard's restart.
+                cap = 5.0 if self._topology.kind == "single" else 1.0
                 delay = backoff_delay(attempt, cap=cap, jitter=random.random())
                 attempt += 1
                 log.warning(

@@ -115,6 +115,11 @@ def test_cluster_shards_streams_and_survives_a_shard_restart(
                 assert time.monotonic() - killed_at < 30, "the shard's channels not resubscribed"
                 pump(0.05)
             resubscribed = time.monotonic() - killed_at
+            # Hints flow again once every link is live (each retries at least once a second).
+            while not (writing.link.connected and reading.link.connected):  # type: ignore[union-attr]
+                assert time.monotonic() - killed_at < 30, "a link did not reconnect"
+                pump(0.05)
+            relinked = time.monotonic() - killed_at
             pump(0.5)
             stop.set()
             appender.join(10)
@@ -133,7 +138,8 @@ def test_cluster_shards_streams_and_survives_a_shard_restart(
             print(
                 f"\ncluster shard restart: {total} acked over {len(streams_)} streams, 0 lost; "
                 f"shard back {restarted:.2f}s after the kill, channels resubscribed "
-                f"{resubscribed:.2f}s after it; hinted delivery after {latency * 1000:.1f} ms"
+                f"{resubscribed:.2f}s after it, links live {relinked:.2f}s after it; "
+                f"hinted delivery after {latency * 1000:.1f} ms"
             )
             for w in writers.values():
                 w.close()

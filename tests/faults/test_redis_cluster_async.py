@@ -123,6 +123,10 @@ def test_async_client_on_a_cluster_survives_a_shard_restart(
                     break
                 assert time.monotonic() - killed < 30, "the shard's channels not resubscribed"
                 await pump(0.05)
+            # Hints flow again once every link is live (each retries at least once a second).
+            while not all(link is not None and link.connected for link in links):
+                assert time.monotonic() - killed < 30, "a link did not reconnect"
+                await pump(0.05)
             await pump(0.3)
             stop.set()
             await asyncio.to_thread(appender.join, 10)
