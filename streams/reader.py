@@ -501,7 +501,10 @@ class Reader(_ReaderBase):
                     result, error = None, exc
             else:
                 try:
-                    result = run(self._connection(), op)
+                    conn = self._connection()
+                    if self._core.reading_ahead:  # the session is busy with the next pages
+                        run(conn, self._core.receive_ahead())
+                    result = run(conn, op)
                 except ConnectionLost as lost:  # the plan decides: try again, or give up
                     result, error = None, lost
 
@@ -526,6 +529,7 @@ class Reader(_ReaderBase):
             if self._closed:
                 raise UsageError("reader is closed")
             self._conn.close()
+            self._core.forget_ahead()
             try:
                 self._conn = _connect(self._url, self._core)
             except StoreError as exc:
@@ -694,7 +698,10 @@ class AsyncReader(_ReaderBase):
                     result, error = None, exc
             else:
                 try:
-                    result = await arun(await self._connection(), op)
+                    conn = await self._connection()
+                    if self._core.reading_ahead:  # as in `Reader._drive`
+                        await arun(conn, self._core.receive_ahead())
+                    result = await arun(conn, op)
                 except ConnectionLost as lost:
                     result, error = None, lost
 
@@ -717,6 +724,7 @@ class AsyncReader(_ReaderBase):
             if self._closed:
                 raise UsageError("reader is closed")
             await self._conn.close()
+            self._core.forget_ahead()
             try:
                 self._conn = await _aconnect(self._url, self._core)
             except StoreError as exc:

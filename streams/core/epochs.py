@@ -32,7 +32,7 @@ from itertools import accumulate, islice, repeat
 from types import MappingProxyType
 from typing import Any, Final, NamedTuple, TypeAlias
 
-__all__ = ["Epoch", "Fact", "PagePlan", "Row", "plan_page"]
+__all__ = ["Epoch", "Fact", "PagePlan", "Row", "next_position", "plan_page"]
 
 
 #: One row as `streams.store.rows.fetch_rows` returns it: ``(stream_id, row_no, instance, ts,
@@ -128,16 +128,12 @@ def plan_page(
     if rows and not (after < rows[0][_ID] and rows[-1][_ID] <= through):
         bad = rows[0][_ID] if rows[0][_ID] <= after else rows[-1][_ID]
         raise ValueError(f"row {bad} outside ({after}, {through}]")
-    if len(rows) >= limit:
-        last_id = rows[-1][_ID]
-        if rows[0][_ID] == last_id:
-            # One fact with at least `limit` rows: nothing can be delivered from this page.
-            return PagePlan((), after, ts_floor, refetch=last_id)
-        # The last fact may continue on the next page: leave all of its rows for then.
-        cut = len(rows) - 1
-        while rows[cut - 1][_ID] == last_id:
-            cut -= 1
-        rows = rows[:cut]
+    keep = _kept(rows, limit)
+    if keep is None:
+        # One fact with at least `limit` rows: nothing can be delivered from this page.
+        return PagePlan((), after, ts_floor, refetch=rows[-1][_ID])
+    if keep < len(rows):
+        rows = rows[:keep]
         position = rows[-1][_ID]
     else:
         position = through
@@ -170,6 +166,32 @@ def plan_page(
         previous = stream_id
         i = j
     return PagePlan(tuple(facts), position, floor)
+
+
+def _kept(rows: Sequence[Row], limit: int) -> int | None:
+    """How many rows of a page `plan_page` plans: all of a page that is not full; of a full
+    one, all but the last fact's rows (it may continue on the next page); None when a single
+    fact filled the page (it is read alone, whole)."""
+    if len(rows) < limit:
+        return len(rows)
+    last_id = rows[-1][_ID]
+    if rows[0][_ID] == last_id:
+        return None
+    cut = len(rows) - 1
+    while rows[cut - 1][_ID] == last_id:
+        cut -= 1
+    return cut
+
+
+def next_position(rows: Sequence[Row], *, through: int, limit: int) -> int | None:
+    """The position `plan_page` moves to with this page (``through`` when the page is not
+    full), found without planning it; None when it would ask to read one fact alone (its
+    ``refetch``). A reader catching up sends the read of its next page from here on while it
+    plans this one."""
+    keep = _kept(rows, limit)
+    if keep is None:
+        return None
+    return through if keep == len(rows) else rows[keep - 1][_ID]
 
 
 def _single_row_facts(

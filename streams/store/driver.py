@@ -87,8 +87,10 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias, TypeVar
 
 import psycopg
-from psycopg import sql
+from psycopg import generators, sql
+from psycopg.adapt import Transformer
 from psycopg.pq import ConnStatus, ExecStatus, PipelineStatus, TransactionStatus
+from psycopg.pq.abc import PGresult
 
 from .._aio import uninterrupted
 from ..errors import CommitUnknown, ConnectionLost, StoreError
@@ -101,7 +103,9 @@ __all__ = [
     "Op",
     "Pipeline",
     "Query",
+    "Receive",
     "Row",
+    "Send",
     "afail_joined",
     "arun",
     "asettle",
@@ -183,7 +187,31 @@ class Pipeline:
     commit: bool = False
 
 
-Op: TypeAlias = Query | Autocommit | CopyIn | Commit | Pipeline
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Send these statements now and return at once (the generator receives an empty list);
+    their results stay on the connection until a `Receive` takes them.
+
+    The statements are plain text without parameters (bounds inlined as literals), sent as one
+    simple-protocol query: the server runs them one after the other, each with its own snapshot
+    under READ COMMITTED, as one implicit transaction that commits after the last (the
+    connection must be idle, in autocommit). Meanwhile the connection is busy: the next
+    operation on it must be the `Receive`. What it buys: the server works on the statements
+    while the client does something else (a reader plans the page it has while the next one
+    is read: `streams.store.reader_core`).
+    """
+
+    statements: Sequence[bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class Receive:
+    """The results of the statements the last `Send` left on the connection: the generator
+    receives one tuple of rows per statement, as for a `Pipeline`. An error of a statement is
+    raised here (the server ran none after it)."""
+
+
+Op: TypeAlias = Query | Autocommit | CopyIn | Commit | Pipeline | Send | Receive
 Gen: TypeAlias = Generator[Op, list[Row], T]
 
 
@@ -287,7 +315,34 @@ def _in_transaction(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]
     return conn.info.transaction_status in (TransactionStatus.INTRANS, TransactionStatus.INERROR)
 
 
+def _received(
+    conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], results: list[PGresult]
+) -> list[Row]:
+    """The rows of each result of a `Receive` (psycopg's own loaders, the connection's
+    adapters), or the first statement's error."""
+    rows: list[Row] = []
+    for result in results:
+        if result.status == ExecStatus.FATAL_ERROR:
+            raise psycopg.errors.error_from_result(result, encoding=conn.info.encoding)
+        if result.status != ExecStatus.TUPLES_OK:
+            rows.append(())
+            continue
+        loader = Transformer(conn)
+        loader.set_pgresult(result)
+        rows.append(tuple(loader.load_rows(0, result.ntuples, tuple)))
+    return rows
+
+
 def _execute(conn: psycopg.Connection[Any], op: Op) -> list[Row]:
+    if isinstance(op, Send):
+        with conn.lock:
+            conn.pgconn.send_query(b";".join(op.statements))
+            conn.wait(generators.send(conn.pgconn))
+        return []
+    if isinstance(op, Receive):
+        with conn.lock:
+            results = conn.wait(generators.fetch_many(conn.pgconn))
+        return _received(conn, results)
     if isinstance(op, Commit):
         conn.commit()
         return []
@@ -336,6 +391,15 @@ def _execute(conn: psycopg.Connection[Any], op: Op) -> list[Row]:
 
 
 async def _aexecute(conn: psycopg.AsyncConnection[Any], op: Op) -> list[Row]:
+    if isinstance(op, Send):
+        async with conn.lock:
+            conn.pgconn.send_query(b";".join(op.statements))
+            await conn.wait(generators.send(conn.pgconn))
+        return []
+    if isinstance(op, Receive):
+        async with conn.lock:
+            results = await conn.wait(generators.fetch_many(conn.pgconn))
+        return _received(conn, results)
     if isinstance(op, Commit):
         await conn.commit()
         return []

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import operator
 import os
 import socket
 import time
@@ -47,8 +48,9 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple, TypeAlias
 
+from .._gc import collection_paused
 from ..core.constants import PROOF_GRACE, STALE_AFTER
-from ..core.epochs import Epoch, Fact, Row, plan_page
+from ..core.epochs import Epoch, Fact, Row, next_position, plan_page
 from ..core.failover import RECENT_IDS, Sighting
 from ..core.frontier import Antichain, FrontierProbe, FrontierSnapshot, LiveFilter, UpperAntichain
 from ..core.incarnation import Guard, Incarnation, written_elsewhere
@@ -78,12 +80,15 @@ from .reader_groups import (
     take_generations,
 )
 from .reads import (
+    PagesAhead,
     Probe,
     probe,
     probe_and_read,
     pruned_positions,
     read_proofs,
     read_proven,
+    receive_proven,
+    send_proven,
     standby_fence,
 )
 from .registry import StreamInfo, load_streams
@@ -145,6 +150,31 @@ def _check_start(start: object) -> Start:
     raise UsageError(f"invalid start {start!r}")
 
 
+class _Received(NamedTuple):
+    """A page read ahead: the range it was read for, its rows, and the stream's
+    ``pruned_through`` read after them."""
+
+    after: int
+    through: int
+    rows: list[Row]
+    pruned: int
+
+
+def _take(received: _Received | None, name: str, after: int, through: int) -> list[Row] | None:
+    """The rows of a page read ahead, if it was read for exactly ``(after, through]`` (a target
+    that moved since, or a position that did not, asks for another range: None, read it
+    anew), with its retention check (`FactsPruned`, as `read_proven` would raise)."""
+    if received is None or received.after != after or received.through != through:
+        return None
+    if received.pruned > after:
+        raise FactsPruned(name, after, received.pruned)
+    return received.rows
+
+
+#: A fact's stream ID (`Fact` is a named tuple: a C getter, no Python call per fact).
+_STREAM_ID = operator.itemgetter(1)
+
+
 class ReaderCore:
     """The logic of one reader, shared by `Reader` and `AsyncReader` (see the module doc)."""
 
@@ -200,8 +230,9 @@ class ReaderCore:
         self._awaited_since: float | None = None
         self.deadline_moved = False
         self._held = HeldStreams()
-        #: Probes run, shared proofs read and pages of rows read (for metrics).
-        self.probes = self.proof_reads = self.pages = 0
+        #: Probes run, shared proofs read, pages of rows read, and of those the pages read
+        #: ahead while the previous one was planned (`_read_pages`), for metrics.
+        self.probes = self.proof_reads = self.pages = self.pages_ahead = 0
         # Signed ranges from Redis (`streams.core.signing`): verified by the link thread
         # (deque appends and pops are atomic), then by `after`, and the keys.
         self._verified: deque[SignedRange] = deque(maxlen=MAX_WAITING_RANGES)
@@ -234,6 +265,10 @@ class ReaderCore:
         #: The facts delivered lately, checked after a failover (`streams.core.failover`);
         #: a loss stops the reader (its consumer holds facts the database no longer has).
         self.sighting = Sighting(sticky=True)
+        # Reading ahead (`_read_pages`): the pages sent on the session, not yet received;
+        # then, received, by stream, for the next step.
+        self._ahead: PagesAhead | None = None
+        self._received: dict[str, _Received] = {}
 
     def verify_incarnation(self) -> Gen[Incarnation]:
         """On a new session, before anything else: is it the database history this reader
@@ -473,6 +508,8 @@ class ReaderCore:
         next step reads the same facts again; none is skipped.
         """
         lower = dict(self.positions)
+        if self._ahead is not None:
+            yield from self.receive_ahead()
         if self.keys_due():
             yield from self.read_keys()
         if (
@@ -528,15 +565,67 @@ class ReaderCore:
             return None
         return Epoch(lower, dict(self.positions), tuple(facts))
 
-    def _read_pages(self, lower: Mapping[str, int]) -> Gen[list[_Planned]]:
-        """A page of each stream behind its target, up to what the last proof proved."""
-        planned: list[_Planned] = []
+    def _read_pages(self, lower: Mapping[str, int], *, ahead: bool = True) -> Gen[list[_Planned]]:
+        """A page of each stream behind its target, up to what the last proof proved.
+
+        With ``ahead``, the pages that follow are *sent* before these are planned ("reading
+        ahead": `streams.store.reads.send_proven`), so the server reads them while this
+        process plans; the next step takes them (`receive_ahead`) if it reads the same
+        ranges, and reads them anew otherwise. Sending reads nothing into the reader's state
+        and moves no position, so a step that ends early, fails or is never followed loses
+        nothing (the pages are read again)."""
+        if self._ahead is not None:
+            yield from self.receive_ahead()
+        received, self._received = self._received, {}
+        pages: list[tuple[str, list[Row], int]] = []
         for name in self.names:
             target = self._targets.get(name, 0)
             if lower[name] < target:
-                page = yield from read_proven(self.infos[name], lower[name], target, self.page_size)
-                planned.append((yield from self._plan(name, page, target)))
+                page = _take(received.get(name), name, lower[name], target)
+                if page is not None:
+                    self.pages_ahead += 1
+                else:
+                    info = self.infos[name]
+                    page = yield from read_proven(info, lower[name], target, self.page_size)
+                pages.append((name, page, target))
+        if ahead:
+            following: list[tuple[StreamInfo, int, int]] = []
+            for name, page, target in pages:
+                position = next_position(page, through=target, limit=self.page_size)
+                if position is None:  # a fact larger than a page: planning reads it alone
+                    following = []
+                    break
+                if position < target:
+                    following.append((self.infos[name], position, target))
+            if following:
+                self._ahead = yield from send_proven(following, self.page_size)
+        planned: list[_Planned] = []
+        for name, page, target in pages:
+            planned.append((yield from self._plan(name, page, target)))
         return planned
+
+    @property
+    def reading_ahead(self) -> bool:
+        """Pages were sent ahead and not received yet: the session is busy with them, and
+        `receive_ahead` must run on it before anything else."""
+        return self._ahead is not None
+
+    def receive_ahead(self) -> Gen[None]:
+        """Take in the pages `_read_pages` sent ahead (kept for the next step); the shells run
+        it before any other plan on the session."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return
+        received = yield from receive_proven(ahead)
+        if received is None:
+            return
+        pages, pruned = received
+        for (name, after, through), rows in zip(ahead.ranges, pages, strict=True):
+            self._received[name] = _Received(after, through, rows, pruned.get(name, 0))
+
+    def forget_ahead(self) -> None:
+        """The session closed: pages sent ahead on it are gone (the shells, on reconnect)."""
+        self._ahead = None
 
     def standby_step(self) -> Gen[Epoch | None]:
         """`step`'s pages, on a hot standby's session (a read URL): the fence first (one
@@ -550,7 +639,7 @@ class ReaderCore:
             return None
         yield from standby_fence(self.proof_lsn, f"reader of {', '.join(self.names)}")
         rows_before = self.rows
-        planned = yield from self._read_pages(lower)
+        planned = yield from self._read_pages(lower, ahead=False)  # not on the standby's session
         facts = self._advance(planned)  # nothing may be yielded from here on
         self.standby_rows += self.rows - rows_before
         if self.positions == lower:
@@ -701,10 +790,11 @@ class ReaderCore:
         after = self.positions[name]
         self.pages += 1
         self.rows += len(rows)
-        plan = plan_page(
-            name, rows, after=after, through=target, limit=self.page_size,
-            ts_floor=self.ts_floors[name], decode=decode_payloads,
-        )  # fmt: skip
+        with collection_paused():  # streams._gc: a page's objects all live, no cycles
+            plan = plan_page(
+                name, rows, after=after, through=target, limit=self.page_size,
+                ts_floor=self.ts_floors[name], decode=decode_payloads,
+            )  # fmt: skip
         if plan.refetch is not None:
             # One fact has more rows than a page: read it alone, whole.
             rows = yield from read_proven(info, plan.refetch - 1, plan.refetch, 2**31 - 1)
@@ -734,7 +824,7 @@ class ReaderCore:
                 if facts:
                     del self._start_ts[name]
             if facts:
-                recent = (f.stream_id for f in facts[-RECENT_IDS:])
+                recent = map(_STREAM_ID, facts[-RECENT_IDS:])
                 self.sighting.note(name, self.infos[name].id, recent)
             delivered.extend(facts)
         return delivered

@@ -39,6 +39,9 @@ The forms of the sequence, one plan each:
   step); `prove_with_rows` is the prober's, with its proof recorded between steps 2 and 3.
 * `read_proven`: steps 3-4 for a range at or below what an earlier probe proved (a reader
   catching up: its step 2 was an earlier step's, and a complete range never changes).
+  `send_proven` and `receive_proven` are the same steps split in two: sent while the reader
+  still plans the page it has, received at its next step (the statements and their order are
+  the same; only the client's wait moves).
 * `read_after_proof`: steps 3-4 for a follower of shared proofs, where step 2 is the prober's,
   read with the rows in the same statement ("shared proofs" in `streams.store.probe`).
 * `read_range`: steps 1-4, one statement at a time, for a range planned earlier (a Spark
@@ -65,7 +68,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, TypeAlias, TypeVar
 
 from ..errors import FactsPruned, StoreError
-from .driver import Commit, Gen, Op, Pipeline, Query, Row
+from .driver import Commit, Gen, Op, Pipeline, Query, Receive, Row, Send
 from .identity import check_history
 from .probe import (
     COMPLETE_STATEMENT,
@@ -95,6 +98,7 @@ from .standby import check_standby, replayed_to
 
 __all__ = [
     "READER_SESSION_SETUP",
+    "PagesAhead",
     "Probe",
     "ProbedRead",
     "RangeGen",
@@ -108,6 +112,8 @@ __all__ = [
     "read_proofs",
     "read_proven",
     "read_range",
+    "receive_proven",
+    "send_proven",
     "standby_fence",
     "statement_timeout_setup",
 ]
@@ -193,6 +199,53 @@ def read_proven(info: StreamInfo, after: int, through: int, limit: int) -> Gen[l
     yield Commit()
     check_retained(pruned, {info.name: after})
     return list(rows)
+
+
+class PagesAhead(NamedTuple):
+    """The pages `send_proven` asked for: ``(name, after, through)`` of each, in order."""
+
+    ranges: tuple[tuple[str, int, int], ...]
+
+
+def send_proven(requests: Sequence[tuple[StreamInfo, int, int]], limit: int) -> Gen[PagesAhead]:
+    """`read_proven` for each ``(info, after, through)`` of ``requests``, *sent* only: the
+    rows statements, then one retention check after them (steps 3-4, in this order, in one
+    simple-protocol query: `streams.store.driver.Send`), left on the connection for
+    `receive_proven`, which the next operation on the session must be. Each range is at or
+    below what an earlier probe proved, so it reads the same rows whenever the server runs it:
+    a reader catching up sends its next page before it plans the one it has."""
+    queries = [range_query(info, after, through, limit) for info, after, through in requests]
+    queries.append(retention_query([info for info, _, _ in requests]))
+    yield Send([_text(query) for query in queries])
+    return PagesAhead(tuple((info.name, after, through) for info, after, through in requests))
+
+
+def receive_proven(
+    ahead: PagesAhead,
+) -> Gen[tuple[list[list[Row]], dict[str, int]] | None]:
+    """What `send_proven` asked for: a page of rows per range, in order, and every stream's
+    ``pruned_through`` read after them (None if the session has nothing in flight: it was
+    reopened since). The caller checks retention (as `read_proven` does before returning a
+    page) when it uses a page: one abandoned unused raises nothing."""
+    results = yield Receive()
+    if not results:
+        return None
+    *pages, retained = results
+    if len(pages) != len(ahead.ranges):
+        raise StoreError(f"read ahead: {len(pages)} pages received, {len(ahead.ranges)} sent")
+    return [list(page) for page in pages], check_retained(retained, {})
+
+
+def _text(query: Query) -> bytes:
+    """A statement without parameters as the bytes `Send` sends."""
+    if query.params is not None:
+        raise ValueError("a statement sent ahead has its values inlined")
+    statement = query.statement
+    if isinstance(statement, bytes):
+        return statement
+    if isinstance(statement, str):
+        return statement.encode()
+    return statement.as_bytes(None)
 
 
 def read_after_proof(

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from streams.core.epochs import Epoch, Fact, PagePlan, plan_page
+from streams.core.epochs import Epoch, Fact, PagePlan, next_position, plan_page
 
 STREAM = "s"
 
@@ -109,6 +109,19 @@ def test_single_page(model: Model, limit: int) -> None:
     if plan.facts:
         assert plan.ts_floor == plan.facts[-1].timestamp
     assert all(f.timestamp >= model.ts_floor for f in plan.facts)
+
+
+@given(models(), st.integers(1, 12))
+def test_next_position_is_where_the_plan_goes(model: Model, limit: int) -> None:
+    """A reader sends the read of its next page from `next_position` before planning this one:
+    it must be exactly the plan's position (None exactly when the plan asks to refetch)."""
+    page = model.page(model.after, limit)
+    plan = plan_page(
+        STREAM, page, after=model.after, through=model.through, limit=limit,
+        ts_floor=model.ts_floor,
+    )  # fmt: skip
+    found = next_position(page, through=model.through, limit=limit)
+    assert found == (None if plan.refetch is not None else plan.position)
 
 
 @given(models(max_rows=8), st.integers(1, 10))

@@ -207,7 +207,7 @@ def test_version() -> None:
 # Layers and cycles
 
 LAYERS = (
-    ("streams.errors", "streams.config", "streams.redis_urls", "streams._aio"),
+    ("streams.errors", "streams.config", "streams.redis_urls", "streams._aio", "streams._gc"),
     ("streams.core",),
     ("streams.store", "streams.transport"),
     (

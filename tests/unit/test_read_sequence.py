@@ -15,7 +15,7 @@ from helpers import REPO_ROOT
 from streams import TimestampMode
 from streams.errors import DatabaseChanged, FactsPruned, StandbyBehind, StoreError
 from streams.store import reads
-from streams.store.driver import Commit, Pipeline, Query, Row
+from streams.store.driver import Commit, Pipeline, Query, Receive, Row, Send
 from streams.store.identity import INCARNATION_SQL
 from streams.store.probe import PROBE_STATEMENTS, probe_queries, probe_texts
 from streams.store.registry import StreamInfo
@@ -265,3 +265,37 @@ def test_readers_take_the_order_from_the_face(path: Path) -> None:
         a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for a in node.names
     }
     assert names & BUILDERS == set()
+
+
+def test_a_page_sent_ahead_is_rows_then_retention_in_one_query() -> None:
+    """`send_proven`: the same statements as `read_proven` (rows of each range, then the
+    retention check after them), inlined, in one `Send`; `receive_proven` takes them back."""
+    other = _info(8, "t")
+    plan = reads.send_proven([(INFO, 3, 9), (other, 0, 4)], 100)
+    op = next(plan)
+    assert isinstance(op, Send)
+    rows_s, rows_t, retention = op.statements
+    assert b"stream = 7 AND stream_id > 3 AND stream_id <= 9" in rows_s
+    assert b"LIMIT 100" in rows_s
+    assert b"stream = 8 AND stream_id > 0 AND stream_id <= 4" in rows_t
+    assert b"pruned_through" in retention
+    with pytest.raises(StopIteration) as stop:
+        plan.send([])
+    ahead = stop.value.value
+    assert ahead.ranges == (("s", 3, 9), ("t", 0, 4))
+    receive = reads.receive_proven(ahead)
+    assert isinstance(next(receive), Receive)
+    page_s: tuple[Row, ...] = ((4, 0, "w", 1, "{}"),)
+    with pytest.raises(StopIteration) as stop:
+        receive.send([page_s, (), (("s", 5), ("t", 0))])
+    pages, pruned = stop.value.value
+    assert pages == [[(4, 0, "w", 1, "{}")], []]
+    assert pruned == {"s": 5, "t": 0}  # checked by the caller when it uses a page
+
+
+def test_a_page_sent_on_a_closed_session_is_not_received() -> None:
+    receive = reads.receive_proven(reads.PagesAhead((("s", 3, 9),)))
+    next(receive)
+    with pytest.raises(StopIteration) as stop:
+        receive.send([])
+    assert stop.value.value is None
