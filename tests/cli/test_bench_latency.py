@@ -18,7 +18,7 @@ def test_latency_bench_smoke(streams_url: str, redis_url: str) -> None:
         writer_counts=(1,),
         rate=50,
         seconds=1,
-        catchup_facts=2000,
+        catchup_facts=(2000, 3000),
         page_size=500,
         report=lines.append,
     )
@@ -39,9 +39,11 @@ def test_latency_bench_smoke(streams_url: str, redis_url: str) -> None:
 
     data = json.loads(json.dumps(result.as_dict()))
     assert data["latency"][0]["streams"]["count"] == run.streams.count
-    assert set(data["catchup"]["targets"]) == {"catch-up >= 0.8x raw"}
+    assert set(data["catchup"]["targets"]) == {"catch-up >= 1x raw"}
+    assert [c["facts"] for c in data["catchups"]] == [2000, 3000]
     assert any(line.startswith("latency x1") for line in lines)
     assert any(line.startswith("catch-up 2,000 facts") for line in lines)
+    assert any(line.startswith("catch-up 3,000 facts") for line in lines)
 
     # The bench streams are dropped afterwards.
     with psycopg.connect(streams_url) as conn:
