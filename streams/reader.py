@@ -10,6 +10,7 @@ of `poll` and `wait_for_position`, also written once as generators that both she
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import threading
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeAlias, TypeVar
 import psycopg
 
 from ._aio import wait_event
+from ._gc import collection_paused
 from .core.epochs import Epoch, Fact
 from .core.frontier import Antichain, FrontierProbe
 from .core.replication import Hint, backoff_delay
@@ -55,6 +57,15 @@ MIN_HINT_GAP = 0.0005
 #: proofs and so hears no writer's hint: how soon it notices a prober that stopped proving
 #: (after `streams.core.constants.STALE_AFTER`), whatever the configured poll interval.
 FOLLOWER_CHECK_INTERVAL = 1.0
+
+
+def _paused_while_behind(core: ReaderCore) -> contextlib.AbstractContextManager[None]:
+    """The garbage collector paused (`streams._gc`) while a reader catching up runs a plan:
+    the rows it receives and the facts it builds from them all live until the caller has
+    consumed the epoch, and each collection they would trigger finds nothing to free. Not
+    while caught up: a caught-up reader's plan may wait on the network for a while, and
+    allocates little. (Reading ahead keeps the waits of a reader behind short.)"""
+    return collection_paused() if core.behind() else contextlib.nullcontext()
 
 
 class _Flag(Protocol):
@@ -502,9 +513,10 @@ class Reader(_ReaderBase):
             else:
                 try:
                     conn = self._connection()
-                    if self._core.reading_ahead:  # the session is busy with the next pages
-                        run(conn, self._core.receive_ahead())
-                    result = run(conn, op)
+                    with _paused_while_behind(self._core):
+                        if self._core.reading_ahead:  # the session is busy with the next pages
+                            run(conn, self._core.receive_ahead())
+                        result = run(conn, op)
                 except ConnectionLost as lost:  # the plan decides: try again, or give up
                     result, error = None, lost
 
@@ -699,9 +711,10 @@ class AsyncReader(_ReaderBase):
             else:
                 try:
                     conn = await self._connection()
-                    if self._core.reading_ahead:  # as in `Reader._drive`
-                        await arun(conn, self._core.receive_ahead())
-                    result = await arun(conn, op)
+                    with _paused_while_behind(self._core):  # as in `Reader._drive`
+                        if self._core.reading_ahead:
+                            await arun(conn, self._core.receive_ahead())
+                        result = await arun(conn, op)
                 except ConnectionLost as lost:
                     result, error = None, lost
 

@@ -15,9 +15,11 @@ Stages, after Materialize's compute protocol:
    ``start``), and ask PostgreSQL what is complete (`streams.store.probe.probe`). The link publishes
    ``REPLICATE`` once its subscription is confirmed; writers answer with ``POSITION``.
 3. **Computation**: `ReaderCore.step` delivers the next epoch. While behind the last probe it
-   reads pages of rows from PostgreSQL; when caught up it probes again, and reads the first
-   pages in the same round trip (every read is a plan of `streams.store.reads`, which holds the
-   order of probe, rows and retention check and why it is the proof). Between steps the driver
+   reads pages of rows from PostgreSQL, sending the read of the next page before it plans the
+   one it has (*reading ahead*: the server reads while this process plans, and the next step
+   takes the page); when caught up it probes again, and reads the first pages in the same
+   round trip (every read is a plan of `streams.store.reads`, which holds the order of probe,
+   rows and retention check and why it is the proof). Between steps the driver
    sleeps until a *hint* (an ``RDATA``/``POSITION`` naming a token beyond its position, from
    Redis or from a writer in the same process) or the poll interval.
 
