@@ -511,10 +511,6 @@ class LinkCore:
         """The subscription is confirmed: lines to publish now, in order."""
         with self._lock:
             self._connected = True
-            # What was heard of listeners before the gap may be stale (a reader's REPLICATE
-            # may have gone by while this link was away): publish to every channel for an
-            # interval before asking again, as after a REPLICATE.
-            self._replicated = True
             announcers = list(self._writers.values())
             readers = self._readers
         lines = [serialize(a.announce()) for a in announcers]

@@ -768,7 +768,11 @@ def test_partitions_are_deterministic_and_never_split_a_fact(
     start, end = {"v": 1, "streams": {stream: 0}}, {"v": 1, "streams": {stream: 15}}
     one, two = StreamsStreamReader(config), StreamsStreamReader(config)
     parts = one.partitions(start, end)
-    assert parts == two.partitions(start, end)
+    # The same ranges; each plan's proof has its own WAL position (anything that wrote WAL
+    # between the two, an autovacuum or another test's session, moves it).
+    assert [dataclasses.replace(p, proof_lsn=0) for p in parts] == [
+        dataclasses.replace(p, proof_lsn=0) for p in two.partitions(start, end)
+    ]
     assert 2 <= len(parts) <= 4
     seen: dict[int, int] = {}
     for index, part in enumerate(parts):
