@@ -292,6 +292,7 @@ def range_rows_sql(
     *,
     running_ts_floor: int | None = None,
     resume_after: tuple[int, int] | None = None,
+    limit: int | None = None,
 ) -> str:
     """The text of a query for every row of the facts in ``(after, through]`` of the stream
     with registry id ``stream_key``, as ``stream_id, row_no, instance, ts, payload`` in (stream
@@ -308,6 +309,8 @@ def range_rows_sql(
     that broke off (with ``running_ts_floor`` the maximum over the rows already read). The
     range is complete, so its rows cannot change between the two reads; retention may remove
     them, which the plan's later retention check reports as for any read.
+
+    ``limit``: at most that many rows (a page, which may end inside a fact: `streams.core.epochs`).
     """
     key, low, high = int(stream_key), int(after), int(through)
     resume = ""
@@ -324,6 +327,7 @@ def range_rows_sql(
         f"SELECT stream_id, row_no, instance, {ts} AS ts, payload::text AS payload "
         f"FROM streams_facts WHERE stream = {key} AND stream_id > {low} "
         f"AND stream_id <= {high} {resume}ORDER BY stream_id, row_no"
+        + ("" if limit is None else f" LIMIT {int(limit)}")
     )
 
 

@@ -1,0 +1,347 @@
+"""Arrow record batches for Python consumers: `Reader.batches`, `Client.read_arrow`.
+
+A reader's facts as ``pyarrow.RecordBatch``es, with the columns and types of the Spark source's
+rows (`streams_spark.executor.SCHEMA` without its ``epoch_upper``), `schema()`:
+
+=============  ==========================  ===============================================
+``stream``     string                      the stream's name
+``stream_id``  int64                       the fact's stream ID
+``row_no``     int32                       the row within its fact (0 for most facts)
+``instance``   string                      the writer
+``timestamp``  timestamp[us, tz=UTC]       raised to the stream's running maximum, as
+                                           `streams.core.epochs.Fact.timestamp`
+``payload``    string                      the row's payload as JSON text
+=============  ==========================  ===============================================
+
+Terms: a **batch** is one stream's part of an epoch: whole facts only (a fact's rows are never
+split across two batches), in (stream ID, row) order, at most ``max_rows`` rows unless a single
+fact has more (it is read alone, whole). When `Reader.batches` yields a batch, the reader's
+position on its stream is already the batch's end: a group's ``commit()`` after it commits
+through it, as after an epoch, and nothing before it is delivered again.
+
+How it reads: the reader proves on its own psycopg session (`ReaderCore.step` without rows,
+with its waiting for hints: `Reader.poll`), and reads the rows of what that proved on a second
+session, over ADBC, as Arrow columns (`streams.store.arrow_reads`: steps 3-4 of the read
+sequence, `streams.store.reads`); where a page is cut into whole facts is decided on the
+stream-ID column (`streams.core.page_cut`). So the guarantees are the ones of `epochs`: each fact
+once, none beyond a proof, retention checked after every page (`FactsPruned`), each session
+checked on the reader's database history (`DatabaseChanged`), and a start by ``live`` or by
+time filtered as there (`ReaderCore.advance_columns`). Signed ranges from Redis (facts already
+built as objects) become batches too (`_epoch_batches`). The rows are read on the primary, also
+for a client with a read URL (a standby is not used here yet).
+
+The plan is written once (`_batch_plan`, a generator of `_Prove`, `_Read` and `_Deliver`
+operations); `reader_batches` and `areader_batches` drive it (the asyncio one runs the ADBC reads
+in a worker thread: ADBC blocks, and releases the GIL while it reads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+from collections.abc import AsyncIterator, Generator, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+from .core.epochs import Epoch
+from .core.page_cut import cut_page
+from .errors import UsageError
+from .store.arrow_reads import ArrowSession, require_arrow
+from .store.reader_core import ReaderCore
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from .reader import AsyncReader, Reader
+
+__all__ = ["DEFAULT_MAX_ROWS", "areader_batches", "reader_batches", "schema"]
+
+#: Rows per batch (and per page read) by default: large enough that a page's two statements
+#: and its conversion cost little per row (at 65,536 rows of a 200-byte payload, a page is
+#: about 16 MB of Arrow data).
+DEFAULT_MAX_ROWS = 65_536
+
+
+@functools.cache
+def schema() -> pa.Schema:
+    """The batches' Arrow schema (see the module doc; a function: pyarrow is imported only
+    when Arrow is used)."""
+    import pyarrow as pa
+
+    return pa.schema(
+        [
+            ("stream", pa.string()),
+            ("stream_id", pa.int64()),
+            ("row_no", pa.int32()),
+            ("instance", pa.string()),
+            ("timestamp", pa.timestamp("us", tz="UTC")),
+            ("payload", pa.string()),
+        ]
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Page:
+    """One stream's page, read and cut to whole facts: its rows and where the stream goes."""
+
+    name: str
+    table: pa.Table
+    position: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Prove:
+    """Prove on the reader's session (waiting up to ``timeout`` seconds for something new);
+    the plan receives an epoch of signed ranges, or None."""
+
+    timeout: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Read:
+    """Read a page of every stream behind its target (`_read_pages`); the plan receives them."""
+
+    until: Mapping[str, int] | None
+    max_rows: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Deliver:
+    """Hand this batch to the caller."""
+
+    batch: pa.RecordBatch
+
+
+_Op: TypeAlias = _Prove | _Read | _Deliver
+
+
+def _target(core: ReaderCore, name: str, until: Mapping[str, int] | None) -> int:
+    target = core.target(name)
+    return target if until is None else min(target, until[name])
+
+
+def _behind(core: ReaderCore, until: Mapping[str, int] | None) -> bool:
+    return any(core.positions[n] < _target(core, n, until) for n in core.names)
+
+
+def _batch_plan(
+    core: ReaderCore, idle_timeout: float, until: Mapping[str, int] | None, max_rows: int
+) -> Generator[_Op, Any, None]:
+    """The batches of a reader until none arrives within ``idle_timeout`` seconds, or (with
+    ``until``) its positions reach ``until`` (or what is complete, if less)."""
+    while True:
+        if _behind(core, until):
+            pages: list[_Page] = yield _Read(until, max_rows)
+            # Every read of this step is done: from here on positions move, batch by batch.
+            for page in pages:
+                batch = _deliver(core, page)
+                if batch.num_rows:
+                    yield _Deliver(batch)
+            continue
+        if until is not None and all(core.positions[n] >= until[n] for n in core.names):
+            return
+        epoch: Epoch | None = yield _Prove(idle_timeout)
+        if epoch is not None:  # signed ranges from Redis: already delivered as objects
+            for batch in _epoch_batches(epoch):
+                yield _Deliver(batch)
+        elif not _behind(core, until):
+            return
+
+
+def _read_pages(
+    core: ReaderCore, session: ArrowSession, until: Mapping[str, int] | None, max_rows: int
+) -> list[_Page]:
+    """A page of each stream behind its target (up to ``until``), cut to whole facts; moves
+    nothing (`_deliver` does)."""
+    pages: list[_Page] = []
+    for name in core.names:
+        after = core.positions[name]
+        target = _target(core, name, until)
+        if after >= target:
+            continue
+        key = core.infos[name].id
+        table = session.read(name, key, after, target, max_rows).combine_chunks()
+        core.pages += 1
+        core.rows += table.num_rows
+        ids = table.column(0).to_numpy()
+        cut = cut_page(ids, after=after, through=target, limit=max_rows)
+        if cut.refetch is not None:
+            # One fact has at least a page of rows: read it alone, whole.
+            table = session.read(name, key, cut.refetch - 1, cut.refetch, None).combine_chunks()
+            core.rows += table.num_rows
+            pages.append(_Page(name, table, cut.refetch))
+        else:
+            pages.append(_Page(name, table.slice(0, cut.rows), cut.position))
+    return pages
+
+
+def _deliver(core: ReaderCore, page: _Page) -> pa.RecordBatch:
+    """Move the page's stream to its position and make its batch (`schema`): timestamps
+    raised to the running maximum, the ``live`` and time-start filters applied."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    table = page.table
+    n = table.num_rows
+    floor = core.ts_floors[page.name]
+    ts = table.column(3)
+    if ts.type != pa.int64():
+        ts = ts.cast(pa.int64())
+    if n:
+        ts = pc.max_element_wise(pc.cumulative_max(ts), pa.scalar(floor, pa.int64()))
+        floor = max(floor, ts[n - 1].as_py())
+    ids = table.column(0)
+    keep = core.advance_columns(
+        page.name, page.position, floor, ids.to_numpy(), ts.to_numpy()
+    )  # fmt: skip
+    stamps = pc.multiply(ts, pa.scalar(1000, pa.int64())).cast(pa.timestamp("us", tz="UTC"))
+    columns = [
+        pa.repeat(pa.scalar(page.name, pa.string()), n),
+        ids.cast(pa.int64()),
+        table.column(1).cast(pa.int32()),
+        table.column(2).cast(pa.string()),
+        stamps,
+        table.column(4).cast(pa.string()),
+    ]
+    batch = pa.RecordBatch.from_arrays([_array(c) for c in columns], schema=schema())
+    if keep is not None:
+        batch = batch.filter(pa.array(keep, pa.bool_()))
+    return batch
+
+
+def _array(column: Any) -> Any:
+    """A column as one array (a page is combined into one chunk; an empty one has none)."""
+    import pyarrow as pa
+
+    if isinstance(column, pa.ChunkedArray):
+        return column.combine_chunks()
+    return column
+
+
+def _epoch_batches(epoch: Epoch) -> list[pa.RecordBatch]:
+    """An epoch of `Fact`s (signed ranges from Redis) as batches, one per stream."""
+    import pyarrow as pa
+
+    by_stream: dict[str, list[tuple[int, int, str, int, str]]] = {}
+    for fact in epoch.facts:
+        rows = by_stream.setdefault(fact.stream, [])
+        for row_no, payload in enumerate(fact.payloads):
+            text = json.dumps(payload, ensure_ascii=False)
+            rows.append((fact.stream_id, row_no, fact.instance, fact.timestamp * 1000, text))
+    batches = []
+    for name, rows in by_stream.items():
+        ids, row_nos, instances, stamps, payloads = zip(*rows, strict=True)
+        batches.append(
+            pa.RecordBatch.from_arrays(
+                [
+                    pa.repeat(pa.scalar(name, pa.string()), len(rows)),
+                    pa.array(ids, pa.int64()),
+                    pa.array(row_nos, pa.int32()),
+                    pa.array(instances, pa.string()),
+                    pa.array(stamps, pa.int64()).cast(pa.timestamp("us", tz="UTC")),
+                    pa.array(payloads, pa.string()),
+                ],
+                schema=schema(),
+            )
+        )
+    return batches
+
+
+def _check_max_rows(max_rows: int | None) -> int:
+    if max_rows is None:
+        return DEFAULT_MAX_ROWS
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
+        raise UsageError("max_rows must be a positive int")
+    return max_rows
+
+
+def _session(reader: Reader | AsyncReader) -> ArrowSession:
+    session = reader._arrow
+    if session is None:
+        core = reader.core
+        what = "group " + repr(core.group) if core.group is not None else "reader"
+        session = reader._arrow = ArrowSession(
+            reader._url,
+            f"{what} of {', '.join(core.names)} (Arrow)",
+            lambda: (core.incarnation, core.proof_lsn),
+        )
+    return session
+
+
+def reader_batches(
+    reader: Reader,
+    *,
+    idle_timeout: float = 0.0,
+    max_rows: int | None = None,
+    until: Mapping[str, int] | None = None,
+) -> Iterator[pa.RecordBatch]:
+    """`Reader.batches` (``until``: `Client.read_arrow`'s bound)."""
+    require_arrow("Reader.batches()")
+    limit = _check_max_rows(max_rows)
+    return _drive(reader, _batch_plan(reader.core, idle_timeout, until, limit))
+
+
+def _drive(reader: Reader, plan: Generator[_Op, Any, None]) -> Iterator[pa.RecordBatch]:
+    answer: Any = None
+    while True:
+        try:
+            op = plan.send(answer)
+        except StopIteration:
+            return
+        answer = None
+        if isinstance(op, _Deliver):
+            yield op.batch
+        elif isinstance(op, _Read):
+            if reader._closed:
+                raise UsageError("reader is closed")
+            answer = _read_pages(reader.core, _session(reader), op.until, op.max_rows)
+        else:
+            answer = reader._drive(reader._poll_plan(op.timeout, prove_only=True))
+
+
+async def areader_batches(
+    reader: AsyncReader,
+    *,
+    idle_timeout: float = 0.0,
+    max_rows: int | None = None,
+    until: Mapping[str, int] | None = None,
+) -> AsyncIterator[pa.RecordBatch]:
+    """`AsyncReader.batches` (``until``: `AsyncClient.read_arrow`'s bound)."""
+    require_arrow("AsyncReader.batches()")
+    limit = _check_max_rows(max_rows)
+    plan = _batch_plan(reader.core, idle_timeout, until, limit)
+    answer: Any = None
+    while True:
+        try:
+            op = plan.send(answer)
+        except StopIteration:
+            return
+        answer = None
+        if isinstance(op, _Deliver):
+            yield op.batch
+        elif isinstance(op, _Read):
+            if reader._closed:
+                raise UsageError("reader is closed")
+            session = _session(reader)
+            answer = await asyncio.to_thread(
+                _read_pages, reader.core, session, op.until, op.max_rows
+            )
+        else:
+            answer = await reader._drive(reader._poll_plan(op.timeout, prove_only=True))
+
+
+def bounds(stream: str, end: int | None) -> dict[str, int] | None:
+    """`Client.read_arrow`'s ``until``: the last stream ID of ``[start, end)`` (None: no end)."""
+    if end is None:
+        return None
+    if isinstance(end, bool) or not isinstance(end, int) or end < 1:
+        raise UsageError("end must be a stream ID (an int >= 1) or None")
+    return {stream: end - 1}
+
+
+def to_table(batches: list[pa.RecordBatch]) -> pa.Table:
+    """The batches as one table (no copy: its chunks are the batches)."""
+    import pyarrow as pa
+
+    return pa.Table.from_batches(batches, schema=schema())

@@ -1,0 +1,198 @@
+"""A reader's second session, on ADBC: pages of rows read as Arrow tables.
+
+`streams.arrow` delivers a reader's facts as Arrow record batches. Its proofs are the reader's
+own (step 2 of the read sequence, `streams.store.reads`, on the reader's psycopg session:
+`ReaderCore.step` without rows); the rows of what they proved are read here, on an ADBC
+connection (ADBC's PostgreSQL driver reads the binary COPY format straight into Arrow columns,
+with no Python object per value), by the store's plan `streams.store.reads.read_proven_range`
+(steps 3-4: the rows, then the retention check). Why a second session may read what the first
+proved is written there. Step 1 runs on this session when it connects (`ArrowSession`), as it
+does on the shells' psycopg sessions: a session on another database history never reads.
+
+Terms: an **ADBC session** is one ``adbc_driver_postgresql`` connection in autocommit with the
+readers' session settings (`streams.store.probe.READER_SESSION_SETUP`). A **transient** failure
+is one another try on a fresh session may mend (the connection or server failed, or PostgreSQL
+said so by its SQLSTATE: `streams.store.driver.transient_sqlstate`); `ArrowSession.read` tries
+again on a fresh session with back-off for `RETRY_SECONDS`, then raises `ConnectionLost`. A
+read moves no position (the shell does, after it), so trying it again delivers nothing twice.
+
+pyarrow and ADBC are optional (the ``arrow`` extra): `require_arrow` says so in a `UsageError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from ..core.replication import backoff_delay
+from ..errors import ConnectionLost, StoreError, UsageError
+from .driver import Commit, Query, transient_sqlstate
+from .identity import check_history
+from .probe import READER_SESSION_SETUP
+from .reads import RangeGen, StreamRows, read_proven_range
+from .sessions import with_client_tcp_settings
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+__all__ = ["BATCH_BYTES", "RETRY_SECONDS", "ArrowSession", "require_arrow"]
+
+T = TypeVar("T")
+
+#: Seconds a page read keeps being tried while it fails transiently.
+RETRY_SECONDS = 60.0
+#: ADBC's record batch size hint (bytes; its default is 16 MiB): large enough that a page of
+#: the default size usually arrives as one batch, which `streams.arrow` then hands on without
+#: concatenating (a copy).
+BATCH_BYTES = 64 << 20
+#: ADBC's PostgreSQL statement option for `BATCH_BYTES`.
+_BATCH_SIZE_OPTION = "adbc.postgresql.batch_size_hint_bytes"
+
+
+def require_arrow(what: str) -> None:
+    """`UsageError` naming the extra to install when pyarrow or the ADBC driver is missing."""
+    try:
+        import adbc_driver_postgresql.dbapi  # noqa: F401
+        import pyarrow  # noqa: F401
+    except ImportError as exc:
+        raise UsageError(
+            f"{what} needs pyarrow and adbc-driver-postgresql ({exc.name} is not installed): "
+            "pip install 'streams[arrow]'"
+        ) from None
+
+
+def _transient(exc: BaseException) -> bool:
+    import adbc_driver_manager
+
+    if isinstance(exc, ConnectionLost | OSError | adbc_driver_manager.OperationalError):
+        return True
+    if isinstance(exc, adbc_driver_manager.Error):
+        return transient_sqlstate(getattr(exc, "sqlstate", None))
+    return False
+
+
+def _store_error(exc: BaseException) -> StoreError:
+    """An ADBC error as the library's error tree has it (first line, SQLSTATE kept)."""
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    error = StoreError(f"ADBC: {text}")
+    error.sqlstate = getattr(exc, "sqlstate", None)
+    return error
+
+
+class ArrowSession:
+    """One reader's ADBC session to ``url``, opened on first use and again after a transient
+    failure; ``history()`` gives the reader's database incarnation token and the WAL position
+    of its last proof, which every new session is checked against (step 1)."""
+
+    def __init__(self, url: str, who: str, history: Callable[[], tuple[str | None, int]]) -> None:
+        self._url = url
+        self._who = who
+        self._history = history
+        self._conn: Any = None
+        #: Sessions opened (for tests and metrics).
+        self.sessions = 0
+
+    def _session(self) -> Any:
+        if self._conn is not None:
+            return self._conn
+        import adbc_driver_postgresql.dbapi as adbc
+
+        try:
+            conn = adbc.connect(with_client_tcp_settings(self._url), autocommit=True)
+        except Exception as exc:
+            raise ConnectionLost(f"cannot connect with ADBC: {type(exc).__name__}") from None
+        try:
+            with conn.cursor() as cur:
+                for statement in READER_SESSION_SETUP:
+                    cur.execute(statement)
+                token, proof_lsn = self._history()
+                if token is not None:  # step 1, before this session reads anything
+                    self._drive(cur, check_history(token, self._who, proof_lsn or None))
+        except BaseException:
+            with contextlib.suppress(Exception):
+                conn.close()
+            raise
+        self._conn = conn
+        self.sessions += 1
+        return conn
+
+    def _drive(self, cur: Any, plan: RangeGen[T] | Any) -> tuple[T, pa.Table | None]:
+        """Run a plain-statement plan (`Query` without parameters, `Commit`, `StreamRows`) on
+        ``cur``: its result, and the Arrow table of its `StreamRows` (None: it had none). A
+        statement's error is thrown into the plan as a `StoreError`; a transient one is
+        raised as it is (the caller tries again on a fresh session)."""
+        table: pa.Table | None = None
+        answer: list[Any] | None = None
+        error: StoreError | None = None
+        while True:
+            try:
+                if error is not None:
+                    op = plan.throw(error)
+                else:
+                    op = next(plan) if answer is None else plan.send(answer)
+            except StopIteration as stop:
+                return stop.value, table
+            answer, error = [], None
+            try:
+                if isinstance(op, StreamRows):
+                    cur.adbc_statement.set_options(**{_BATCH_SIZE_OPTION: str(BATCH_BYTES)})
+                    cur.execute(op.statement)
+                    table = cur.fetch_arrow_table()
+                elif isinstance(op, Query):
+                    assert op.params is None, "a plan for any driver has no parameters"
+                    text = op.statement
+                    cur.execute(text.decode() if isinstance(text, bytes) else text)
+                    answer = list(cur.fetchall()) if cur.description else []
+                elif not isinstance(op, Commit):  # a Commit: autocommit, nothing to do
+                    raise TypeError(f"not a plain-statement operation: {op!r}")
+            except Exception as exc:
+                if _transient(exc):
+                    raise
+                import adbc_driver_manager
+
+                if not isinstance(exc, adbc_driver_manager.Error):
+                    raise
+                error = _store_error(exc)
+
+    def read(
+        self, stream: str, stream_key: int, after: int, through: int, limit: int | None
+    ) -> pa.Table:
+        """Steps 3-4 for ``(after, through]`` (proven by the reader's probe), at most ``limit``
+        rows: the rows as an Arrow table (``stream_id, row_no, instance, ts, payload``);
+        `FactsPruned` if retention removed facts after ``after``. Transient failures are tried
+        again on a fresh session (see the module doc)."""
+        failures = 0
+        since = time.monotonic()
+        while True:
+            try:
+                cur = self._session().cursor()
+                try:
+                    _, table = self._drive(
+                        cur, read_proven_range(stream, stream_key, after, through, limit)
+                    )
+                finally:
+                    with contextlib.suppress(Exception):
+                        cur.close()
+                assert table is not None
+                return table
+            except Exception as exc:
+                if not _transient(exc):
+                    raise
+                self.close()
+                if time.monotonic() - since >= RETRY_SECONDS:
+                    raise ConnectionLost(
+                        f"{self._who}: reading {stream!r} ({after}, {through}] with ADBC failed "
+                        f"for {RETRY_SECONDS:g}s: {type(exc).__name__}"
+                    ) from None
+                if failures:  # the first retry at once: a session the server ended is common
+                    time.sleep(backoff_delay(failures - 1, jitter=random.random()))
+                failures += 1
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
