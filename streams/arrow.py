@@ -202,12 +202,22 @@ def _deliver(core: ReaderCore, page: _Page) -> pa.RecordBatch:
         table.column(1).cast(pa.int32()),
         table.column(2).cast(pa.string()),
         stamps,
-        table.column(4).cast(pa.string()),
+        _text(table.column(4)),
     ]
     batch = pa.RecordBatch.from_arrays([_array(c) for c in columns], schema=schema())
     if keep is not None:
         batch = batch.filter(pa.array(keep, pa.bool_()))
     return batch
+
+
+def _text(column: Any) -> Any:
+    """The payload column as plain strings: the JSON extension type's storage (no copy)."""
+    import pyarrow as pa
+
+    if isinstance(column.type, pa.ExtensionType):
+        storage = column.type.storage_type
+        column = pa.chunked_array([chunk.storage for chunk in column.chunks], storage)
+    return column.cast(pa.string())
 
 
 def _array(column: Any) -> Any:

@@ -161,7 +161,8 @@ class ArrowSession:
         self, stream: str, stream_key: int, after: int, through: int, limit: int | None
     ) -> pa.Table:
         """Steps 3-4 for ``(after, through]`` (proven by the reader's probe), at most ``limit``
-        rows: the rows as an Arrow table (``stream_id, row_no, instance, ts, payload``);
+        rows: the rows as an Arrow table (``stream_id, row_no, instance, ts, payload``, the
+        payload as ADBC hands jsonb over: Arrow's JSON extension type over UTF-8 strings);
         `FactsPruned` if retention removed facts after ``after``. Transient failures are tried
         again on a fresh session (see the module doc)."""
         failures = 0
@@ -171,7 +172,8 @@ class ArrowSession:
                 cur = self._session().cursor()
                 try:
                     _, table = self._drive(
-                        cur, read_proven_range(stream, stream_key, after, through, limit)
+                        cur,
+                        read_proven_range(stream, stream_key, after, through, limit, jsonb=True),
                     )
                 finally:
                     with contextlib.suppress(Exception):
