@@ -3,15 +3,13 @@
 A reader's facts as ``pyarrow.RecordBatch``es, with the columns and types of the Spark source's
 rows (`streams_spark.executor.SCHEMA` without its ``epoch_upper``), `schema()`:
 
-=============  ==========================  ===============================================
-``stream``     string                      the stream's name
-``stream_id``  int64                       the fact's stream ID
-``row_no``     int32                       the row within its fact (0 for most facts)
-``instance``   string                      the writer
-``timestamp``  timestamp[us, tz=UTC]       raised to the stream's running maximum, as
-                                           `streams.core.epochs.Fact.timestamp`
-``payload``    string                      the row's payload as JSON text
-=============  ==========================  ===============================================
+* ``stream`` (string): the stream's name;
+* ``stream_id`` (int64): the fact's stream ID;
+* ``row_no`` (int32): the row within its fact (0 for most facts);
+* ``instance`` (string): the writer;
+* ``timestamp`` (timestamp[us, tz=UTC]): raised to the stream's running maximum, as
+  `streams.core.epochs.Fact.timestamp`;
+* ``payload`` (string): the row's payload as JSON text.
 
 Terms: a **batch** is one stream's part of an epoch: whole facts only (a fact's rows are never
 split across two batches), in (stream ID, row) order, at most ``max_rows`` rows unless a single
@@ -38,6 +36,7 @@ in a worker thread: ADBC blocks, and releases the GIL while it reads).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 from collections.abc import AsyncIterator, Generator, Iterator, Mapping
@@ -100,10 +99,20 @@ class _Prove:
 
 @dataclass(frozen=True, slots=True)
 class _Read:
-    """Read a page of every stream behind its target (`_read_pages`); the plan receives them."""
+    """Read a page of every stream behind its target, after ``positions`` (`_read_pages`); the
+    plan receives them. Two reads are the same read when their fields are equal."""
 
+    positions: Mapping[str, int]
     until: Mapping[str, int] | None
     max_rows: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Prefetch:
+    """Start ``read`` in the background now (the plan receives None): the next `_Read`, if it
+    is the same read, takes its pages (or its error) instead of reading again."""
+
+    read: _Read
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +122,7 @@ class _Deliver:
     batch: pa.RecordBatch
 
 
-_Op: TypeAlias = _Prove | _Read | _Deliver
+_Op: TypeAlias = _Prove | _Read | _Prefetch | _Deliver
 
 
 def _target(core: ReaderCore, name: str, until: Mapping[str, int] | None) -> int:
@@ -121,8 +130,11 @@ def _target(core: ReaderCore, name: str, until: Mapping[str, int] | None) -> int
     return target if until is None else min(target, until[name])
 
 
-def _behind(core: ReaderCore, until: Mapping[str, int] | None) -> bool:
-    return any(core.positions[n] < _target(core, n, until) for n in core.names)
+def _behind(
+    core: ReaderCore, until: Mapping[str, int] | None, positions: Mapping[str, int] | None = None
+) -> bool:
+    at = core.positions if positions is None else positions
+    return any(at[n] < _target(core, n, until) for n in core.names)
 
 
 def _batch_plan(
@@ -132,7 +144,12 @@ def _batch_plan(
     ``until``) its positions reach ``until`` (or what is complete, if less)."""
     while True:
         if _behind(core, until):
-            pages: list[_Page] = yield _Read(until, max_rows)
+            pages: list[_Page] = yield _Read(dict(core.positions), until, max_rows)
+            # Read the next pages while the caller takes these: a read moves nothing, and the
+            # next step uses them only if it starts where these end (`_Read` equality).
+            ahead = {**core.positions, **{page.name: page.position for page in pages}}
+            if _behind(core, until, ahead):
+                yield _Prefetch(_Read(ahead, until, max_rows))
             # Every read of this step is done: from here on positions move, batch by batch.
             for page in pages:
                 batch = _deliver(core, page)
@@ -149,14 +166,13 @@ def _batch_plan(
             return
 
 
-def _read_pages(
-    core: ReaderCore, session: ArrowSession, until: Mapping[str, int] | None, max_rows: int
-) -> list[_Page]:
-    """A page of each stream behind its target (up to ``until``), cut to whole facts; moves
-    nothing (`_deliver` does)."""
+def _read_pages(core: ReaderCore, session: ArrowSession, read: _Read) -> list[_Page]:
+    """A page of each stream behind its target (up to ``read.until``) after
+    ``read.positions``, cut to whole facts; moves nothing (`_deliver` does)."""
     pages: list[_Page] = []
+    until, max_rows = read.until, read.max_rows
     for name in core.names:
-        after = core.positions[name]
+        after = read.positions[name]
         target = _target(core, name, until)
         if after >= target:
             continue
@@ -293,21 +309,49 @@ def reader_batches(
 
 
 def _drive(reader: Reader, plan: Generator[_Op, Any, None]) -> Iterator[pa.RecordBatch]:
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    pool: ThreadPoolExecutor | None = None
+    pending: tuple[_Read, Future[list[_Page]]] | None = None
     answer: Any = None
-    while True:
-        try:
-            op = plan.send(answer)
-        except StopIteration:
-            return
-        answer = None
-        if isinstance(op, _Deliver):
-            yield op.batch
-        elif isinstance(op, _Read):
-            if reader._closed:
-                raise UsageError("reader is closed")
-            answer = _read_pages(reader.core, _session(reader), op.until, op.max_rows)
-        else:
-            answer = reader._drive(reader._poll_plan(op.timeout, prove_only=True))
+    try:
+        while True:
+            try:
+                op = plan.send(answer)
+            except StopIteration:
+                return
+            answer = None
+            if isinstance(op, _Deliver):
+                yield op.batch
+            elif isinstance(op, _Read):
+                if reader._closed:
+                    raise UsageError("reader is closed")
+                taken, pending = pending, None
+                if taken is not None and taken[0] == op:
+                    answer = taken[1].result()
+                else:
+                    _settle(taken)
+                    answer = _read_pages(reader.core, _session(reader), op)
+            elif isinstance(op, _Prefetch):
+                _settle(pending)
+                if pool is None:
+                    pool = ThreadPoolExecutor(1, thread_name_prefix="streams-arrow-prefetch")
+                future = pool.submit(_read_pages, reader.core, _session(reader), op.read)
+                pending = (op.read, future)
+            else:
+                answer = reader._drive(reader._poll_plan(op.timeout, prove_only=True))
+    finally:
+        _settle(pending)  # never leave a read running on the session after the caller left
+        if pool is not None:
+            pool.shutdown()
+
+
+def _settle(pending: tuple[_Read, Any] | None) -> None:
+    """Wait for a prefetch nobody will use (its error too: the read that replaces it, if any,
+    reports its own)."""
+    if pending is not None:
+        with contextlib.suppress(Exception):  # discarded with the pages
+            pending[1].result()
 
 
 async def areader_batches(
@@ -321,24 +365,43 @@ async def areader_batches(
     require_arrow("AsyncReader.batches()")
     limit = _check_max_rows(max_rows)
     plan = _batch_plan(reader.core, idle_timeout, until, limit)
+    pending: tuple[_Read, asyncio.Future[list[_Page]]] | None = None
     answer: Any = None
-    while True:
-        try:
-            op = plan.send(answer)
-        except StopIteration:
-            return
-        answer = None
-        if isinstance(op, _Deliver):
-            yield op.batch
-        elif isinstance(op, _Read):
-            if reader._closed:
-                raise UsageError("reader is closed")
-            session = _session(reader)
-            answer = await asyncio.to_thread(
-                _read_pages, reader.core, session, op.until, op.max_rows
-            )
-        else:
-            answer = await reader._drive(reader._poll_plan(op.timeout, prove_only=True))
+    try:
+        while True:
+            try:
+                op = plan.send(answer)
+            except StopIteration:
+                return
+            answer = None
+            if isinstance(op, _Deliver):
+                yield op.batch
+            elif isinstance(op, _Read):
+                if reader._closed:
+                    raise UsageError("reader is closed")
+                taken, pending = pending, None
+                if taken is not None and taken[0] == op:
+                    answer = await taken[1]
+                else:
+                    await _asettle(taken)
+                    session = _session(reader)
+                    answer = await asyncio.to_thread(_read_pages, reader.core, session, op)
+            elif isinstance(op, _Prefetch):
+                await _asettle(pending)
+                read = asyncio.to_thread(_read_pages, reader.core, _session(reader), op.read)
+                pending = (op.read, asyncio.ensure_future(read))
+            else:
+                answer = await reader._drive(reader._poll_plan(op.timeout, prove_only=True))
+    finally:
+        await _asettle(pending)
+
+
+async def _asettle(pending: tuple[_Read, asyncio.Future[list[_Page]]] | None) -> None:
+    """The asyncio twin of `_settle` (a cancelled caller still waits for the thread's read:
+    it cannot be stopped, and the session must not be closed under it)."""
+    if pending is not None:
+        with contextlib.suppress(BaseException):
+            await asyncio.shield(pending[1])
 
 
 def bounds(stream: str, end: int | None) -> dict[str, int] | None:

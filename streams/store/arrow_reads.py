@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -92,6 +93,9 @@ class ArrowSession:
         self._who = who
         self._history = history
         self._conn: Any = None
+        # A read (in a prefetch thread) and `close` never overlap: ADBC must not close a
+        # connection under a running statement.
+        self._lock = threading.Lock()
         #: Sessions opened (for tests and metrics).
         self.sessions = 0
 
@@ -165,6 +169,12 @@ class ArrowSession:
         payload as ADBC hands jsonb over: Arrow's JSON extension type over UTF-8 strings);
         `FactsPruned` if retention removed facts after ``after``. Transient failures are tried
         again on a fresh session (see the module doc)."""
+        with self._lock:
+            return self._read(stream, stream_key, after, through, limit)
+
+    def _read(
+        self, stream: str, stream_key: int, after: int, through: int, limit: int | None
+    ) -> pa.Table:
         failures = 0
         since = time.monotonic()
         while True:
@@ -183,7 +193,7 @@ class ArrowSession:
             except Exception as exc:
                 if not _transient(exc):
                     raise
-                self.close()
+                self._close()
                 if time.monotonic() - since >= RETRY_SECONDS:
                     raise ConnectionLost(
                         f"{self._who}: reading {stream!r} ({after}, {through}] with ADBC failed "
@@ -194,6 +204,11 @@ class ArrowSession:
                 failures += 1
 
     def close(self) -> None:
+        """Close the session (after a read in progress, if any)."""
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
             with contextlib.suppress(Exception):
