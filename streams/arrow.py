@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 from .core.epochs import Epoch
 from .core.page_cut import cut_page
 from .errors import UsageError
-from .store.arrow_reads import ArrowSession, require_arrow
+from .store.arrow_reads import ArrowSessions, require_arrow
 from .store.reader_core import ReaderCore
 
 if TYPE_CHECKING:
@@ -86,6 +86,8 @@ class _Page:
 
     name: str
     table: pa.Table
+    #: The page holds the facts of ``(after, position]``.
+    after: int
     position: int
 
 
@@ -152,6 +154,8 @@ def _batch_plan(
                 yield _Prefetch(_Read(ahead, until, max_rows))
             # Every read of this step is done: from here on positions move, batch by batch.
             for page in pages:
+                if core.positions[page.name] != page.after:
+                    break  # the reader moved meanwhile (an epoch by `poll`): read again
                 batch = _deliver(core, page)
                 if batch.num_rows:
                     yield _Deliver(batch)
@@ -166,29 +170,57 @@ def _batch_plan(
             return
 
 
-def _read_pages(core: ReaderCore, session: ArrowSession, read: _Read) -> list[_Page]:
-    """A page of each stream behind its target (up to ``read.until``) after
-    ``read.positions``, cut to whole facts; moves nothing (`_deliver` does)."""
+def _read_pages(core: ReaderCore, sessions: ArrowSessions, read: _Read) -> list[_Page]:
+    """The next pages of each stream behind its target (up to ``read.until``) after
+    ``read.positions``, cut to whole facts, in order; moves nothing (`_deliver` does)."""
     pages: list[_Page] = []
-    until, max_rows = read.until, read.max_rows
     for name in core.names:
         after = read.positions[name]
-        target = _target(core, name, until)
-        if after >= target:
-            continue
-        key = core.infos[name].id
-        table = session.read(name, key, after, target, max_rows).combine_chunks()
+        target = _target(core, name, read.until)
+        if after < target:
+            pages += _read_stream(core, sessions, name, after, target, read.max_rows)
+    return pages
+
+
+def _read_stream(
+    core: ReaderCore, sessions: ArrowSessions, name: str, after: int, target: int, max_rows: int
+) -> list[_Page]:
+    """Consecutive pages of ``name`` after ``after``, read at once on the sessions: the range
+    is split at stream IDs into spans of ``max_rows - 1`` IDs (one session each), so a span of
+    single-row facts fits one page whole (fewer rows than the limit: `cut_page` keeps them
+    all). A span is a range of its own (steps 3-4, with its own retention check), and a page
+    follows the one before it only if that one ended where its span did: after a page cut
+    short (a span with more rows than a page), or a read that failed, the later spans are
+    dropped, read again from where that page ended by the next step (a failed first read
+    raises: `FactsPruned`, or after its retries `ConnectionLost`)."""
+    key = core.infos[name].id
+    span = max(1, max_rows - 1)
+    ranges: list[tuple[int, int]] = []
+    low = after
+    while low < target and len(ranges) < len(sessions.sessions):
+        ranges.append((low, min(target, low + span)))
+        low = ranges[-1][1]
+    pages: list[_Page] = []
+    for (low, high), found in zip(
+        ranges, sessions.read_many(name, key, ranges, max_rows), strict=True
+    ):
+        if isinstance(found, Exception):
+            if not pages:
+                raise found
+            break
+        table = found.combine_chunks()
         core.pages += 1
         core.rows += table.num_rows
-        ids = table.column(0).to_numpy()
-        cut = cut_page(ids, after=after, through=target, limit=max_rows)
+        cut = cut_page(table.column(0).to_numpy(), after=low, through=high, limit=max_rows)
         if cut.refetch is not None:
             # One fact has at least a page of rows: read it alone, whole.
-            table = session.read(name, key, cut.refetch - 1, cut.refetch, None).combine_chunks()
+            table = sessions.read(name, key, cut.refetch - 1, cut.refetch, None).combine_chunks()
             core.rows += table.num_rows
-            pages.append(_Page(name, table, cut.refetch))
+            pages.append(_Page(name, table, low, cut.refetch))
         else:
-            pages.append(_Page(name, table.slice(0, cut.rows), cut.position))
+            pages.append(_Page(name, table.slice(0, cut.rows), low, cut.position))
+        if pages[-1].position < high:
+            break  # cut short: the next span does not follow it
     return pages
 
 
@@ -282,12 +314,12 @@ def _check_max_rows(max_rows: int | None) -> int:
     return max_rows
 
 
-def _session(reader: Reader | AsyncReader) -> ArrowSession:
+def _session(reader: Reader | AsyncReader) -> ArrowSessions:
     session = reader._arrow
     if session is None:
         core = reader.core
         what = "group " + repr(core.group) if core.group is not None else "reader"
-        session = reader._arrow = ArrowSession(
+        session = reader._arrow = ArrowSessions(
             reader._url,
             f"{what} of {', '.join(core.names)} (Arrow)",
             lambda: (core.incarnation, core.proof_lsn),

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
     from .proofs import ProofService
-    from .store.arrow_reads import ArrowSession
+    from .store.arrow_reads import ArrowSessions
 
 __all__ = ["AsyncReader", "Reader", "ReaderCore", "Start"]
 
@@ -301,7 +301,7 @@ class _ReaderBase:
     _poll: float | None
     _last_probe: float
     #: The ADBC session of `batches` (`streams.store.arrow_reads`), opened at its first read.
-    _arrow: ArrowSession | None = None
+    _arrow: ArrowSessions | None = None
 
     def _poll_plan(self, timeout: float | None, prove_only: bool = False) -> _Plan[Epoch | None]:
         """`poll`'s plan. ``prove_only`` (`streams.arrow`, which reads the rows itself): each
