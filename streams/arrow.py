@@ -18,19 +18,22 @@ position on its stream is already the batch's end: a group's ``commit()`` after 
 through it, as after an epoch, and nothing before it is delivered again.
 
 How it reads: the reader proves on its own psycopg session (`ReaderCore.step` without rows,
-with its waiting for hints: `Reader.poll`), and reads the rows of what that proved on a second
-session, over ADBC, as Arrow columns (`streams.store.arrow_reads`: steps 3-4 of the read
+with its waiting for hints: `Reader.poll`), and reads the rows of what that proved on other
+sessions, over ADBC, as Arrow columns (`streams.store.arrow_reads`: steps 3-4 of the read
 sequence, `streams.store.reads`); where a page is cut into whole facts is decided on the
-stream-ID column (`streams.core.page_cut`). So the guarantees are the ones of `epochs`: each fact
-once, none beyond a proof, retention checked after every page (`FactsPruned`), each session
-checked on the reader's database history (`DatabaseChanged`), and a start by ``live`` or by
-time filtered as there (`ReaderCore.advance_columns`). Signed ranges from Redis (facts already
+stream-ID column (`streams.core.page_cut`). A step reads consecutive spans of stream IDs at once
+on the reader's ADBC sessions (`_read_stream`), and the next step's spans while the caller takes
+this one's batches (`_Prefetch`); a page is delivered only if the reader is where it starts.
+So the guarantees are the ones of `epochs`: each fact once, none beyond a proof, retention
+checked after every page (`FactsPruned`), each session checked on the reader's database history
+(`DatabaseChanged`), and a start by ``live`` or by time filtered as there
+(`ReaderCore.advance_columns`). Signed ranges from Redis (facts already
 built as objects) become batches too (`_epoch_batches`). The rows are read on the primary, also
 for a client with a read URL (a standby is not used here yet).
 
-The plan is written once (`_batch_plan`, a generator of `_Prove`, `_Read` and `_Deliver`
-operations); `reader_batches` and `areader_batches` drive it (the asyncio one runs the ADBC reads
-in a worker thread: ADBC blocks, and releases the GIL while it reads).
+The plan is written once (`_batch_plan`, a generator of `_Prove`, `_Read`, `_Prefetch` and
+`_Deliver` operations); `reader_batches` and `areader_batches` drive it (the asyncio one runs
+the ADBC reads in worker threads: ADBC blocks, and releases the GIL while it reads).
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""A reader's second session, on ADBC: pages of rows read as Arrow tables.
+"""A reader's other sessions, on ADBC: pages of rows read as Arrow tables.
 
 `streams.arrow` delivers a reader's facts as Arrow record batches. Its proofs are the reader's
 own (step 2 of the read sequence, `streams.store.reads`, on the reader's psycopg session:
 `ReaderCore.step` without rows); the rows of what they proved are read here, on an ADBC
 connection (ADBC's PostgreSQL driver reads the binary COPY format straight into Arrow columns,
 with no Python object per value), by the store's plan `streams.store.reads.read_proven_range`
-(steps 3-4: the rows, then the retention check). Why a second session may read what the first
+(steps 3-4: the rows, then the retention check). Why another session may read what the first
 proved is written there. Step 1 runs on this session when it connects (`ArrowSession`), as it
 does on the shells' psycopg sessions: a session on another database history never reads.
 

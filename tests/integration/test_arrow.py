@@ -274,3 +274,17 @@ def test_a_prefetched_page_is_used_only_where_the_reader_is(client: Client, stre
         for batch in batches:
             got += batch.column("stream_id").to_pylist()
     assert got == ids
+
+
+def test_the_adbc_session_is_checked_on_the_readers_history(client: Client, stream: str) -> None:
+    """Step 1 on the second session: a session on another database history reads nothing."""
+    with client.writer(stream, instance="w") as writer:
+        writer.append({"n": 1})
+    with client.reader(stream) as reader:
+        token = reader.core.incarnation
+        assert token is not None
+        other = "00000000-0000-0000-0000-000000000000" + token[token.index("/") :]
+        reader.core.incarnation = other  # as if the reader had started on another history
+        with pytest.raises(streams.DatabaseChanged):
+            next(reader.batches())
+        assert reader.position() == 0
