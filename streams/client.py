@@ -64,7 +64,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Generator, Sequence
-from typing import Any, Generic, NamedTuple, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeAlias, TypeVar
 
 import psycopg
 
@@ -109,6 +109,9 @@ from .store.writer_core import WriterCore
 from .transport.connections import publish_now
 from .transport.link import AsyncRedisLink, RedisLink
 from .writer import AsyncWriter, Writer
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 __all__ = [
     "READ_RETRY_SECONDS",
@@ -561,6 +564,35 @@ class Client(_ClientBase[psycopg.Connection[Any]]):
         self.readers.add(reader)
         return reader
 
+    def read_arrow(
+        self,
+        stream: str,
+        *,
+        start: Start = "earliest",
+        end: int | None = None,
+        max_rows: int | None = None,
+    ) -> pa.Table:
+        """The facts of ``stream`` from ``start`` (as for `reader`: a stream ID, a time,
+        ``"earliest"``) up to, not including, the stream ID ``end`` (None: everything complete
+        now), as one ``pyarrow.Table`` (`streams.arrow`: the columns; its chunks are the record
+        batches read, at most ``max_rows`` rows each, so nothing is copied to make it): what
+        ``table.to_pandas()``, ``polars.from_arrow(table)`` and DuckDB (which queries a Python
+        variable holding a table by its name) take as they are. Reads only what PostgreSQL has
+        proven complete when it is called: facts of the range not complete yet are not in it.
+        For a range larger than memory, iterate `Reader.batches` instead. Needs the ``arrow``
+        extra."""
+        from .arrow import bounds, reader_batches, to_table
+        from .store.arrow_reads import require_arrow
+
+        require_arrow("Client.read_arrow()")
+        until = bounds(stream, end)
+        core = self._reader_core(stream, start, None, None)
+        # No Redis link: a bounded read proves for itself (nothing to wait for).
+        with Reader(
+            self.settings.database_url, core, None, connect_timeout=self.settings.connect_timeout
+        ) as reader:
+            return to_table(list(reader_batches(reader, max_rows=max_rows, until=until)))
+
     def _proof_service(self) -> ProofService:
         with self._link_lock:
             if self._proofs is None:
@@ -780,6 +812,32 @@ class AsyncClient(_ClientBase[psycopg.AsyncConnection[Any]]):
         )
         self.readers.add(reader)
         return reader
+
+    async def read_arrow(
+        self,
+        stream: str,
+        *,
+        start: Start = "earliest",
+        end: int | None = None,
+        max_rows: int | None = None,
+    ) -> pa.Table:
+        """The asyncio twin of `Client.read_arrow`."""
+        from .arrow import areader_batches, bounds, to_table
+        from .store.arrow_reads import require_arrow
+
+        require_arrow("AsyncClient.read_arrow()")
+        until = bounds(stream, end)
+        reader = await AsyncReader.open(
+            self.settings.database_url,
+            self._reader_core(stream, start, None, None),
+            None,
+            connect_timeout=self.settings.connect_timeout,
+        )
+        try:
+            batches = [b async for b in areader_batches(reader, max_rows=max_rows, until=until)]
+        finally:
+            await reader.aclose()
+        return to_table(batches)
 
     async def groups(self, stream: str, *, stale_after_ms: int = STALE_AFTER_MS) -> list[GroupRow]:
         """See `Client.groups`."""

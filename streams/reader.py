@@ -38,7 +38,10 @@ from .store.standby import check_standby
 from .transport.faces import Link
 
 if TYPE_CHECKING:
+    import pyarrow as pa
+
     from .proofs import ProofService
+    from .store.arrow_reads import ArrowSessions
 
 __all__ = ["AsyncReader", "Reader", "ReaderCore", "Start"]
 
@@ -297,8 +300,14 @@ class _ReaderBase:
     _closed: bool
     _poll: float | None
     _last_probe: float
+    #: The ADBC session of `batches` (`streams.store.arrow_reads`), opened at its first read.
+    _arrow: ArrowSessions | None = None
 
-    def _poll_plan(self, timeout: float | None) -> _Plan[Epoch | None]:
+    def _poll_plan(self, timeout: float | None, prove_only: bool = False) -> _Plan[Epoch | None]:
+        """`poll`'s plan. ``prove_only`` (`streams.arrow`, which reads the rows itself): each
+        step proves without reading rows (`ReaderCore.step` without rows), and the plan ends
+        as soon as the reader is behind what a proof proved (None), or with an epoch of signed
+        ranges from Redis."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if self._closed:
@@ -327,20 +336,22 @@ class _ReaderBase:
             # The server restarted or the network failed: a step moves nothing until it has
             # read everything, so trying again (on a new connection) delivers each fact once.
             # Within the caller's timeout; for ever when there is none.
-            epoch: Epoch | None = yield from self._step_plan(deadline)
+            epoch: Epoch | None = yield from self._step_plan(deadline, prove_only)
             self._sync_writer_hints()
-            if epoch is not None:
+            if epoch is not None or (prove_only and self._core.behind()):
                 return epoch
             if deadline is not None and time.monotonic() >= deadline:
                 return None
 
-    def _step_plan(self, deadline: float | None) -> _Plan[Epoch | None]:
+    def _step_plan(self, deadline: float | None, prove_only: bool = False) -> _Plan[Epoch | None]:
         """One step of the reader. With a read URL (`streams.core.standby`): prove on the
         primary (no rows), then read the rows on the standby behind the fence, waiting for it
         with backoff (never past the caller's ``deadline``: None is returned, nothing moved),
         or from the primary when the route says so (a fallback, logged and counted)."""
         core = self._core
         route = core.route
+        if prove_only:  # the rows are read by `streams.arrow`
+            return (yield from self._retried(lambda: core.step(False), deadline))
         if route is None:
             return (yield from self._retried(core.step, deadline))
         epoch: Epoch | None = yield from self._retried(lambda: core.step(False), deadline)
@@ -571,6 +582,17 @@ class Reader(_ReaderBase):
         for epoch in self.epochs(idle_timeout=idle_timeout):
             yield from epoch.facts
 
+    def batches(
+        self, *, idle_timeout: float = 0.0, max_rows: int | None = None
+    ) -> Iterator[pa.RecordBatch]:
+        """`epochs` as Arrow record batches (`streams.arrow`: the columns, what a batch is, the
+        guarantees): until none arrives within ``idle_timeout`` seconds (0: until caught up).
+        A batch holds whole facts of one stream, at most ``max_rows`` rows (default
+        `streams.arrow.DEFAULT_MAX_ROWS`) unless one fact has more. Needs the ``arrow`` extra."""
+        from .arrow import reader_batches
+
+        return reader_batches(self, idle_timeout=idle_timeout, max_rows=max_rows)
+
     def wait_for_position(
         self, stream: str, token: int, instance: str | None = None, *, timeout: float = 10.0
     ) -> None:
@@ -615,6 +637,8 @@ class Reader(_ReaderBase):
         self._conn.close()
         if self._standby is not None:
             self._standby.close()
+        if self._arrow is not None:
+            self._arrow.close()
 
     def __enter__(self) -> Reader:
         return self
@@ -767,6 +791,15 @@ class AsyncReader(_ReaderBase):
             for fact in epoch.facts:
                 yield fact
 
+    def batches(
+        self, *, idle_timeout: float = 0.0, max_rows: int | None = None
+    ) -> AsyncIterator[pa.RecordBatch]:
+        """The asyncio twin of `Reader.batches` (``async for batch in reader.batches()``; the
+        ADBC reads run in a worker thread)."""
+        from .arrow import areader_batches
+
+        return areader_batches(self, idle_timeout=idle_timeout, max_rows=max_rows)
+
     async def wait_for_position(
         self, stream: str, token: int, instance: str | None = None, *, timeout: float = 10.0
     ) -> None:
@@ -790,6 +823,8 @@ class AsyncReader(_ReaderBase):
         await self._conn.close()
         if self._standby is not None:
             await self._standby.close()
+        if self._arrow is not None:
+            self._arrow.close()
 
     async def __aenter__(self) -> AsyncReader:
         return self

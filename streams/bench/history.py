@@ -28,7 +28,10 @@ benchmarks' 197-byte payload), then:
   are reused only after a later VACUUM, so the first cycle grows the indexes once);
 * **standby reads** (``--read-url``, a hot standby of the database): catch-up with the rows
   read on the standby beside reads on the primary, primary CPU per fact and throughput
-  (`streams.bench.standby_reads`).
+  (`streams.bench.standby_reads`);
+* **Arrow** (``--arrow``, instead of the rest): the load, then ``catchup_facts`` facts read as
+  Arrow batches (`Reader.batches`) beside the object path (`Reader.epochs`) and a raw ADBC
+  ``SELECT`` of the same rows (`streams.bench.arrow_reads`).
 
 Both streams are the run's own (`common.scratch_streams`): they are dropped when it ends, also
 on Ctrl-C or an error, except the long one with ``keep`` (its name is in the first line the
@@ -62,6 +65,8 @@ from ..store.reader_core import DEFAULT_PAGE_SIZE
 from ..store.registry import StreamInfo
 from ..store.retention import PruneResult
 from ..store.rows import position_before_time
+from .arrow_reads import ArrowMeasure, measure_arrow
+from .arrow_reads import describe as describe_arrow
 from .common import PAYLOAD, percentile, progress_report, raw_catchup, scratch_streams
 from .standby_reads import StandbyMeasure, describe, measure_standby_reads
 
@@ -448,6 +453,42 @@ def run_history_bench(
                 conn.execute("VACUUM streams_facts")
 
 
+def run_arrow_bench(
+    settings: Settings,
+    *,
+    facts: int,
+    catchup_facts: int,
+    report: Callable[[str], None] = print,
+) -> ArrowMeasure:
+    """``--arrow``: load ``facts`` facts into a scratch stream, then `measure_arrow` on the first
+    ``catchup_facts`` of them; the stream is dropped after."""
+    if facts < 10 or catchup_facts < 1:
+        raise ValueError("facts must be >= 10 and catchup_facts >= 1")
+    catchup_facts = min(catchup_facts, facts)
+    with scratch_streams(settings.database_url, "arrow") as scratch:
+        info = scratch.create()
+        admin = sessions.connect(
+            settings.database_url, autocommit=False, connect_timeout=10, purpose="bench"
+        )
+        client = Client(settings)
+        try:
+            base_ms = int(time.time() * 1000) - facts - 60_000
+            report(f"loading {facts:,} facts into {info.name} ...")
+            seconds, _, _ = _load_and_size(admin, info, facts, base_ms)
+            report(f"loaded in {seconds:.1f} s")
+            measure = measure_arrow(
+                client, info.name, info.id, catchup_facts, _catchup_streams, report
+            )
+            for line in describe_arrow(measure):
+                report(line)
+            return measure
+        finally:
+            client.close()
+            with contextlib.suppress(psycopg.Error):
+                admin.rollback()
+            admin.close()
+
+
 def _measure_all(
     settings: Settings,
     client: Client,
@@ -541,6 +582,12 @@ def _measure_all(
     help="A hot standby of the database: also catch up reading rows there (primary CPU and "
     "throughput with standby reads vs without).",
 )
+@click.option(
+    "--arrow",
+    is_flag=True,
+    help="Only load the facts, then read --catchup-facts of them as Arrow batches beside "
+    "epochs() and a raw ADBC SELECT (facts/s, ratios, targets). Needs the arrow extra.",
+)
 @common_options
 def bench_history_command(
     facts: int,
@@ -548,6 +595,7 @@ def bench_history_command(
     keep: bool,
     as_json: bool,
     read_url: str | None,
+    arrow: bool,
     database_url: str | None,
     redis_url: str | None,
     prefix: str | None,
@@ -556,6 +604,18 @@ def bench_history_command(
     settings = Settings.resolve(database_url, redis_url, prefix)
     redis = "off" if settings.redis_url is None else redact_url(settings.redis_url)
     click.echo(f"database {redact_url(settings.database_url)}, Redis {redis}")
+    if arrow:
+        if read_url or keep:
+            raise click.UsageError("--arrow takes neither --read-url nor --keep")
+        from ..store.arrow_reads import require_arrow
+
+        require_arrow("streams bench history --arrow")
+        measure = run_arrow_bench(
+            settings, facts=facts, catchup_facts=catchup_facts, report=progress_report()
+        )
+        if as_json:
+            click.echo(json.dumps(measure.as_dict(), sort_keys=True, separators=(",", ":")))
+        return
     if read_url:  # before loading facts for minutes: a clear error now if it cannot be used
         with sessions.connect(
             read_url, autocommit=True, connect_timeout=min(5.0, settings.connect_timeout),

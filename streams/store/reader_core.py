@@ -831,6 +831,42 @@ class ReaderCore:
             delivered.extend(facts)
         return delivered
 
+    def advance_columns(
+        self,
+        name: str,
+        position: int,
+        ts_floor: int,
+        ids: Sequence[int],
+        timestamps: Sequence[int],
+    ) -> list[bool] | None:
+        """`_advance` for one stream's page read as columns (`streams.arrow`, where every read
+        of the page happened before this call): move ``name`` to ``position`` (its running
+        maximum timestamp there ``ts_floor``), and say which of the page's rows (their stream
+        IDs ``ids`` and running-maximum ``timestamps``) the ``live`` and time-start filters
+        keep: None when they keep all (the usual case: no per-row work then)."""
+        self.positions[name] = position
+        self.ts_floors[name] = ts_floor
+        keep: list[bool] | None = None
+        live = self._filters.get(name)
+        if live is not None:
+            keep = [live.admit(int(i)) for i in ids]
+            live.advance_lower(Antichain([position + 1]))
+            if not live.active:
+                del self._filters[name]
+        start_ms = self._start_ts.get(name)
+        if start_ms is not None:
+            late = [int(t) >= start_ms for t in timestamps]
+            keep = late if keep is None else [a and b for a, b in zip(keep, late, strict=True)]
+            if any(keep):
+                del self._start_ts[name]
+        tail = (
+            ids[-RECENT_IDS:] if keep is None else [i for i, k in zip(ids, keep, strict=True) if k]
+        )
+        if len(tail):
+            recent = dict.fromkeys(int(i) for i in tail[-RECENT_IDS:])
+            self.sighting.note(name, self.infos[name].id, recent)
+        return keep
+
     # ---------------------------------------------------------------- queries
 
     def reached(self, stream: str, token: int, instance: str | None) -> Gen[bool]:

@@ -111,6 +111,7 @@ __all__ = [
     "read_after_proof",
     "read_proofs",
     "read_proven",
+    "read_proven_range",
     "read_range",
     "receive_proven",
     "send_proven",
@@ -418,6 +419,30 @@ def _rows_and_retention(
     pruned = int(rows[0][0]) if rows else 0
     if pruned > after:
         lost(FactsPruned(stream, after, pruned))
+    return kept
+
+
+def read_proven_range(
+    stream: str,
+    stream_key: int,
+    after: int,
+    through: int,
+    limit: int | None = None,
+    *,
+    jsonb: bool = False,
+) -> RangeGen[list[Row]]:
+    """Steps 3-4 for ``(after, through]`` of the stream ``stream`` (registry id ``stream_key``),
+    at or below what an earlier probe proved, as plain statements for any driver: at most
+    ``limit`` rows (None: all; a page may end inside a fact: `streams.core.page_cut`) as a
+    `StreamRows`, then the retention check: `FactsPruned` if facts after ``after`` were removed.
+    ``jsonb``: the payload as stored (`streams.store.rows.range_rows_sql`). Returns the rows
+    the driver kept (see `StreamRows`)."""
+    kept = yield StreamRows(range_rows_sql(stream_key, after, through, limit=limit, jsonb=jsonb))
+    rows = yield Query(pruned_through_sql(stream_key))  # after the rows (step 4)
+    yield Commit()
+    pruned = int(rows[0][0]) if rows else 0
+    if pruned > after:
+        raise FactsPruned(stream, after, pruned)
     return kept
 
 

@@ -292,6 +292,8 @@ def range_rows_sql(
     *,
     running_ts_floor: int | None = None,
     resume_after: tuple[int, int] | None = None,
+    limit: int | None = None,
+    jsonb: bool = False,
 ) -> str:
     """The text of a query for every row of the facts in ``(after, through]`` of the stream
     with registry id ``stream_key``, as ``stream_id, row_no, instance, ts, payload`` in (stream
@@ -308,6 +310,11 @@ def range_rows_sql(
     that broke off (with ``running_ts_floor`` the maximum over the rows already read). The
     range is complete, so its rows cannot change between the two reads; retention may remove
     them, which the plan's later retention check reports as for any read.
+
+    ``limit``: at most that many rows (a page, which may end inside a fact: `streams.core.epochs`).
+    ``jsonb``: the payload as it is stored, not cast to text: ADBC 1.x hands jsonb over as
+    Arrow's JSON extension type over UTF-8 strings (the same text), and the server's jsonb
+    output without the cast cost about a quarter less per 200-byte row (measured).
     """
     key, low, high = int(stream_key), int(after), int(through)
     resume = ""
@@ -321,9 +328,11 @@ def range_rows_sql(
             "(ORDER BY stream_id, row_no ROWS UNBOUNDED PRECEDING))"
         )
     return (
-        f"SELECT stream_id, row_no, instance, {ts} AS ts, payload::text AS payload "
+        f"SELECT stream_id, row_no, instance, {ts} AS ts, "
+        f"{'payload' if jsonb else 'payload::text AS payload'} "
         f"FROM streams_facts WHERE stream = {key} AND stream_id > {low} "
         f"AND stream_id <= {high} {resume}ORDER BY stream_id, row_no"
+        + ("" if limit is None else f" LIMIT {int(limit)}")
     )
 
 

@@ -142,6 +142,14 @@ def _type(value: Any, names: Names) -> str:
     return type(value).__name__
 
 
+def _arrow_rows(table: Any, names: Names) -> Any:
+    return (
+        table.schema.names,
+        table.column("stream_id").to_pylist(),
+        table.column("payload").to_pylist(),
+    )
+
+
 SCENARIO: tuple[Call | Act, ...] = (
     Call("create_stream", ("{stream}",)),
     Call("create_stream", ("{stream}",)),  # the same settings: idempotent
@@ -154,6 +162,8 @@ SCENARIO: tuple[Call | Act, ...] = (
     Call("streams", view=_ours),
     Call("positions", ("{stream}",)),
     Act("write five facts"),
+    Call("read_arrow", ("{stream}",), {"start": 2, "end": 5}, view=_arrow_rows),
+    Call("read_arrow", ("{stream}",), {"end": 0}, raises="UsageError"),
     Act("read them in a group and commit the first"),
     Call("set_retention", ("{stream}", 1)),
     Act("wait past the retention"),
@@ -189,6 +199,7 @@ SCENARIO: tuple[Call | Act, ...] = (
     Call("set_key_window", ("{unknown}", 1000), raises="UnknownStream"),
     Call("set_fact_tables", ("{unknown}", []), raises="UnknownStream"),
     Call("prune", ("{unknown}",), raises="UnknownStream"),
+    Call("read_arrow", ("{unknown}",), raises="UnknownStream"),
     # Closed (twice), then used again: the client opens a connection again.
     Call("close"),
     Call("close"),

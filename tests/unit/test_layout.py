@@ -216,6 +216,7 @@ LAYERS = (
         "streams.fact_blocks",
         "streams.plans",
         "streams.reader",
+        "streams.arrow",
         "streams.proofs",
         "streams.migrate",
         "streams.orm",

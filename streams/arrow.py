@@ -1,0 +1,455 @@
+"""Arrow record batches for Python consumers: `Reader.batches`, `Client.read_arrow`.
+
+A reader's facts as ``pyarrow.RecordBatch``es, with the columns and types of the Spark source's
+rows (`streams_spark.executor.SCHEMA` without its ``epoch_upper``), `schema()`:
+
+* ``stream`` (string): the stream's name;
+* ``stream_id`` (int64): the fact's stream ID;
+* ``row_no`` (int32): the row within its fact (0 for most facts);
+* ``instance`` (string): the writer;
+* ``timestamp`` (timestamp[us, tz=UTC]): raised to the stream's running maximum, as
+  `streams.core.epochs.Fact.timestamp`;
+* ``payload`` (string): the row's payload as JSON text.
+
+Terms: a **batch** is one stream's part of an epoch: whole facts only (a fact's rows are never
+split across two batches), in (stream ID, row) order, at most ``max_rows`` rows unless a single
+fact has more (it is read alone, whole). When `Reader.batches` yields a batch, the reader's
+position on its stream is already the batch's end: a group's ``commit()`` after it commits
+through it, as after an epoch, and nothing before it is delivered again.
+
+How it reads: the reader proves on its own psycopg session (`ReaderCore.step` without rows,
+with its waiting for hints: `Reader.poll`), and reads the rows of what that proved on other
+sessions, over ADBC, as Arrow columns (`streams.store.arrow_reads`: steps 3-4 of the read
+sequence, `streams.store.reads`); where a page is cut into whole facts is decided on the
+stream-ID column (`streams.core.page_cut`). A step reads consecutive spans of stream IDs at once
+on the reader's ADBC sessions (`_read_stream`), and the next step's spans while the caller takes
+this one's batches (`_Prefetch`); a page is delivered only if the reader is where it starts.
+So the guarantees are the ones of `epochs`: each fact once, none beyond a proof, retention
+checked after every page (`FactsPruned`), each session checked on the reader's database history
+(`DatabaseChanged`), and a start by ``live`` or by time filtered as there
+(`ReaderCore.advance_columns`). Signed ranges from Redis (facts already
+built as objects) become batches too (`_epoch_batches`). The rows are read on the primary, also
+for a client with a read URL (a standby is not used here yet).
+
+The plan is written once (`_batch_plan`, a generator of `_Prove`, `_Read`, `_Prefetch` and
+`_Deliver` operations); `reader_batches` and `areader_batches` drive it (the asyncio one runs
+the ADBC reads in worker threads: ADBC blocks, and releases the GIL while it reads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+from collections.abc import AsyncIterator, Generator, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+from .core.epochs import Epoch
+from .core.page_cut import cut_page
+from .errors import UsageError
+from .store.arrow_reads import ArrowSessions, require_arrow
+from .store.reader_core import ReaderCore
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from .reader import AsyncReader, Reader
+
+__all__ = ["DEFAULT_MAX_ROWS", "areader_batches", "reader_batches", "schema"]
+
+#: Rows per batch (and per page read) by default: large enough that a page's two statements
+#: and its conversion cost little per row (at 65,536 rows of a 200-byte payload, a page is
+#: about 16 MB of Arrow data).
+DEFAULT_MAX_ROWS = 65_536
+
+
+@functools.cache
+def schema() -> pa.Schema:
+    """The batches' Arrow schema (see the module doc; a function: pyarrow is imported only
+    when Arrow is used)."""
+    import pyarrow as pa
+
+    return pa.schema(
+        [
+            ("stream", pa.string()),
+            ("stream_id", pa.int64()),
+            ("row_no", pa.int32()),
+            ("instance", pa.string()),
+            ("timestamp", pa.timestamp("us", tz="UTC")),
+            ("payload", pa.string()),
+        ]
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Page:
+    """One stream's page, read and cut to whole facts: its rows and where the stream goes."""
+
+    name: str
+    table: pa.Table
+    #: The page holds the facts of ``(after, position]``.
+    after: int
+    position: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Prove:
+    """Prove on the reader's session (waiting up to ``timeout`` seconds for something new);
+    the plan receives an epoch of signed ranges, or None."""
+
+    timeout: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Read:
+    """Read a page of every stream behind its target, after ``positions`` (`_read_pages`); the
+    plan receives them. Two reads are the same read when their fields are equal."""
+
+    positions: Mapping[str, int]
+    until: Mapping[str, int] | None
+    max_rows: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Prefetch:
+    """Start ``read`` in the background now (the plan receives None): the next `_Read`, if it
+    is the same read, takes its pages (or its error) instead of reading again."""
+
+    read: _Read
+
+
+@dataclass(frozen=True, slots=True)
+class _Deliver:
+    """Hand this batch to the caller."""
+
+    batch: pa.RecordBatch
+
+
+_Op: TypeAlias = _Prove | _Read | _Prefetch | _Deliver
+
+
+def _target(core: ReaderCore, name: str, until: Mapping[str, int] | None) -> int:
+    target = core.target(name)
+    return target if until is None else min(target, until[name])
+
+
+def _behind(
+    core: ReaderCore, until: Mapping[str, int] | None, positions: Mapping[str, int] | None = None
+) -> bool:
+    at = core.positions if positions is None else positions
+    return any(at[n] < _target(core, n, until) for n in core.names)
+
+
+def _batch_plan(
+    core: ReaderCore, idle_timeout: float, until: Mapping[str, int] | None, max_rows: int
+) -> Generator[_Op, Any, None]:
+    """The batches of a reader until none arrives within ``idle_timeout`` seconds, or (with
+    ``until``) its positions reach ``until`` (or what is complete, if less)."""
+    while True:
+        if _behind(core, until):
+            pages: list[_Page] = yield _Read(dict(core.positions), until, max_rows)
+            # Read the next pages while the caller takes these: a read moves nothing, and the
+            # next step uses them only if it starts where these end (`_Read` equality).
+            ahead = {**core.positions, **{page.name: page.position for page in pages}}
+            if _behind(core, until, ahead):
+                yield _Prefetch(_Read(ahead, until, max_rows))
+            # Every read of this step is done: from here on positions move, batch by batch.
+            for page in pages:
+                if core.positions[page.name] != page.after:
+                    break  # the reader moved meanwhile (an epoch by `poll`): read again
+                batch = _deliver(core, page)
+                if batch.num_rows:
+                    yield _Deliver(batch)
+            continue
+        if until is not None and all(core.positions[n] >= until[n] for n in core.names):
+            return
+        epoch: Epoch | None = yield _Prove(idle_timeout)
+        if epoch is not None:  # signed ranges from Redis: already delivered as objects
+            for batch in _epoch_batches(epoch):
+                yield _Deliver(batch)
+        elif not _behind(core, until):
+            return
+
+
+def _read_pages(core: ReaderCore, sessions: ArrowSessions, read: _Read) -> list[_Page]:
+    """The next pages of each stream behind its target (up to ``read.until``) after
+    ``read.positions``, cut to whole facts, in order; moves nothing (`_deliver` does)."""
+    pages: list[_Page] = []
+    for name in core.names:
+        after = read.positions[name]
+        target = _target(core, name, read.until)
+        if after < target:
+            pages += _read_stream(core, sessions, name, after, target, read.max_rows)
+    return pages
+
+
+def _read_stream(
+    core: ReaderCore, sessions: ArrowSessions, name: str, after: int, target: int, max_rows: int
+) -> list[_Page]:
+    """Consecutive pages of ``name`` after ``after``, read at once on the sessions: the range
+    is split at stream IDs into spans of ``max_rows - 1`` IDs (one session each), so a span of
+    single-row facts fits one page whole (fewer rows than the limit: `cut_page` keeps them
+    all). A span is a range of its own (steps 3-4, with its own retention check), and a page
+    follows the one before it only if that one ended where its span did: after a page cut
+    short (a span with more rows than a page), or a read that failed, the later spans are
+    dropped, read again from where that page ended by the next step (a failed first read
+    raises: `FactsPruned`, or after its retries `ConnectionLost`)."""
+    key = core.infos[name].id
+    span = max(1, max_rows - 1)
+    ranges: list[tuple[int, int]] = []
+    low = after
+    while low < target and len(ranges) < len(sessions.sessions):
+        ranges.append((low, min(target, low + span)))
+        low = ranges[-1][1]
+    pages: list[_Page] = []
+    for (low, high), found in zip(
+        ranges, sessions.read_many(name, key, ranges, max_rows), strict=True
+    ):
+        if isinstance(found, Exception):
+            if not pages:
+                raise found
+            break
+        table = found.combine_chunks()
+        core.pages += 1
+        core.rows += table.num_rows
+        cut = cut_page(table.column(0).to_numpy(), after=low, through=high, limit=max_rows)
+        if cut.refetch is not None:
+            # One fact has at least a page of rows: read it alone, whole.
+            table = sessions.read(name, key, cut.refetch - 1, cut.refetch, None).combine_chunks()
+            core.rows += table.num_rows
+            pages.append(_Page(name, table, low, cut.refetch))
+        else:
+            pages.append(_Page(name, table.slice(0, cut.rows), low, cut.position))
+        if pages[-1].position < high:
+            break  # cut short: the next span does not follow it
+    return pages
+
+
+def _deliver(core: ReaderCore, page: _Page) -> pa.RecordBatch:
+    """Move the page's stream to its position and make its batch (`schema`): timestamps
+    raised to the running maximum, the ``live`` and time-start filters applied."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    table = page.table
+    n = table.num_rows
+    floor = core.ts_floors[page.name]
+    ts = table.column(3)
+    if ts.type != pa.int64():
+        ts = ts.cast(pa.int64())
+    if n:
+        ts = pc.max_element_wise(pc.cumulative_max(ts), pa.scalar(floor, pa.int64()))
+        floor = max(floor, ts[n - 1].as_py())
+    ids = table.column(0)
+    keep = core.advance_columns(
+        page.name, page.position, floor, ids.to_numpy(), ts.to_numpy()
+    )  # fmt: skip
+    stamps = pc.multiply(ts, pa.scalar(1000, pa.int64())).cast(pa.timestamp("us", tz="UTC"))
+    columns = [
+        pa.repeat(pa.scalar(page.name, pa.string()), n),
+        ids.cast(pa.int64()),
+        table.column(1).cast(pa.int32()),
+        table.column(2).cast(pa.string()),
+        stamps,
+        _text(table.column(4)),
+    ]
+    batch = pa.RecordBatch.from_arrays([_array(c) for c in columns], schema=schema())
+    if keep is not None:
+        batch = batch.filter(pa.array(keep, pa.bool_()))
+    return batch
+
+
+def _text(column: Any) -> Any:
+    """The payload column as plain strings: the JSON extension type's storage (no copy)."""
+    import pyarrow as pa
+
+    if isinstance(column.type, pa.ExtensionType):
+        storage = column.type.storage_type
+        column = pa.chunked_array([chunk.storage for chunk in column.chunks], storage)
+    return column.cast(pa.string())
+
+
+def _array(column: Any) -> Any:
+    """A column as one array (a page is combined into one chunk; an empty one has none)."""
+    import pyarrow as pa
+
+    if isinstance(column, pa.ChunkedArray):
+        return column.combine_chunks()
+    return column
+
+
+def _epoch_batches(epoch: Epoch) -> list[pa.RecordBatch]:
+    """An epoch of `Fact`s (signed ranges from Redis) as batches, one per stream."""
+    import pyarrow as pa
+
+    by_stream: dict[str, list[tuple[int, int, str, int, str]]] = {}
+    for fact in epoch.facts:
+        rows = by_stream.setdefault(fact.stream, [])
+        for row_no, payload in enumerate(fact.payloads):
+            text = json.dumps(payload, ensure_ascii=False)
+            rows.append((fact.stream_id, row_no, fact.instance, fact.timestamp * 1000, text))
+    batches = []
+    for name, rows in by_stream.items():
+        ids, row_nos, instances, stamps, payloads = zip(*rows, strict=True)
+        batches.append(
+            pa.RecordBatch.from_arrays(
+                [
+                    pa.repeat(pa.scalar(name, pa.string()), len(rows)),
+                    pa.array(ids, pa.int64()),
+                    pa.array(row_nos, pa.int32()),
+                    pa.array(instances, pa.string()),
+                    pa.array(stamps, pa.int64()).cast(pa.timestamp("us", tz="UTC")),
+                    pa.array(payloads, pa.string()),
+                ],
+                schema=schema(),
+            )
+        )
+    return batches
+
+
+def _check_max_rows(max_rows: int | None) -> int:
+    if max_rows is None:
+        return DEFAULT_MAX_ROWS
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
+        raise UsageError("max_rows must be a positive int")
+    return max_rows
+
+
+def _session(reader: Reader | AsyncReader) -> ArrowSessions:
+    session = reader._arrow
+    if session is None:
+        core = reader.core
+        what = "group " + repr(core.group) if core.group is not None else "reader"
+        session = reader._arrow = ArrowSessions(
+            reader._url,
+            f"{what} of {', '.join(core.names)} (Arrow)",
+            lambda: (core.incarnation, core.proof_lsn),
+        )
+    return session
+
+
+def reader_batches(
+    reader: Reader,
+    *,
+    idle_timeout: float = 0.0,
+    max_rows: int | None = None,
+    until: Mapping[str, int] | None = None,
+) -> Iterator[pa.RecordBatch]:
+    """`Reader.batches` (``until``: `Client.read_arrow`'s bound)."""
+    require_arrow("Reader.batches()")
+    limit = _check_max_rows(max_rows)
+    return _drive(reader, _batch_plan(reader.core, idle_timeout, until, limit))
+
+
+def _drive(reader: Reader, plan: Generator[_Op, Any, None]) -> Iterator[pa.RecordBatch]:
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    pool: ThreadPoolExecutor | None = None
+    pending: tuple[_Read, Future[list[_Page]]] | None = None
+    answer: Any = None
+    try:
+        while True:
+            try:
+                op = plan.send(answer)
+            except StopIteration:
+                return
+            answer = None
+            if isinstance(op, _Deliver):
+                yield op.batch
+            elif isinstance(op, _Read):
+                if reader._closed:
+                    raise UsageError("reader is closed")
+                taken, pending = pending, None
+                if taken is not None and taken[0] == op:
+                    answer = taken[1].result()
+                else:
+                    _settle(taken)
+                    answer = _read_pages(reader.core, _session(reader), op)
+            elif isinstance(op, _Prefetch):
+                _settle(pending)
+                if pool is None:
+                    pool = ThreadPoolExecutor(1, thread_name_prefix="streams-arrow-prefetch")
+                future = pool.submit(_read_pages, reader.core, _session(reader), op.read)
+                pending = (op.read, future)
+            else:
+                answer = reader._drive(reader._poll_plan(op.timeout, prove_only=True))
+    finally:
+        _settle(pending)  # never leave a read running on the session after the caller left
+        if pool is not None:
+            pool.shutdown()
+
+
+def _settle(pending: tuple[_Read, Any] | None) -> None:
+    """Wait for a prefetch nobody will use (its error too: the read that replaces it, if any,
+    reports its own)."""
+    if pending is not None:
+        with contextlib.suppress(Exception):  # discarded with the pages
+            pending[1].result()
+
+
+async def areader_batches(
+    reader: AsyncReader,
+    *,
+    idle_timeout: float = 0.0,
+    max_rows: int | None = None,
+    until: Mapping[str, int] | None = None,
+) -> AsyncIterator[pa.RecordBatch]:
+    """`AsyncReader.batches` (``until``: `AsyncClient.read_arrow`'s bound)."""
+    require_arrow("AsyncReader.batches()")
+    limit = _check_max_rows(max_rows)
+    plan = _batch_plan(reader.core, idle_timeout, until, limit)
+    pending: tuple[_Read, asyncio.Future[list[_Page]]] | None = None
+    answer: Any = None
+    try:
+        while True:
+            try:
+                op = plan.send(answer)
+            except StopIteration:
+                return
+            answer = None
+            if isinstance(op, _Deliver):
+                yield op.batch
+            elif isinstance(op, _Read):
+                if reader._closed:
+                    raise UsageError("reader is closed")
+                taken, pending = pending, None
+                if taken is not None and taken[0] == op:
+                    answer = await taken[1]
+                else:
+                    await _asettle(taken)
+                    session = _session(reader)
+                    answer = await asyncio.to_thread(_read_pages, reader.core, session, op)
+            elif isinstance(op, _Prefetch):
+                await _asettle(pending)
+                read = asyncio.to_thread(_read_pages, reader.core, _session(reader), op.read)
+                pending = (op.read, asyncio.ensure_future(read))
+            else:
+                answer = await reader._drive(reader._poll_plan(op.timeout, prove_only=True))
+    finally:
+        await _asettle(pending)
+
+
+async def _asettle(pending: tuple[_Read, asyncio.Future[list[_Page]]] | None) -> None:
+    """The asyncio twin of `_settle` (a cancelled caller still waits for the thread's read:
+    it cannot be stopped, and the session must not be closed under it)."""
+    if pending is not None:
+        with contextlib.suppress(BaseException):
+            await asyncio.shield(pending[1])
+
+
+def bounds(stream: str, end: int | None) -> dict[str, int] | None:
+    """`Client.read_arrow`'s ``until``: the last stream ID of ``[start, end)`` (None: no end)."""
+    if end is None:
+        return None
+    if isinstance(end, bool) or not isinstance(end, int) or end < 1:
+        raise UsageError("end must be a stream ID (an int >= 1) or None")
+    return {stream: end - 1}
+
+
+def to_table(batches: list[pa.RecordBatch]) -> pa.Table:
+    """The batches as one table (no copy: its chunks are the batches)."""
+    import pyarrow as pa
+
+    return pa.Table.from_batches(batches, schema=schema())
