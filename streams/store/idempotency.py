@@ -10,8 +10,10 @@ key's row in ``streams_idempotency_keys`` holds the token of the claim that wrot
 (``written_at``), the fact's timestamp ``ts`` and ``ord``, the key's position in its append
 (from 1). The claim's row in ``streams_idempotency_claims`` (same ``stream``, ``written_at``
 and ``claim``) holds the IDs the append reserved (``ids``, ascending) and the positions of the
-keys it wrote (``ords``, ascending; NULL when it wrote all of them): a key's fact is ``ids[i]``
-where ``ords[i] = ord`` (`FACT_ID`). Revision 0010 has the tables.
+keys it wrote (``ords``, ascending; NULL when it wrote all of them) and those keys (``keys``,
+in no particular order): a key's fact is ``ids[i]`` where ``ords[i] = ord``
+(`FACT_ID`). Revision 0010 has the tables, 0014 the claim's ``keys`` (by which `prune_keys`
+finds expired key rows: key rows have no index but their primary key).
 
 How a key is written once (the claim argument)
 ----------------------------------------------
@@ -56,8 +58,10 @@ transaction, never on the order in which PostgreSQL evaluates independent parts 
    window passed): the append starts over, and its claim now writes the key.
 
 Rows go only in pairs that are consistent in every snapshot: `prune_keys` deletes key rows
-(never a locked one) and then claim rows *to which no key row refers* (seen in one snapshot;
-a key row only ever refers to the claim that wrote it, so none can appear later). Hence a
+(never a locked one) and then, in the same transaction, claim rows *to which no key row
+refers* (seen in one snapshot, which sees that transaction's own deletions; a key row only
+ever refers to the claim that wrote it, which lists it in ``keys``, so probing the keys a
+claim lists finds every key row that refers to it, and none can appear later). Hence a
 snapshot that sees a key's row sees its claim's row.
 
 So: two transactions racing with one key write one fact (the second waits in its claim, then
@@ -79,7 +83,10 @@ content, names the append.
 Expiry: a key older than the stream's window is written anew (the claim's ``DO UPDATE``), and
 `prune_keys` deletes such rows (``streams prune``, with the facts' retention), and then the
 claim rows left without keys: the window is the one in force when the claim or the prune runs,
-read from ``streams_registry``.
+read from ``streams_registry``. It finds them through the claims: a key row and the claim that
+wrote it share ``written_at``, so the expired key rows that still refer to a claim are among the
+keys listed by the expired claims, which the claims' primary key ``(stream, written_at, claim)``
+yields oldest first.
 """
 
 from __future__ import annotations
@@ -160,7 +167,7 @@ def claim_ctes(many: bool) -> str:
         # One written_at for every key (a CTE is computed once): the claim's row has it too.
         rows = """
             SELECT %(stream)s, p.key, %(claim)s, t.at, p.ts, p.ord
-            FROM t, unnest(%(keys)s::text[], %(stamps)s::bigint[])
+            FROM t, unnest(%(keys)b::text[], %(stamps)b::bigint[])
                     WITH ORDINALITY AS p(key, ts, ord)
             ORDER BY p.key COLLATE "C"
             """
@@ -175,10 +182,10 @@ def claim_ctes(many: bool) -> str:
         SET claim = EXCLUDED.claim, written_at = EXCLUDED.written_at, ts = EXCLUDED.ts,
             ord = EXCLUDED.ord
         WHERE {_expired("k.stream", "k.written_at", "clock_timestamp()")}
-        RETURNING k.ord, k.written_at
+        RETURNING k.ord, k.written_at, k.key
     ), n AS (
         SELECT count(*) AS count, array_agg(q.ord ORDER BY q.ord) AS ords,
-               min(q.written_at) AS at
+               array_agg(q.key) AS keys, min(q.written_at) AS at
         FROM q
     ),"""
 
@@ -192,8 +199,8 @@ def record_cte(ids: str, source: str, ords: str = "NULL", where: str = "") -> st
     positions ``ords`` computed from ``source`` (rows derived from the reservation); returns
     its ``ids``."""
     return f"""x AS (
-        INSERT INTO streams_idempotency_claims (stream, written_at, claim, ords, ids)
-        SELECT %(stream)s, n.at, %(claim)s, {ords}, {ids} FROM n, {source} {where}
+        INSERT INTO streams_idempotency_claims (stream, written_at, claim, ords, ids, keys)
+        SELECT %(stream)s, n.at, %(claim)s, {ords}, {ids}, n.keys FROM n, {source} {where}
         RETURNING ids
     )"""
 
@@ -218,7 +225,7 @@ FACT_ID = "c.ids[CASE WHEN c.ords IS NULL THEN k.ord ELSE array_position(c.ords,
 #: LATERAL subquery with LIMIT is never turned into a join that scans the stream's keys).
 ORIGINALS = f"""
 SELECT p.pos, {FACT_ID}, k.ts
-FROM unnest(%(keys)s::text[]) WITH ORDINALITY AS p(key, pos)
+FROM unnest(%(keys)b::text[]) WITH ORDINALITY AS p(key, pos)
 CROSS JOIN LATERAL (
     SELECT k.written_at, k.claim, k.ord, k.ts FROM streams_idempotency_keys k
     WHERE k.stream = %(stream)s AND k.key = p.key LIMIT 1
@@ -257,61 +264,98 @@ def read_originals(
     return found
 
 
+#: The start of a walk over a stream's claims in (``written_at``, ``claim``, key position)
+#: order: before every claim (tokens are >= 0).
+_WALK_START = ("-infinity", -1, 0)
+
+#: `prune_keys`, one step: the next ``%(batch)s`` keys listed by the stream's expired claims
+#: after the cursor (``%(at)s``, ``%(claim)s``, ``%(pos)s``) in walk order; of those, the key
+#: rows that still refer to their claim are locked (skipping any locked already: a claim in
+#: progress) and deleted. Back: key rows deleted, keys walked, and the last key walked
+#: (``written_at``, ``claim``, position, and whether it is its claim's last key).
+_PRUNE_KEYS = f"""
+WITH walk AS (
+    SELECT c.written_at, c.claim, u.key, u.pos, cardinality(c.keys) AS size
+    FROM (
+        SELECT c.written_at, c.claim, c.keys FROM streams_idempotency_claims c
+        WHERE c.stream = %(stream)s
+          AND {_expired("%(stream)s", "c.written_at", "now()")}
+          AND (c.written_at, c.claim) >= (%(at)s::timestamptz, %(claim)s::bigint)
+        ORDER BY c.written_at, c.claim
+    ) c
+    CROSS JOIN LATERAL unnest(c.keys) WITH ORDINALITY AS u(key, pos)
+    WHERE (c.written_at, c.claim, u.pos) > (%(at)s::timestamptz, %(claim)s::bigint, %(pos)s)
+    ORDER BY c.written_at, c.claim, u.pos
+    LIMIT %(batch)s
+), old AS (
+    SELECT k.ctid
+    FROM walk CROSS JOIN LATERAL (
+        SELECT k.ctid FROM streams_idempotency_keys k
+        WHERE k.stream = %(stream)s AND k.key = walk.key
+          AND k.written_at = walk.written_at AND k.claim = walk.claim
+        FOR UPDATE SKIP LOCKED
+    ) k
+), d AS (
+    DELETE FROM streams_idempotency_keys k USING old WHERE k.ctid = old.ctid RETURNING 1
+)
+SELECT (SELECT count(*) FROM d), (SELECT count(*) FROM walk), last.written_at, last.claim,
+       last.pos, last.pos = last.size
+FROM (SELECT 1) one LEFT JOIN LATERAL (
+    SELECT * FROM walk ORDER BY walk.written_at DESC, walk.claim DESC, walk.pos DESC LIMIT 1
+) last ON true
+"""
+
+#: `prune_keys`, after `_PRUNE_KEYS` in the same transaction: the claims walked whole (from
+#: the cursor's claim ``%(at)s``, ``%(claim)s`` to the last one walked, ``%(end_at)s``,
+#: ``%(end_claim)s``, which counts only if ``%(whole)s``) to which none of the key rows they
+#: list refers any more.
+_PRUNE_CLAIMS = f"""
+WITH old AS (
+    SELECT c.ctid FROM streams_idempotency_claims c
+    WHERE c.stream = %(stream)s
+      AND {_expired("%(stream)s", "c.written_at", "now()")}
+      AND (c.written_at, c.claim) >= (%(at)s::timestamptz, %(claim)s::bigint)
+      AND ((c.written_at, c.claim) < (%(end_at)s::timestamptz, %(end_claim)s::bigint)
+           OR (%(whole)s AND (c.written_at, c.claim) = (%(end_at)s, %(end_claim)s::bigint)))
+      AND NOT EXISTS (
+          SELECT FROM unnest(c.keys) AS u(key)
+          JOIN streams_idempotency_keys k
+            ON k.stream = c.stream AND k.key = u.key AND k.written_at = c.written_at
+           AND k.claim = c.claim)
+    FOR UPDATE SKIP LOCKED
+)
+DELETE FROM streams_idempotency_claims c USING old WHERE c.ctid = old.ctid
+"""
+
+
 def prune_keys(info: StreamInfo, batch: int = 10_000) -> Gen[int]:
-    """Delete the stream's key rows older than its key window, ``batch`` at a time (each its
-    own short transaction), then its claim rows to which no key row refers any more; returns
-    how many key rows. Safe at any time: a key older than the window is written anew whether or
-    not its row is still there (the claim's ``DO UPDATE``), a claim in progress holds its row
-    locked, which the ``DELETE`` skips, and a claim row goes only once no key row refers to it
-    (see the module doc)."""
-    params = {"stream": info.id, "batch": batch}
-    deleted = yield from _delete_in_batches(
-        f"""
-        WITH old AS (
-            SELECT k.ctid FROM streams_idempotency_keys k
-            WHERE k.stream = %(stream)s
-              AND {_expired("%(stream)s", "k.written_at", "now()")}
-            ORDER BY k.written_at LIMIT %(batch)s FOR UPDATE SKIP LOCKED
-        ), d AS (
-            DELETE FROM streams_idempotency_keys k USING old WHERE k.ctid = old.ctid
-            RETURNING 1
-        )
-        SELECT count(*) FROM d
-        """,
-        params,
-    )
-    # Only claims older than the window can have lost their keys (a key is claimed anew only
-    # once it expired): that bounds the scan; the NOT EXISTS is what makes it safe.
-    yield from _delete_in_batches(
-        f"""
-        WITH old AS (
-            SELECT c.ctid FROM streams_idempotency_claims c
-            WHERE c.stream = %(stream)s
-              AND {_expired("%(stream)s", "c.written_at", "now()")}
-              AND NOT EXISTS (
-                  SELECT FROM streams_idempotency_keys k
-                  WHERE k.stream = c.stream AND k.written_at = c.written_at
-                    AND k.claim = c.claim)
-            ORDER BY c.written_at LIMIT %(batch)s FOR UPDATE SKIP LOCKED
-        ), d AS (
-            DELETE FROM streams_idempotency_claims c USING old WHERE c.ctid = old.ctid
-            RETURNING 1
-        )
-        SELECT count(*) FROM d
-        """,
-        params,
-    )
-    return deleted
+    """Delete the stream's key rows older than its key window, and then the claim rows to
+    which no key row refers any more; returns how many key rows.
 
-
-def _delete_in_batches(statement: str, params: dict[str, Any]) -> Gen[int]:
-    """Run ``statement`` (a delete of at most ``params["batch"]`` rows that returns how many
-    it deleted), each in a transaction of its own, until a run deletes fewer; the total."""
+    It walks the stream's expired claims (older than the window: the keys they wrote are, as
+    each key row shares its claim's ``written_at``) in (``written_at``, ``claim``) order, the
+    keys each lists in turn, ``batch`` keys a step, each step its own short transaction: the
+    rows of those keys that still refer to the claim go (``FOR UPDATE SKIP LOCKED``: never a
+    locked one, which a claim in progress holds), and then, in the same transaction, the
+    claims walked whole that no key row refers to any more (a row skipped keeps its claim for
+    a later prune). Safe at any time: a key older than the window is written anew whether or
+    not its row is still there (the claim's ``DO UPDATE``), and a key row only ever refers to
+    the claim that wrote it, which lists it (see the module doc)."""
+    at, claim, pos = _WALK_START
     deleted = 0
     while True:
-        rows = yield Query(statement, params)
+        params: dict[str, Any] = {
+            "stream": info.id, "batch": batch, "at": at, "claim": claim, "pos": pos
+        }  # fmt: skip
+        rows = yield Query(_PRUNE_KEYS, params)
+        count, walked, end_at, end_claim, end_pos, whole = rows[0]
+        deleted += int(count)
+        if walked:
+            params.update(end_at=end_at, end_claim=end_claim, whole=bool(whole))
+            yield Query(_PRUNE_CLAIMS, params)
         yield Commit()
-        count = int(rows[0][0])
-        deleted += count
-        if count < params["batch"]:
+        if walked < batch:
             return deleted
+        # The next step starts after the last key walked: a claim walked in part is walked on
+        # from there, and goes with the step that ends it.
+        at, claim, pos = end_at, end_claim, end_pos
