@@ -264,59 +264,57 @@ def read_originals(
     return found
 
 
-#: The start of a walk over a stream's claims in (``written_at``, ``claim``, key position)
-#: order: before every claim (tokens are >= 0).
-_WALK_START = ("-infinity", -1, 0)
-
-#: `prune_keys`, one step: the next ``%(batch)s`` keys listed by the stream's expired claims
-#: after the cursor (``%(at)s``, ``%(claim)s``, ``%(pos)s``) in walk order; of those, the key
-#: rows that still refer to their claim are locked (skipping any locked already: a claim in
-#: progress) and deleted. Back: key rows deleted, keys walked, and the last key walked
-#: (``written_at``, ``claim``, position, and whether it is its claim's last key).
+#: `prune_keys`, one step: the stream's expired claims after the cursor (``%(at)s``,
+#: ``%(claim)s``) in (``written_at``, ``claim``) order, one primary-key probe each (a recursive
+#: walk: it reads no claim beyond the step), until they list ``%(batch)s`` keys or more; the
+#: rows of those keys that still refer to their claim are locked (skipping any locked already:
+#: a claim in progress) and deleted. Back: key rows deleted, claims walked, the last claim
+#: walked (``written_at``, ``claim``).
 _PRUNE_KEYS = f"""
-WITH walk AS (
-    SELECT c.written_at, c.claim, u.key, u.pos, cardinality(c.keys) AS size
-    FROM (
-        SELECT c.written_at, c.claim, c.keys FROM streams_idempotency_claims c
-        WHERE c.stream = %(stream)s
-          AND {_expired("%(stream)s", "c.written_at", "now()")}
-          AND (c.written_at, c.claim) >= (%(at)s::timestamptz, %(claim)s::bigint)
-        ORDER BY c.written_at, c.claim
-    ) c
-    CROSS JOIN LATERAL unnest(c.keys) WITH ORDINALITY AS u(key, pos)
-    WHERE (c.written_at, c.claim, u.pos) > (%(at)s::timestamptz, %(claim)s::bigint, %(pos)s)
-    ORDER BY c.written_at, c.claim, u.pos
-    LIMIT %(batch)s
+WITH RECURSIVE walk (written_at, claim, keys, total) AS (
+    (SELECT c.written_at, c.claim, c.keys, cardinality(c.keys)
+     FROM streams_idempotency_claims c
+     WHERE c.stream = %(stream)s AND {_expired("%(stream)s", "c.written_at", "now()")}
+       AND (c.written_at, c.claim) > (%(at)s::timestamptz, %(claim)s::bigint)
+     ORDER BY c.written_at, c.claim LIMIT 1)
+    UNION ALL
+    (SELECT c.written_at, c.claim, c.keys, walk.total + cardinality(c.keys)
+     FROM walk CROSS JOIN LATERAL (
+         SELECT c.written_at, c.claim, c.keys FROM streams_idempotency_claims c
+         WHERE c.stream = %(stream)s AND {_expired("%(stream)s", "c.written_at", "now()")}
+           AND (c.written_at, c.claim) > (walk.written_at, walk.claim)
+         ORDER BY c.written_at, c.claim LIMIT 1
+     ) c
+     WHERE walk.total < %(batch)s)
 ), old AS (
     SELECT k.ctid
-    FROM walk CROSS JOIN LATERAL (
+    FROM walk CROSS JOIN LATERAL unnest(walk.keys) AS u(key)
+    CROSS JOIN LATERAL (
         SELECT k.ctid FROM streams_idempotency_keys k
-        WHERE k.stream = %(stream)s AND k.key = walk.key
+        WHERE k.stream = %(stream)s AND k.key = u.key
           AND k.written_at = walk.written_at AND k.claim = walk.claim
         FOR UPDATE SKIP LOCKED
     ) k
 ), d AS (
     DELETE FROM streams_idempotency_keys k USING old WHERE k.ctid = old.ctid RETURNING 1
 )
-SELECT (SELECT count(*) FROM d), (SELECT count(*) FROM walk), last.written_at, last.claim,
-       last.pos, last.pos = last.size
+SELECT (SELECT count(*) FROM d), (SELECT count(*) FROM walk), last.written_at, last.claim
 FROM (SELECT 1) one LEFT JOIN LATERAL (
-    SELECT * FROM walk ORDER BY walk.written_at DESC, walk.claim DESC, walk.pos DESC LIMIT 1
+    SELECT walk.written_at, walk.claim FROM walk
+    ORDER BY walk.written_at DESC, walk.claim DESC LIMIT 1
 ) last ON true
 """
 
-#: `prune_keys`, after `_PRUNE_KEYS` in the same transaction: the claims walked whole (from
-#: the cursor's claim ``%(at)s``, ``%(claim)s`` to the last one walked, ``%(end_at)s``,
-#: ``%(end_claim)s``, which counts only if ``%(whole)s``) to which none of the key rows they
-#: list refers any more.
+#: `prune_keys`, after `_PRUNE_KEYS` in the same transaction: the claims it walked (after
+#: ``%(at)s``, ``%(claim)s`` up to ``%(end_at)s``, ``%(end_claim)s``) to which none of the key
+#: rows they list refers any more.
 _PRUNE_CLAIMS = f"""
 WITH old AS (
     SELECT c.ctid FROM streams_idempotency_claims c
     WHERE c.stream = %(stream)s
       AND {_expired("%(stream)s", "c.written_at", "now()")}
-      AND (c.written_at, c.claim) >= (%(at)s::timestamptz, %(claim)s::bigint)
-      AND ((c.written_at, c.claim) < (%(end_at)s::timestamptz, %(end_claim)s::bigint)
-           OR (%(whole)s AND (c.written_at, c.claim) = (%(end_at)s, %(end_claim)s::bigint)))
+      AND (c.written_at, c.claim) > (%(at)s::timestamptz, %(claim)s::bigint)
+      AND (c.written_at, c.claim) <= (%(end_at)s::timestamptz, %(end_claim)s::bigint)
       AND NOT EXISTS (
           SELECT FROM unnest(c.keys) AS u(key)
           JOIN streams_idempotency_keys k
@@ -332,30 +330,28 @@ def prune_keys(info: StreamInfo, batch: int = 10_000) -> Gen[int]:
     """Delete the stream's key rows older than its key window, and then the claim rows to
     which no key row refers any more; returns how many key rows.
 
-    It walks the stream's expired claims (older than the window: the keys they wrote are, as
-    each key row shares its claim's ``written_at``) in (``written_at``, ``claim``) order, the
-    keys each lists in turn, ``batch`` keys a step, each step its own short transaction: the
-    rows of those keys that still refer to the claim go (``FOR UPDATE SKIP LOCKED``: never a
-    locked one, which a claim in progress holds), and then, in the same transaction, the
-    claims walked whole that no key row refers to any more (a row skipped keeps its claim for
-    a later prune). Safe at any time: a key older than the window is written anew whether or
-    not its row is still there (the claim's ``DO UPDATE``), and a key row only ever refers to
-    the claim that wrote it, which lists it (see the module doc)."""
-    at, claim, pos = _WALK_START
+    It walks the stream's expired claims (older than the window: so are the keys they wrote,
+    as each key row shares its claim's ``written_at``) in (``written_at``, ``claim``) order,
+    whole claims listing about ``batch`` keys a step, each step its own short transaction: the
+    rows of those keys that still refer to their claim go (``FOR UPDATE SKIP LOCKED``: never a
+    locked one, which a claim in progress holds), and then, in the same transaction, the claims
+    walked that no key row refers to any more (a row skipped keeps its claim for a later
+    prune). Safe at any time: a key older than the window is written anew whether or not its
+    row is still there (the claim's ``DO UPDATE``), and a key row only ever refers to the claim
+    that wrote it, which lists it (see the module doc)."""
+    # Before every claim: tokens are >= 0.
+    at: object = "-infinity"
+    claim: object = -1
     deleted = 0
     while True:
-        params: dict[str, Any] = {
-            "stream": info.id, "batch": batch, "at": at, "claim": claim, "pos": pos
-        }  # fmt: skip
+        params: dict[str, Any] = {"stream": info.id, "batch": batch, "at": at, "claim": claim}
         rows = yield Query(_PRUNE_KEYS, params)
-        count, walked, end_at, end_claim, end_pos, whole = rows[0]
+        count, walked, end_at, end_claim = rows[0]
         deleted += int(count)
         if walked:
-            params.update(end_at=end_at, end_claim=end_claim, whole=bool(whole))
+            params.update(end_at=end_at, end_claim=end_claim)
             yield Query(_PRUNE_CLAIMS, params)
         yield Commit()
-        if walked < batch:
+        if not walked:
             return deleted
-        # The next step starts after the last key walked: a claim walked in part is walked on
-        # from there, and goes with the step that ends it.
-        at, claim, pos = end_at, end_claim, end_pos
+        at, claim = end_at, end_claim
