@@ -11,7 +11,8 @@ measured in the same run is a fair comparison.
   rows by ``COPY`` (the fastest raw method), ``COMMIT``. Streams: ``Writer.append_batch``.
 * **keyed** (a configuration of both, Redis off): the same appends, each fact with an
   idempotency key of its own (``key=`` / ``keys=``: `streams.store.idempotency`), beside the
-  unkeyed ones (``keyed/unkeyed``).
+  unkeyed ones: both rates, the ratio ``keyed/unkeyed`` and its target (`KEYED_TARGETS`:
+  >= 0.9x for single facts, >= 0.75x for batches of 1000), also under ``keyed`` in ``--json``.
 
 Beside each rate it prints the client CPU per append (all threads of the writer processes, from
 ``getrusage``) and its split by thread (``pthread_getcpuclockid`` of each live thread: ``main``,

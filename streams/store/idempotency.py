@@ -11,9 +11,9 @@ key's row in ``streams_idempotency_keys`` holds the token of the claim that wrot
 (from 1). The claim's row in ``streams_idempotency_claims`` (same ``stream``, ``written_at``
 and ``claim``) holds the IDs the append reserved (``ids``, ascending) and the positions of the
 keys it wrote (``ords``, ascending; NULL when it wrote all of them) and those keys (``keys``,
-in no particular order): a key's fact is ``ids[i]`` where ``ords[i] = ord``
-(`FACT_ID`). Revision 0010 has the tables, 0014 the claim's ``keys`` (by which `prune_keys`
-finds expired key rows: key rows have no index but their primary key).
+in no particular order): a key's fact is ``ids[i]`` where ``ords[i] = ord`` (`FACT_ID`).
+Revision 0010 has the tables, 0014 the claim's ``keys``, by which `prune_keys` finds expired
+key rows (key rows have no index but their primary key).
 
 How a key is written once (the claim argument)
 ----------------------------------------------
@@ -34,7 +34,7 @@ transaction, never on the order in which PostgreSQL evaluates independent parts 
    this one holds until this one ends. A batch inserts its keys in key order, so two batches
    with common keys wait for each other rather than deadlock.
 2. **The gate** (``n``, `GATE`): ``n`` aggregates the claim's rows (how many, their positions,
-   ``written_at``). An aggregate has no row to give before it has consumed all of its input,
+   their keys, ``written_at``). An aggregate has no row to give before it has consumed all of its input,
    so ``n`` exists only once the claim has inserted, or waited for and found written, every
    key. The writer's lease check (``w`` in `streams.store.writer_core`) reads its row only where
    ``n`` counts a key held; the reservation lock, ``nextval``, the facts and the claim's row
@@ -42,8 +42,8 @@ transaction, never on the order in which PostgreSQL evaluates independent parts 
    is taken before every key of the append is claimed: a statement that waits in its claim
    holds neither, and one whose keys are all duplicates reserves nothing at all. (A data
    dependency: no part can compute from a row that does not exist yet.)
-3. **The record** (``x``, `record_cte`): the claim's row, with the IDs reserved, from rows of
-   ``n`` and of the reservation. One fact: the statement runs in autocommit and is the whole
+3. **The record** (``x``, `record_cte`): the claim's row, with the IDs reserved and the keys
+   held, from rows of ``n`` and of the reservation. One fact: the statement runs in autocommit and is the whole
    transaction (one round trip, as for an append without a key); where it holds the key but
    recorded nothing (its writer was fenced, so ``w`` gave no row) it fails (`FENCED`). A
    batch: ``BEGIN`` and the statement, then ``COPY`` of the rows of the keys it holds, then
