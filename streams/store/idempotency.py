@@ -34,21 +34,22 @@ transaction, never on the order in which PostgreSQL evaluates independent parts 
    this one holds until this one ends. A batch inserts its keys in key order, so two batches
    with common keys wait for each other rather than deadlock.
 2. **The gate** (``n``, `GATE`): ``n`` aggregates the claim's rows (how many, their positions,
-   their keys, ``written_at``). An aggregate has no row to give before it has consumed all of its input,
-   so ``n`` exists only once the claim has inserted, or waited for and found written, every
-   key. The writer's lease check (``w`` in `streams.store.writer_core`) reads its row only where
-   ``n`` counts a key held; the reservation lock, ``nextval``, the facts and the claim's row
-   are computed from rows derived from ``w``. Hence no ID is reserved and no reservation lock
-   is taken before every key of the append is claimed: a statement that waits in its claim
-   holds neither, and one whose keys are all duplicates reserves nothing at all. (A data
-   dependency: no part can compute from a row that does not exist yet.)
+   their keys, ``written_at``). An aggregate has no row to give before it has consumed all of
+   its input, so ``n`` exists only once the claim has inserted, or waited for and found
+   written, every key. The writer's lease check (``w`` in `streams.store.writer_core`) reads
+   its row only where ``n`` counts a key held; the reservation lock, ``nextval``, the facts and
+   the claim's row are computed from rows derived from ``w``. Hence no ID is reserved and no
+   reservation lock is taken before every key of the append is claimed: a statement that
+   waits in its claim holds neither, and one whose keys are all duplicates reserves nothing at
+   all. (A data dependency: no part can compute from a row that does not exist yet.)
 3. **The record** (``x``, `record_cte`): the claim's row, with the IDs reserved and the keys
-   held, from rows of ``n`` and of the reservation. One fact: the statement runs in autocommit and is the whole
-   transaction (one round trip, as for an append without a key); where it holds the key but
-   recorded nothing (its writer was fenced, so ``w`` gave no row) it fails (`FENCED`). A
-   batch: ``BEGIN`` and the statement, then ``COPY`` of the rows of the keys it holds, then
-   ``COMMIT``, which the writer sends only after it saw the claim's row written. So a key's
-   row never commits without its claim's row: they commit together, or neither does.
+   held, from rows of ``n`` and of the reservation. One fact: the statement runs in autocommit
+   and is the whole transaction (one round trip, as for an append without a key); where it
+   holds the key but recorded nothing (its writer was fenced, so ``w`` gave no row) it fails
+   (`FENCED`). A batch: ``BEGIN`` and the statement, then ``COPY`` of the rows of the keys it
+   holds, then ``COMMIT``, which the writer sends only after it saw the claim's row written.
+   So a key's row never commits without its claim's row: they commit together, or neither
+   does.
 4. **The originals** (`ORIGINALS`), read only when some key was a duplicate: the claim's
    statement cannot read them, since an original that committed while the claim waited for
    it is newer than that statement's snapshot. A later statement has a later snapshot. In a
