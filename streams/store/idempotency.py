@@ -270,7 +270,8 @@ def read_originals(
 #: walk: it reads no claim beyond the step), until they list ``%(batch)s`` keys or more; the
 #: rows of those keys that still refer to their claim are locked (skipping any locked already:
 #: a claim in progress) and deleted. Back: key rows deleted, claims walked, the last claim
-#: walked (``written_at``, ``claim``).
+#: walked (``written_at``, ``claim``) and the keys listed up to it (fewer than ``%(batch)s``:
+#: the walk ran out of claims).
 _PRUNE_KEYS = f"""
 WITH RECURSIVE walk (written_at, claim, keys, total) AS (
     (SELECT c.written_at, c.claim, c.keys, cardinality(c.keys)
@@ -299,9 +300,10 @@ WITH RECURSIVE walk (written_at, claim, keys, total) AS (
 ), d AS (
     DELETE FROM streams_idempotency_keys k USING old WHERE k.ctid = old.ctid RETURNING 1
 )
-SELECT (SELECT count(*) FROM d), (SELECT count(*) FROM walk), last.written_at, last.claim
+SELECT (SELECT count(*) FROM d), (SELECT count(*) FROM walk), last.written_at, last.claim,
+       last.total
 FROM (SELECT 1) one LEFT JOIN LATERAL (
-    SELECT walk.written_at, walk.claim FROM walk
+    SELECT walk.written_at, walk.claim, walk.total FROM walk
     ORDER BY walk.written_at DESC, walk.claim DESC LIMIT 1
 ) last ON true
 """
@@ -347,12 +349,12 @@ def prune_keys(info: StreamInfo, batch: int = 10_000) -> Gen[int]:
     while True:
         params: dict[str, Any] = {"stream": info.id, "batch": batch, "at": at, "claim": claim}
         rows = yield Query(_PRUNE_KEYS, params)
-        count, walked, end_at, end_claim = rows[0]
+        count, walked, end_at, end_claim, listed = rows[0]
         deleted += int(count)
         if walked:
             params.update(end_at=end_at, end_claim=end_claim)
             yield Query(_PRUNE_CLAIMS, params)
         yield Commit()
-        if not walked:
+        if not walked or listed < batch:  # no claim left to walk
             return deleted
         at, claim = end_at, end_claim
