@@ -11,7 +11,8 @@ measured in the same run is a fair comparison.
   rows by ``COPY`` (the fastest raw method), ``COMMIT``. Streams: ``Writer.append_batch``.
 * **keyed** (a configuration of both, Redis off): the same appends, each fact with an
   idempotency key of its own (``key=`` / ``keys=``: `streams.store.idempotency`), beside the
-  unkeyed ones (``keyed/unkeyed``).
+  unkeyed ones: both rates, the ratio ``keyed/unkeyed`` and its target (`KEYED_TARGETS`:
+  >= 0.9x for single facts, >= 0.75x for batches of 1000), also under ``keyed`` in ``--json``.
 
 Beside each rate it prints the client CPU per append (all threads of the writer processes, from
 ``getrusage``) and its split by thread (``pthread_getcpuclockid`` of each live thread: ``main``,
@@ -53,6 +54,10 @@ __all__ = ["WriteBenchResult", "bench_write_command", "run_write_bench", "tracke
 #: The configurations of one round, in the order they run: raw first, then `streams` (keyed
 #: appends with Redis off, beside ``redis-off``).
 KINDS = ("raw", "redis-off", "keyed", "redis-on")
+
+#: The targets of keyed appends (each fact with an idempotency key of its own) over unkeyed
+#: ones of the same run, Redis off, by mode (issue 31).
+KEYED_TARGETS = {"single": 0.9, "batch": 0.75}
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +107,23 @@ class WriteBenchResult:
             "kinds": {k: m.as_dict() for k, m in self.kinds.items()},
             "ratios": {k: round(self.ratio_of(k), 3) for k in self.kinds if k != "raw"},
             "keyed_vs_unkeyed": round(self.keyed_ratio, 3),
+            "keyed": self.keyed_summary(),
+        }
+
+    @property
+    def keyed_target(self) -> float:
+        """The target of `keyed_ratio` for this mode."""
+        return KEYED_TARGETS[self.mode]
+
+    def keyed_summary(self) -> dict[str, Any]:
+        """Keyed appends beside their baseline (unkeyed, Redis off): rates, ratio, target."""
+        keyed, plain = self.kinds.get("keyed"), self.kinds.get("redis-off")
+        return {
+            "keyed_per_s": round(keyed.per_s, 1) if keyed else None,
+            "unkeyed_per_s": round(plain.per_s, 1) if plain else None,
+            "ratio": round(self.keyed_ratio, 3),
+            "target": self.keyed_target,
+            "met": self.keyed_ratio >= self.keyed_target,
         }
 
     @property
@@ -375,7 +397,13 @@ def run_write_bench(
                     rate, ratio = measured[kind].per_s, result.ratio_of(kind)
                     parts.append(f"{kind} {rate:>9,.0f}/s ratio {ratio:.2f}")
                 report(f"{mode:>6} x{writers} writer(s): " + " | ".join(parts))
-                report(f"{'':>8}keyed/unkeyed (Redis off): {result.keyed_ratio:.2f}")
+                target = result.keyed_target
+                report(
+                    f"{'':>8}keyed {measured['keyed'].per_s:,.0f}/s vs unkeyed "
+                    f"{measured['redis-off'].per_s:,.0f}/s (Redis off): "
+                    f"{result.keyed_ratio:.2f}x (target >= {target:.2f}x: "
+                    f"{'met' if result.keyed_ratio >= target else 'not met'})"
+                )
                 for kind in kinds:
                     report(f"{'':>8}client CPU per append, {kind:>9}: {_cpu_text(measured[kind])}")
     return results

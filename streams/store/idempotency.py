@@ -10,8 +10,10 @@ key's row in ``streams_idempotency_keys`` holds the token of the claim that wrot
 (``written_at``), the fact's timestamp ``ts`` and ``ord``, the key's position in its append
 (from 1). The claim's row in ``streams_idempotency_claims`` (same ``stream``, ``written_at``
 and ``claim``) holds the IDs the append reserved (``ids``, ascending) and the positions of the
-keys it wrote (``ords``, ascending; NULL when it wrote all of them): a key's fact is ``ids[i]``
-where ``ords[i] = ord`` (`FACT_ID`). Revision 0010 has the tables.
+keys it wrote (``ords``, ascending; NULL when it wrote all of them) and those keys (``keys``,
+in no particular order): a key's fact is ``ids[i]`` where ``ords[i] = ord`` (`FACT_ID`).
+Revision 0010 has the tables, 0014 the claim's ``keys``, by which `prune_keys` finds expired
+key rows (key rows have no index but their primary key).
 
 How a key is written once (the claim argument)
 ----------------------------------------------
@@ -32,21 +34,22 @@ transaction, never on the order in which PostgreSQL evaluates independent parts 
    this one holds until this one ends. A batch inserts its keys in key order, so two batches
    with common keys wait for each other rather than deadlock.
 2. **The gate** (``n``, `GATE`): ``n`` aggregates the claim's rows (how many, their positions,
-   ``written_at``). An aggregate has no row to give before it has consumed all of its input,
-   so ``n`` exists only once the claim has inserted, or waited for and found written, every
-   key. The writer's lease check (``w`` in `streams.store.writer_core`) reads its row only where
-   ``n`` counts a key held; the reservation lock, ``nextval``, the facts and the claim's row
-   are computed from rows derived from ``w``. Hence no ID is reserved and no reservation lock
-   is taken before every key of the append is claimed: a statement that waits in its claim
-   holds neither, and one whose keys are all duplicates reserves nothing at all. (A data
-   dependency: no part can compute from a row that does not exist yet.)
-3. **The record** (``x``, `record_cte`): the claim's row, with the IDs reserved, from rows of
-   ``n`` and of the reservation. One fact: the statement runs in autocommit and is the whole
-   transaction (one round trip, as for an append without a key); where it holds the key but
-   recorded nothing (its writer was fenced, so ``w`` gave no row) it fails (`FENCED`). A
-   batch: ``BEGIN`` and the statement, then ``COPY`` of the rows of the keys it holds, then
-   ``COMMIT``, which the writer sends only after it saw the claim's row written. So a key's
-   row never commits without its claim's row: they commit together, or neither does.
+   their keys, ``written_at``). An aggregate has no row to give before it has consumed all of
+   its input, so ``n`` exists only once the claim has inserted, or waited for and found
+   written, every key. The writer's lease check (``w`` in `streams.store.writer_core`) reads
+   its row only where ``n`` counts a key held; the reservation lock, ``nextval``, the facts and
+   the claim's row are computed from rows derived from ``w``. Hence no ID is reserved and no
+   reservation lock is taken before every key of the append is claimed: a statement that
+   waits in its claim holds neither, and one whose keys are all duplicates reserves nothing at
+   all. (A data dependency: no part can compute from a row that does not exist yet.)
+3. **The record** (``x``, `record_cte`): the claim's row, with the IDs reserved and the keys
+   held, from rows of ``n`` and of the reservation. One fact: the statement runs in autocommit
+   and is the whole transaction (one round trip, as for an append without a key); where it
+   holds the key but recorded nothing (its writer was fenced, so ``w`` gave no row) it fails
+   (`FENCED`). A batch: ``BEGIN`` and the statement, then ``COPY`` of the rows of the keys it
+   holds, then ``COMMIT``, which the writer sends only after it saw the claim's row written.
+   So a key's row never commits without its claim's row: they commit together, or neither
+   does.
 4. **The originals** (`ORIGINALS`), read only when some key was a duplicate: the claim's
    statement cannot read them, since an original that committed while the claim waited for
    it is newer than that statement's snapshot. A later statement has a later snapshot. In a
@@ -56,8 +59,10 @@ transaction, never on the order in which PostgreSQL evaluates independent parts 
    window passed): the append starts over, and its claim now writes the key.
 
 Rows go only in pairs that are consistent in every snapshot: `prune_keys` deletes key rows
-(never a locked one) and then claim rows *to which no key row refers* (seen in one snapshot;
-a key row only ever refers to the claim that wrote it, so none can appear later). Hence a
+(never a locked one) and then, in the same transaction, claim rows *to which no key row
+refers* (seen in one snapshot, which sees that transaction's own deletions; a key row only
+ever refers to the claim that wrote it, which lists it in ``keys``, so probing the keys a
+claim lists finds every key row that refers to it, and none can appear later). Hence a
 snapshot that sees a key's row sees its claim's row.
 
 So: two transactions racing with one key write one fact (the second waits in its claim, then
@@ -79,7 +84,10 @@ content, names the append.
 Expiry: a key older than the stream's window is written anew (the claim's ``DO UPDATE``), and
 `prune_keys` deletes such rows (``streams prune``, with the facts' retention), and then the
 claim rows left without keys: the window is the one in force when the claim or the prune runs,
-read from ``streams_registry``.
+read from ``streams_registry``. It finds them through the claims: a key row and the claim that
+wrote it share ``written_at``, so the expired key rows that still refer to a claim are among the
+keys listed by the expired claims, which the claims' primary key ``(stream, written_at, claim)``
+yields oldest first.
 """
 
 from __future__ import annotations
@@ -160,7 +168,7 @@ def claim_ctes(many: bool) -> str:
         # One written_at for every key (a CTE is computed once): the claim's row has it too.
         rows = """
             SELECT %(stream)s, p.key, %(claim)s, t.at, p.ts, p.ord
-            FROM t, unnest(%(keys)s::text[], %(stamps)s::bigint[])
+            FROM t, unnest(%(keys)b::text[], %(stamps)b::bigint[])
                     WITH ORDINALITY AS p(key, ts, ord)
             ORDER BY p.key COLLATE "C"
             """
@@ -175,10 +183,10 @@ def claim_ctes(many: bool) -> str:
         SET claim = EXCLUDED.claim, written_at = EXCLUDED.written_at, ts = EXCLUDED.ts,
             ord = EXCLUDED.ord
         WHERE {_expired("k.stream", "k.written_at", "clock_timestamp()")}
-        RETURNING k.ord, k.written_at
+        RETURNING k.ord, k.written_at, k.key
     ), n AS (
         SELECT count(*) AS count, array_agg(q.ord ORDER BY q.ord) AS ords,
-               min(q.written_at) AS at
+               array_agg(q.key) AS keys, min(q.written_at) AS at
         FROM q
     ),"""
 
@@ -192,8 +200,8 @@ def record_cte(ids: str, source: str, ords: str = "NULL", where: str = "") -> st
     positions ``ords`` computed from ``source`` (rows derived from the reservation); returns
     its ``ids``."""
     return f"""x AS (
-        INSERT INTO streams_idempotency_claims (stream, written_at, claim, ords, ids)
-        SELECT %(stream)s, n.at, %(claim)s, {ords}, {ids} FROM n, {source} {where}
+        INSERT INTO streams_idempotency_claims (stream, written_at, claim, ords, ids, keys)
+        SELECT %(stream)s, n.at, %(claim)s, {ords}, {ids}, n.keys FROM n, {source} {where}
         RETURNING ids
     )"""
 
@@ -218,7 +226,7 @@ FACT_ID = "c.ids[CASE WHEN c.ords IS NULL THEN k.ord ELSE array_position(c.ords,
 #: LATERAL subquery with LIMIT is never turned into a join that scans the stream's keys).
 ORIGINALS = f"""
 SELECT p.pos, {FACT_ID}, k.ts
-FROM unnest(%(keys)s::text[]) WITH ORDINALITY AS p(key, pos)
+FROM unnest(%(keys)b::text[]) WITH ORDINALITY AS p(key, pos)
 CROSS JOIN LATERAL (
     SELECT k.written_at, k.claim, k.ord, k.ts FROM streams_idempotency_keys k
     WHERE k.stream = %(stream)s AND k.key = p.key LIMIT 1
@@ -257,61 +265,96 @@ def read_originals(
     return found
 
 
+#: `prune_keys`, one step: the stream's expired claims after the cursor (``%(at)s``,
+#: ``%(claim)s``) in (``written_at``, ``claim``) order, one primary-key probe each (a recursive
+#: walk: it reads no claim beyond the step), until they list ``%(batch)s`` keys or more; the
+#: rows of those keys that still refer to their claim are locked (skipping any locked already:
+#: a claim in progress) and deleted. Back: key rows deleted, claims walked, the last claim
+#: walked (``written_at``, ``claim``) and the keys listed up to it (fewer than ``%(batch)s``:
+#: the walk ran out of claims).
+_PRUNE_KEYS = f"""
+WITH RECURSIVE walk (written_at, claim, keys, total) AS (
+    (SELECT c.written_at, c.claim, c.keys, cardinality(c.keys)
+     FROM streams_idempotency_claims c
+     WHERE c.stream = %(stream)s AND {_expired("%(stream)s", "c.written_at", "now()")}
+       AND (c.written_at, c.claim) > (%(at)s::timestamptz, %(claim)s::bigint)
+     ORDER BY c.written_at, c.claim LIMIT 1)
+    UNION ALL
+    (SELECT c.written_at, c.claim, c.keys, walk.total + cardinality(c.keys)
+     FROM walk CROSS JOIN LATERAL (
+         SELECT c.written_at, c.claim, c.keys FROM streams_idempotency_claims c
+         WHERE c.stream = %(stream)s AND {_expired("%(stream)s", "c.written_at", "now()")}
+           AND (c.written_at, c.claim) > (walk.written_at, walk.claim)
+         ORDER BY c.written_at, c.claim LIMIT 1
+     ) c
+     WHERE walk.total < %(batch)s)
+), old AS (
+    SELECT k.ctid
+    FROM walk CROSS JOIN LATERAL unnest(walk.keys) AS u(key)
+    CROSS JOIN LATERAL (
+        SELECT k.ctid FROM streams_idempotency_keys k
+        WHERE k.stream = %(stream)s AND k.key = u.key
+          AND k.written_at = walk.written_at AND k.claim = walk.claim
+        FOR UPDATE SKIP LOCKED
+    ) k
+), d AS (
+    DELETE FROM streams_idempotency_keys k USING old WHERE k.ctid = old.ctid RETURNING 1
+)
+SELECT (SELECT count(*) FROM d), (SELECT count(*) FROM walk), last.written_at, last.claim,
+       last.total
+FROM (SELECT 1) one LEFT JOIN LATERAL (
+    SELECT walk.written_at, walk.claim, walk.total FROM walk
+    ORDER BY walk.written_at DESC, walk.claim DESC LIMIT 1
+) last ON true
+"""
+
+#: `prune_keys`, after `_PRUNE_KEYS` in the same transaction: the claims it walked (after
+#: ``%(at)s``, ``%(claim)s`` up to ``%(end_at)s``, ``%(end_claim)s``) to which none of the key
+#: rows they list refers any more.
+_PRUNE_CLAIMS = f"""
+WITH old AS (
+    SELECT c.ctid FROM streams_idempotency_claims c
+    WHERE c.stream = %(stream)s
+      AND {_expired("%(stream)s", "c.written_at", "now()")}
+      AND (c.written_at, c.claim) > (%(at)s::timestamptz, %(claim)s::bigint)
+      AND (c.written_at, c.claim) <= (%(end_at)s::timestamptz, %(end_claim)s::bigint)
+      AND NOT EXISTS (
+          SELECT FROM unnest(c.keys) AS u(key)
+          JOIN streams_idempotency_keys k
+            ON k.stream = c.stream AND k.key = u.key AND k.written_at = c.written_at
+           AND k.claim = c.claim)
+    FOR UPDATE SKIP LOCKED
+)
+DELETE FROM streams_idempotency_claims c USING old WHERE c.ctid = old.ctid
+"""
+
+
 def prune_keys(info: StreamInfo, batch: int = 10_000) -> Gen[int]:
-    """Delete the stream's key rows older than its key window, ``batch`` at a time (each its
-    own short transaction), then its claim rows to which no key row refers any more; returns
-    how many key rows. Safe at any time: a key older than the window is written anew whether or
-    not its row is still there (the claim's ``DO UPDATE``), a claim in progress holds its row
-    locked, which the ``DELETE`` skips, and a claim row goes only once no key row refers to it
-    (see the module doc)."""
-    params = {"stream": info.id, "batch": batch}
-    deleted = yield from _delete_in_batches(
-        f"""
-        WITH old AS (
-            SELECT k.ctid FROM streams_idempotency_keys k
-            WHERE k.stream = %(stream)s
-              AND {_expired("%(stream)s", "k.written_at", "now()")}
-            ORDER BY k.written_at LIMIT %(batch)s FOR UPDATE SKIP LOCKED
-        ), d AS (
-            DELETE FROM streams_idempotency_keys k USING old WHERE k.ctid = old.ctid
-            RETURNING 1
-        )
-        SELECT count(*) FROM d
-        """,
-        params,
-    )
-    # Only claims older than the window can have lost their keys (a key is claimed anew only
-    # once it expired): that bounds the scan; the NOT EXISTS is what makes it safe.
-    yield from _delete_in_batches(
-        f"""
-        WITH old AS (
-            SELECT c.ctid FROM streams_idempotency_claims c
-            WHERE c.stream = %(stream)s
-              AND {_expired("%(stream)s", "c.written_at", "now()")}
-              AND NOT EXISTS (
-                  SELECT FROM streams_idempotency_keys k
-                  WHERE k.stream = c.stream AND k.written_at = c.written_at
-                    AND k.claim = c.claim)
-            ORDER BY c.written_at LIMIT %(batch)s FOR UPDATE SKIP LOCKED
-        ), d AS (
-            DELETE FROM streams_idempotency_claims c USING old WHERE c.ctid = old.ctid
-            RETURNING 1
-        )
-        SELECT count(*) FROM d
-        """,
-        params,
-    )
-    return deleted
+    """Delete the stream's key rows older than its key window, and then the claim rows to
+    which no key row refers any more; returns how many key rows.
 
-
-def _delete_in_batches(statement: str, params: dict[str, Any]) -> Gen[int]:
-    """Run ``statement`` (a delete of at most ``params["batch"]`` rows that returns how many
-    it deleted), each in a transaction of its own, until a run deletes fewer; the total."""
+    It walks the stream's expired claims (older than the window: so are the keys they wrote,
+    as each key row shares its claim's ``written_at``) in (``written_at``, ``claim``) order,
+    whole claims listing about ``batch`` keys a step, each step its own short transaction: the
+    rows of those keys that still refer to their claim go (``FOR UPDATE SKIP LOCKED``: never a
+    locked one, which a claim in progress holds), and then, in the same transaction, the claims
+    walked that no key row refers to any more (a row skipped keeps its claim for a later
+    prune). Safe at any time: a key older than the window is written anew whether or not its
+    row is still there (the claim's ``DO UPDATE``), and a key row only ever refers to the claim
+    that wrote it, which lists it (see the module doc)."""
+    # Before every claim: tokens are >= 0.
+    at: object = "-infinity"
+    claim: object = -1
     deleted = 0
     while True:
-        rows = yield Query(statement, params)
+        params: dict[str, Any] = {"stream": info.id, "batch": batch, "at": at, "claim": claim}
+        rows = yield Query(_PRUNE_KEYS, params)
+        count, walked, end_at, end_claim, listed = rows[0]
+        deleted += int(count)
+        if walked:
+            params.update(end_at=end_at, end_claim=end_claim)
+            yield Query(_PRUNE_CLAIMS, params)
         yield Commit()
-        count = int(rows[0][0])
-        deleted += count
-        if count < params["batch"]:
+        if not walked or listed < batch:  # no claim left to walk
             return deleted
+        at, claim = end_at, end_claim

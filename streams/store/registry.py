@@ -34,7 +34,7 @@ from ..errors import (
 from .driver import Autocommit, Commit, Gen, Query
 from .roles import grant_stream_sequence, owner_to_create_as
 
-ALEMBIC_HEAD = "0013_timeline_switchpoint"
+ALEMBIC_HEAD = "0014_idempotency_claim_keys"
 
 #: A stream's key window unless set otherwise: an idempotency key names its append for 24 hours.
 DEFAULT_KEY_WINDOW_MS = 24 * 3600 * 1000

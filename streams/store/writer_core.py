@@ -526,7 +526,8 @@ class WriterCore:
         )
         # A batch: one ID per key held; the IDs (ascending) go to the keys held in the order of
         # their positions (both ordered by value, not by evaluation: the client pairs them).
-        # Back: keys held, their positions, the IDs, L, and whether the claim's row was written.
+        # Back: keys held, their positions (NULL: all of them), the IDs, L, and whether the
+        # claim's row was written.
         self._reserve_many_keyed = (
             sql.SQL(
                 """{prefix}, r AS (
@@ -535,7 +536,9 @@ class WriterCore:
                 ), i AS (
                     SELECT array_agg(r.id ORDER BY r.id) AS ids, min(r.floor) AS floor FROM r
                 ), {record}
-                SELECT n.count, n.ords, i.ids, i.floor, (SELECT count(*) FROM x) FROM n, i"""
+                SELECT n.count, CASE WHEN n.count = %(count)s THEN NULL ELSE n.ords END,
+                       i.ids, i.floor, (SELECT count(*) FROM x)
+                FROM n, i"""
             )
             .format(
                 prefix=prefix_with(sql.SQL(""), claim_ctes(many=True), GATE),
@@ -903,13 +906,27 @@ class WriterCore:
                 self.fenced = True
                 self._check_usable()
             raise StoreError("an idempotency claim recorded no fact: report this")
-        fact_ids: list[int | None] = [None] * len(payloads)
-        fact_stamps = list(stamps)
         if count:
             ids += self._check_floor([(stream_id, floor) for stream_id in reserved])
             self.tracker.reserved(token, ids)
-            for pos, stream_id in zip(ords, ids, strict=True):
-                fact_ids[pos - 1] = stream_id
+        if count == len(payloads):  # every key held (``ords`` is NULL): no duplicate
+            yield CopyIn(
+                "COPY streams_facts (stream, stream_id, row_no, instance, ts, payload) FROM STDIN",
+                zip(
+                    repeat(info.id),
+                    ids,
+                    repeat(0),
+                    repeat(self.instance),
+                    stamps,
+                    (encode_payload(p, limit) for p in payloads),
+                ),
+            )
+            yield Commit()
+            return Ack(ids[0], ids[-1], stamps[0], stamps[-1], len(ids), tuple(ids))
+        fact_ids: list[int | None] = [None] * len(payloads)
+        fact_stamps = list(stamps)
+        for pos, stream_id in zip(ords or (), ids, strict=True):
+            fact_ids[pos - 1] = stream_id
         duplicates = [n for n, stream_id in enumerate(fact_ids) if stream_id is None]
         if duplicates:
             originals = yield from read_originals(

@@ -238,6 +238,47 @@ def test_prune_removes_a_claims_row_only_with_the_last_of_its_keys(
     assert claim_rows(streams_url, unique_name) == 0
 
 
+def claim_keys(url: str, stream: str) -> list[list[str]]:
+    """The keys each claim row of the stream lists (sorted), oldest claim first."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT c.keys FROM streams_idempotency_claims c "
+            "JOIN streams_registry r ON r.id = c.stream WHERE r.name = %s "
+            "ORDER BY c.written_at, c.claim",
+            (stream,),
+        ).fetchall()
+    return [sorted(row[0]) for row in rows]
+
+
+def test_prune_walks_the_claims_keys_in_steps_and_keeps_a_claim_with_a_locked_key(
+    client: Client, unique_name: str, streams_url: str
+) -> None:
+    """A claim row lists the keys it wrote (a duplicate's key is not its own); prune walks
+    expired claims' keys a step (``batch`` keys) at a time, a claim spanning steps included,
+    skips a key row held locked and keeps that key's claim for the next prune, which removes
+    both."""
+    client.create_stream(unique_name, key_window_ms=300)
+    with client.writer(unique_name) as writer:
+        writer.append({"n": 0}, key="x")
+        writer.append_batch([{"n": n} for n in range(5)], keys=["e", "d", "c", "b", "a"])
+        writer.append_batch([{"n": 5}, {"n": 6}], keys=["f", "x"])  # "x": a duplicate
+        writer.append({"n": 7}, key="g")
+    assert claim_keys(streams_url, unique_name) == [["x"], ["a", "b", "c", "d", "e"], ["f"], ["g"]]
+    time.sleep(0.4)
+    with psycopg.connect(streams_url) as locker:
+        locker.execute(
+            "SELECT 1 FROM streams_idempotency_keys k JOIN streams_registry r ON r.id = k.stream "
+            "WHERE r.name = %s AND k.key = 'c' FOR UPDATE OF k",
+            (unique_name,),
+        ).fetchall()
+        assert client.prune(unique_name, batch=2).keys_deleted == 7
+        assert set(key_rows(streams_url, unique_name)) == {"c"}
+        assert claim_keys(streams_url, unique_name) == [["a", "b", "c", "d", "e"]]
+    assert client.prune(unique_name, batch=2).keys_deleted == 1
+    assert key_rows(streams_url, unique_name) == {}
+    assert claim_rows(streams_url, unique_name) == 0
+
+
 def test_dropping_a_stream_removes_its_keys_and_claims(
     client: Client, unique_name: str, streams_url: str
 ) -> None:

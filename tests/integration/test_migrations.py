@@ -32,7 +32,7 @@ TABLES = (
     "streams_writers",
 )
 VERSION_TABLE = "streams_alembic_version"
-HEAD = "0013_timeline_switchpoint"
+HEAD = "0014_idempotency_claim_keys"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,3 +138,50 @@ def test_idempotency_keys_survive_downgrade_to_0009_and_upgrade_again(empty_data
         again = writer.append_batch([{"n": 0}] * 5, keys=["e", "d", "c", "b", "a"])
         assert again.duplicate and list(again.ids) == [written[k] for k in "edcba"]
         assert writer.append({"n": 6}, key="f").first_id > max(written.values())
+
+
+def test_claims_list_their_keys_after_upgrade_to_0014_and_prune_removes_them(
+    empty_database: str,
+) -> None:
+    """Revision 0014 gives each existing claim row the keys whose rows refer to it (in position
+    order), and deletes claim rows no key row refers to; its downgrade drops the lists. Keys
+    written before it still return their originals, and prune then removes them through their
+    claims."""
+    url = empty_database
+    _alembic(url, "upgrade", "head")
+    with streams.connect(url) as client:
+        client.create_stream("keyed")
+        with client.writer("keyed") as writer:
+            batch = writer.append_batch([{"n": 1}, {"n": 2}, {"n": 3}], keys=["c", "a", "b"])
+            single = writer.append({"n": 4}, key="d")
+    _alembic(url, "downgrade", "0013_timeline_switchpoint")
+    with psycopg.connect(url, autocommit=True) as conn:
+        # A claim whose keys are gone (what a prune would delete).
+        conn.execute(
+            "INSERT INTO streams_idempotency_claims (stream, written_at, claim, ids) "
+            "SELECT id, clock_timestamp(), 7, '{99}' FROM streams_registry"
+        )
+    _alembic(url, "upgrade", "head")
+    with psycopg.connect(url, autocommit=True) as conn:
+        lists = conn.execute(
+            "SELECT keys FROM streams_idempotency_claims ORDER BY written_at"
+        ).fetchall()
+        index = conn.execute(
+            "SELECT count(*) FROM pg_indexes WHERE indexname = 'streams_idempotency_keys_written'"
+        ).fetchone()
+    assert [row[0] for row in lists] == [["c", "a", "b"], ["d"]]
+    assert index == (0,)
+    with streams.connect(url) as client:
+        with client.writer("keyed") as writer:
+            again = writer.append_batch([{"n": 0}] * 4, keys=["d", "a", "b", "c"])
+        originals = [single.first_id, *batch.ids[1:], batch.ids[0]]
+        assert again.duplicate and list(again.ids) == originals
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("UPDATE streams_registry SET key_window_ms = 1")
+        assert client.prune("keyed").keys_deleted == 4
+    with psycopg.connect(url, autocommit=True) as conn:
+        left = conn.execute(
+            "SELECT (SELECT count(*) FROM streams_idempotency_keys), "
+            "(SELECT count(*) FROM streams_idempotency_claims)"
+        ).fetchone()
+    assert left == (0, 0)
