@@ -651,7 +651,9 @@ def test_bench_write_small_run(fresh_url: str) -> None:
     assert any(line.lstrip().startswith("single x1") for line in ratios), out
     assert any(line.lstrip().startswith("batch x1") for line in ratios), out
     assert all("keyed" in line for line in ratios), out  # keyed appends beside unkeyed ones
-    assert out.count("keyed/unkeyed (Redis off): ") == 2, out
+    keyed = [line for line in out.splitlines() if line.lstrip().startswith("keyed ")]
+    assert len(keyed) == 2, out  # single and batch: beside unkeyed, with the ratio and target
+    assert all("vs unkeyed" in line and "(target >= " in line for line in keyed), out
     assert "tracker memory over 1,000 completed facts" in out
     assert out.startswith(f"database {redact_url(fresh_url)}")
 

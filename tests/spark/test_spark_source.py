@@ -768,6 +768,7 @@ def test_partitions_are_deterministic_and_never_split_a_fact(
     start, end = {"v": 1, "streams": {stream: 0}}, {"v": 1, "streams": {stream: 15}}
     one, two = StreamsStreamReader(config), StreamsStreamReader(config)
     parts = one.partitions(start, end)
+
     # The same ranges; each plan's proof has its own WAL position (anything that wrote WAL
     # between the two, an autovacuum or another test's session, moves it).
     def ranges(planned: Any) -> list[Any]:
