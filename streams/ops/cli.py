@@ -826,9 +826,10 @@ def metrics_serve(
     port: int, addr: str, database_url: str | None, redis_url: str | None, prefix: str | None
 ) -> None:
     """Serve stream-level figures of one database on http://ADDR:PORT/metrics (linear
-    position, max allocated, scratchpad, oldest pending ID, writers, group lag), read at each
-    scrape; runs until Ctrl-C. The database is read once at start (exit 1 if it cannot be:
-    a wrong URL must not look like an outage); later, a scrape that cannot read it reports
+    position, max allocated, scratchpad, oldest pending ID and who holds it, writers, group
+    lag and the retention groups hold back, connections per role), read at each scrape; runs
+    until Ctrl-C. The database is read once at start (exit 1 if it cannot be: a wrong URL
+    must not look like an outage); later, a scrape that cannot read it reports
     streams_database_up 0."""
     from ..metrics import serve
 
