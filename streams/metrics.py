@@ -43,7 +43,7 @@ from .store.roles import connections_by_role
 if TYPE_CHECKING:
     from .client import Client
 
-__all__ = ["ClientCollector", "DatabaseCollector", "enable", "serve"]
+__all__ = ["ClientCollector", "DatabaseCollector", "enable", "serve", "serve_registry"]
 
 _PREFIX = "streams"
 
@@ -358,8 +358,16 @@ def enable(client: Client, *, port: int | None = None, addr: str = "127.0.0.1") 
 def serve(settings: Settings, port: int, addr: str = "127.0.0.1") -> Any:
     """Serve `DatabaseCollector` figures on ``http://addr:port/metrics`` (a daemon thread);
     returns the server (``.shutdown()`` stops it)."""
+    registry, server = serve_registry(port, addr)
+    registry.register(DatabaseCollector(settings))
+    return server
+
+
+def serve_registry(port: int, addr: str = "127.0.0.1") -> tuple[Any, Any]:
+    """A registry of its own served on ``http://addr:port/metrics`` (a daemon thread), empty
+    until collectors are registered (``registry.register(ClientCollector(client))``); returns
+    it and the server (``.shutdown()`` stops it). Raises `OSError` if it cannot listen there."""
     prometheus = _prometheus()
     registry = prometheus.CollectorRegistry()
-    registry.register(DatabaseCollector(settings))
     server, _thread = prometheus.start_http_server(port, addr=addr, registry=registry)
-    return server
+    return registry, server

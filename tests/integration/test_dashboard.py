@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -25,7 +28,7 @@ import psycopg
 import pytest
 import redis
 import yaml
-from helpers import REPO_ROOT, wait_until
+from helpers import REPO_ROOT, default_sigint, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from servers import free_port
 
@@ -317,3 +320,39 @@ def test_every_name_the_dashboard_and_the_alerts_use_is_exported(
     metrics, labels = promql_names('rate(streams_linear_positon{strem="a"}[5m])')
     assert metrics == {"streams_linear_positon"} and labels == {"strem"}
     assert not found.exported("streams_linear_positon") and "strem" not in labels_exported
+
+
+def test_the_demo_serves_what_the_redis_panels_draw(own_database: str, redis_url: str) -> None:
+    """`streams demo --metrics`, as the compose file runs it for the dashboard's Redis panels:
+    its reader's client is scraped while it runs."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "streams", "demo", "--no-spark", "--duration", "30",
+         "--writers", "1", "--rate", "20", "--json", "--metrics", f"127.0.0.1:{port}",
+         "--database-url", own_database, "--redis-url", redis_url,
+         "--prefix", f"dash{free_port()}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=default_sigint,  # noqa: PLW1509 (one signal call: no lock taken)
+    )  # fmt: skip
+    found = Scrape()
+    try:
+
+        def served() -> bool:
+            try:
+                found.add(port)
+            except OSError:
+                return False
+            return any(
+                name == "streams_reader_rows_total" and value > 0
+                for (name, _), value in found.values.items()
+            )
+
+        wait_until(served, timeout=60, what="the demo to serve its reader's metrics")
+    finally:
+        proc.send_signal(signal.SIGINT)  # the demo stops early and checks what it did
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-3000:]
+    assert json.loads(out.strip().splitlines()[-1])["ok"] is True
+    assert "streams_link_connected" in found.labels
+    assert found.labels["streams_link_commands_total"] == {"prefix", "kind"}
+    assert {"streams", "group"} <= found.labels["streams_reader_rows_total"]

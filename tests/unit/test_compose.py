@@ -51,8 +51,14 @@ def test_compose_file_runs_the_whole_system() -> None:
         help_result = CliRunner().invoke(main, [*args, "--help"])
         assert help_result.exit_code == 0, (name, help_result.output)
     prometheus = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
-    (target,) = prometheus["scrape_configs"][0]["static_configs"][0]["targets"]
-    assert target == "metrics:9464"
+    jobs = {
+        job["job_name"]: [t for c in job["static_configs"] for t in c["targets"]]
+        for job in prometheus["scrape_configs"]
+    }
+    assert jobs == {"streams": ["metrics:9464"], "streams-clients": ["demo:9465"]}
+    # The demo serves its client's metrics where Prometheus looks for them.
+    demo = services["demo"]["command"]
+    assert demo[demo.index("--metrics") + 1] == "0.0.0.0:9465"
 
 
 def _substitute(value: str) -> str:
