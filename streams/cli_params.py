@@ -58,6 +58,7 @@ __all__ = [
     "Duration",
     "FiniteFloat",
     "IntList",
+    "ListenAddress",
     "NameList",
     "common_options",
     "failure_line",
@@ -125,6 +126,26 @@ class FiniteFloat(click.FloatRange):
         if not math.isfinite(number):
             self.fail(f"{value!r} is not a finite number", param, ctx)
         return super().convert(number, param, ctx)
+
+
+class ListenAddress(click.ParamType[tuple[str, int]]):
+    """``ADDR:PORT`` to serve on (``[::1]:9465`` for IPv6), as ``(addr, port)``; the port in
+    0-65535. Whether the address is this host's is only known when it is bound."""
+
+    name = "addr:port"
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> tuple[str, int]:
+        if isinstance(value, tuple):
+            return value
+        addr, sep, port = str(value).rpartition(":")
+        addr = addr[1:-1] if addr.startswith("[") and addr.endswith("]") else addr
+        if not sep or not addr or not port.isascii() or not port.isdigit() or len(port) > 5:
+            self.fail(f"{value!r} is not ADDR:PORT (e.g. 127.0.0.1:9465)", param, ctx)
+        if int(port) > 65535 or not addr.isprintable():
+            self.fail(f"{value!r}: the port is 0-65535, the address printable", param, ctx)
+        return addr, int(port)
 
 
 class _Checked(click.ParamType[str]):

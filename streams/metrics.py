@@ -12,13 +12,17 @@ Two collectors, both *pull*: nothing is computed until Prometheus scrapes, so th
   `enable(client, port=...)` registers it and, with a port, serves ``/metrics``.
 * `DatabaseCollector` reports stream-level figures of one database, read at scrape time with
   the same queries as `streams positions`: linear position, max allocated, scratchpad, the age
-  of the oldest pending ID, each writer's position and pending count, each reader group's (and
-  Spark query's) lag in IDs and in time. ``streams metrics serve`` runs it, so a Prometheus can
+  of the oldest pending ID and each transaction holding the stream back (who holds it), each
+  writer's position and pending count, each reader group's (and Spark query's) lag in IDs and
+  in time and the retention it holds back, and the database's sessions by role and state.
+  ``streams metrics serve`` runs it, so a Prometheus can
   scrape a deployment without touching its services.
 
 What operators of such systems fear most is a silent stall: the linear position not moving
 while max allocated moves (a writer holding an ID open). ``deploy/prometheus/alerts.yml`` has a
-rule for it, ``StreamsLinearPositionStalled``.
+rule for it, ``StreamsLinearPositionStalled``; ``deploy/grafana/streams.json`` draws these
+figures (tests/integration/test_dashboard.py checks that its queries name only what is
+exported here).
 """
 
 from __future__ import annotations
@@ -31,14 +35,15 @@ from .config import Settings
 from .errors import ConfigurationError, StreamsError
 from .store import sessions
 from .store.driver import run
-from .store.leases import reservation_lock_holders
-from .store.reader_groups import stream_positions
+from .store.leases import LockHolder, reservation_lock_holders
+from .store.reader_groups import StreamPositions, stream_positions
 from .store.registry import list_streams
+from .store.roles import connections_by_role
 
 if TYPE_CHECKING:
     from .client import Client
 
-__all__ = ["ClientCollector", "DatabaseCollector", "enable", "serve"]
+__all__ = ["ClientCollector", "DatabaseCollector", "enable", "serve", "serve_registry"]
 
 _PREFIX = "streams"
 
@@ -209,75 +214,133 @@ class DatabaseCollector:
                     self._settings.database_url, autocommit=False, purpose="metrics"
                 ) as conn,
             ):
-                items = []
-                for info in run(conn, list_streams()):
-                    holders = run(conn, reservation_lock_holders(info))
-                    past = max((h.lease_expired_seconds or 0.0 for h in holders), default=0.0)
-                    items.append((run(conn, stream_positions(info, retire=False)), past))
+                items = [
+                    (run(conn, stream_positions(info, retire=False)),
+                     run(conn, reservation_lock_holders(info)))
+                    for info in run(conn, list_streams())
+                ]  # fmt: skip
+                connections = run(conn, connections_by_role())
         except StreamsError:
             up.add_metric([], 0)
             yield up
             return
         up.add_metric([], 1)
         yield up
-        linear = _family(
-            "gauge", "linear_position", "Every ID at or below it completed.", ["stream"]
-        )
-        allocated = _family("gauge", "max_allocated", "The sequence's last value.", ["stream"])
-        scratchpad = _family(
-            "gauge", "scratchpad_ids", "IDs in (linear, max allocated].", ["stream"]
-        )
-        oldest = _family(
-            "gauge",
-            "oldest_pending_seconds",
-            "Age of the oldest open writing transaction.",
-            ["stream"],
-        )
-        past_lease = _family(
-            "gauge",
-            "held_past_lease_seconds",
-            "Longest time an open writing transaction has held the stream past its writer's "
-            "lease (0: none; such a session is ended by the next reader or writer that looks).",
-            ["stream"],
-        )
-        writer_position = _family(
-            "gauge",
-            "writer_persisted_position",
-            "Per-writer position as persisted.",
-            ["stream", "instance", "state"],
-        )
-        writer_pending = _family(
-            "gauge",
-            "writer_persisted_pending",
-            "Pending IDs at the writer's last heartbeat.",
-            ["stream", "instance", "state"],
-        )
-        lag = _family(
-            "gauge", "group_lag_ids", "Linear position minus the group's.", ["stream", "group"]
-        )
-        lag_seconds = _family(
-            "gauge",
-            "group_lag_seconds",
-            "Age of the oldest fact the group has not consumed.",
-            ["stream", "group"],
-        )
-        for p, past in items:
-            past_lease.add_metric([p.stream], max(0.0, past))
-            linear.add_metric([p.stream], p.linear)
-            allocated.add_metric([p.stream], p.max_allocated)
-            scratchpad.add_metric([p.stream], p.scratchpad)
-            oldest.add_metric([p.stream], (p.oldest_pending_ms or 0) / 1000)
-            for name, w in p.writers.items():
-                if w.retired:
-                    continue
-                writer_position.add_metric([p.stream, name, w.state], w.position)
-                writer_pending.add_metric([p.stream, name, w.state], w.pending)
-            for g in p.groups:
-                lag.add_metric([p.stream, g.group], g.lag)
-                lag_seconds.add_metric([p.stream, g.group], (g.lag_ms or 0) / 1000)
-        yield from (linear, allocated, scratchpad, oldest, past_lease)
-        yield from (writer_position, writer_pending)
-        yield from (lag, lag_seconds)
+        yield from _stream_families(items)
+        yield from _stall_families(items)
+        yield from _writer_families(items)
+        yield from _group_families(items)
+        yield _connection_family(connections)
+
+
+_Item = tuple[StreamPositions, list[LockHolder]]
+
+
+def _stream_families(items: list[_Item]) -> Iterator[Any]:
+    linear = _family("gauge", "linear_position", "Every ID at or below it completed.", ["stream"])
+    allocated = _family("gauge", "max_allocated", "The sequence's last value.", ["stream"])
+    scratchpad = _family("gauge", "scratchpad_ids", "IDs in (linear, max allocated].", ["stream"])
+    oldest = _family(
+        "gauge", "oldest_pending_seconds", "Age of the oldest open writing transaction.", ["stream"]
+    )
+    for p, _ in items:
+        linear.add_metric([p.stream], p.linear)
+        allocated.add_metric([p.stream], p.max_allocated)
+        scratchpad.add_metric([p.stream], p.scratchpad)
+        oldest.add_metric([p.stream], (p.oldest_pending_ms or 0) / 1000)
+    yield from (linear, allocated, scratchpad, oldest)
+
+
+def _stall_families(items: list[_Item]) -> Iterator[Any]:
+    past_lease = _family(
+        "gauge",
+        "held_past_lease_seconds",
+        "Longest time an open writing transaction has held the stream past its writer's "
+        "lease (0: none; such a session is ended by the next reader or writer that looks).",
+        ["stream"],
+    )
+    holder = _family(
+        "gauge",
+        "stall_holder_seconds",
+        "Age of each open writing transaction holding the stream's linear position back, by "
+        "who holds it: writer instance ('' if not found), application_name and session state "
+        "(the longest of a stream is its current stall; `streams doctor` names the session).",
+        ["stream", "instance", "application", "state"],
+    )
+    for p, holders in items:
+        past = max((h.lease_expired_seconds or 0.0 for h in holders), default=0.0)
+        past_lease.add_metric([p.stream], max(0.0, past))
+        # Two sessions with the same labels (one writer's, say) are one series: the oldest.
+        longest: dict[tuple[str, str, str], float] = {}
+        for h in holders:
+            key = (h.instance or "", h.application_name, h.state)
+            longest[key] = max(longest.get(key, 0.0), h.transaction_seconds)
+        for key, seconds in sorted(longest.items()):
+            holder.add_metric([p.stream, *key], seconds)
+    yield from (past_lease, holder)
+
+
+def _writer_families(items: list[_Item]) -> Iterator[Any]:
+    position = _family(
+        "gauge",
+        "writer_persisted_position",
+        "Per-writer position as persisted.",
+        ["stream", "instance", "state"],
+    )
+    pending = _family(
+        "gauge",
+        "writer_persisted_pending",
+        "Pending IDs at the writer's last heartbeat.",
+        ["stream", "instance", "state"],
+    )
+    for p, _ in items:
+        for name, w in p.writers.items():
+            if w.retired:
+                continue
+            position.add_metric([p.stream, name, w.state], w.position)
+            pending.add_metric([p.stream, name, w.state], w.pending)
+    yield from (position, pending)
+
+
+def _group_families(items: list[_Item]) -> Iterator[Any]:
+    labels = ["stream", "group"]
+    lag = _family("gauge", "group_lag_ids", "Linear position minus the group's.", labels)
+    lag_seconds = _family(
+        "gauge", "group_lag_seconds", "Age of the oldest fact the group has not consumed.", labels
+    )
+    holds = _family(
+        "gauge",
+        "group_holds_retention",
+        "1 if the group stops retention's prune short of the stream's retention period.",
+        labels,
+    )
+    held = _family(
+        "gauge",
+        "group_retention_held_ids",
+        "IDs retention would prune but for the group (0 unless it holds retention back).",
+        labels,
+    )
+    for p, _ in items:
+        for g in p.groups:
+            key = [p.stream, g.group]
+            lag.add_metric(key, g.lag)
+            lag_seconds.add_metric(key, (g.lag_ms or 0) / 1000)
+            holds.add_metric(key, 1 if g.holds_retention else 0)
+            held.add_metric(key, g.retention_held_ids)
+    yield from (lag, lag_seconds, holds, held)
+
+
+def _connection_family(connections: list[tuple[str, str, int]]) -> Any:
+    family = _family(
+        "gauge",
+        "database_connections",
+        "Sessions connected to the database, by login role and state ('unknown': another "
+        "role's session, unless this one may read all statistics).",
+        ["role", "state"],
+    )
+    for role, state, count in connections:
+        family.add_metric([role, state], count)
+    return family
 
 
 def enable(client: Client, *, port: int | None = None, addr: str = "127.0.0.1") -> Any:
@@ -295,8 +358,16 @@ def enable(client: Client, *, port: int | None = None, addr: str = "127.0.0.1") 
 def serve(settings: Settings, port: int, addr: str = "127.0.0.1") -> Any:
     """Serve `DatabaseCollector` figures on ``http://addr:port/metrics`` (a daemon thread);
     returns the server (``.shutdown()`` stops it)."""
+    registry, server = serve_registry(port, addr)
+    registry.register(DatabaseCollector(settings))
+    return server
+
+
+def serve_registry(port: int, addr: str = "127.0.0.1") -> tuple[Any, Any]:
+    """A registry of its own served on ``http://addr:port/metrics`` (a daemon thread), empty
+    until collectors are registered (``registry.register(ClientCollector(client))``); returns
+    it and the server (``.shutdown()`` stops it). Raises `OSError` if it cannot listen there."""
     prometheus = _prometheus()
     registry = prometheus.CollectorRegistry()
-    registry.register(DatabaseCollector(settings))
     server, _thread = prometheus.start_http_server(port, addr=addr, registry=registry)
-    return server
+    return registry, server

@@ -12,6 +12,8 @@ Terms:
 * A group **holds retention back** when it is what stops `prune` short of that goal: its
   position is below the goal, and at or above what was already pruned (a group below that lost
   facts and holds nothing back: `prune` passes it, and `streams doctor` reports it).
+* The **retention it holds back** is how many IDs `prune` would remove for the period but for
+  that group: retention's goal minus its position when it holds retention back, else 0.
 * A group is **stale** when it holds retention back and has been idle for at least the
   *stale-after* time. A live reader that falls behind commits as it goes (not stale); a caught-up
   group that stops committing holds nothing back (not stale). A stale group is shown by
@@ -21,7 +23,13 @@ Terms:
 
 from __future__ import annotations
 
-__all__ = ["STALE_AFTER_MS", "holds_retention", "is_stale", "retention_goal"]
+__all__ = [
+    "STALE_AFTER_MS",
+    "holds_retention",
+    "is_stale",
+    "retention_goal",
+    "retention_held",
+]
 
 #: Default stale-after time: one day without a commit.
 STALE_AFTER_MS = 86_400_000
@@ -41,6 +49,14 @@ def retention_goal(
 def holds_retention(position: int, pruned_through: int, goal: int | None) -> bool:
     """Whether a group at ``position`` stops `prune` short of retention's ``goal``."""
     return goal is not None and pruned_through <= position < goal
+
+
+def retention_held(position: int, pruned_through: int, goal: int | None) -> int:
+    """How many IDs a group at ``position`` keeps `prune` from removing: ``goal - position``
+    when it holds retention back (`holds_retention`), else 0."""
+    if goal is None or not holds_retention(position, pruned_through, goal):
+        return 0
+    return goal - position
 
 
 def is_stale(idle_ms: int, holds: bool, stale_after_ms: int) -> bool:

@@ -32,6 +32,7 @@ from ..cli_params import (
     STREAM_NAME,
     Duration,
     FiniteFloat,
+    ListenAddress,
     common_options,
     read_url_option,
 )
@@ -826,9 +827,10 @@ def metrics_serve(
     port: int, addr: str, database_url: str | None, redis_url: str | None, prefix: str | None
 ) -> None:
     """Serve stream-level figures of one database on http://ADDR:PORT/metrics (linear
-    position, max allocated, scratchpad, oldest pending ID, writers, group lag), read at each
-    scrape; runs until Ctrl-C. The database is read once at start (exit 1 if it cannot be:
-    a wrong URL must not look like an outage); later, a scrape that cannot read it reports
+    position, max allocated, scratchpad, oldest pending ID and who holds it, writers, group
+    lag and the retention groups hold back, connections per role), read at each scrape; runs
+    until Ctrl-C. The database is read once at start (exit 1 if it cannot be: a wrong URL
+    must not look like an outage); later, a scrape that cannot read it reports
     streams_database_up 0."""
     from ..metrics import serve
 
@@ -857,6 +859,26 @@ ops.add_command(failover)
 ops.add_command(roles)
 
 
+@contextlib.contextmanager
+def _demo_metrics(addr: str, port: int) -> Iterator[Any]:
+    """A Prometheus registry served on ``addr:port`` while the demo runs (bound before it
+    starts: a bad address fails the command at once)."""
+    from ..metrics import serve_registry
+
+    try:
+        registry, server = serve_registry(port, addr)
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise click.ClickException(f"cannot listen on {addr!r} port {port}: {reason}") from None
+    host, bound = server.server_address[:2]
+    click.echo(f"serving the demo's metrics on http://{host}:{bound}/metrics", err=True)
+    try:
+        yield registry
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 @ops.command()
 @click.option(
     "--duration", type=FiniteFloat(0.5, 86_400), default=30.0, show_default=True,
@@ -870,6 +892,11 @@ ops.add_command(roles)
 @click.option(
     "--no-spark", is_flag=True, help="Only the Python reader (for a machine without Java)."
 )
+@click.option(
+    "--metrics", "metrics_at", type=ListenAddress(), default=None,
+    help="Serve the Python reader's Prometheus metrics (its Redis link, what it read and "
+    "rejected) on http://ADDR:PORT/metrics (needs streams[metrics]).",
+)  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @common_options
 def demo(
@@ -877,6 +904,7 @@ def demo(
     writer_count: int,
     rate: float,
     no_spark: bool,
+    metrics_at: tuple[str, int] | None,
     as_json: bool,
     database_url: str | None,
     redis_url: str | None,
@@ -890,17 +918,20 @@ def demo(
     from .demo import print_summary, run_demo
 
     settings = _settings(database_url, redis_url, prefix)
-    upgrade(settings.database_url)
-    click.echo(f"database {redact_url(settings.database_url)}", err=True)
-    result = run_demo(
-        settings,
-        duration=duration,
-        writers=writer_count,
-        rate=rate,
-        spark=not no_spark,
-        terminal=_terminal() and not as_json,
-        out=lambda line: click.echo(line, err=True),
-    )
+    with contextlib.ExitStack() as stack:
+        registry = None if metrics_at is None else stack.enter_context(_demo_metrics(*metrics_at))
+        upgrade(settings.database_url)
+        click.echo(f"database {redact_url(settings.database_url)}", err=True)
+        result = run_demo(
+            settings,
+            duration=duration,
+            writers=writer_count,
+            rate=rate,
+            spark=not no_spark,
+            terminal=_terminal() and not as_json,
+            out=lambda line: click.echo(line, err=True),
+            metrics=registry,
+        )
     if as_json:
         click.echo(json.dumps(result.as_dict(), sort_keys=True, separators=(",", ":")))
     else:

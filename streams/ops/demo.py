@@ -239,10 +239,17 @@ def run_demo(
     spark: bool = True,
     terminal: bool = False,
     out: Callable[[str], None] = print,
+    metrics: Any = None,
 ) -> DemoResult:
-    """Run the demo for ``duration`` seconds (or until Ctrl-C) and check the result."""
+    """Run the demo for ``duration`` seconds (or until Ctrl-C) and check the result. With
+    ``metrics`` (a prometheus-client registry), the Python reader's client reports there (its
+    reader and Redis link: `streams.metrics.ClientCollector`)."""
     checkpoint = tempfile.mkdtemp(prefix="streams-demo-")
     with connect(settings.database_url, settings.redis_url, settings.prefix) as client:
+        if metrics is not None:
+            from ..metrics import ClientCollector
+
+            metrics.register(ClientCollector(client))
         stream = _setup(settings, client, spark)
         spark_note = " and a Spark query (group demo-spark)" if spark else ""
         out(

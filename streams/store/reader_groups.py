@@ -17,7 +17,13 @@ from typing import Any, NamedTuple
 
 from psycopg import sql
 
-from ..core.staleness import STALE_AFTER_MS, holds_retention, is_stale, retention_goal
+from ..core.staleness import (
+    STALE_AFTER_MS,
+    holds_retention,
+    is_stale,
+    retention_goal,
+    retention_held,
+)
 from ..errors import GroupFenced, InvalidPosition, StoreError, UsageError
 from ._common import NOW_MS_SQL
 from .driver import Commit, Gen, Query
@@ -130,6 +136,9 @@ class GroupRow:
     #: It stops `prune` short of what the stream's retention period allows
     #: (`streams.core.staleness.holds_retention`).
     holds_retention: bool = False
+    #: How many IDs `prune` would remove but for this group (0 unless it holds retention back:
+    #: `streams.core.staleness.retention_held`).
+    retention_held_ids: int = 0
     #: Idle for the stale-after time while holding retention back (`streams.core.staleness`).
     stale: bool = False
     #: The generation of the group's consumer (`take_generations`): how many times a consumer
@@ -581,6 +590,7 @@ def list_groups(
                 lag_ms=None if lag_ms is None else max(0, int(lag_ms)),
                 idle_ms=idle,
                 holds_retention=holds,
+                retention_held_ids=retention_held(int(position), int(pruned), goal),
                 stale=is_stale(idle, holds, stale_after_ms),
                 generation=None if generation is None else int(generation),
                 owner=owner,

@@ -71,6 +71,7 @@ __all__ = [
     "WRITER",
     "Finding",
     "RoleGrants",
+    "connections_by_role",
     "create_roles",
     "grant_stream_sequence",
     "missing_grants",
@@ -750,3 +751,21 @@ def role_grants() -> Gen[list[RoleGrants]]:
         )
     yield Commit()
     return found
+
+
+def connections_by_role() -> Gen[list[tuple[str, str, int]]]:
+    """The sessions connected to this database by login role and state (``active``, ``idle``,
+    ``idle in transaction``...), as ``(role, state, count)`` rows: what the connection limits
+    of each role (and the server's ``max_connections``) are spent on.
+
+    ``pg_stat_activity`` shows every session's role to anyone, but the state of another role's
+    session only to a superuser or a member of ``pg_read_all_stats`` (or of that role): for
+    the others it is reported as ``unknown``. Background processes (no role) are left out.
+    """
+    rows = yield Query(
+        "SELECT usename::text, COALESCE(state, 'unknown'), count(*) FROM pg_stat_activity "
+        "WHERE datname = current_database() AND usename IS NOT NULL "
+        "GROUP BY 1, 2 ORDER BY 1, 2"
+    )
+    yield Commit()
+    return [(str(role), str(state), int(n)) for role, state, n in rows]

@@ -129,6 +129,17 @@ _BY_NAME: dict[str, list[str]] = {
     "older_than": [*_DURATIONS, ""],
     "stale_after": [*_DURATIONS, ""],
     "addr": ["999.1.1.1", "not a host", "::zz", "8.8.8.8"],
+    # `demo --metrics ADDR:PORT`: not of that form, a port out of range, an address not ours.
+    "metrics_at": [
+        "9465",
+        "x:",
+        ":9465",
+        "127.0.0.1:99999",
+        "127.0.0.1:-1",
+        "127.0.0.1:0x1",
+        "8.8.8.8:9465",
+        "[::zz]:1",
+    ],
     "prefix": ["a b", "x" * 201, "a\x00", "ü", "semi;colon"],
     **_SECRET_URLS,
     # A hot standby's URL (`bench history --read-url`, `read --read-database-url`).

@@ -1,15 +1,21 @@
 """docker-compose.yml runs the whole system. There is no Docker engine (nor compose plugin) on
 the development machines, so this checks what can be checked without one: the file parses,
 every service the README names is there with a healthcheck where others wait on it, every
-`depends_on` and mounted path exists, and the commands it runs are real CLI commands; and the
-Spark image (deploy/spark/Dockerfile) has a Python that `requires-python` accepts, Java 17,
+`depends_on` and mounted path exists, and the commands it runs are real CLI commands; the
+Grafana service finds the Prometheus data source and the dashboard where its provisioning
+files say (`docker compose config` validates the file too, where the compose plugin exists);
+and the Spark image (deploy/spark/Dockerfile) has a Python that `requires-python` accepts, Java 17,
 streams[spark] from pip and Spark's own spark-class from the pip PySpark, as the cluster test
 (tests/spark/test_cluster.py) runs it."""
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
+import subprocess
 import tomllib
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,7 +35,7 @@ def test_compose_file_runs_the_whole_system() -> None:
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services = compose["services"]
     assert {"postgres", "redis", "spark-master", "spark-worker", "demo", "metrics",
-            "prometheus"} <= set(services)  # fmt: skip
+            "prometheus", "grafana"} <= set(services)  # fmt: skip
     for name, service in services.items():
         depends = service.get("depends_on", {})
         for dep, condition in depends.items() if isinstance(depends, dict) else []:
@@ -45,8 +51,14 @@ def test_compose_file_runs_the_whole_system() -> None:
         help_result = CliRunner().invoke(main, [*args, "--help"])
         assert help_result.exit_code == 0, (name, help_result.output)
     prometheus = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
-    (target,) = prometheus["scrape_configs"][0]["static_configs"][0]["targets"]
-    assert target == "metrics:9464"
+    jobs = {
+        job["job_name"]: [t for c in job["static_configs"] for t in c["targets"]]
+        for job in prometheus["scrape_configs"]
+    }
+    assert jobs == {"streams": ["metrics:9464"], "streams-clients": ["demo:9465"]}
+    # The demo serves its client's metrics where Prometheus looks for them.
+    demo = services["demo"]["command"]
+    assert demo[demo.index("--metrics") + 1] == "0.0.0.0:9465"
 
 
 def _substitute(value: str) -> str:
@@ -128,3 +140,55 @@ def test_the_spark_image_runs_spark_as_the_cluster_test_does() -> None:
     )
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".git" in ignored  # not sent as the build's context
+
+
+def _compose_cli() -> list[str] | None:
+    """``docker compose`` if the Docker CLI with its compose plugin is here (it needs no
+    engine to validate a file), else None."""
+    docker = shutil.which("docker")
+    if docker is None:
+        return None
+    found = subprocess.run(
+        [docker, "compose", "version"], capture_output=True, text=True, timeout=30, check=False
+    )
+    return [docker, "compose"] if found.returncode == 0 else None
+
+
+def test_grafana_is_provisioned_with_prometheus_and_the_dashboard() -> None:
+    compose_cli = _compose_cli()
+    if compose_cli is not None:  # the real validation, where the plugin exists
+        checked = subprocess.run(
+            [*compose_cli, "-f", str(ROOT / "docker-compose.yml"), "config", "--quiet"],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert checked.returncode == 0, checked.stderr
+    # Always (there is no compose plugin on the development machines): what it would check of
+    # the grafana service, and what it cannot (the mounted files are what Grafana expects).
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    grafana = services["grafana"]
+    image, _, tag = grafana["image"].partition(":")
+    assert image == "grafana/grafana" and re.fullmatch(r"\d+\.\d+\.\d+", tag), grafana["image"]
+    assert grafana["depends_on"]["prometheus"]["condition"] == "service_healthy"
+    assert any(p.endswith(":3000") for p in grafana["ports"])
+    env = grafana["environment"]
+    assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "true" and env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == (
+        "Viewer"
+    )
+    mounts = {}
+    for volume in grafana["volumes"]:
+        source, target, *_ = volume.split(":")
+        assert (ROOT / source).exists(), source
+        mounts[target] = ROOT / source
+    provisioning = Path("/etc/grafana/provisioning")
+    datasources = mounts[str(provisioning / "datasources")]
+    (source,) = yaml.safe_load((datasources / "prometheus.yml").read_text())["datasources"]
+    assert source["type"] == "prometheus" and source["url"] == "http://prometheus:9090"
+    assert "9090" in " ".join(services["prometheus"]["ports"])
+    dashboards = mounts[str(provisioning / "dashboards")]
+    (provider,) = yaml.safe_load((dashboards / "streams.yml").read_text())["providers"]
+    assert provider["type"] == "file"
+    dashboard = Path(provider["options"]["path"]) / "streams.json"
+    assert mounts[str(dashboard)] == ROOT / "deploy" / "grafana" / "streams.json"
+    assert env["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"] == str(dashboard)
+    # It loads as JSON (its own checks: tests/integration/test_dashboard.py).
+    assert json.loads(mounts[str(dashboard)].read_text())["uid"]

@@ -5,7 +5,13 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from streams.core.staleness import STALE_AFTER_MS, holds_retention, is_stale, retention_goal
+from streams.core.staleness import (
+    STALE_AFTER_MS,
+    holds_retention,
+    is_stale,
+    retention_goal,
+    retention_held,
+)
 
 positions = st.integers(0, 10**6)
 optional = st.none() | positions
@@ -19,6 +25,8 @@ def test_examples() -> None:
     assert holds_retention(10, 5, 40) and not holds_retention(40, 5, 40)
     assert not holds_retention(4, 5, 40)  # below what was pruned: it lost facts, holds nothing
     assert not holds_retention(10, 5, None)
+    assert retention_held(10, 5, 40) == 30 and retention_held(40, 5, 40) == 0
+    assert retention_held(4, 5, 40) == 0 and retention_held(10, 5, None) == 0
     assert is_stale(STALE_AFTER_MS, True, STALE_AFTER_MS)
     assert not is_stale(STALE_AFTER_MS - 1, True, STALE_AFTER_MS)
     assert not is_stale(10 * STALE_AFTER_MS, False, STALE_AFTER_MS)
@@ -41,6 +49,8 @@ def test_a_group_holds_retention_exactly_when_prune_would_stop_at_it(
     alone = pruned if goal is None else max(pruned, goal)
     with_group = alone if position < pruned else max(pruned, min(alone, position))
     assert holds_retention(position, pruned, goal) == (with_group < alone)
+    # What it holds back is exactly what prune would remove without it and does not with it.
+    assert retention_held(position, pruned, goal) == alone - with_group
 
 
 @given(idle=st.integers(0, 10**12), holds=st.booleans(), a=st.integers(0, 10**12),
