@@ -172,7 +172,7 @@ def _relation_sizes(conn: psycopg.Connection[Any]) -> tuple[int, int, int]:
     return int(row[0]), int(row[1]), int(row[2])
 
 
-def _load(
+def load_facts(
     conn: psycopg.Connection[Any], info: StreamInfo, first: int, last: int, base_ms: int
 ) -> None:
     """Fill IDs ``first..last`` server-side, as writers would have (ts 1 ms apart)."""
@@ -355,7 +355,7 @@ def _measure_prune(
         conn.execute("VACUUM streams_facts")
         conn.autocommit = False
         last = client.positions(info.name).max_allocated
-        _load(conn, info, last + 1, last + quarter, base_ms + facts + cycle * quarter)
+        load_facts(conn, info, last + 1, last + quarter, base_ms + facts + cycle * quarter)
         conn.autocommit = True
         sizes.append(_relation_sizes(conn))
     before = sorted(appender.phases["before"])
@@ -392,7 +392,7 @@ def _load_and_size(
     before = _relation_sizes(conn)
     conn.commit()
     start = time.perf_counter()
-    _load(conn, info, 1, facts, base_ms)
+    load_facts(conn, info, 1, facts, base_ms)
     seconds = time.perf_counter() - start
     after = _relation_sizes(conn)
     conn.commit()

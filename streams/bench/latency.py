@@ -16,7 +16,8 @@ baselines measured in the same run.
   (by default two streams: 200,000 facts and 10^7) against a raw psycopg loop of the same
   paged query (`common.raw_catchup`: same page size, autocommit,
   inlined integer literals, the payloads decoded a page at a time with the reader's decoder).
-  The stream is filled, then its partition analyzed (as autovacuum would, later: without
+  The stream is filled (beyond `SERVER_SIDE_FILL` facts server-side, as `streams.bench.history`
+  does), then its partition analyzed (as autovacuum would, later: without
   statistics the planner sorts the whole rest of the stream for every page of the raw loop).
   Raw and `streams` rounds alternate; the report gives medians and the ratio streams/raw.
 
@@ -63,6 +64,7 @@ from .common import (
 if TYPE_CHECKING:
     from ..client import Client
     from ..reader import Reader
+    from ..store.registry import StreamInfo
 
 __all__ = [
     "CatchupResult",
@@ -91,6 +93,8 @@ START_TIMEOUT = 60.0
 #: Facts per append when filling the catch-up stream.
 CATCHUP_BATCH = 5000
 CATCHUP_ROUNDS = 3
+#: Streams larger than this are filled server-side (`_fill`).
+SERVER_SIDE_FILL = 1_000_000
 #: The sizes of the streams caught up: a fresh consumer's backfill, and a long history.
 DEFAULT_CATCHUP_FACTS = (200_000, 10_000_000)
 
@@ -472,8 +476,17 @@ def _measure_streams(
         _stop(procs)
 
 
-def _fill(client: Client, stream: str, facts: int) -> None:
-    writer = client.writer(stream, instance="bench-lat-catchup")
+def _fill(client: Client, info: StreamInfo, facts: int) -> None:
+    """``facts`` single-row facts: appended in batches by a writer, or, beyond
+    `SERVER_SIDE_FILL`, written server-side as `streams.bench.history` does (a 10^7-fact
+    stream in seconds rather than minutes; catching up reads them the same way)."""
+    if facts > SERVER_SIDE_FILL:
+        from .history import load_facts
+
+        with psycopg.connect(client.settings.database_url) as conn:
+            load_facts(conn, info, 1, facts, int(time.time() * 1000) - facts)
+        return
+    writer = client.writer(info.name, instance="bench-lat-catchup")
     try:
         payloads = [PAYLOAD] * CATCHUP_BATCH
         remaining = facts
@@ -506,7 +519,7 @@ def _measure_catchup(
 ) -> CatchupResult:
     info = scratch.create("catchup")
     stream = info.name
-    _fill(client, stream, facts)
+    _fill(client, info, facts)
     with psycopg.connect(database_url, autocommit=True) as conn:
         conn.execute(sql.SQL("ANALYZE {}").format(sql.Identifier(facts_partition(info.id))))
     raw: list[float] = []
