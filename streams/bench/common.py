@@ -220,6 +220,11 @@ def ignore_interrupts() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def _terminated(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM during a benchmark run: stop it as Ctrl-C would (`Scratch.__enter__`)."""
+    raise KeyboardInterrupt
+
+
 @contextlib.contextmanager
 def _interrupts_deferred() -> Iterator[None]:
     """While cleaning up: a first Ctrl-C says what is going on, a second one gives up."""
@@ -266,6 +271,8 @@ class Scratch:
         self._tables: list[str] = []
         self._sequences: list[str] = []
         self._children: list[Child] = []
+        #: The SIGTERM handler to restore when the run ends (None: none was installed).
+        self._term_handler: Any = None
 
     # -------------------------------------------------------------------------- handing out
 
@@ -319,6 +326,13 @@ class Scratch:
     # -------------------------------------------------------------------------- the end
 
     def __enter__(self) -> Scratch:
+        # A SIGTERM (a job's timeout, `kill`) ends the run as a Ctrl-C does, through the
+        # removal below, rather than leaving the streams and children behind.
+        if (
+            threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        ):
+            self._term_handler = signal.signal(signal.SIGTERM, _terminated)
         return self
 
     def __exit__(
@@ -328,7 +342,11 @@ class Scratch:
         tb: TracebackType | None,
     ) -> None:
         with _interrupts_deferred():
-            problems = self._remove()
+            try:
+                problems = self._remove()
+            finally:
+                if self._term_handler is not None:
+                    signal.signal(signal.SIGTERM, self._term_handler)
         if problems and exc is None:
             raise StoreError("; ".join(problems))
         for problem in problems:  # the benchmark's own failure is what the caller sees

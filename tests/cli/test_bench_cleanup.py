@@ -218,12 +218,17 @@ INTERRUPTED = {
 }
 
 
-@pytest.mark.parametrize("bench", sorted(INTERRUPTED))
+@pytest.mark.parametrize(
+    ("bench", "signum"),
+    [(bench, signal.SIGINT) for bench in sorted(INTERRUPTED)] + [("write", signal.SIGTERM)],
+    ids=lambda value: value.name if isinstance(value, signal.Signals) else value,
+)
 def test_an_interrupted_benchmark_leaves_nothing_behind(
-    bench_url: str, redis_url: str, bench: str
+    bench_url: str, redis_url: str, bench: str, signum: signal.Signals
 ) -> None:
-    """SIGINT once the benchmark has made its stream (and, for ``write``, its raw table) and
-    its writer processes are appending: it ends them and drops everything before it exits."""
+    """SIGINT (Ctrl-C) or SIGTERM (a job's timeout, ``kill``) once the benchmark has made its
+    stream (and, for ``write``, its raw table) and its writer processes are appending: it ends
+    them and drops everything before it exits."""
     args, program = INTERRUPTED[bench]
     before = snapshot(bench_url)
     proc = _bench_process(bench_url, redis_url, bench, *args)
@@ -259,7 +264,7 @@ def test_an_interrupted_benchmark_leaves_nothing_behind(
                 assert time.monotonic() < deadline, "the benchmark's writers never appended"
                 time.sleep(0.2)
         everyone = ours(children(proc.pid))
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
