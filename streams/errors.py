@@ -41,12 +41,15 @@ Errors never carry passwords: anything that renders a URL goes through `redact_u
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "CommitUnknown",
     "ConfigurationError",
     "ConnectionLost",
     "DatabaseChanged",
     "FactsPruned",
+    "MalformedPayload",
     "FailoverLoss",
     "GroupFenced",
     "GroupMoved",
@@ -240,6 +243,19 @@ class FactsPruned(StreamsError):
             f"after {position}; start from 'earliest' (the oldest fact kept) or later, or "
             "commit a reader group so retention waits for it"
         )
+
+
+class MalformedPayload(StreamsError, ValueError):
+    """A row's payload does not parse with the schema given for typed columns, in mode
+    FAILFAST (`streams.core.typed_payloads`): the message names the stream, the stream ID,
+    the row and what did not parse."""
+
+    def __init__(self, message: str, stream: str = "", stream_id: int = 0, row_no: int = 0):
+        self.stream, self.stream_id, self.row_no = stream, stream_id, row_no
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # Spark pickles a task's error
+        return (type(self), (str(self), self.stream, self.stream_id, self.row_no))
 
 
 class GroupMoved(StreamsError):

@@ -1,0 +1,846 @@
+"""Typed columns from JSON payloads, as Spark's JSON reader makes them. Pure; no I/O.
+
+One logic for the Spark source's ``schema`` option (`streams_spark.options`, the executors'
+`streams_spark.executor`) and for ``Reader.batches(schema=...)`` (`streams.arrow`); and the
+inference behind ``streams schema infer``.
+
+Terms:
+
+* a **payload schema** is the user's schema of a row's payload: Arrow fields (from an Arrow
+  schema, a Spark DDL string such as ``"order_id BIGINT, tags ARRAY<STRING>"``, or a Spark
+  ``StructType`` JSON; `parse_schema_text`). Every field is read as nullable, as Spark's JSON
+  reader does;
+* a **bad row** is one whose payload is not a JSON object, or one of whose fields does not
+  convert to its type (a string for an integer, an integer out of range, a date that is not one);
+* the **mode** says what becomes of a bad row (Spark's names and meanings): ``PERMISSIVE``
+  (default) keeps it, the fields that did not convert null (the others keep their values:
+  Spark 3's partial results), and its raw payload in the **corrupt-record column** when the
+  schema has a string field of that name (``_corrupt_record`` unless named otherwise; without
+  such a field the raw text is not kept); ``DROPMALFORMED`` drops the bad row (only that row: the
+  other rows of its fact stay); ``FAILFAST`` makes the caller fail, naming the row
+  (`failfast_message`).
+
+Conversions (Spark's JSON reader's): a JSON ``null`` or a missing key is null for every type;
+booleans from ``true``/``false``; integers from JSON integers in the type's range; floats from
+any JSON number (and the strings ``NaN``, ``Infinity``, ``-Infinity``); a string field takes a
+JSON string as is and any other value as its compact JSON text; decimals from numbers or
+numeric strings (rounded half up to the scale; too many digits is bad); dates from
+``YYYY-MM-DD``; timestamps from ISO-8601 strings (UTC when no zone is given) or integer seconds
+since the epoch; binary from base64 strings; arrays, structs and maps (string keys) from JSON
+arrays and objects, converted element by element. A field that fails anywhere inside is null
+as a whole.
+
+How (`typed_columns`): when every type in the schema is one pyarrow's JSON reader converts
+exactly as above (booleans, integers, floats, strings only from strings, lists and structs of
+them), the whole page is parsed by it at once; if it refuses the page (a bad row somewhere),
+or for other types, each payload is parsed with orjson and converted by a function compiled
+once per type. Both give the same columns (a property test holds them equal).
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import decimal
+import io
+import json
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import pyarrow as pa
+
+from .payloads import decode_payload
+
+__all__ = [
+    "DEFAULT_CORRUPT_COLUMN",
+    "MODES",
+    "PayloadSchema",
+    "SchemaError",
+    "Typed",
+    "failfast_message",
+    "infer_schema",
+    "parse_ddl",
+    "parse_mode",
+    "parse_schema_text",
+    "parse_spark_json",
+    "payload_schema",
+    "to_arrow_text",
+    "to_ddl",
+    "to_spark_json",
+    "typed_columns",
+]
+
+MODES = ("PERMISSIVE", "DROPMALFORMED", "FAILFAST")
+DEFAULT_CORRUPT_COLUMN = "_corrupt_record"
+_UTC = dt.UTC
+_TS_TYPE = pa.timestamp("us", tz="UTC")
+
+
+class SchemaError(ValueError):
+    """A schema text, mode or corrupt-record column that cannot be used (the message says
+    why and where)."""
+
+
+# ------------------------------------------------------------------------------ the schema
+
+
+@dataclass(frozen=True)
+class PayloadSchema:
+    """A checked payload schema with its mode (picklable: it travels to Spark's executors)."""
+
+    #: The user's fields, all nullable, the corrupt-record column among them if named.
+    schema: pa.Schema
+    mode: str = "PERMISSIVE"
+    corrupt_column: str = DEFAULT_CORRUPT_COLUMN
+
+    @property
+    def has_corrupt_column(self) -> bool:
+        return self.schema.get_field_index(self.corrupt_column) >= 0
+
+    @property
+    def parsed_schema(self) -> pa.Schema:
+        """The fields read from the payload (the corrupt-record column is not one)."""
+        if not self.has_corrupt_column:
+            return self.schema
+        return self.schema.remove(self.schema.get_field_index(self.corrupt_column))
+
+
+def parse_mode(text: str) -> str:
+    """``permissive`` | ``dropmalformed`` | ``failfast`` (any case) -> its upper-case name."""
+    mode = str(text).strip().upper()
+    if mode not in MODES:
+        raise SchemaError(f"mode {text!r} is not one of {', '.join(MODES)}")
+    return mode
+
+
+def _nullable(dtype: pa.DataType) -> pa.DataType:
+    if pa.types.is_struct(dtype):
+        return pa.struct([pa.field(f.name, _nullable(f.type)) for f in dtype])
+    if pa.types.is_large_list(dtype) or pa.types.is_list(dtype):
+        return pa.list_(_nullable(dtype.value_type))
+    if pa.types.is_map(dtype):
+        return pa.map_(dtype.key_type, _nullable(dtype.item_type))
+    return dtype
+
+
+def payload_schema(
+    schema: pa.Schema,
+    mode: str = "PERMISSIVE",
+    corrupt_column: str = DEFAULT_CORRUPT_COLUMN,
+    reserved: Iterable[str] = (),
+) -> PayloadSchema:
+    """Check a payload schema (every type convertible, names unique and not ``reserved``: the
+    columns the rows carry besides the payload's) and make it nullable."""
+    if not isinstance(schema, pa.Schema):
+        raise SchemaError(f"schema must be a pyarrow.Schema, got {type(schema).__name__}")
+    if len(schema) == 0:
+        raise SchemaError("schema has no fields")
+    if not isinstance(corrupt_column, str) or not corrupt_column:
+        raise SchemaError("the corrupt-record column name must be a non-empty string")
+    names = [f.name for f in schema]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise SchemaError(f"schema names field(s) {twice} more than once")
+    clash = sorted(set(names) & set(reserved))
+    if clash:
+        raise SchemaError(
+            f"schema field(s) {clash} clash with the rows' own columns ({', '.join(reserved)})"
+        )
+    for f in schema:
+        _converter(f.type, f.name)  # raises SchemaError for a type that cannot be read
+    index = schema.get_field_index(corrupt_column)
+    if index >= 0 and not pa.types.is_string(schema.field(index).type):
+        raise SchemaError(
+            f"the corrupt-record column {corrupt_column!r} must be a string field, not "
+            f"{schema.field(index).type}"
+        )
+    fields = [pa.field(f.name, _nullable(f.type)) for f in schema]
+    return PayloadSchema(pa.schema(fields), parse_mode(mode), corrupt_column)
+
+
+# ------------------------------------------------------------------------------ DDL and JSON
+
+_SIMPLE = {
+    "boolean": pa.bool_(),
+    "tinyint": pa.int8(),
+    "byte": pa.int8(),
+    "smallint": pa.int16(),
+    "short": pa.int16(),
+    "int": pa.int32(),
+    "integer": pa.int32(),
+    "bigint": pa.int64(),
+    "long": pa.int64(),
+    "float": pa.float32(),
+    "real": pa.float32(),
+    "double": pa.float64(),
+    "string": pa.string(),
+    "binary": pa.binary(),
+    "date": pa.date32(),
+    "timestamp": _TS_TYPE,
+    "timestamp_ltz": _TS_TYPE,
+    "timestamp_ntz": pa.timestamp("us"),
+}
+_TOKEN = re.compile(r"\s*(?:(`(?:[^`]|``)*`)|([A-Za-z_][A-Za-z0-9_]*)|(\d+)|('(?:[^'\\]|\\.)*')|(.))")
+
+
+class _Tokens:
+    """The tokens of a DDL string: (kind, text, offset); kinds name, quoted, number, string,
+    punct."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.items: list[tuple[str, str, int]] = []
+        pos = 0
+        while pos < len(text):
+            match = _TOKEN.match(text, pos)
+            if match is None or match.end() == pos:
+                break
+            pos = match.end()
+            kinds = ("quoted", "name", "number", "string", "punct")
+            for kind, value in zip(kinds, match.groups(), strict=True):
+                if value is not None:
+                    self.items.append((kind, value, match.start(match.lastindex or 0)))
+        self.i = 0
+
+    def peek(self) -> tuple[str, str, int]:
+        return self.items[self.i] if self.i < len(self.items) else ("end", "", len(self.text))
+
+    def take(self) -> tuple[str, str, int]:
+        item = self.peek()
+        self.i += 1
+        return item
+
+    def error(self, what: str) -> SchemaError:
+        kind, value, at = self.peek()
+        found = "the end" if kind == "end" else repr(value)
+        return SchemaError(f"DDL {self.text!r}: expected {what} at offset {at}, found {found}")
+
+    def expect(self, punct: str) -> None:
+        if self.peek()[:2] != ("punct", punct):
+            raise self.error(repr(punct))
+        self.take()
+
+    def keyword(self, word: str) -> bool:
+        kind, value, _ = self.peek()
+        if kind == "name" and value.lower() == word:
+            self.take()
+            return True
+        return False
+
+
+def _ddl_name(tokens: _Tokens) -> str:
+    kind, value, _ = tokens.peek()
+    if kind == "name":
+        tokens.take()
+        return value
+    if kind == "quoted":
+        tokens.take()
+        return value[1:-1].replace("``", "`")
+    raise tokens.error("a field name")
+
+
+def _ddl_number(tokens: _Tokens) -> int:
+    if tokens.peek()[0] != "number":
+        raise tokens.error("a number")
+    return int(tokens.take()[1])
+
+
+def _ddl_type(tokens: _Tokens) -> pa.DataType:
+    kind, value, _ = tokens.peek()
+    if kind != "name":
+        raise tokens.error("a type")
+    tokens.take()
+    word = value.lower()
+    if word in ("array", "map", "struct"):
+        tokens.expect("<")
+        if word == "array":
+            out: pa.DataType = pa.list_(_ddl_type(tokens))
+        elif word == "map":
+            key = _ddl_type(tokens)
+            tokens.expect(",")
+            out = pa.map_(key, _ddl_type(tokens))
+        else:
+            fields: list[pa.Field] = []
+            while tokens.peek()[:2] != ("punct", ">"):
+                if fields:
+                    tokens.expect(",")
+                fields.append(_ddl_field(tokens, colon=True))
+            out = pa.struct(fields)
+        tokens.expect(">")
+        return out
+    if word in ("decimal", "dec", "numeric"):
+        precision, scale = 10, 0
+        if tokens.peek()[:2] == ("punct", "("):
+            tokens.take()
+            precision = _ddl_number(tokens)
+            if tokens.peek()[:2] == ("punct", ","):
+                tokens.take()
+                scale = _ddl_number(tokens)
+            tokens.expect(")")
+        if not 1 <= precision <= 38 or not 0 <= scale <= precision:
+            raise SchemaError(f"DDL {tokens.text!r}: decimal({precision},{scale}) is not valid")
+        return pa.decimal128(precision, scale)
+    if word in ("varchar", "char"):
+        tokens.expect("(")
+        _ddl_number(tokens)
+        tokens.expect(")")
+        return pa.string()
+    if word not in _SIMPLE:
+        tokens.i -= 1
+        raise tokens.error("a Spark SQL type (e.g. BIGINT, DOUBLE, STRING, ARRAY<...>)")
+    return _SIMPLE[word]
+
+
+def _ddl_field(tokens: _Tokens, *, colon: bool) -> pa.Field:
+    name = _ddl_name(tokens)
+    if colon and tokens.peek()[:2] == ("punct", ":"):
+        tokens.take()
+    dtype = _ddl_type(tokens)
+    if tokens.keyword("not"):
+        if not tokens.keyword("null"):
+            raise tokens.error("NULL after NOT")
+    if tokens.keyword("comment"):
+        if tokens.peek()[0] != "string":
+            raise tokens.error("a quoted comment")
+        tokens.take()
+    return pa.field(name, dtype)
+
+
+def parse_ddl(text: str) -> pa.Schema:
+    """A Spark DDL string (``"a BIGINT, b STRUCT<c: STRING>"``, or ``"STRUCT<...>"``) -> an
+    Arrow schema, without Spark (`_SIMPLE` lists the type names)."""
+    tokens = _Tokens(text)
+    if tokens.peek()[0] == "end":
+        raise SchemaError("DDL is empty")
+    kind, value, _ = tokens.peek()
+    if kind == "name" and value.lower() == "struct" and len(tokens.items) > 1:
+        if tokens.items[1][:2] == ("punct", "<"):
+            whole = _ddl_type(tokens)
+            if tokens.peek()[0] != "end":
+                raise tokens.error("the end")
+            return pa.schema(list(whole))
+    fields = [_ddl_field(tokens, colon=False)]
+    while tokens.peek()[:2] == ("punct", ","):
+        tokens.take()
+        fields.append(_ddl_field(tokens, colon=False))
+    if tokens.peek()[0] != "end":
+        raise tokens.error("',' or the end")
+    return pa.schema(fields)
+
+
+_JSON_SIMPLE = {
+    "boolean": pa.bool_(),
+    "byte": pa.int8(),
+    "short": pa.int16(),
+    "integer": pa.int32(),
+    "long": pa.int64(),
+    "float": pa.float32(),
+    "double": pa.float64(),
+    "string": pa.string(),
+    "binary": pa.binary(),
+    "date": pa.date32(),
+    "timestamp": _TS_TYPE,
+    "timestamp_ntz": pa.timestamp("us"),
+}
+_JSON_DECIMAL = re.compile(r"decimal\(\s*(\d+)\s*,\s*(\d+)\s*\)")
+
+
+def _json_type(data: Any) -> pa.DataType:
+    if isinstance(data, str):
+        if data in _JSON_SIMPLE:
+            return _JSON_SIMPLE[data]
+        if data == "decimal":
+            return pa.decimal128(10, 0)
+        match = _JSON_DECIMAL.fullmatch(data)
+        if match:
+            precision, scale = int(match.group(1)), int(match.group(2))
+            if 1 <= precision <= 38 and 0 <= scale <= precision:
+                return pa.decimal128(precision, scale)
+        raise SchemaError(f"StructType JSON: unknown type {data!r}")
+    if isinstance(data, dict):
+        kind = data.get("type")
+        if kind == "array" and "elementType" in data:
+            return pa.list_(_json_type(data["elementType"]))
+        if kind == "map" and "keyType" in data and "valueType" in data:
+            return pa.map_(_json_type(data["keyType"]), _json_type(data["valueType"]))
+        if kind == "struct" and isinstance(data.get("fields"), list):
+            return pa.struct([_json_field(f) for f in data["fields"]])
+    raise SchemaError(f"StructType JSON: not a type: {json.dumps(data)[:80]}")
+
+
+def _json_field(data: Any) -> pa.Field:
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str) or "type" not in data:
+        raise SchemaError(f"StructType JSON: not a field: {json.dumps(data)[:80]}")
+    return pa.field(data["name"], _json_type(data["type"]))
+
+
+def parse_spark_json(text: str) -> pa.Schema:
+    """A Spark ``StructType`` JSON (``StructType.json()``) -> an Arrow schema, without Spark."""
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise SchemaError(f"StructType JSON is not valid JSON: {exc}") from None
+    if not isinstance(data, dict) or data.get("type") != "struct":
+        raise SchemaError('StructType JSON must be an object with "type": "struct"')
+    return pa.schema(list(_json_type(data)))
+
+
+def parse_schema_text(text: str) -> pa.Schema:
+    """A Spark DDL string, or a ``StructType`` JSON (text starting with ``{``)."""
+    if not isinstance(text, str):
+        raise SchemaError("schema must be a DDL string or a StructType JSON")
+    if text.lstrip().startswith("{"):
+        return parse_spark_json(text)
+    return parse_ddl(text)
+
+
+def _ddl_quote(name: str) -> str:
+    if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        return name
+    return "`" + name.replace("`", "``") + "`"
+
+
+def _ddl_of(dtype: pa.DataType) -> str:
+    if pa.types.is_struct(dtype):
+        return "STRUCT<" + ", ".join(f"{_ddl_quote(f.name)}: {_ddl_of(f.type)}" for f in dtype) + ">"
+    if pa.types.is_list(dtype) or pa.types.is_large_list(dtype):
+        return f"ARRAY<{_ddl_of(dtype.value_type)}>"
+    if pa.types.is_map(dtype):
+        return f"MAP<{_ddl_of(dtype.key_type)}, {_ddl_of(dtype.item_type)}>"
+    if pa.types.is_decimal(dtype):
+        return f"DECIMAL({dtype.precision},{dtype.scale})"
+    if pa.types.is_timestamp(dtype):
+        return "TIMESTAMP" if dtype.tz else "TIMESTAMP_NTZ"
+    for name, simple in _SIMPLE.items():
+        if simple == dtype and name in _DDL_NAMES:
+            return name.upper()
+    raise SchemaError(f"type {dtype} has no Spark equivalent")
+
+
+_DDL_NAMES = frozenset(
+    ("boolean", "tinyint", "smallint", "int", "bigint", "float", "double", "string", "binary",
+     "date")
+)  # fmt: skip
+
+
+def to_ddl(schema: pa.Schema) -> str:
+    """The schema as a Spark DDL string (`parse_ddl` reads it back)."""
+    return ", ".join(f"{_ddl_quote(f.name)} {_ddl_of(f.type)}" for f in schema)
+
+
+def _json_of(dtype: pa.DataType) -> Any:
+    if pa.types.is_struct(dtype):
+        return {
+            "type": "struct",
+            "fields": [
+                {"name": f.name, "type": _json_of(f.type), "nullable": True, "metadata": {}}
+                for f in dtype
+            ],
+        }
+    if pa.types.is_list(dtype) or pa.types.is_large_list(dtype):
+        return {"type": "array", "elementType": _json_of(dtype.value_type), "containsNull": True}
+    if pa.types.is_map(dtype):
+        return {
+            "type": "map",
+            "keyType": _json_of(dtype.key_type),
+            "valueType": _json_of(dtype.item_type),
+            "valueContainsNull": True,
+        }
+    if pa.types.is_decimal(dtype):
+        return f"decimal({dtype.precision},{dtype.scale})"
+    for name, simple in _JSON_SIMPLE.items():
+        if simple == dtype:
+            return name
+    raise SchemaError(f"type {dtype} has no Spark equivalent")
+
+
+def to_spark_json(schema: pa.Schema) -> str:
+    """The schema as a Spark ``StructType`` JSON (`parse_spark_json` reads it back)."""
+    return json.dumps(_json_of(pa.struct(list(schema))))
+
+
+def _arrow_of(dtype: pa.DataType) -> str:
+    if pa.types.is_struct(dtype):
+        inner = ", ".join(f"pa.field({f.name!r}, {_arrow_of(f.type)})" for f in dtype)
+        return f"pa.struct([{inner}])"
+    if pa.types.is_list(dtype):
+        return f"pa.list_({_arrow_of(dtype.value_type)})"
+    if pa.types.is_map(dtype):
+        return f"pa.map_({_arrow_of(dtype.key_type)}, {_arrow_of(dtype.item_type)})"
+    if pa.types.is_decimal(dtype):
+        return f"pa.decimal128({dtype.precision}, {dtype.scale})"
+    if pa.types.is_timestamp(dtype):
+        return 'pa.timestamp("us", tz="UTC")' if dtype.tz else 'pa.timestamp("us")'
+    names = {
+        pa.bool_(): "bool_",
+        pa.float32(): "float32",
+        pa.float64(): "float64",
+        pa.date32(): "date32",
+    }
+    return f"pa.{names.get(dtype, str(dtype))}()"
+
+
+def to_arrow_text(schema: pa.Schema) -> str:
+    """The schema as Python (``pa.schema([...])``) to paste into ``reader.batches(schema=)``."""
+    inner = ",\n".join(f"    pa.field({f.name!r}, {_arrow_of(f.type)})" for f in schema)
+    return f"pa.schema([\n{inner},\n])"
+
+
+# ------------------------------------------------------------------------------ conversion
+
+
+class _Bad(Exception):
+    """A value that does not convert (its message says what)."""
+
+
+_Conv = Callable[[Any], Any]
+
+_INT_BITS = {8: 8, 16: 16, 32: 32, 64: 64}
+_FLOAT_WORDS = {"NaN": float("nan"), "Infinity": float("inf"), "-Infinity": float("-inf")}
+
+
+def _describe(value: Any) -> str:
+    text = orjson.dumps(value).decode() if not isinstance(value, int) else str(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _converter(dtype: pa.DataType, where: str) -> _Conv:
+    """The function that converts a decoded JSON value to ``dtype``'s Python value (None
+    stays None), raising `_Bad`; `SchemaError` for a type it cannot read."""
+    if pa.types.is_boolean(dtype):
+
+        def boolean(v: Any) -> Any:
+            if v is None or isinstance(v, bool):
+                return v
+            raise _Bad(f"{_describe(v)} is not a boolean")
+
+        return boolean
+    if pa.types.is_integer(dtype) and pa.types.is_signed_integer(dtype):
+        bits = dtype.bit_width
+        low, high = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+
+        def integer(v: Any) -> Any:
+            if v is None:
+                return None
+            if isinstance(v, int) and not isinstance(v, bool) and low <= v <= high:
+                return v
+            raise _Bad(f"{_describe(v)} is not an integer of {bits} bits")
+
+        return integer
+    if pa.types.is_floating(dtype) and dtype.bit_width in (32, 64):
+
+        def floating(v: Any) -> Any:
+            if v is None:
+                return None
+            if isinstance(v, float) or (isinstance(v, int) and not isinstance(v, bool)):
+                try:
+                    return float(v)
+                except OverflowError:
+                    raise _Bad(f"{_describe(v)} is beyond a double") from None
+            if isinstance(v, str) and v in _FLOAT_WORDS:
+                return _FLOAT_WORDS[v]
+            raise _Bad(f"{_describe(v)} is not a number")
+
+        return floating
+    if pa.types.is_string(dtype) or pa.types.is_large_string(dtype):
+
+        def string(v: Any) -> Any:
+            if v is None or isinstance(v, str):
+                return v
+            return orjson.dumps(v).decode() if not isinstance(v, int) else json.dumps(v)
+
+        return string
+    if pa.types.is_decimal(dtype):
+        return _decimal(dtype.precision, dtype.scale)
+    if pa.types.is_date32(dtype):
+
+        def date(v: Any) -> Any:
+            if v is None:
+                return None
+            if isinstance(v, str) and re.fullmatch(r"\d{4}-\d{2}-\d{2}", v):
+                try:
+                    return dt.date.fromisoformat(v)
+                except ValueError:
+                    pass
+            raise _Bad(f"{_describe(v)} is not a date (YYYY-MM-DD)")
+
+        return date
+    if pa.types.is_timestamp(dtype) and dtype.unit == "us":
+        return _timestamp(dtype.tz is not None)
+    if pa.types.is_binary(dtype):
+
+        def binary(v: Any) -> Any:
+            if v is None:
+                return None
+            if isinstance(v, str):
+                try:
+                    return base64.b64decode(v, validate=True)
+                except ValueError:
+                    pass
+            raise _Bad(f"{_describe(v)} is not base64")
+
+        return binary
+    if pa.types.is_list(dtype) or pa.types.is_large_list(dtype):
+        element = _converter(dtype.value_type, f"{where}[]")
+
+        def array(v: Any) -> Any:
+            if v is None:
+                return None
+            if not isinstance(v, list):
+                raise _Bad(f"{_describe(v)} is not an array")
+            return [element(x) for x in v]
+
+        return array
+    if pa.types.is_struct(dtype):
+        fields = [(f.name, _converter(f.type, f"{where}.{f.name}")) for f in dtype]
+
+        def struct(v: Any) -> Any:
+            if v is None:
+                return None
+            if not isinstance(v, dict):
+                raise _Bad(f"{_describe(v)} is not an object")
+            return {name: conv(v.get(name)) for name, conv in fields}
+
+        return struct
+    if pa.types.is_map(dtype):
+        if not pa.types.is_string(dtype.key_type):
+            raise SchemaError(f"field {where}: map keys must be strings, not {dtype.key_type}")
+        item = _converter(dtype.item_type, f"{where}{{}}")
+
+        def mapping(v: Any) -> Any:
+            if v is None:
+                return None
+            if not isinstance(v, dict):
+                raise _Bad(f"{_describe(v)} is not an object")
+            return [(k, item(x)) for k, x in v.items()]
+
+        return mapping
+    raise SchemaError(f"field {where}: type {dtype} cannot be read from JSON")
+
+
+def _decimal(precision: int, scale: int) -> _Conv:
+    quantum = decimal.Decimal(1).scaleb(-scale)
+    context = decimal.Context(prec=80, rounding=decimal.ROUND_HALF_UP)
+
+    def convert(v: Any) -> Any:
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int | float | str):
+            raise _Bad(f"{_describe(v)} is not a decimal")
+        try:
+            number = decimal.Decimal(str(v) if isinstance(v, int | float) else v.strip())
+            value = number.quantize(quantum, context=context)
+        except (decimal.InvalidOperation, ValueError):
+            raise _Bad(f"{_describe(v)} is not a decimal") from None
+        if not value.is_finite() or len(value.as_tuple().digits) > precision:
+            raise _Bad(f"{_describe(v)} does not fit decimal({precision},{scale})")
+        return value
+
+    return convert
+
+
+def _timestamp(zoned: bool) -> _Conv:
+    epoch = dt.datetime(1970, 1, 1, tzinfo=_UTC)
+
+    def convert(v: Any) -> Any:
+        if v is None:
+            return None
+        if isinstance(v, int) and not isinstance(v, bool):
+            if -(10**11) <= v <= 10**11:  # seconds since the epoch, as Spark reads them
+                return v * 1_000_000
+        elif isinstance(v, str):
+            try:
+                when = dt.datetime.fromisoformat(v)
+            except ValueError:
+                pass
+            else:
+                if when.tzinfo is None:
+                    when = when.replace(tzinfo=_UTC)
+                elif not zoned:
+                    when = when.astimezone(_UTC)
+                return (when - epoch) // dt.timedelta(microseconds=1)
+        raise _Bad(f"{_describe(v)} is not a timestamp (ISO-8601 or seconds)")
+
+    return convert
+
+
+def _fast_type(dtype: pa.DataType) -> bool:
+    """Does pyarrow's JSON reader convert ``dtype`` exactly as `_converter` does (and refuse
+    what it refuses)?"""
+    if pa.types.is_struct(dtype):
+        return all(_fast_type(f.type) for f in dtype)
+    if pa.types.is_list(dtype):
+        return _fast_type(dtype.value_type)
+    return (
+        pa.types.is_boolean(dtype)
+        or pa.types.is_signed_integer(dtype)
+        or dtype == pa.float64()
+        or pa.types.is_string(dtype)
+    )
+
+
+@dataclass(frozen=True)
+class Typed:
+    """The typed columns of a page of payloads (`typed_columns`)."""
+
+    #: One array per field of the payload schema (the corrupt-record column included).
+    arrays: list[pa.Array]
+    #: Row -> why it is bad (the first field that failed), for the bad rows only.
+    bad: dict[int, str]
+
+    def keep(self, n: int) -> pa.Array | None:
+        """The mask of good rows (DROPMALFORMED), or None when every row is good."""
+        if not self.bad:
+            return None
+        return pa.array([i not in self.bad for i in range(n)], pa.bool_())
+
+
+def typed_columns(texts: pa.Array | Sequence[str | None], spec: PayloadSchema) -> Typed:
+    """The typed columns of ``texts`` (the payloads' JSON text, one per row) under ``spec``:
+    every field of ``spec.schema``, bad rows as ``spec.mode`` says (except FAILFAST, which is
+    the caller's: it raises for the first row of ``bad``, `failfast_message`)."""
+    array = texts if isinstance(texts, pa.Array) else pa.array(texts, pa.string())
+    n = len(array)
+    parsed = spec.parsed_schema
+    arrays = _fast(array, parsed) if n and all(_fast_type(f.type) for f in parsed) else None
+    bad: dict[int, str] = {}
+    if arrays is None:
+        arrays = _slow(array.to_pylist(), parsed, bad)
+    if spec.has_corrupt_column:
+        if spec.mode == "PERMISSIVE" and bad:
+            texts_list = array.to_pylist()
+            corrupt = pa.array([texts_list[i] if i in bad else None for i in range(n)], pa.string())
+        else:
+            corrupt = pa.nulls(n, pa.string())
+        arrays.insert(spec.schema.get_field_index(spec.corrupt_column), corrupt)
+    return Typed(arrays, bad)
+
+
+def _fast(array: pa.Array, parsed: pa.Schema) -> list[pa.Array] | None:
+    """pyarrow's JSON reader over the page at once, or None if it refuses it (a bad row, a
+    payload that is not an object, a text with a raw newline)."""
+    import pyarrow.compute as pc
+    import pyarrow.json as pj
+
+    if array.null_count or pc.any(pc.match_substring(array, "\n")).as_py():
+        return None
+    data = "\n".join(array.to_pylist()).encode()
+    try:
+        table = pj.read_json(
+            io.BytesIO(data),
+            read_options=pj.ReadOptions(use_threads=False, block_size=max(1 << 20, len(data) + 1)),
+            parse_options=pj.ParseOptions(
+                explicit_schema=parsed, unexpected_field_behavior="ignore"
+            ),
+        )
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        return None
+    if table.num_rows != len(array):
+        return None
+    return [table.column(f.name).combine_chunks().cast(f.type) for f in parsed]
+
+
+def _slow(texts: list[str | None], parsed: pa.Schema, bad: dict[int, str]) -> list[pa.Array]:
+    """Each payload parsed alone and converted field by field; the bad rows into ``bad``."""
+    converters = [(f.name, _converter(f.type, f.name)) for f in parsed]
+    columns: list[list[Any]] = [[] for _ in converters]
+    for i, text in enumerate(texts):
+        try:
+            value = decode_payload(text) if text is not None else None
+        except ValueError:
+            value = _Bad
+        if not isinstance(value, dict):
+            bad[i] = "the payload is not a JSON object"
+            for column in columns:
+                column.append(None)
+            continue
+        for (name, conv), column in zip(converters, columns, strict=True):
+            try:
+                column.append(conv(value.get(name)))
+            except _Bad as exc:
+                column.append(None)
+                bad.setdefault(i, f"field {name!r}: {exc}")
+            except RecursionError:
+                column.append(None)
+                bad.setdefault(i, f"field {name!r}: nested too deeply")
+    return [pa.array(column, f.type) for column, f in zip(columns, parsed, strict=True)]
+
+
+def failfast_message(stream: str, stream_id: int, row_no: int, reason: str) -> str:
+    """The error of a bad row in FAILFAST mode."""
+    return (
+        f"mode FAILFAST: stream {stream!r}, stream ID {stream_id}, row {row_no}: the payload "
+        f"does not parse with the schema: {reason} (mode PERMISSIVE keeps such rows with nulls, "
+        "DROPMALFORMED drops them)"
+    )
+
+
+# ------------------------------------------------------------------------------ inference
+
+
+def _infer(value: Any) -> pa.DataType:
+    if value is None:
+        return pa.null()
+    if isinstance(value, bool):
+        return pa.bool_()
+    if isinstance(value, int):
+        return pa.int64() if -(1 << 63) <= value < (1 << 63) else pa.float64()
+    if isinstance(value, float):
+        return pa.float64()
+    if isinstance(value, str):
+        return pa.string()
+    if isinstance(value, list):
+        element: pa.DataType = pa.null()
+        for item in value:
+            element = _merge(element, _infer(item))
+        return pa.list_(element)
+    if isinstance(value, dict):
+        return pa.struct([pa.field(str(k), _infer(v)) for k, v in value.items()])
+    return pa.string()
+
+
+def _merge(a: pa.DataType, b: pa.DataType) -> pa.DataType:
+    """The type both values fit (Spark's inference: int+float -> double, nulls -> the other,
+    structs field by field, arrays by element, anything else -> string)."""
+    if pa.types.is_null(a):
+        return b
+    if pa.types.is_null(b) or a == b:
+        return a
+    numbers = (pa.int64(), pa.float64())
+    if a in numbers and b in numbers:
+        return pa.float64()
+    if pa.types.is_list(a) and pa.types.is_list(b):
+        return pa.list_(_merge(a.value_type, b.value_type))
+    if pa.types.is_struct(a) and pa.types.is_struct(b):
+        fields = {f.name: f.type for f in a}
+        for f in b:
+            fields[f.name] = _merge(fields[f.name], f.type) if f.name in fields else f.type
+        return pa.struct([pa.field(name, dtype) for name, dtype in fields.items()])
+    return pa.string()
+
+
+def _settle(dtype: pa.DataType) -> pa.DataType:
+    """Types only nulls were seen for become strings (Spark's choice)."""
+    if pa.types.is_null(dtype):
+        return pa.string()
+    if pa.types.is_list(dtype):
+        return pa.list_(_settle(dtype.value_type))
+    if pa.types.is_struct(dtype):
+        return pa.struct([pa.field(f.name, _settle(f.type)) for f in dtype])
+    return dtype
+
+
+def infer_schema(payloads: Iterable[Any]) -> tuple[pa.Schema, int]:
+    """The schema of decoded payloads, merged across them, and how many were not JSON
+    objects (left out: a payload schema describes objects)."""
+    merged: pa.DataType = pa.struct([])
+    skipped = 0
+    for payload in payloads:
+        if isinstance(payload, dict):
+            merged = _merge(merged, _infer(payload))
+        else:
+            skipped += 1
+    return pa.schema(list(_settle(merged))), skipped
