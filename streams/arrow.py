@@ -62,7 +62,6 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
     from .core.typed_payloads import PayloadSchema
-
     from .reader import AsyncReader, Reader
 
 __all__ = [

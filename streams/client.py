@@ -845,9 +845,7 @@ class AsyncClient(_ClientBase[psycopg.AsyncConnection[Any]]):
         try:
             batches = [
                 b
-                async for b in areader_batches(
-                    reader, max_rows=max_rows, until=until, typed=typed
-                )
+                async for b in areader_batches(reader, max_rows=max_rows, until=until, typed=typed)
             ]
         finally:
             await reader.aclose()

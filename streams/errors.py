@@ -19,6 +19,8 @@ catch everything with one clause and still tell the cases apart::
     │                               line or proof, a restore): a commit of it moves nothing
     ├── WaitTimeout                 wait_for_position() gave up (also a TimeoutError)
     ├── FactsPruned                 the facts asked for were removed by the stream's retention
+    ├── MalformedPayload            a payload does not parse with the typed-columns schema
+    │                               (mode FAILFAST); also a ValueError
     ├── GroupMoved                  commit(conn=...) found the group moved by another consumer
     ├── GroupFenced                 another consumer opened the group since this one did: a
     │                               commit from this (older) generation moves nothing
@@ -49,7 +51,6 @@ __all__ = [
     "ConnectionLost",
     "DatabaseChanged",
     "FactsPruned",
-    "MalformedPayload",
     "FailoverLoss",
     "GroupFenced",
     "GroupMoved",
@@ -58,6 +59,7 @@ __all__ = [
     "InvalidPosition",
     "InvalidStreamName",
     "InvalidTimestamp",
+    "MalformedPayload",
     "PayloadNotSerializable",
     "PayloadTooLarge",
     "RedisUnavailable",

@@ -50,17 +50,19 @@ from pyspark.sql.types import (
 from streams import redact_url
 from streams.connector import (
     READER_SESSION_SETUP,
+    PayloadSchema,
     Query,
     RangeGen,
     StandbyRoute,
     StreamRows,
     backoff_delay,
+    failfast_message,
     read_range,
     statement_timeout_setup,
     transient_sqlstate,
+    typed_columns,
     with_client_tcp_settings,
 )
-from streams.core.typed_payloads import PayloadSchema, failfast_message, typed_columns
 from streams.errors import (
     ConnectionLost,
     FactsPruned,
@@ -325,7 +327,9 @@ def _typed(columns: list[pa.Array], part: RangePartition, spec: PayloadSchema) -
     schema = arrow_schema(spec)
     own = columns[:5] + columns[6:]
     fields = schema.types[len(own) :]
-    arrays = own + [a.cast(t) if a.type != t else a for a, t in zip(typed.arrays, fields, strict=True)]
+    arrays = own + [
+        a.cast(t) if a.type != t else a for a, t in zip(typed.arrays, fields, strict=True)
+    ]
     out = pa.RecordBatch.from_arrays(arrays, schema=schema)
     if typed.bad and spec.mode == "DROPMALFORMED":
         out = out.filter(typed.keep(out.num_rows))

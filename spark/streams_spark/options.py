@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from streams.config import Settings, redact_url, validate_stream_name
-from streams.core.typed_payloads import (
+from streams.connector import (
     DEFAULT_CORRUPT_COLUMN,
     PayloadSchema,
     SchemaError,

@@ -98,7 +98,7 @@ class PayloadSchema:
 
     @property
     def has_corrupt_column(self) -> bool:
-        return self.schema.get_field_index(self.corrupt_column) >= 0
+        return bool(self.schema.get_field_index(self.corrupt_column) >= 0)
 
     @property
     def parsed_schema(self) -> pa.Schema:
@@ -183,7 +183,9 @@ _SIMPLE = {
     "timestamp_ltz": _TS_TYPE,
     "timestamp_ntz": pa.timestamp("us"),
 }
-_TOKEN = re.compile(r"\s*(?:(`(?:[^`]|``)*`)|([A-Za-z_][A-Za-z0-9_]*)|(\d+)|('(?:[^'\\]|\\.)*')|(.))")
+_TOKEN = re.compile(
+    r"\s*(?:(`(?:[^`]|``)*`)|([A-Za-z_][A-Za-z0-9_]*)|(\d+)|('(?:[^'\\]|\\.)*')|(.))"
+)
 
 
 class _Tokens:
@@ -299,9 +301,8 @@ def _ddl_field(tokens: _Tokens, *, colon: bool) -> pa.Field:
     if colon and tokens.peek()[:2] == ("punct", ":"):
         tokens.take()
     dtype = _ddl_type(tokens)
-    if tokens.keyword("not"):
-        if not tokens.keyword("null"):
-            raise tokens.error("NULL after NOT")
+    if tokens.keyword("not") and not tokens.keyword("null"):
+        raise tokens.error("NULL after NOT")
     if tokens.keyword("comment"):
         if tokens.peek()[0] != "string":
             raise tokens.error("a quoted comment")
@@ -316,12 +317,16 @@ def parse_ddl(text: str) -> pa.Schema:
     if tokens.peek()[0] == "end":
         raise SchemaError("DDL is empty")
     kind, value, _ = tokens.peek()
-    if kind == "name" and value.lower() == "struct" and len(tokens.items) > 1:
-        if tokens.items[1][:2] == ("punct", "<"):
-            whole = _ddl_type(tokens)
-            if tokens.peek()[0] != "end":
-                raise tokens.error("the end")
-            return pa.schema(list(whole))
+    if (
+        kind == "name"
+        and value.lower() == "struct"
+        and len(tokens.items) > 1
+        and tokens.items[1][:2] == ("punct", "<")
+    ):
+        whole = _ddl_type(tokens)
+        if tokens.peek()[0] != "end":
+            raise tokens.error("the end")
+        return pa.schema(list(whole))
     fields = [_ddl_field(tokens, colon=False)]
     while tokens.peek()[:2] == ("punct", ","):
         tokens.take()
@@ -405,7 +410,9 @@ def _ddl_quote(name: str) -> str:
 
 def _ddl_of(dtype: pa.DataType) -> str:
     if pa.types.is_struct(dtype):
-        return "STRUCT<" + ", ".join(f"{_ddl_quote(f.name)}: {_ddl_of(f.type)}" for f in dtype) + ">"
+        return (
+            "STRUCT<" + ", ".join(f"{_ddl_quote(f.name)}: {_ddl_of(f.type)}" for f in dtype) + ">"
+        )
     if pa.types.is_list(dtype) or pa.types.is_large_list(dtype):
         return f"ARRAY<{_ddl_of(dtype.value_type)}>"
     if pa.types.is_map(dtype):
@@ -507,7 +514,7 @@ def _describe(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _converter(dtype: pa.DataType, where: str) -> _Conv:
+def _converter(dtype: pa.DataType, where: str) -> _Conv:  # noqa: PLR0915 (one case per type)
     """The function that converts a decoded JSON value to ``dtype``'s Python value (None
     stays None), raising `_Bad`; `SchemaError` for a type it cannot read."""
     if pa.types.is_boolean(dtype):
@@ -674,7 +681,7 @@ def _fast_type(dtype: pa.DataType) -> bool:
         return all(_fast_type(f.type) for f in dtype)
     if pa.types.is_list(dtype):
         return _fast_type(dtype.value_type)
-    return (
+    return bool(
         pa.types.is_boolean(dtype)
         or pa.types.is_signed_integer(dtype)
         or dtype == pa.float64()

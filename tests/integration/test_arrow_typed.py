@@ -68,7 +68,8 @@ def test_dropmalformed_and_a_ddl_string(client: Client, stream: str, streams_url
     ids = _write(client, streams_url, stream)
     table = client.read_arrow(stream, schema="order_id BIGINT", mode="dropmalformed")
     assert table.column_names[-1] == "order_id" and "payload" not in table.column_names
-    kept = sorted(zip(*(table.column(c).to_pylist() for c in ("stream_id", "row_no", "order_id"))))
+    columns = [table.column(c).to_pylist() for c in ("stream_id", "row_no", "order_id")]
+    kept = sorted(zip(*columns, strict=True))
     assert kept == [(ids["good"], 0, 1), (ids["multi"], 0, 10), (ids["multi"], 2, 12)]
 
 

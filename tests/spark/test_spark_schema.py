@@ -44,23 +44,27 @@ def _write(client: Client, stream: str, url: str) -> dict[str, int]:
 
 def _rows(df: Any) -> list[dict[str, Any]]:
     return sorted(
-        (r.asDict(recursive=True) for r in df.collect()), key=lambda r: (r["stream_id"], r["row_no"])
+        (r.asDict(recursive=True) for r in df.collect()),
+        key=lambda r: (r["stream_id"], r["row_no"]),
     )
 
 
 def test_permissive_batch_read_types_columns_and_keeps_bad_rows(
     spark: Any, client: Client, stream: str, streams_url: str
 ) -> None:
-    from pyspark.sql.types import DataType
+    from pyspark.sql.types import StructType
 
     ids = _write(client, stream, streams_url)
-    df = spark.read.format("streams").options(
-        stream=stream, databaseUrl=streams_url, schema=DDL
-    ).load()
+    df = (
+        spark.read.format("streams")
+        .options(stream=stream, databaseUrl=streams_url, schema=DDL)
+        .load()
+    )
     # Parsed without Spark, the schema is the one Spark itself makes of the DDL.
     own = ["stream", "stream_id", "row_no", "instance", "timestamp", "epoch_upper"]
     assert df.columns == [*own, "order_id", "amount", "tags", "at", "_corrupt_record"]
-    expected = DataType.fromDDL(DDL)
+    expected = StructType.fromDDL(DDL)
+    assert isinstance(expected, StructType)
     assert [f.dataType for f in df.schema.fields[len(own) :]] == [
         f.dataType for f in expected.fields
     ]
@@ -106,9 +110,11 @@ def test_failfast_fails_the_query_naming_the_row(
     spark: Any, client: Client, stream: str, streams_url: str
 ) -> None:
     ids = _write(client, stream, streams_url)
-    df = spark.read.format("streams").options(
-        stream=stream, databaseUrl=streams_url, schema="order_id BIGINT", mode="FAILFAST"
-    ).load()
+    df = (
+        spark.read.format("streams")
+        .options(stream=stream, databaseUrl=streams_url, schema="order_id BIGINT", mode="FAILFAST")
+        .load()
+    )
     with pytest.raises(Exception) as info:
         df.collect()
     text = str(info.value)
