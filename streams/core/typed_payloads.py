@@ -836,19 +836,21 @@ def _merge(a: pa.DataType, b: pa.DataType) -> pa.DataType:
 
 
 def _settle(dtype: pa.DataType) -> pa.DataType:
-    """Types only nulls were seen for become strings (Spark's choice)."""
+    """Types only nulls were seen for become strings, and fields are sorted by name (Spark's
+    choices: PostgreSQL's ``jsonb`` does not keep the payload's key order anyway)."""
     if pa.types.is_null(dtype):
         return pa.string()
     if pa.types.is_list(dtype):
         return pa.list_(_settle(dtype.value_type))
     if pa.types.is_struct(dtype):
-        return pa.struct([pa.field(f.name, _settle(f.type)) for f in dtype])
+        fields = sorted(dtype, key=lambda f: f.name)
+        return pa.struct([pa.field(f.name, _settle(f.type)) for f in fields])
     return dtype
 
 
 def infer_schema(payloads: Iterable[Any]) -> tuple[pa.Schema, int]:
-    """The schema of decoded payloads, merged across them, and how many were not JSON
-    objects (left out: a payload schema describes objects)."""
+    """The schema of decoded payloads, merged across them (fields sorted by name), and how
+    many were not JSON objects (left out: a payload schema describes objects)."""
     merged: pa.DataType = pa.struct([])
     skipped = 0
     for payload in payloads:

@@ -290,8 +290,8 @@ def test_inference_merges_types() -> None:
             ("a", pa.float64()),
             ("b", pa.list_(pa.float64())),
             ("c", pa.struct([("x", pa.string()), ("y", pa.string())])),
-            ("e", pa.string()),
             ("d", pa.string()),
+            ("e", pa.string()),
             ("f", pa.list_(pa.struct([("p", pa.int64()), ("q", pa.list_(pa.int64()))]))),
         ]
     )
