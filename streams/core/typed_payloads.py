@@ -756,7 +756,7 @@ def _fast(array: pa.Array, parsed: pa.Schema) -> list[pa.Array] | None:
     return [table.column(f.name).combine_chunks().cast(f.type) for f in parsed]
 
 
-def _slow(texts: list[str | None], parsed: pa.Schema, bad: dict[int, str]) -> list[pa.Array]:
+def _slow(texts: Sequence[str | None], parsed: pa.Schema, bad: dict[int, str]) -> list[pa.Array]:
     """Each payload parsed alone and converted field by field; the bad rows into ``bad``."""
     converters = [(f.name, _converter(f.type, f.name)) for f in parsed]
     columns: list[list[Any]] = [[] for _ in converters]

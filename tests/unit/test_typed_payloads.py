@@ -229,6 +229,7 @@ json_values = st.recursive(
 
 def _payload_for(dtype: pa.DataType) -> st.SearchStrategy[Any]:
     """Values that mostly fit ``dtype`` (and sometimes do not)."""
+    fit: st.SearchStrategy[Any]
     if pa.types.is_struct(dtype):
         fit = st.fixed_dictionaries({}, optional={f.name: _payload_for(f.type) for f in dtype})
     elif pa.types.is_list(dtype):
@@ -239,7 +240,9 @@ def _payload_for(dtype: pa.DataType) -> st.SearchStrategy[Any]:
         bits = dtype.bit_width
         fit = st.integers(-(2 ** (bits - 1)) - 2, 2 ** (bits - 1) + 1)
     elif pa.types.is_floating(dtype):
-        fit = st.floats(allow_nan=False, allow_infinity=False) | st.integers(-(2**53), 2**53)
+        fit = st.one_of(
+            st.floats(allow_nan=False, allow_infinity=False), st.integers(-(2**53), 2**53)
+        )
     else:
         fit = st.text(max_size=5)
     return st.one_of(st.none(), fit, fit, fit, json_values)
