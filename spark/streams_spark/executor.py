@@ -15,6 +15,10 @@ pyarrow (or in SQL, ``timestampIn=sql``). A partition of one fact costs about 2 
 (four of the six statements are checks), beside about 150 ms for a whole micro-batch
 (`streams bench spark`): not worth weakening the order the probe argument rests on.
 
+With the ``schema`` option each record batch's payload column becomes the schema's typed
+columns here, on the executor (`_typed`, by `streams.core.typed_payloads`: one logic with the
+Python reader's ``batches(schema=...)``), before Spark sees the rows.
+
 Costs of a Python worker that are not the rows' own (measured with ``streams bench spark``):
 Spark's worker runs a full garbage collection after every task, which walks every object the
 imports made (about 116,000: 60-170 ms of CPU per task on the development machine) unless

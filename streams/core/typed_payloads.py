@@ -34,7 +34,10 @@ How (`typed_columns`): when every type in the schema is one pyarrow's JSON reade
 exactly as above (booleans, integers, floats, strings only from strings, lists and structs of
 them), the whole page is parsed by it at once; if it refuses the page (a bad row somewhere),
 or for other types, each payload is parsed with orjson and converted by a function compiled
-once per type. Both give the same columns (a property test holds them equal).
+once per type. Both give the same columns (a property test holds them equal). Measured on
+65,536 payloads of about 200 bytes and five fields (one thread, a noisy two-core machine,
+medians of runs): the whole page 75-140 ms, about 0.7-2x pyarrow's JSON reader alone on the
+same text; the row path 210-420 ms; ``json.loads`` alone, without any conversion, 300-430 ms.
 """
 
 from __future__ import annotations
