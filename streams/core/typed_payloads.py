@@ -8,8 +8,8 @@ Terms:
 
 * a **payload schema** is the user's schema of a row's payload: Arrow fields (from an Arrow
   schema, a Spark DDL string such as ``"order_id BIGINT, tags ARRAY<STRING>"``, or a Spark
-  ``StructType`` JSON: `streams.core.payload_schemas`, whose names are re-exported here). Every field is read as nullable, as Spark's JSON
-  reader does;
+  ``StructType`` JSON: `streams.core.payload_schemas`, whose names are re-exported here).
+  Every field is read as nullable, as Spark's JSON reader does;
 * a **bad row** is one whose payload is not a JSON object, or one of whose fields does not
   convert to its type (a string for an integer, an integer out of range, a date that is not one);
 * the **mode** says what becomes of a bad row (Spark's names and meanings): ``PERMISSIVE``
