@@ -11,6 +11,12 @@ rows (`streams_spark.executor.SCHEMA` without its ``epoch_upper``), `schema()`:
   `streams.core.epochs.Fact.timestamp`;
 * ``payload`` (string): the row's payload as JSON text.
 
+With a payload schema (``schema=``, `typing_of`), the schema's fields, typed, take the place of
+``payload`` (after ``timestamp``): parsed from it as Spark's JSON reader does, bad rows as the
+``mode`` says (`streams.core.typed_payloads`, the logic the Spark source's ``schema`` option
+uses too); FAILFAST raises `streams.MalformedPayload` for the first bad row, the batch
+undelivered (the reader's position is then past it: reopen a group's reader to read it again).
+
 Terms: a **batch** is one stream's part of an epoch: whole facts only (a fact's rows are never
 split across two batches), in (stream ID, row) order, at most ``max_rows`` rows unless a single
 fact has more (it is read alone, whole). When `Reader.batches` yields a batch, the reader's
@@ -48,16 +54,24 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 from .core.epochs import Epoch
 from .core.page_cut import cut_page
-from .errors import UsageError
+from .errors import MalformedPayload, UsageError
 from .store.arrow_reads import ArrowSessions, require_arrow
 from .store.reader_core import ReaderCore
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
+    from .core.typed_payloads import PayloadSchema
     from .reader import AsyncReader, Reader
 
-__all__ = ["DEFAULT_MAX_ROWS", "areader_batches", "reader_batches", "schema"]
+__all__ = [
+    "DEFAULT_MAX_ROWS",
+    "areader_batches",
+    "reader_batches",
+    "schema",
+    "typed_schema",
+    "typing_of",
+]
 
 #: Rows per batch (and per page read) by default: large enough that a page's two statements
 #: and its conversion cost little per row (at 65,536 rows of a 200-byte payload, a page is
@@ -81,6 +95,71 @@ def schema() -> pa.Schema:
             ("payload", pa.string()),
         ]
     )
+
+
+#: The batches' columns besides ``payload``: a payload schema's field may not take their names.
+OWN_COLUMNS = ("stream", "stream_id", "row_no", "instance", "timestamp")
+
+
+def typing_of(
+    payload: pa.Schema | str | None, mode: str = "PERMISSIVE", corrupt_column: str = ""
+) -> PayloadSchema | None:
+    """``schema``, ``mode`` and ``corrupt_column`` of `Reader.batches`, checked (`UsageError`);
+    None without a schema. A string is a Spark DDL string or a ``StructType`` JSON."""
+    if payload is None:
+        if str(mode).upper() != "PERMISSIVE":
+            raise UsageError("mode applies only with a schema")
+        return None
+    require_arrow("typed columns (schema=)")
+    from .core.typed_payloads import (
+        DEFAULT_CORRUPT_COLUMN,
+        SchemaError,
+        parse_schema_text,
+        payload_schema,
+    )
+
+    try:
+        fields = parse_schema_text(payload) if isinstance(payload, str) else payload
+        return payload_schema(
+            fields, mode, corrupt_column or DEFAULT_CORRUPT_COLUMN, reserved=OWN_COLUMNS
+        )
+    except SchemaError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def typed_schema(typed: PayloadSchema | None) -> pa.Schema:
+    """The batches' schema: `schema`, or with a payload schema its fields instead of
+    ``payload``."""
+    if typed is None:
+        return schema()
+    import pyarrow as pa
+
+    own = [f for f in schema() if f.name != "payload"]
+    return pa.schema(own + list(typed.schema))
+
+
+def _typed(batch: pa.RecordBatch, typed: PayloadSchema | None) -> pa.RecordBatch:
+    """A batch with the payload's typed columns (`typing_of`), bad rows as the mode says."""
+    if typed is None:
+        return batch
+    import pyarrow as pa
+
+    from .core.typed_payloads import failfast_message, typed_columns
+
+    found = typed_columns(batch.column(5), typed)
+    if found.bad and typed.mode == "FAILFAST":
+        row = min(found.bad)
+        stream = batch.column(0)[row].as_py()
+        stream_id, row_no = batch.column(1)[row].as_py(), batch.column(2)[row].as_py()
+        raise MalformedPayload(
+            failfast_message(stream, stream_id, row_no, found.bad[row]), stream, stream_id, row_no
+        )
+    out = pa.RecordBatch.from_arrays(
+        [batch.column(i) for i in range(5)] + found.arrays, schema=typed_schema(typed)
+    )
+    if found.bad and typed.mode == "DROPMALFORMED":
+        out = out.filter(found.keep(out.num_rows))
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,14 +415,17 @@ def reader_batches(
     idle_timeout: float = 0.0,
     max_rows: int | None = None,
     until: Mapping[str, int] | None = None,
+    typed: PayloadSchema | None = None,
 ) -> Iterator[pa.RecordBatch]:
-    """`Reader.batches` (``until``: `Client.read_arrow`'s bound)."""
+    """`Reader.batches` (``until``: `Client.read_arrow`'s bound; ``typed``: `typing_of`)."""
     require_arrow("Reader.batches()")
     limit = _check_max_rows(max_rows)
-    return _drive(reader, _batch_plan(reader.core, idle_timeout, until, limit))
+    return _drive(reader, _batch_plan(reader.core, idle_timeout, until, limit), typed)
 
 
-def _drive(reader: Reader, plan: Generator[_Op, Any, None]) -> Iterator[pa.RecordBatch]:
+def _drive(
+    reader: Reader, plan: Generator[_Op, Any, None], typed: PayloadSchema | None = None
+) -> Iterator[pa.RecordBatch]:
     from concurrent.futures import Future, ThreadPoolExecutor
 
     pool: ThreadPoolExecutor | None = None
@@ -357,7 +439,9 @@ def _drive(reader: Reader, plan: Generator[_Op, Any, None]) -> Iterator[pa.Recor
                 return
             answer = None
             if isinstance(op, _Deliver):
-                yield op.batch
+                batch = _typed(op.batch, typed)
+                if batch.num_rows:  # DROPMALFORMED may have dropped every row
+                    yield batch
             elif isinstance(op, _Read):
                 if reader._closed:
                     raise UsageError("reader is closed")
@@ -395,8 +479,10 @@ async def areader_batches(
     idle_timeout: float = 0.0,
     max_rows: int | None = None,
     until: Mapping[str, int] | None = None,
+    typed: PayloadSchema | None = None,
 ) -> AsyncIterator[pa.RecordBatch]:
-    """`AsyncReader.batches` (``until``: `AsyncClient.read_arrow`'s bound)."""
+    """`AsyncReader.batches` (``until``: `AsyncClient.read_arrow`'s bound; ``typed``:
+    `typing_of`)."""
     require_arrow("AsyncReader.batches()")
     limit = _check_max_rows(max_rows)
     plan = _batch_plan(reader.core, idle_timeout, until, limit)
@@ -410,7 +496,9 @@ async def areader_batches(
                 return
             answer = None
             if isinstance(op, _Deliver):
-                yield op.batch
+                batch = _typed(op.batch, typed)
+                if batch.num_rows:  # DROPMALFORMED may have dropped every row
+                    yield batch
             elif isinstance(op, _Read):
                 if reader._closed:
                     raise UsageError("reader is closed")
@@ -448,8 +536,8 @@ def bounds(stream: str, end: int | None) -> dict[str, int] | None:
     return {stream: end - 1}
 
 
-def to_table(batches: list[pa.RecordBatch]) -> pa.Table:
+def to_table(batches: list[pa.RecordBatch], typed: PayloadSchema | None = None) -> pa.Table:
     """The batches as one table (no copy: its chunks are the batches)."""
     import pyarrow as pa
 
-    return pa.Table.from_batches(batches, schema=schema())
+    return pa.Table.from_batches(batches, schema=typed_schema(typed))

@@ -571,6 +571,9 @@ class Client(_ClientBase[psycopg.Connection[Any]]):
         start: Start = "earliest",
         end: int | None = None,
         max_rows: int | None = None,
+        schema: pa.Schema | str | None = None,
+        mode: str = "PERMISSIVE",
+        corrupt_column: str = "_corrupt_record",
     ) -> pa.Table:
         """The facts of ``stream`` from ``start`` (as for `reader`: a stream ID, a time,
         ``"earliest"``) up to, not including, the stream ID ``end`` (None: everything complete
@@ -580,18 +583,20 @@ class Client(_ClientBase[psycopg.Connection[Any]]):
         variable holding a table by its name) take as they are. Reads only what PostgreSQL has
         proven complete when it is called: facts of the range not complete yet are not in it.
         For a range larger than memory, iterate `Reader.batches` instead. Needs the ``arrow``
-        extra."""
-        from .arrow import bounds, reader_batches, to_table
+        extra. ``schema``, ``mode``, ``corrupt_column``: typed columns, as `Reader.batches`."""
+        from .arrow import bounds, reader_batches, to_table, typing_of
         from .store.arrow_reads import require_arrow
 
         require_arrow("Client.read_arrow()")
+        typed = typing_of(schema, mode, corrupt_column)
         until = bounds(stream, end)
         core = self._reader_core(stream, start, None, None)
         # No Redis link: a bounded read proves for itself (nothing to wait for).
         with Reader(
             self.settings.database_url, core, None, connect_timeout=self.settings.connect_timeout
         ) as reader:
-            return to_table(list(reader_batches(reader, max_rows=max_rows, until=until)))
+            batches = reader_batches(reader, max_rows=max_rows, until=until, typed=typed)
+            return to_table(list(batches), typed)
 
     def _proof_service(self) -> ProofService:
         with self._link_lock:
@@ -820,12 +825,16 @@ class AsyncClient(_ClientBase[psycopg.AsyncConnection[Any]]):
         start: Start = "earliest",
         end: int | None = None,
         max_rows: int | None = None,
+        schema: pa.Schema | str | None = None,
+        mode: str = "PERMISSIVE",
+        corrupt_column: str = "_corrupt_record",
     ) -> pa.Table:
         """The asyncio twin of `Client.read_arrow`."""
-        from .arrow import areader_batches, bounds, to_table
+        from .arrow import areader_batches, bounds, to_table, typing_of
         from .store.arrow_reads import require_arrow
 
         require_arrow("AsyncClient.read_arrow()")
+        typed = typing_of(schema, mode, corrupt_column)
         until = bounds(stream, end)
         reader = await AsyncReader.open(
             self.settings.database_url,
@@ -834,10 +843,13 @@ class AsyncClient(_ClientBase[psycopg.AsyncConnection[Any]]):
             connect_timeout=self.settings.connect_timeout,
         )
         try:
-            batches = [b async for b in areader_batches(reader, max_rows=max_rows, until=until)]
+            batches = [
+                b
+                async for b in areader_batches(reader, max_rows=max_rows, until=until, typed=typed)
+            ]
         finally:
             await reader.aclose()
-        return to_table(batches)
+        return to_table(batches, typed)
 
     async def groups(self, stream: str, *, stale_after_ms: int = STALE_AFTER_MS) -> list[GroupRow]:
         """See `Client.groups`."""

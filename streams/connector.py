@@ -41,9 +41,15 @@ Sinks (`streams.store.sinks`, "the exactly-once argument"): `TaskKey`, `BatchCom
 `claim_task`, `commit_batch`, `SINK_COMMIT_RETENTION_SECONDS`.
 
 Redis (`streams.transport`): `RedisLink`, `Hint`, `default_instance_name`.
+
+Typed columns from payloads (`streams.core.typed_payloads`, imported on first use: it needs
+pyarrow): `PayloadSchema`, `SchemaError`, `DEFAULT_CORRUPT_COLUMN`, `parse_schema_text`,
+`payload_schema`, `typed_columns`, `failfast_message`.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from .client import default_instance_name
 from .core.incarnation import Guard, Incarnation, written_elsewhere
@@ -78,7 +84,41 @@ from .store.writer_core import FactChunk, WriterCore
 from .transport.link import RedisLink
 from .writer import Writer
 
+if TYPE_CHECKING:
+    from .core.typed_payloads import (
+        DEFAULT_CORRUPT_COLUMN,
+        PayloadSchema,
+        SchemaError,
+        failfast_message,
+        parse_schema_text,
+        payload_schema,
+        typed_columns,
+    )
+
+#: Re-exported lazily (`__getattr__`): importing this module must not need pyarrow.
+_TYPED = frozenset(
+    {
+        "DEFAULT_CORRUPT_COLUMN",
+        "PayloadSchema",
+        "SchemaError",
+        "failfast_message",
+        "parse_schema_text",
+        "payload_schema",
+        "typed_columns",
+    }
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TYPED:
+        from .core import typed_payloads
+
+        return getattr(typed_payloads, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
+    "DEFAULT_CORRUPT_COLUMN",
     "READER_SESSION_SETUP",
     "SINK_COMMIT_RETENTION_SECONDS",
     "BatchCommit",
@@ -90,11 +130,13 @@ __all__ = [
     "HeldStreams",
     "Hint",
     "Incarnation",
+    "PayloadSchema",
     "Probe",
     "Query",
     "RangeGen",
     "ReaderCore",
     "RedisLink",
+    "SchemaError",
     "StandbyRoute",
     "StreamRows",
     "TaskKey",
@@ -107,6 +149,7 @@ __all__ = [
     "count_facts",
     "default_instance_name",
     "encode_payload",
+    "failfast_message",
     "fetch_all",
     "first_fact_since",
     "group_position",
@@ -114,6 +157,8 @@ __all__ = [
     "load_stream",
     "load_streams",
     "open_session",
+    "parse_schema_text",
+    "payload_schema",
     "probe",
     "pruned_positions",
     "range_ts_maxima",
@@ -127,6 +172,7 @@ __all__ = [
     "take_generations",
     "transient_sqlstate",
     "ts_floor_at",
+    "typed_columns",
     "verify",
     "with_client_tcp_settings",
     "written_elsewhere",

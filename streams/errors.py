@@ -19,6 +19,8 @@ catch everything with one clause and still tell the cases apart::
     │                               line or proof, a restore): a commit of it moves nothing
     ├── WaitTimeout                 wait_for_position() gave up (also a TimeoutError)
     ├── FactsPruned                 the facts asked for were removed by the stream's retention
+    ├── MalformedPayload            a payload does not parse with the typed-columns schema
+    │                               (mode FAILFAST); also a ValueError
     ├── GroupMoved                  commit(conn=...) found the group moved by another consumer
     ├── GroupFenced                 another consumer opened the group since this one did: a
     │                               commit from this (older) generation moves nothing
@@ -41,6 +43,8 @@ Errors never carry passwords: anything that renders a URL goes through `redact_u
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "CommitUnknown",
     "ConfigurationError",
@@ -55,6 +59,7 @@ __all__ = [
     "InvalidPosition",
     "InvalidStreamName",
     "InvalidTimestamp",
+    "MalformedPayload",
     "PayloadNotSerializable",
     "PayloadTooLarge",
     "RedisUnavailable",
@@ -240,6 +245,19 @@ class FactsPruned(StreamsError):
             f"after {position}; start from 'earliest' (the oldest fact kept) or later, or "
             "commit a reader group so retention waits for it"
         )
+
+
+class MalformedPayload(StreamsError, ValueError):
+    """A row's payload does not parse with the schema given for typed columns, in mode
+    FAILFAST (`streams.core.typed_payloads`): the message names the stream, the stream ID,
+    the row and what did not parse."""
+
+    def __init__(self, message: str, stream: str = "", stream_id: int = 0, row_no: int = 0):
+        self.stream, self.stream_id, self.row_no = stream, stream_id, row_no
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # Spark pickles a task's error
+        return (type(self), (str(self), self.stream, self.stream_id, self.row_no))
 
 
 class GroupMoved(StreamsError):

@@ -583,15 +583,27 @@ class Reader(_ReaderBase):
             yield from epoch.facts
 
     def batches(
-        self, *, idle_timeout: float = 0.0, max_rows: int | None = None
+        self,
+        *,
+        idle_timeout: float = 0.0,
+        max_rows: int | None = None,
+        schema: pa.Schema | str | None = None,
+        mode: str = "PERMISSIVE",
+        corrupt_column: str = "_corrupt_record",
     ) -> Iterator[pa.RecordBatch]:
         """`epochs` as Arrow record batches (`streams.arrow`: the columns, what a batch is, the
         guarantees): until none arrives within ``idle_timeout`` seconds (0: until caught up).
         A batch holds whole facts of one stream, at most ``max_rows`` rows (default
-        `streams.arrow.DEFAULT_MAX_ROWS`) unless one fact has more. Needs the ``arrow`` extra."""
-        from .arrow import reader_batches
+        `streams.arrow.DEFAULT_MAX_ROWS`) unless one fact has more. Needs the ``arrow`` extra.
 
-        return reader_batches(self, idle_timeout=idle_timeout, max_rows=max_rows)
+        ``schema`` (an Arrow schema, or a Spark DDL string): typed columns parsed from the
+        payload instead of ``payload``; bad rows as ``mode`` says (PERMISSIVE, DROPMALFORMED,
+        FAILFAST: `streams.core.typed_payloads`), the raw payload of a bad row in the
+        ``corrupt_column`` field when the schema has one."""
+        from .arrow import reader_batches, typing_of
+
+        typed = typing_of(schema, mode, corrupt_column)
+        return reader_batches(self, idle_timeout=idle_timeout, max_rows=max_rows, typed=typed)
 
     def wait_for_position(
         self, stream: str, token: int, instance: str | None = None, *, timeout: float = 10.0
@@ -792,13 +804,20 @@ class AsyncReader(_ReaderBase):
                 yield fact
 
     def batches(
-        self, *, idle_timeout: float = 0.0, max_rows: int | None = None
+        self,
+        *,
+        idle_timeout: float = 0.0,
+        max_rows: int | None = None,
+        schema: pa.Schema | str | None = None,
+        mode: str = "PERMISSIVE",
+        corrupt_column: str = "_corrupt_record",
     ) -> AsyncIterator[pa.RecordBatch]:
         """The asyncio twin of `Reader.batches` (``async for batch in reader.batches()``; the
         ADBC reads run in a worker thread)."""
-        from .arrow import areader_batches
+        from .arrow import areader_batches, typing_of
 
-        return areader_batches(self, idle_timeout=idle_timeout, max_rows=max_rows)
+        typed = typing_of(schema, mode, corrupt_column)
+        return areader_batches(self, idle_timeout=idle_timeout, max_rows=max_rows, typed=typed)
 
     async def wait_for_position(
         self, stream: str, token: int, instance: str | None = None, *, timeout: float = 10.0

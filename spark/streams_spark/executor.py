@@ -15,6 +15,10 @@ pyarrow (or in SQL, ``timestampIn=sql``). A partition of one fact costs about 2 
 (four of the six statements are checks), beside about 150 ms for a whole micro-batch
 (`streams bench spark`): not worth weakening the order the probe argument rests on.
 
+With the ``schema`` option each record batch's payload column becomes the schema's typed
+columns here, on the executor (`_typed`, by `streams.core.typed_payloads`: one logic with the
+Python reader's ``batches(schema=...)``), before Spark sees the rows.
+
 Costs of a Python worker that are not the rows' own (measured with ``streams bench spark``):
 Spark's worker runs a full garbage collection after every task, which walks every object the
 imports made (about 116,000: 60-170 ms of CPU per task on the development machine) unless
@@ -50,17 +54,26 @@ from pyspark.sql.types import (
 from streams import redact_url
 from streams.connector import (
     READER_SESSION_SETUP,
+    PayloadSchema,
     Query,
     RangeGen,
     StandbyRoute,
     StreamRows,
     backoff_delay,
+    failfast_message,
     read_range,
     statement_timeout_setup,
     transient_sqlstate,
+    typed_columns,
     with_client_tcp_settings,
 )
-from streams.errors import ConnectionLost, FactsPruned, StandbyBehind, StoreError
+from streams.errors import (
+    ConnectionLost,
+    FactsPruned,
+    MalformedPayload,
+    StandbyBehind,
+    StoreError,
+)
 
 from .options import DEFAULT_STATEMENT_TIMEOUT, RETRY_CAP
 
@@ -93,12 +106,24 @@ SCHEMA = StructType(
 )
 
 
+def source_schema(typed: PayloadSchema | None = None) -> StructType:
+    """The source's rows: `SCHEMA`, or with a payload schema (option ``schema``) `SCHEMA`
+    without ``payload`` followed by the schema's fields (all nullable, as Spark's JSON reader
+    makes them), the corrupt-record column among them if the schema names it."""
+    if typed is None:
+        return SCHEMA
+    from pyspark.sql.pandas.types import from_arrow_type
+
+    own = [f for f in SCHEMA.fields if f.name != "payload"]
+    return StructType(own + [StructField(f.name, from_arrow_type(f.type)) for f in typed.schema])
+
+
 @functools.cache
-def arrow_schema() -> pa.Schema:
-    """`SCHEMA` as Arrow (timestamps as UTC microseconds), as Spark converts it."""
+def arrow_schema(typed: PayloadSchema | None = None) -> pa.Schema:
+    """`source_schema` as Arrow (timestamps as UTC microseconds), as Spark converts it."""
     from pyspark.sql.pandas.types import to_arrow_schema
 
-    schema: pa.Schema = to_arrow_schema(SCHEMA, timezone="UTC")
+    schema: pa.Schema = to_arrow_schema(source_schema(typed), timezone="UTC")
     return schema
 
 
@@ -155,6 +180,8 @@ class RangePartition(InputPartition):
     proof_lsn: int = 0
     #: Seconds to wait for the standby (behind, unreachable) before reading on the primary.
     standby_max_wait: float = 5.0
+    #: Typed columns from the payload instead of ``payload`` (option ``schema``): `_typed`.
+    payload_schema: PayloadSchema | None = None
 
     def __repr__(self) -> str:
         return (
@@ -274,19 +301,43 @@ def _convert(
     payload = batch.column(4)
     if payload.type != pa.string():
         payload = payload.cast(pa.string())
-    out = pa.RecordBatch.from_arrays(
-        [
-            stream_col,
-            batch.column(0).cast(pa.int64()),
-            row_no,
-            batch.column(2).cast(pa.string()),
-            stamps,
-            payload,
-            pc.fill_null(pa.nulls(n, pa.int64()), part.epoch_upper),
-        ],
-        schema=arrow_schema(),
-    )
-    return out, floor
+    columns = [
+        stream_col,
+        batch.column(0).cast(pa.int64()),
+        row_no,
+        batch.column(2).cast(pa.string()),
+        stamps,
+        payload,
+        pc.fill_null(pa.nulls(n, pa.int64()), part.epoch_upper),
+    ]
+    if part.payload_schema is not None:
+        return _typed(columns, part, part.payload_schema), floor
+    return pa.RecordBatch.from_arrays(columns, schema=arrow_schema()), floor
+
+
+def _typed(columns: list[pa.Array], part: RangePartition, spec: PayloadSchema) -> pa.RecordBatch:
+    """The rows with the payload's typed columns instead of ``payload``, bad rows as the mode
+    says (`streams.core.typed_payloads`): FAILFAST fails the task, naming the row."""
+    import pyarrow as pa
+
+    typed = typed_columns(columns[5], spec)
+    if typed.bad and spec.mode == "FAILFAST":
+        row = min(typed.bad)
+        stream_id, row_no = columns[1][row].as_py(), columns[2][row].as_py()
+        raise MalformedPayload(
+            failfast_message(part.stream, stream_id, row_no, typed.bad[row]),
+            part.stream, stream_id, row_no,
+        )  # fmt: skip
+    schema = arrow_schema(spec)
+    own = columns[:5] + columns[6:]
+    fields = schema.types[len(own) :]
+    arrays = own + [
+        a.cast(t) if a.type != t else a for a, t in zip(typed.arrays, fields, strict=True)
+    ]
+    out = pa.RecordBatch.from_arrays(arrays, schema=schema)
+    if typed.bad and spec.mode == "DROPMALFORMED":
+        out = out.filter(typed.keep(out.num_rows))
+    return out
 
 
 def _prefetched(reader: Iterator[pa.RecordBatch], depth: int = 2) -> Iterator[pa.RecordBatch]:

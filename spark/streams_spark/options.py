@@ -18,6 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from streams.config import Settings, redact_url, validate_stream_name
+from streams.connector import (
+    DEFAULT_CORRUPT_COLUMN,
+    PayloadSchema,
+    SchemaError,
+    parse_schema_text,
+    payload_schema,
+)
 from streams.errors import ConfigurationError, InvalidStreamName
 
 from .offsets import frontier_from_json
@@ -52,6 +59,9 @@ KNOWN_OPTIONS = (
     "timestampIn",
     "statementTimeout",
     "prefetch",
+    "schema",
+    "mode",
+    "columnNameOfCorruptRecord",
 )
 _BY_LOWER = {name.lower(): name for name in KNOWN_OPTIONS}
 
@@ -190,6 +200,9 @@ class SourceOptions:
     standby_max_wait: float = 5.0
     #: The option that set ``end`` (for errors).
     end_option: str = "endingPosition"
+    #: ``schema`` (with ``mode``, ``columnNameOfCorruptRecord``): typed columns from the
+    #: payload instead of ``payload`` (`streams.core.typed_payloads`); None: ``payload``.
+    payload_schema: PayloadSchema | None = None
 
     @property
     def statement_timeout_ms(self) -> int:
@@ -291,8 +304,37 @@ def parse_options(
         statement_timeout=timeout,
         prefetch=prefetch,
         end_option=end_option,
+        payload_schema=_payload_schema(given),
         **_standby(given, env, settings),
     )
+
+
+#: The source's own columns besides ``payload``: a schema field may not take their names.
+ROW_COLUMNS = ("stream", "stream_id", "row_no", "instance", "timestamp", "epoch_upper")
+
+
+def _payload_schema(given: Mapping[str, str]) -> PayloadSchema | None:
+    """``schema`` (a Spark DDL string or a ``StructType`` JSON), ``mode`` and
+    ``columnNameOfCorruptRecord``, checked here (parsed without Spark: the planner process has
+    no JVM)."""
+    if "schema" not in given:
+        for option in ("mode", "columnNameOfCorruptRecord"):
+            if option in given:
+                raise ConfigurationError(f"option {option} applies only with option schema")
+        return None
+    try:
+        fields = parse_schema_text(given["schema"])
+        return payload_schema(
+            fields,
+            given.get("mode", "PERMISSIVE"),
+            given.get("columnNameOfCorruptRecord", DEFAULT_CORRUPT_COLUMN),
+            reserved=ROW_COLUMNS,
+        )
+    except SchemaError as exc:
+        option = "mode" if str(exc).startswith("mode ") else "schema"
+        if "corrupt-record column" in str(exc):
+            option = "columnNameOfCorruptRecord"
+        raise ConfigurationError(f"option {option}: {exc}") from None
 
 
 def _ending(given: Mapping[str, str], names: list[str]) -> tuple[Position | None, str]:

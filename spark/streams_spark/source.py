@@ -126,6 +126,7 @@ from .executor import (
     RangePartition,
     StreamWentBackwards,
     read_partition,
+    source_schema,
     went_backwards,
     with_hint,
 )
@@ -177,7 +178,7 @@ class StreamsDataSource(DataSource):
         return "streams"
 
     def schema(self) -> StructType:
-        return SCHEMA
+        return source_schema(self.config.payload_schema)
 
     def reader(self, schema: StructType) -> DataSourceReader:
         bad = [
@@ -565,6 +566,7 @@ class _Driver:
                         read_database_url=self.config.read_database_url,
                         proof_lsn=planned_lsn or self.proof_lsn,
                         standby_max_wait=self.config.standby_max_wait,
+                        payload_schema=self.config.payload_schema,
                     )
                 )
         return parts

@@ -61,6 +61,7 @@ from .render import (
     timestamp,
 )
 from .role_commands import roles
+from .schema_commands import schema
 
 
 def _settings(database_url: str | None, redis_url: str | None, prefix: str | None) -> Settings:
@@ -857,6 +858,7 @@ ops.add_command(groups)
 ops.add_command(incarnation)
 ops.add_command(failover)
 ops.add_command(roles)
+ops.add_command(schema)
 
 
 @contextlib.contextmanager

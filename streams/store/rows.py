@@ -382,3 +382,31 @@ def pruned_positions(infos: Sequence[StreamInfo]) -> Gen[dict[str, int]]:
     rows = yield retention_query(infos)
     yield Commit()
     return check_retained(rows, {})
+
+
+# --- samples (`streams schema infer`) ----------------------------------------------------------
+
+
+def sample_payloads(info: StreamInfo, facts: int) -> Gen[list[str]]:
+    """The payload text of every row of the stream's latest ``facts`` facts (committed rows:
+    a sample to infer a schema from, not a read, so no proof is needed), newest fact first."""
+    if facts <= 0:
+        raise ValueError("facts must be positive")
+    key = int(info.id)
+    rows = yield Query(
+        sql.SQL(
+            "SELECT min(stream_id) FROM (SELECT DISTINCT stream_id FROM streams_facts "
+            "WHERE stream = {stream} ORDER BY stream_id DESC LIMIT {limit}) AS f"
+        ).format(stream=sql.Literal(key), limit=sql.Literal(int(facts)))
+    )
+    if rows[0][0] is None:
+        yield Commit()
+        return []
+    rows = yield Query(
+        sql.SQL(
+            "SELECT payload::text FROM streams_facts WHERE stream = {stream} "
+            "AND stream_id >= {low} ORDER BY stream_id DESC, row_no"
+        ).format(stream=sql.Literal(key), low=sql.Literal(int(rows[0][0])))
+    )
+    yield Commit()
+    return [str(row[0]) for row in rows]
