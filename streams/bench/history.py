@@ -606,11 +606,11 @@ def bench_history_command(
     prefix: str | None,
 ) -> None:
     """A long stream: bytes per fact, appends, start by time, positions, catch-up vs raw."""
+    if plot is not None and not arrow:
+        raise click.UsageError("--plot draws the --arrow figures: give --arrow")
     settings = Settings.resolve(database_url, redis_url, prefix)
     redis = "off" if settings.redis_url is None else redact_url(settings.redis_url)
     click.echo(f"database {redact_url(settings.database_url)}, Redis {redis}")
-    if plot is not None and not arrow:
-        raise click.UsageError("--plot draws the --arrow figures: give --arrow")
     if arrow:
         if read_url or keep:
             raise click.UsageError("--arrow takes neither --read-url nor --keep")

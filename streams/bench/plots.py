@@ -225,7 +225,7 @@ def plot_write(results: Sequence[WriteBenchResult], path: Path) -> None:
     """`streams.bench.write.run_write_bench`'s results: per mode, appends/s of each
     configuration beside raw, and their ratios to raw against the number of writers."""
     require_matplotlib()
-    from .write import KINDS, TARGET_KEYED_VS_UNKEYED, TARGET_VS_RAW
+    from .write import KEYED_TARGETS, KINDS, TARGET_VS_RAW
 
     modes = list(dict.fromkeys(r.mode for r in results))
     fig, axes = _figure(
@@ -257,8 +257,10 @@ def plot_write(results: Sequence[WriteBenchResult], path: Path) -> None:
                     color=colours["keyed"], label="keyed / unkeyed")  # fmt: skip
         if mode in TARGET_VS_RAW:
             _target_line(ratios, TARGET_VS_RAW[mode], f"target >= {TARGET_VS_RAW[mode]:g}x raw")
-        ratios.axhline(TARGET_KEYED_VS_UNKEYED, color=TARGET, linestyle=":", linewidth=1,
-                       label=f"target keyed >= {TARGET_KEYED_VS_UNKEYED:g}x unkeyed")  # fmt: skip
+        if mode in KEYED_TARGETS:
+            keyed = KEYED_TARGETS[mode]
+            ratios.axhline(keyed, color=TARGET, linestyle=":", linewidth=1,
+                           label=f"target keyed >= {keyed:g}x unkeyed")  # fmt: skip
         ratios.set_xticks(writers)
         shown = [*(r.ratio_of(k) for r in rows for k in kinds[1:]), *(r.keyed_ratio for r in rows)]
         ratios.set_ylim(0, 1.5 * max([1.0, *(v for v in shown if not math.isnan(v))]))
