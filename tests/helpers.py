@@ -98,3 +98,22 @@ def read_through(reader: Any, through: int, timeout: float = 30.0) -> list[int]:
         if epoch is not None:
             got += [f.stream_id for f in epoch.facts]
     return got
+
+
+def assert_image(path: Path) -> None:
+    """``path`` is a picture a viewer opens: a PNG that decodes to pixels (its magic bytes,
+    then matplotlib's decoder), or an SVG document (XML whose root is ``<svg>``)."""
+    data = path.read_bytes()
+    if path.suffix == ".png":
+        assert data.startswith(b"\x89PNG\r\n\x1a\n"), data[:16]
+        from matplotlib.image import imread
+
+        pixels = imread(path)
+        assert pixels.ndim == 3 and pixels.shape[0] > 100 and pixels.shape[1] > 100
+        assert pixels.shape[2] in (3, 4) and pixels.std() > 0  # not one flat colour
+    else:
+        import xml.etree.ElementTree as ET
+
+        root = ET.fromstring(data)
+        assert root.tag == "{http://www.w3.org/2000/svg}svg", root.tag
+        assert len(list(root.iter())) > 50  # drawn, not an empty document

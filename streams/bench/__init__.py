@@ -10,6 +10,8 @@
 * `probe`: the probe's cost under foreign locks and idle sessions.
 * `history`: a long stream: size, appends, starts, catch-up, retention.
 * `commands`: the ``streams bench`` group; each benchmark module holds its own command.
+* `plots`: ``--plot FILE.png|FILE.svg``, the figures of `write`, `latency`, `fleet` and
+  ``history --arrow`` drawn beside their baselines and targets (matplotlib, the ``plot`` extra).
 
 ``streams bench spark`` (the Spark source beside Spark's JDBC source) lives with the connector,
 `streams_spark.benchmarks`, and joins the group through an entry point (`streams.plugins`): the

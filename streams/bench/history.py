@@ -51,6 +51,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import click
@@ -68,6 +69,7 @@ from ..store.rows import position_before_time
 from .arrow_reads import ArrowMeasure, measure_arrow
 from .arrow_reads import describe as describe_arrow
 from .common import PAYLOAD, percentile, progress_report, raw_catchup, scratch_streams
+from .plots import plot_arrow, plot_option
 from .standby_reads import StandbyMeasure, describe, measure_standby_reads
 
 __all__ = ["HistoryBenchResult", "bench_history_command", "run_history_bench"]
@@ -588,6 +590,8 @@ def _measure_all(
     help="Only load the facts, then read --catchup-facts of them as Arrow batches beside "
     "epochs() and a raw ADBC SELECT (facts/s, ratios, targets). Needs the arrow extra.",
 )
+@plot_option("With --arrow: also draw the three reads' facts/s, every round and the targets, "
+             "as FILE.png or FILE.svg (the plot extra).")  # fmt: skip
 @common_options
 def bench_history_command(
     facts: int,
@@ -596,11 +600,14 @@ def bench_history_command(
     as_json: bool,
     read_url: str | None,
     arrow: bool,
+    plot: Path | None,
     database_url: str | None,
     redis_url: str | None,
     prefix: str | None,
 ) -> None:
     """A long stream: bytes per fact, appends, start by time, positions, catch-up vs raw."""
+    if plot is not None and not arrow:
+        raise click.UsageError("--plot draws the --arrow figures: give --arrow")
     settings = Settings.resolve(database_url, redis_url, prefix)
     redis = "off" if settings.redis_url is None else redact_url(settings.redis_url)
     click.echo(f"database {redact_url(settings.database_url)}, Redis {redis}")
@@ -615,6 +622,9 @@ def bench_history_command(
         )
         if as_json:
             click.echo(json.dumps(measure.as_dict(), sort_keys=True, separators=(",", ":")))
+        if plot is not None:
+            plot_arrow(measure, plot)
+            click.echo(f"plot written to {plot}")
         return
     if read_url:  # before loading facts for minutes: a clear error now if it cannot be used
         with sessions.connect(

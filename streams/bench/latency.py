@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Barrier
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -60,6 +61,7 @@ from .common import (
     raw_catchup,
     scratch_streams,
 )
+from .plots import plot_latency, plot_option
 
 if TYPE_CHECKING:
     from ..client import Client
@@ -637,6 +639,8 @@ def run_latency_bench(
     help="Facts in the stream caught up; repeat for several sizes (a stream each).",
 )  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Also print the results as JSON.")
+@plot_option("Also draw latency p50/p99 per writer count and catch-up per stream size beside "
+             "their raw baselines, as FILE.png or FILE.svg (the plot extra).")  # fmt: skip
 @common_options
 def bench_latency_command(
     seconds: float,
@@ -644,6 +648,7 @@ def bench_latency_command(
     writer_counts: tuple[int, ...],
     catchup_facts: tuple[int, ...],
     as_json: bool,
+    plot: Path | None,
     database_url: str | None,
     redis_url: str | None,
     prefix: str | None,
@@ -665,3 +670,6 @@ def bench_latency_command(
     )
     if as_json:
         click.echo(json.dumps(result.as_dict(), sort_keys=True, separators=(",", ":")))
+    if plot is not None:
+        plot_latency(result, plot)
+        click.echo(f"plot written to {plot}")

@@ -39,6 +39,7 @@ import tracemalloc
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.synchronize import Barrier
+from pathlib import Path
 from typing import Any
 
 import click
@@ -48,12 +49,15 @@ from ..cli_params import FiniteFloat, common_options
 from ..config import Settings, redact_url
 from ..core.positions import PositionTracker
 from .common import PAYLOAD, Scratch, ignore_interrupts, progress_report, scratch_streams
+from .plots import plot_option, plot_write
 
 __all__ = ["WriteBenchResult", "bench_write_command", "run_write_bench", "tracker_memory"]
 
 #: The configurations of one round, in the order they run: raw first, then `streams` (keyed
 #: appends with Redis off, beside ``redis-off``).
 KINDS = ("raw", "redis-off", "keyed", "redis-on")
+#: Targets of the ratio to raw, per mode (docs/performance.md); the plots draw them.
+TARGET_VS_RAW = {"single": 1.0, "batch": 0.9}
 
 #: The targets of keyed appends (each fact with an idempotency key of its own) over unkeyed
 #: ones of the same run, Redis off, by mode (issue 31).
@@ -444,6 +448,8 @@ def tracker_memory(facts: int = 1_000_000, report: Callable[[str], None] = print
     "--memory-facts", type=click.IntRange(0, 100_000_000), default=1_000_000, show_default=True
 )
 @click.option("--json", "as_json", is_flag=True, help="Also print the results as JSON.")
+@plot_option("Also draw appends/s beside raw and the ratios against writers, as FILE.png or "
+             "FILE.svg (the plot extra).")  # fmt: skip
 @common_options
 def bench_write_command(
     seconds: float,
@@ -451,6 +457,7 @@ def bench_write_command(
     writer_counts: tuple[int, ...],
     memory_facts: int,
     as_json: bool,
+    plot: Path | None,
     database_url: str | None,
     redis_url: str | None,
     prefix: str | None,
@@ -478,3 +485,6 @@ def bench_write_command(
     if as_json:
         data = [r.as_dict() for r in results]
         click.echo(json.dumps(data, sort_keys=True, separators=(",", ":")))
+    if plot is not None:
+        plot_write(results, plot)
+        click.echo(f"plot written to {plot}")

@@ -23,7 +23,7 @@ from typing import Any
 import psycopg
 import pytest
 from click.testing import CliRunner
-from helpers import default_sigint
+from helpers import assert_image, default_sigint
 from servers import create_database, database_name, drop_database
 
 import streams
@@ -119,17 +119,30 @@ BENCHES = {
 }
 
 
+#: The benchmarks that draw their figures (``--plot``), in the format each run here uses.
+PLOTS = {"write": ".png", "latency": ".svg", "fleet": ".svg"}
+
+
 @pytest.mark.parametrize("bench", sorted(BENCHES))
-def test_a_benchmark_leaves_nothing_behind(bench_url: str, redis_url: str, bench: str) -> None:
+def test_a_benchmark_leaves_nothing_behind(
+    bench_url: str, redis_url: str, bench: str, tmp_path: Path
+) -> None:
+    """...and, where it draws a plot, the same run writes it (the figures of a real run)."""
     args, created = BENCHES[bench]
     before = snapshot(bench_url)
     before_children = set(children(os.getpid()))
+    plot = tmp_path / f"bench-{bench}{PLOTS.get(bench, '')}"
+    if bench in PLOTS:
+        args = [*args, "--plot", str(plot)]
     argv = ["bench", bench, *args, "--database-url", bench_url, "--redis-url", redis_url]
     result = CliRunner().invoke(main, argv)
     assert result.exit_code == 0, result.output
     assert streams_created(bench_url) == created
     assert snapshot(bench_url) == before
     assert gone(ours(children(os.getpid())) - before_children) == set()
+    if bench in PLOTS:
+        assert f"plot written to {plot}" in result.output
+        assert_image(plot)
 
 
 def test_a_failed_benchmark_leaves_nothing_behind(bench_url: str, redis_url: str) -> None:

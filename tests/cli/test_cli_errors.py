@@ -146,6 +146,19 @@ _BY_NAME: dict[str, list[str]] = {
     "read_url": _SECRET_URLS["database_url"],
     "read_database_url": _SECRET_URLS["database_url"],
     "jdbc_jar": ["/nonexistent/driver.jar"],
+    # `bench ... --plot FILE`: a format the suffix does not name, a directory that is not there.
+    "plot": [
+        "plot.txt",
+        "plot",
+        "plot.jpg",
+        "",
+        ".",
+        "/",
+        "/nonexistent_zz/plot.png",
+        "/nonexistent_zz/plot.svg",
+        "no_such_dir_zz/plot.svg",
+        "a\x00.png",
+    ],
 }
 
 
