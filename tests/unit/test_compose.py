@@ -3,7 +3,8 @@ the development machines, so this checks what can be checked without one: the fi
 every service the README names is there with a healthcheck where others wait on it, every
 `depends_on` and mounted path exists, and the commands it runs are real CLI commands; the
 Grafana service finds the Prometheus data source and the dashboard where its provisioning
-files say (`docker compose config` validates the file too, where the compose plugin exists);
+files say (`docker compose config`, or the standalone `docker-compose config`, validates the
+file too, with and without the `ha` profile, where either is installed: `.ci/run` installs it);
 and the Spark image (deploy/spark/Dockerfile) has a Python that `requires-python` accepts, Java 17,
 streams[spark] from pip and Spark's own spark-class from the pip PySpark, as the cluster test
 (tests/spark/test_cluster.py) runs it."""
@@ -143,25 +144,31 @@ def test_the_spark_image_runs_spark_as_the_cluster_test_does() -> None:
 
 
 def _compose_cli() -> list[str] | None:
-    """``docker compose`` if the Docker CLI with its compose plugin is here (it needs no
-    engine to validate a file), else None."""
+    """``docker compose`` if the Docker CLI with its compose plugin is here, else the
+    standalone ``docker-compose`` (Debian's package: ``apt-get install docker-compose``), else
+    None. Neither needs an engine to validate a file."""
     docker = shutil.which("docker")
-    if docker is None:
-        return None
-    found = subprocess.run(
-        [docker, "compose", "version"], capture_output=True, text=True, timeout=30, check=False
-    )
-    return [docker, "compose"] if found.returncode == 0 else None
+    if docker is not None:
+        found = subprocess.run(
+            [docker, "compose", "version"], capture_output=True, text=True, timeout=30,
+            check=False,
+        )  # fmt: skip
+        if found.returncode == 0:
+            return [docker, "compose"]
+    standalone = shutil.which("docker-compose")
+    return [standalone] if standalone is not None else None
 
 
 def test_grafana_is_provisioned_with_prometheus_and_the_dashboard() -> None:
     compose_cli = _compose_cli()
     if compose_cli is not None:  # the real validation, where the plugin exists
-        checked = subprocess.run(
-            [*compose_cli, "-f", str(ROOT / "docker-compose.yml"), "config", "--quiet"],
-            capture_output=True, text=True, timeout=60, check=False,
-        )  # fmt: skip
-        assert checked.returncode == 0, checked.stderr
+        for profiles in ([], ["--profile", "ha"]):
+            checked = subprocess.run(
+                [*compose_cli, "-f", str(ROOT / "docker-compose.yml"), *profiles, "config",
+                 "--quiet"],
+                capture_output=True, text=True, timeout=60, check=False,
+            )  # fmt: skip
+            assert checked.returncode == 0, checked.stderr
     # Always (there is no compose plugin on the development machines): what it would check of
     # the grafana service, and what it cannot (the mounted files are what Grafana expects).
     services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
