@@ -626,8 +626,11 @@ class ReaderCore:
             self._received[name] = _Received(after, through, rows, pruned.get(name, 0))
 
     def forget_ahead(self) -> None:
-        """The session closed: pages sent ahead on it are gone (the shells, on reconnect)."""
+        """The session closed: pages sent ahead on it are gone, and pages received on it are
+        dropped too (the shells, on reconnect: the next session may be on a new primary, whose
+        history the sighting check compares first)."""
         self._ahead = None
+        self._received = {}
 
     def standby_step(self) -> Gen[Epoch | None]:
         """`step`'s pages, on a hot standby's session (a read URL): the fence first (one
