@@ -38,7 +38,7 @@ from .store.driver import run
 from .store.leases import LockHolder, reservation_lock_holders
 from .store.reader_groups import StreamPositions, stream_positions
 from .store.registry import list_streams
-from .store.roles import connections_by_role
+from .store.role_checks import connections_by_role
 
 if TYPE_CHECKING:
     from .client import Client

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from psycopg import sql
 
+from ..core.constants import facts_partition
 from ..core.failover import Sighting, assess
 from ..core.standby import parse_lsn
 from ..errors import FailoverLoss, StoreError
@@ -53,11 +54,12 @@ def check_sighting(sighting: Sighting, where: str, what: str) -> Gen[None]:
     for stream, (key, ids) in sorted(sighting.snapshot().items()):
         if not ids:
             continue
+        # The stream's partition, named: a writer may read its own streams' rows only.
         present = yield Query(
             sql.SQL(
-                "SELECT DISTINCT stream_id FROM streams_facts "
+                "SELECT DISTINCT stream_id FROM {facts} "
                 "WHERE stream = {key} AND stream_id = ANY(%s)"
-            ).format(key=sql.Literal(int(key))),
+            ).format(facts=sql.Identifier(facts_partition(int(key))), key=sql.Literal(int(key))),
             (ids,),
         )
         pruned = yield Query(pruned_through_sql(key))
@@ -125,14 +127,14 @@ def repair_sequences(skip: int, streams: Sequence[str] | None) -> Gen[list[tuple
         target = highest + skip
         if target <= stream.sequence:
             continue
-        # GREATEST: a writer may have moved the sequence past ``target`` meanwhile.
-        yield Query(
-            "SELECT setval(r.sequence_name::regclass, GREATEST(%s, "
-            "COALESCE(pg_sequence_last_value(r.sequence_name::regclass), 0))) "
-            "FROM streams_registry r WHERE r.name = %s",
+        # The database moves it (revision 0015: forward only, never below a writer that moved
+        # it further meanwhile), for an operator or a writer of the stream.
+        rows = yield Query(
+            "SELECT streams_repair_sequence(r.id, %s) FROM streams_registry r WHERE r.name = %s",
             (target, stream.name),
         )
-        moved.append((stream.name, stream.sequence, target))
+        if rows and rows[0][0] is not None:
+            moved.append((stream.name, stream.sequence, int(rows[0][0])))
     yield Commit()
     return moved
 

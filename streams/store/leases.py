@@ -234,22 +234,32 @@ def repair_sequence_now(info: StreamInfo) -> Gen[int | None]:
 
 
 def repair_sequence(info: StreamInfo) -> Gen[int | None]:
-    """Move the sequence past every ID known to be used (`sequence_state`) if it is behind;
-    returns the new value.
+    """Move the sequence past every ID known to be used if it is behind; returns the new
+    value (None: it was not behind).
+
+    The database moves it (``streams_repair_sequence``, revision 0015), forward only, to the
+    highest ID it holds for the stream (facts, writers' and groups' positions, how far
+    retention pruned) or the highest ID of the stream's declared tables, which this session
+    reads (they are the application's: the function cannot) and hands over. Roles that may
+    not set a sequence themselves (writers, operators: ``UPDATE`` would let them set it back)
+    repair through it; it checks that the login may write this stream or is an operator.
 
     Runs in the caller's transaction under the stream's registration lock, so two starting
     writers do not both repair. ``setval`` is not transactional: the repair stands even if the
     caller's transaction rolls back, which is what it should do.
     """
-    state = yield from sequence_state(info, commit=False)
-    target = state.repair_target
-    if target is None:
-        return None
-    yield Query(
-        sql.SQL("SELECT setval({}::regclass, %s)").format(sql.Literal(info.sequence_name)),
-        (target,),
-    )
-    return target
+    present, _ = yield from _existing_fact_tables(info)
+    seen: int | None = None
+    if present:
+        rows = yield Query(
+            sql.SQL("SELECT GREATEST({})::bigint").format(
+                sql.SQL(", ").join(t.max_sql(f"where_{i}") for i, t in enumerate(present))
+            ),
+            _filter_params(present, {}),
+        )
+        seen = None if rows[0][0] is None else int(rows[0][0])
+    rows = yield Query("SELECT streams_repair_sequence(%s, %s)", (info.id, seen))
+    return None if rows[0][0] is None else int(rows[0][0])
 
 
 def writer_lock_sql(stream: sql.Composable, instance: sql.Composable) -> sql.Composed:

@@ -210,17 +210,10 @@ def take_generations(
     order, so two consumers opening overlapping sets of streams do not deadlock (if they did,
     PostgreSQL would fail one open; nothing would move)."""
     by_id = {info.id: info.name for info in infos}
+    # The statement runs in the database (revision 0015's ``streams_open_group``), behind the
+    # check that this login may use the group: a group reader needs no write on the table.
     rows = yield Query(
-        """
-        INSERT INTO streams_group_generations AS g (stream, group_name, generation, owner)
-        SELECT s.stream, %(group)s, 1, %(owner)s
-        FROM unnest(%(streams)s::integer[]) AS s(stream)
-        ORDER BY s.stream
-        ON CONFLICT (stream, group_name) DO UPDATE
-        SET generation = g.generation + 1, owner = EXCLUDED.owner, taken_at = now(),
-            token = gen_random_uuid()
-        RETURNING g.stream, g.generation, g.token
-        """,
+        "SELECT * FROM streams_open_group(%(group)s, %(streams)s::integer[], %(owner)s)",
         {"group": group, "owner": owner, "streams": sorted(by_id)},
     )
     yield Commit()
@@ -231,55 +224,19 @@ def take_generations(
 #: fails (`GroupFenced`), followed by the stream's id, the generation held and the group's now.
 GROUP_FENCED = "streams-group-fenced"
 
-# The fence of a commit (`commit_group`, `commit_group_in`), after a CTE ``c`` of the commit's
-# streams with the generation and token this consumer holds on each: ``held`` locks (FOR SHARE)
-# and reads the group's generation rows, ``fenced`` is every stream where the row is gone or
-# holds another token (any row: the commit moves nothing), and ``f`` the first of them (the one
-# the error names).
-_FENCE = """
-        held AS (
-            SELECT h.stream, h.generation, h.token FROM streams_group_generations h
-            WHERE h.group_name = %(group)s AND h.stream = ANY(%(streams)s::integer[])
-            ORDER BY h.stream
-            FOR SHARE
-        ), fenced AS (
-            SELECT c.stream, c.generation, held.generation AS current
-            FROM c LEFT JOIN held ON held.stream = c.stream
-            WHERE held.stream IS NULL OR held.token IS DISTINCT FROM c.token
-        ), f AS (
-            SELECT * FROM fenced ORDER BY stream LIMIT 1
-        )"""
-_FENCED_CAST = (
-    f"('{GROUP_FENCED} ' || f.stream || ' ' || f.generation || ' ' || COALESCE(f.current, -1))"
-    "::bigint"
-)
+# A commit under a generation that is no longer the group's fails its statement with an invalid
+# cast whose text is `GROUP_FENCED`, the stream's id, the generation held and the group's now
+# (-1: no row); one of a position beyond max allocated with `POSITION_BEYOND`, the stream's id,
+# the position and max allocated; an exact commit that finds the row moved with `GROUP_MOVED`,
+# the stream's id and the base. The statement is the database's (``streams_commit_group``,
+# revision 0015: the fence, the bound and the upsert, behind the group's check).
 _FENCED_TEXT = re.compile(rf"{GROUP_FENCED} (\d+) (-?\d+) (-?\d+)")
 
 
 #: Marker of the text cast by which a commit of a position beyond its stream's max allocated ID
-#: fails (`InvalidPosition`), followed by the stream's id, the position and max allocated.
+#: fails (`InvalidPosition`): no reader can have reached it, since it passes only IDs a probe
+#: proved complete, and every such ID is at or below the sequence, which only grows.
 POSITION_BEYOND = "streams-position-beyond"
-
-# The bound of a commit (`commit_group`, `commit_group_in`): ``beyond`` is the first stream of
-# ``c`` whose position is above its sequence's last value (max allocated, as the probe reads
-# it): a position no reader can have reached, since it passes only IDs a probe proved complete,
-# and every such ID is at or below the sequence. Read in the commit's own statement, after
-# the reader reached its position: the sequence only grows, so an honest position always
-# passes, whenever this runs.
-_BOUND = """
-        beyond AS (
-            SELECT c.stream, c.position, a.allocated
-            FROM c JOIN streams_registry r ON r.id = c.stream
-            CROSS JOIN LATERAL (
-                SELECT COALESCE(pg_sequence_last_value(r.sequence_name::regclass), 0)
-                       AS allocated
-            ) AS a
-            WHERE c.position > a.allocated
-            ORDER BY c.stream LIMIT 1
-        )"""
-_BEYOND_CAST = (
-    f"('{POSITION_BEYOND} ' || b.stream || ' ' || b.position || ' ' || b.allocated)::bigint"
-)
 _BEYOND_TEXT = re.compile(rf"{POSITION_BEYOND} (\d+) (-?\d+) (-?\d+)")
 
 
@@ -409,56 +366,6 @@ def commit_group_in(
     return (yield from _commit(group, commits, held, incarnation, exact=True))
 
 
-#: The statement of both commits (see their arguments), for ``exact`` (`commit_group_in`: the
-#: row moves only from ``base``, else `GROUP_MOVED`) or not (`commit_group`: forward-only).
-_COMMIT_SQL = """
-    WITH c AS (
-        SELECT * FROM unnest(%(streams)s::integer[], %(positions)s::bigint[],
-                             %(floors)s::bigint[], %(bases)s::bigint[],
-                             %(generations)s::bigint[], %(tokens)s::uuid[])
-               AS c(stream, position, ts_floor, base, generation, token)
-    ), {fence}, {bound}, i AS (
-        INSERT INTO streams_reader_groups AS g
-            (stream, group_name, position, ts_floor, incarnation)
-        SELECT c.stream, %(group)s, c.position, c.ts_floor, %(incarnation)s
-        FROM c JOIN held ON held.stream = c.stream AND held.token = c.token
-        WHERE NOT EXISTS (SELECT FROM fenced) AND NOT EXISTS (SELECT FROM beyond)
-        ON CONFLICT (stream, group_name) DO UPDATE
-        SET position = GREATEST(g.position, EXCLUDED.position),
-            ts_floor = GREATEST(g.ts_floor, EXCLUDED.ts_floor),
-            incarnation = EXCLUDED.incarnation,
-            updated_at = now()
-        {exact_where}
-        RETURNING g.stream, g.position
-    )
-    SELECT c.stream,
-           CASE WHEN f.stream IS NOT NULL THEN {fenced_cast}
-                WHEN b.stream IS NOT NULL THEN {beyond_cast}
-                {exact_case}
-                ELSE i.position
-           END
-    FROM c LEFT JOIN i ON i.stream = c.stream LEFT JOIN f ON true LEFT JOIN beyond b ON true
-"""
-_COMMIT_STATEMENTS = {
-    exact: _COMMIT_SQL.format(
-        fence=_FENCE,
-        fenced_cast=_FENCED_CAST,
-        bound=_BOUND,
-        beyond_cast=_BEYOND_CAST,
-        exact_where=(
-            "WHERE g.position = (SELECT c.base FROM c WHERE c.stream = g.stream)" if exact else ""
-        ),
-        exact_case=(
-            f"WHEN i.stream IS NULL THEN ('{GROUP_MOVED} ' || c.stream || ' ' || "
-            "COALESCE(c.base, -1))::bigint"
-            if exact
-            else ""
-        ),
-    )
-    for exact in (False, True)
-}
-
-
 def _commit(
     group: str,
     commits: Sequence[tuple[StreamInfo, int, int, int | None]],
@@ -472,13 +379,16 @@ def _commit(
     by_id = {info.id: info.name for info in infos}
     try:
         rows = yield Query(
-            _COMMIT_STATEMENTS[exact],
+            "SELECT * FROM streams_commit_group(%(group)s, %(streams)s::integer[], "
+            "%(positions)s::bigint[], %(floors)s::bigint[], %(bases)s::bigint[], "
+            "%(generations)s::bigint[], %(tokens)s::uuid[], %(incarnation)s, %(exact)s)",
             {
                 **_fence_params(group, infos, held),
                 "positions": [position for _, position, _, _ in commits],
                 "floors": [floor for _, _, floor, _ in commits],
                 "bases": [base for _, _, _, base in commits],
                 "incarnation": incarnation,
+                "exact": exact,
             },
         )
     except StoreError as exc:

@@ -32,9 +32,10 @@ from ..errors import (
     UnknownStream,
 )
 from .driver import Autocommit, Commit, Gen, Query
-from .roles import grant_stream_sequence, owner_to_create_as
+from .roles import grant_stream, owner_to_create_as
+from .stream_objects import StreamObjects
 
-ALEMBIC_HEAD = "0014_idempotency_claim_keys"
+ALEMBIC_HEAD = "0015_enforced_privileges"
 
 #: A stream's key window unless set otherwise: an idempotency key names its append for 24 hours.
 DEFAULT_KEY_WINDOW_MS = 24 * 3600 * 1000
@@ -339,8 +340,8 @@ def create_stream(
         yield Commit()
         return existing
     # The stream's objects belong to the owner of streams_facts (under the role model,
-    # streams_admin: any admin may drop what another created), and its sequence is granted
-    # to the model's roles (`streams.store.roles`, "new streams").
+    # streams_admin: any admin may drop what another created), and its partition and sequence
+    # are granted to the model's roles (`streams.store.roles`, "new streams").
     owner = yield from owner_to_create_as()
     if owner is not None:
         yield Query(sql.SQL("SET LOCAL ROLE {}").format(sql.Identifier(owner)))
@@ -374,7 +375,6 @@ def create_stream(
             info.sequence
         )
     )
-    yield from grant_stream_sequence(info.sequence_name)
     # The stream's own partition of streams_facts (revision 0006: appends at the right edge of
     # its own indexes). Created apart and attached: ATTACH takes SHARE UPDATE EXCLUSIVE on
     # streams_facts, so other streams' appends and reads go on; CREATE ... PARTITION OF would
@@ -390,6 +390,7 @@ def create_stream(
             partition, sql.Literal(stream_key)
         )
     )
+    yield from grant_stream(StreamObjects.of(stream_key, name, info.sequence_name))
     yield Commit()
     return info
 

@@ -61,7 +61,7 @@ from typing import Any
 from psycopg import sql
 
 from ..config import validate_instance_name
-from ..core.constants import reservation_lock_class
+from ..core.constants import facts_partition, reservation_lock_class
 from ..core.failover import Sighting
 from ..core.incarnation import Guard
 from ..core.payloads import encode_payload
@@ -269,6 +269,7 @@ class WriterCore:
         # would be re-rendered on every append (about 30 us of a ~400 us append here).
         self._reserve_one: bytes | None = None
         self._reserve_many: bytes | None = None
+        self._copy_facts = ""
         self._reserve_fact: bytes | None = None
         self._reserve_one_keyed = self._reserve_fact_keyed = self._reserve_many_keyed = b""
         #: IDs reserved in transactions of callers that this writer joined (``fact()`` on a
@@ -334,11 +335,14 @@ class WriterCore:
             sql.SQL(
                 """
                 SELECT {max_allocated},
-                       (SELECT max(ts) FROM streams_facts WHERE stream = %(stream)s),
+                       (SELECT max(ts) FROM {facts} WHERE stream = %(stream)s),
                        (SELECT min(position) FROM streams_writers
                         WHERE stream = %(stream)s AND NOT retired AND instance <> %(instance)s)
                 """
-            ).format(max_allocated=max_allocated_sql(info)),
+            ).format(
+                max_allocated=max_allocated_sql(info),
+                facts=sql.Identifier(facts_partition(info.id)),
+            ),
             {"stream": info.id, "instance": self.instance},
         )
         max_allocated, ts_floor, others_min = int(rows[0][0]), rows[0][1] or 0, rows[0][2]
@@ -436,6 +440,15 @@ class WriterCore:
 
         prefix = prefix_with(sql.SQL(""))
         seq = sql.Literal(info.sequence_name)
+        # Facts go to the stream's own partition, named: PostgreSQL checks privileges on the
+        # table a statement names, so a role granted one stream's partition writes that stream
+        # only (`streams.store.roles`, "streams and groups of one's own").
+        facts = sql.Identifier(facts_partition(info.id))
+        self._copy_facts = (
+            sql.SQL("COPY {} (stream, stream_id, row_no, instance, ts, payload) FROM STDIN")
+            .format(facts)
+            .as_string(None)
+        )
         # One fact in one autocommit statement: nothing can run between the reservation and the
         # commit, so the checks of `_check_floor` and `PositionTracker.reserved` (ID >= L, and
         # above the max allocated this process knew when it began) are made *in* the statement:
@@ -445,7 +458,7 @@ class WriterCore:
         self._reserve_one = (
             sql.SQL(
                 """{prefix}, r AS (SELECT nextval({seq}) AS id, g.floor FROM g)
-            INSERT INTO streams_facts (stream, stream_id, row_no, instance, ts, payload)
+            INSERT INTO {facts} (stream, stream_id, row_no, instance, ts, payload)
             SELECT %(stream)s,
                    CASE WHEN r.id >= r.floor AND r.id > %(known)s THEN r.id
                         ELSE ({rewound} || r.id || ' ' || r.floor)::bigint END,
@@ -454,7 +467,7 @@ class WriterCore:
             RETURNING stream_id, (SELECT g.floor FROM g)
             """
             )
-            .format(prefix=prefix, seq=seq, rewound=sql.Literal(_REWOUND + " "))
+            .format(prefix=prefix, seq=seq, facts=facts, rewound=sql.Literal(_REWOUND + " "))
             .as_bytes(None)
         )
         many = sql.SQL(
@@ -475,10 +488,14 @@ class WriterCore:
             .format(prefix=prefix_with(sql.SQL("|| ") + guards), seq=seq)
             .as_bytes(None)
         )
-        self._prepare_keyed(prefix_with, guards, seq)
+        self._prepare_keyed(prefix_with, guards, seq, facts)
 
     def _prepare_keyed(
-        self, prefix_with: Callable[..., sql.Composed], guards: sql.Composable, seq: sql.Literal
+        self,
+        prefix_with: Callable[..., sql.Composed],
+        guards: sql.Composable,
+        seq: sql.Literal,
+        facts: sql.Identifier,
     ) -> None:
         """The statements of keyed appends ("the claim argument" in
         `streams.store.idempotency`): each claims its keys, then (gated on holding one) checks
@@ -495,7 +512,7 @@ class WriterCore:
             sql.SQL(
                 """{reserve},
                 f AS (
-                    INSERT INTO streams_facts (stream, stream_id, row_no, instance, ts, payload)
+                    INSERT INTO {facts} (stream, stream_id, row_no, instance, ts, payload)
                     SELECT %(stream)s, {checked}, 0, %(instance)s, %(ts)s, %(payload)s::jsonb
                     FROM r RETURNING stream_id
                 ), {record} {result}"""
@@ -505,6 +522,7 @@ class WriterCore:
                     prefix=prefix_with(sql.SQL(""), claim_ctes(many=False), GATE), seq=seq
                 ),
                 checked=checked,
+                facts=facts,
                 record=sql.SQL(record_cte("ARRAY[f.stream_id]", "f")),
                 result=sql.SQL(SINGLE_RESULT.format(extra="")),
             )
@@ -700,8 +718,7 @@ class WriterCore:
                 ids = self._check_floor(reserved)
                 tracker.reserved(token, ids)
                 yield CopyIn(
-                    "COPY streams_facts (stream, stream_id, row_no, instance, ts, payload) "
-                    "FROM STDIN",
+                    self._copy_facts,
                     (
                         (info.id, stream_id, 0, self.instance, stamp, encode_payload(p, limit))
                         for stream_id, stamp, p in zip(ids, stamps, payloads, strict=True)
@@ -767,8 +784,7 @@ class WriterCore:
                 stamps.extend(chunk_stamps)
                 floor = chunk_stamps[-1]
                 yield CopyIn(
-                    "COPY streams_facts (stream, stream_id, row_no, instance, ts, payload) "
-                    "FROM STDIN",
+                    self._copy_facts,
                     self._copy_rows(chunk, chunk_ids, chunk_stamps),
                 )
             yield Commit()
@@ -911,7 +927,7 @@ class WriterCore:
             self.tracker.reserved(token, ids)
         if count == len(payloads):  # every key held (``ords`` is NULL): no duplicate
             yield CopyIn(
-                "COPY streams_facts (stream, stream_id, row_no, instance, ts, payload) FROM STDIN",
+                self._copy_facts,
                 zip(
                     repeat(info.id),
                     ids,
@@ -937,7 +953,7 @@ class WriterCore:
                 fact_ids[n], fact_stamps[n] = original
         if count:
             yield CopyIn(
-                "COPY streams_facts (stream, stream_id, row_no, instance, ts, payload) FROM STDIN",
+                self._copy_facts,
                 (
                     (info.id, stream_id, 0, self.instance, stamps[n - 1], encode_payload(p, limit))
                     for n, stream_id in zip(ords, ids, strict=True)
@@ -1016,7 +1032,7 @@ class WriterCore:
         first = handle.rows
         handle.rows += len(encoded)
         yield CopyIn(
-            "COPY streams_facts (stream, stream_id, row_no, instance, ts, payload) FROM STDIN",
+            self._copy_facts,
             [
                 (self.info.id, handle.stream_id, first + n, self.instance, handle.timestamp, text)
                 for n, text in enumerate(encoded)

@@ -34,9 +34,9 @@ from streams.migrate import upgrade
 from streams.store import sessions
 from streams.store.driver import run
 from streams.store.leases import retire_expired_writers
+from streams.store.privileges import ROLES
 from streams.store.probe import prove, try_become_prover
 from streams.store.registry import drop_stream, load_stream
-from streams.store.roles import ROLES
 from streams.store.sinks import TaskKey, claim_task, commit_batch, sink_state
 
 pytestmark = pytest.mark.timeout(180)
