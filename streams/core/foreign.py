@@ -92,15 +92,17 @@ class ForeignDeployment:
         else:
             who = f"it announces streams this database does not have: {listed}"
         if seconds is None:
-            who_stops = "a streams process that hears it stops"
             base, cap = QUARANTINE_BASE, QUARANTINE_CAP
-            how_long = f"{base:.0f} s (doubling while it recurs, up to {cap:.0f} s)"
+            quiet = (
+                f"a streams process that hears it goes quiet for {base:.0f} s (doubling while "
+                f"it recurs, up to {cap:.0f} s)"
+            )
         else:
-            who_stops, how_long = "streams stopped", f"{seconds:.0f} s"
+            quiet = f"this streams process goes quiet for {seconds:.0f} s"
         return (
-            f"another deployment ({who}) shares the Redis channel {prefix!r}; {who_stops} "
-            "publishing there, so as not to break it, and using signed ranges from it (readers "
-            f"poll PostgreSQL) for {how_long}, then checks again. {_FIX}"
+            f"another deployment ({who}) shares the Redis channel {prefix!r}; {quiet}: it "
+            "publishes nothing there, so as not to break it, and its readers poll PostgreSQL "
+            f"instead of using signed ranges; then it checks again. {_FIX}"
         )
 
 

@@ -53,13 +53,13 @@ logs one error naming the prefix, the fix and how long, and the link tells local
 not live (they poll PostgreSQL, which is always correct, and use no signed range). The first
 lasts `streams.core.foreign.QUARANTINE_BASE` (60 s); one soon after the previous lasts twice as
 long as that one, up to `streams.core.foreign.QUARANTINE_CAP` (15 min), and a whole cap without
-one resets the doubling. The driver asks `lift_quarantine` on its
-periodic tick; once the time is up the link is live again, publishes what `on_connected` says
-(a reconnect, as far as the channel can tell), and any new evidence convicts again. Before,
-a conviction lasted for the life of the link, so anyone who may publish on Redis could turn a
-process's fast path off until it restarted with one forged line; now that line costs 60 s,
-and each conviction is counted (`LinkStats.convictions`). A real Synapse on the channel is
-disturbed for a few seconds at the end of each quarantine, at most once per cap.
+one resets the doubling. The driver asks `lift_quarantine` on its periodic tick; once the time
+is up the link is live again, publishes what `on_connected` says (a reconnect, as far as the
+channel can tell), and new evidence convicts again. Before, a conviction lasted for the life of
+the link, so anyone who may publish on Redis could turn a process's fast path off until it
+restarted with one forged line; now that line costs 60 s, and each conviction is counted
+(`LinkStats.convictions`). A real Synapse on the channel is disturbed for a few seconds at the
+end of each quarantine, at most once per cap once it recurs.
 
 Two `streams` deployments with *different* databases on one prefix also trip (b): each then
 goes quiet and polls (again after each quarantine, as long as they share it), which is correct
@@ -483,17 +483,8 @@ class LinkCore:
         """The subscription is confirmed: lines to publish now, in order."""
         with self._lock:
             self._connected = True
-        return self.outgoing(self._initial_lines())
-
-    def _initial_lines(self) -> list[bytes]:
-        """Every local writer's ``POSITION``, then ``REPLICATE`` if readers are attached."""
-        with self._lock:
-            announcers = list(self._writers.values())
-            readers = self._readers
-        lines = [serialize(a.announce()) for a in announcers]
-        if readers:
-            lines.append(serialize(ReplicateCommand()))
-        return lines
+            announcers, readers = list(self._writers.values()), self._readers
+        return self.outgoing(_initial_lines(announcers, readers))
 
     def lift_quarantine(self, now: float) -> list[bytes] | None:
         """The driver's periodic tick (monotonic seconds ``now``): if the quarantine in force
@@ -506,13 +497,16 @@ class LinkCore:
                 return None
             self._suspects.clear()  # heard before or during it: evidence must come anew
             connected = self._connected
+            # Under the lock, as in `on_connected`: a reader attaching meanwhile gets exactly
+            # one REPLICATE, this one or its own (`add_reader`).
+            announcers, readers = list(self._writers.values()), self._readers
         log.info(
             "replication channel %r: quarantine over after %.0f s; publishing and using signed "
             "ranges again",
             self.prefix,
             ended.seconds,
         )
-        return self.outgoing(self._initial_lines()) if connected else []
+        return self.outgoing(_initial_lines(announcers, readers)) if connected else []
 
     def on_disconnected(self) -> None:
         """The subscription is lost (until the next `on_connected`)."""
@@ -676,6 +670,15 @@ class LinkCore:
             elif isinstance(cmd, KeysCommand):
                 hints.append(_keys_hint(cmd))
         return hints
+
+
+def _initial_lines(announcers: list[Announcer], readers: int) -> list[bytes]:
+    """What a link publishes on (re)connect: every local writer's ``POSITION``, then
+    ``REPLICATE`` if readers are attached (they re-run initialization)."""
+    lines = [serialize(a.announce()) for a in announcers]
+    if readers:
+        lines.append(serialize(ReplicateCommand()))
+    return lines
 
 
 def _hint_of(cmd: PositionCommand | RdataCommand, token: int) -> Hint:

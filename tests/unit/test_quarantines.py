@@ -73,7 +73,7 @@ def test_a_forged_unknown_stream_line_costs_a_while_not_for_good(
     assert core.stats.convictions == {"synapse-commands": 0, "unknown-streams": 1}
     (error,) = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert "does not have: nope" in error.getMessage()
-    assert f"for {QUARANTINE_BASE:.0f} s, then checks again" in error.getMessage()
+    assert f"goes quiet for {QUARANTINE_BASE:.0f} s:" in error.getMessage()
     assert_quiet(core, now + 1)
     # More unknown names meanwhile are no suspects: nothing to decide until it ends.
     core.on_message(b"POSITION other x 0 5", now + 2)
