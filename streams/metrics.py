@@ -6,9 +6,10 @@ Two collectors, both *pull*: nothing is computed until Prometheus scrapes, so th
 * `ClientCollector` reports what one process does: each writer of a `streams.Client`
   (position, pending and in-flight IDs, facts appended), each reader (position per stream,
   probes, pages and rows read) and the Redis link (commands received, malformed, foreign,
-  published, dropped, reconnects), and what the readers took from Redis and refused: signed
-  ranges verified and applied, lines rejected by reason (the reasons
-  `streams.core.signing.verify_range` gives), shared proofs refused.
+  published, dropped, reconnects; its quarantines: convictions by reason, seconds left), and
+  what the readers took from Redis and refused: signed ranges verified and applied, lines
+  rejected by reason (the reasons `streams.core.signing.verify_range` gives), shared proofs
+  refused.
   `enable(client, port=...)` registers it and, with a port, serves ``/metrics``.
 * `DatabaseCollector` reports stream-level figures of one database, read at scrape time with
   the same queries as `streams positions`: linear position, max allocated, scratchpad, the age
@@ -28,6 +29,7 @@ exported here).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +44,7 @@ from .store.role_checks import connections_by_role
 
 if TYPE_CHECKING:
     from .client import Client
+    from .transport.link import RedisLink
 
 __all__ = ["ClientCollector", "DatabaseCollector", "enable", "serve", "serve_registry"]
 
@@ -171,28 +174,49 @@ class ClientCollector:
 
         link = self._client._link
         if link is not None:
-            stats = link.stats
-            counters = {
-                "received": stats.received,
-                "malformed": stats.malformed,
-                "foreign": stats.foreign,
-                "hints": stats.hints,
-                "published": stats.published,
-                "suppressed": stats.suppressed,
-                "dropped": link.dropped,
-                "reconnects": stats.reconnects,
-                "unheard": stats.unheard,
-                "stale_map": stats.stale_map,
-            }
-            family = _family(
-                "counter", "link_commands", "Replication commands by outcome.", ["prefix", "kind"]
-            )
-            for kind, value in counters.items():
-                family.add_metric([link.core.prefix, kind], value)
-            yield family
-            up = _family("gauge", "link_connected", "1 if the Redis fast path is up.", ["prefix"])
-            up.add_metric([link.core.prefix], 1 if link.connected else 0)
-            yield up
+            yield from _link_families(link)
+
+
+def _link_families(link: RedisLink) -> Iterator[Any]:
+    """The Redis link's counters, whether it is live, and its quarantines."""
+    stats, prefix = link.stats, link.core.prefix
+    counters = {
+        "received": stats.received,
+        "malformed": stats.malformed,
+        "foreign": stats.foreign,
+        "hints": stats.hints,
+        "published": stats.published,
+        "suppressed": stats.suppressed,
+        "dropped": link.dropped,
+        "reconnects": stats.reconnects,
+        "unheard": stats.unheard,
+        "stale_map": stats.stale_map,
+    }
+    family = _family(
+        "counter", "link_commands", "Replication commands by outcome.", ["prefix", "kind"]
+    )
+    for kind, value in counters.items():
+        family.add_metric([prefix, kind], value)
+    up = _family("gauge", "link_connected", "1 if the Redis fast path is up.", ["prefix"])
+    up.add_metric([prefix], 1 if link.connected else 0)
+    convictions = _family(
+        "counter",
+        "link_foreign_convictions",
+        "Quarantines of the Redis fast path: another deployment heard on the channel, by "
+        "reason (synapse-commands, unknown-streams).",
+        ["prefix", "reason"],
+    )
+    for reason, value in sorted(stats.convictions.items()):
+        convictions.add_metric([prefix, reason], value)
+    left = _family(
+        "gauge",
+        "link_quarantine_seconds",
+        "Seconds left in the current quarantine of the Redis fast path (0: none).",
+        ["prefix"],
+    )
+    quarantine = link.quarantine
+    left.add_metric([prefix], 0.0 if quarantine is None else quarantine.left(time.monotonic()))
+    yield from (family, up, convictions, left)
 
 
 class DatabaseCollector:

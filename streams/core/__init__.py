@@ -14,6 +14,7 @@ module here imports only other modules of this package and `streams.errors`
 * `timestamps`: S2's timestamp rules (modes, capping, the running maximum).
 * `protocol`: the wire protocol's commands, parsed and serialized (Synapse's byte format).
 * `replication`: what a replication message means to a process (`LinkCore`, `Announcer`).
+* `foreign`: another deployment on the channel: the verdict, and the link's quarantines.
 * `stalls`: when a stream held back at one position is worth a look for an expired writer.
 * `resp`: a RESP2 parser for the subscriber connection.
 """

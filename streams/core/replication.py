@@ -47,15 +47,23 @@ So `LinkCore` watches for another deployment on the channel:
     and only a name still unknown after a read that happened *after* it was heard convicts, so a
     stream created after the last read never looks foreign. Known names are never forgotten.
 
-Once foreign, the core says to publish nothing more on the channel, for the life of the link
-(`outgoing` drops and counts everything), logs one error naming the prefix and the fix, and the
-link tells local readers it is not live (they poll PostgreSQL, which is always correct). It
-never goes back: a Synapse deployment is not always chatty, and publishing again after a quiet
-spell would break it again the moment it sends ``REPLICATE``. The cost of detection is at most
-the answers already sent before the first evidence arrived (Synapse reconnects once).
+A conviction starts a *quarantine* (`streams.core.foreign`, where the periods are argued): the
+core says to publish nothing on the link's channels (`outgoing` drops and counts everything),
+logs one error naming the prefix, the fix and how long, and the link tells local readers it is
+not live (they poll PostgreSQL, which is always correct, and use no signed range). The first
+lasts `streams.core.foreign.QUARANTINE_BASE` (60 s); one soon after the previous lasts twice as
+long as that one, up to `streams.core.foreign.QUARANTINE_CAP` (15 min), and a whole cap without
+one resets the doubling. The driver asks `lift_quarantine` on its periodic tick; once the time
+is up the link is live again, publishes what `on_connected` says (a reconnect, as far as the
+channel can tell), and new evidence convicts again. Before, a conviction lasted for the life of
+the link, so anyone who may publish on Redis could turn a process's fast path off until it
+restarted with one forged line; now that line costs 60 s, and each conviction is counted
+(`LinkStats.convictions`). A real Synapse on the channel is disturbed for a few seconds at the
+end of each quarantine, at most once per cap once it recurs.
 
 Two `streams` deployments with *different* databases on one prefix also trip (b): each then
-goes quiet and polls, which is correct and tells the operator to separate them.
+goes quiet and polls (again after each quarantine, as long as they share it), which is correct
+and tells the operator to separate them.
 """
 
 from __future__ import annotations
@@ -65,7 +73,7 @@ import logging
 import threading
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal, TypeVar
+from typing import Any, Final, TypeVar
 
 from .constants import (
     KEYS_INSTANCE,
@@ -75,8 +83,14 @@ from .constants import (
     proof_channel,
     replication_channel,
 )
+from .foreign import (
+    FOREIGN_REASONS,
+    ForeignDeployment,
+    Quarantine,
+    Quarantines,
+    foreign_verdict,
+)
 from .protocol import (
-    SYNAPSE_ONLY_COMMANDS,
     Command,
     ErrorCommand,
     ForeignCommand,
@@ -96,6 +110,7 @@ __all__ = [
     "Hint",
     "LinkCore",
     "LinkStats",
+    "Quarantine",
     "backoff_delay",
     "foreign_verdict",
     "is_keys_hint",
@@ -109,8 +124,6 @@ REFRESH_INTERVAL: Final = 5.0
 #: Most unknown stream names remembered between two registry reads (a hostile publisher could
 #: send any number of them).
 MAX_SUSPECTS: Final = 64
-#: Most names listed as evidence in a `ForeignDeployment`.
-MAX_EVIDENCE: Final = 8
 #: Most distinct kinds of malformed line one link logs a warning for; later kinds go to debug.
 MAX_WARNINGS: Final = 32
 #: Seconds between two checks (``PUBSUB NUMSUB``) of whether anyone listens on the data channels
@@ -121,8 +134,6 @@ _DATA_PREFIXES: Final = (b"RDATA ", b"POSITION ")
 
 _Line = TypeVar("_Line", bytes, tuple[str, bytes])
 _Item = TypeVar("_Item")
-
-_FIX: Final = "Give streams its own prefix: STREAMS_PREFIX / prefix= / --prefix (default 'streams')"
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -217,7 +228,8 @@ class LinkStats:
     """Counters an operator may want (exposed by the links).
 
     ``foreign`` counts Synapse-only commands heard (``foreign_by_name`` per command name);
-    ``suppressed`` the lines not published because the channel is foreign; ``refreshes`` and
+    ``convictions`` the quarantines started, by `streams.core.foreign.ForeignReason`;
+    ``suppressed`` the lines not published during a quarantine; ``refreshes`` and
     ``refresh_errors`` the reads of the stream registry (see `LinkCore.on_known_streams`).
     """
 
@@ -230,6 +242,7 @@ class LinkStats:
     reconnects: int = 0
     foreign: int = 0
     foreign_by_name: dict[str, int] = field(default_factory=dict)
+    convictions: dict[str, int] = field(default_factory=lambda: {r: 0 for r in FOREIGN_REASONS})
     suppressed: int = 0
     refreshes: int = 0
     refresh_errors: int = 0
@@ -240,59 +253,6 @@ class LinkStats:
     #: Redis Cluster: lines published to a master that had lost slots by the next read of the
     #: slot map (an upper bound of those a resharding or failover lost; `transport.cluster`).
     stale_map: int = 0
-
-
-ForeignReason = Literal["synapse-commands", "unknown-streams"]
-
-
-@dataclass(frozen=True, slots=True)
-class ForeignDeployment:
-    """Another deployment publishes on the channel: why we think so.
-
-    ``reason`` is ``"synapse-commands"`` (``evidence``: the Synapse-only command names heard) or
-    ``"unknown-streams"`` (``evidence``: stream names announced that the registry does not know).
-    ``line`` is a short repr of one line that gave it away (empty if unknown).
-    """
-
-    reason: ForeignReason
-    evidence: tuple[str, ...]
-    line: str = ""
-
-    def describe(self, prefix: str) -> str:
-        """The operator-facing explanation, naming the channel and the fix."""
-        listed = ", ".join(self.evidence)
-        if self.reason == "synapse-commands":
-            who = f"it speaks Synapse's replication: {listed}"
-        else:
-            who = f"it announces streams this database does not have: {listed}"
-        return (
-            f"another deployment ({who}) shares the Redis channel {prefix!r}; streams stopped "
-            f"publishing there so as not to break it. {_FIX}"
-        )
-
-
-def foreign_verdict(
-    *,
-    commands: Iterable[str] = (),
-    streams: Iterable[str] = (),
-    known_streams: Collection[str] | None = None,
-    line: str = "",
-) -> ForeignDeployment | None:
-    """Whether what was heard on a channel shows another deployment there (pure).
-
-    ``commands``: names of the commands heard; any in `SYNAPSE_ONLY_COMMANDS` convicts.
-    ``streams``: stream names heard in ``POSITION``/``RDATA``; with ``known_streams`` (the
-    registry, read *after* they were heard), any not in it convicts. Without ``known_streams``
-    only the commands count.
-    """
-    synapse = sorted(set(commands) & SYNAPSE_ONLY_COMMANDS)
-    if synapse:
-        return ForeignDeployment("synapse-commands", tuple(synapse[:MAX_EVIDENCE]), line)
-    if known_streams is not None:
-        unknown = sorted(set(streams).difference(known_streams))
-        if unknown:
-            return ForeignDeployment("unknown-streams", tuple(unknown[:MAX_EVIDENCE]), line)
-    return None
 
 
 def _short(line: bytes) -> str:
@@ -317,7 +277,10 @@ class LinkCore:
     attached readers (they need ``REPLICATE`` on connect, and when they attach; with
     ``skip_data_without_readers``, a process without them does not parse data lines). With
     ``check_streams`` the driver reads the stream registry when `refresh_due` says so and hands
-    the names to `on_known_streams`: rule (b) of foreign-deployment detection.
+    the names to `on_known_streams`: rule (b) of foreign-deployment detection. A conviction
+    quarantines the link (`streams.core.foreign.Quarantines`: ``quarantine_base`` and
+    ``quarantine_cap`` seconds, by default the module's constants); the driver ends it with
+    `lift_quarantine`, which it calls on its periodic tick.
     """
 
     def __init__(
@@ -327,6 +290,8 @@ class LinkCore:
         *,
         check_streams: bool = False,
         skip_data_without_readers: bool = False,
+        quarantine_base: float | None = None,
+        quarantine_cap: float | None = None,
     ) -> None:
         self.prefix = prefix
         self.name = name
@@ -346,7 +311,7 @@ class LinkCore:
         self._listened_at: float | None = None
         self._replicated = False  # a REPLICATE came: publish everything for an interval
         self._connected = False
-        self._foreign: ForeignDeployment | None = None
+        self._quarantines = Quarantines(quarantine_base, quarantine_cap)
         self._known: set[str] = set()
         self._suspects: dict[str, str] = {}  # unknown stream name -> a line that named it
         self._refreshed_at: float | None = None
@@ -372,7 +337,7 @@ class LinkCore:
         """A reader attached: lines to publish now (``REPLICATE`` if the link is live)."""
         with self._lock:
             self._readers += 1
-            live = self._connected and self._foreign is None
+            live = self._connected and self._quarantines.current is None
         # The same lock as `on_connected`: a reader attaching while the subscription is being
         # confirmed is covered by exactly one of the two REPLICATEs.
         return [serialize(ReplicateCommand())] if live else []
@@ -398,7 +363,7 @@ class LinkCore:
         listen to writers' hints of a stream (writers answer, and resume publishing on a data
         channel they had found unheard, `listeners_due`)."""
         with self._lock:
-            live = self._connected and self._foreign is None
+            live = self._connected and self._quarantines.current is None
         return [serialize(ReplicateCommand())] if live else []
 
     def unwatch(self, streams: Iterable[str], *, writers: bool = False) -> bool:
@@ -502,8 +467,15 @@ class LinkCore:
 
     @property
     def foreign(self) -> ForeignDeployment | None:
-        """Why the channel is held to be another deployment's, or None (see the module doc)."""
-        return self._foreign
+        """Why the link is quarantined (another deployment shares the channel), or None if it
+        is not (see the module doc)."""
+        current = self._quarantines.current
+        return None if current is None else current.verdict
+
+    @property
+    def quarantine(self) -> Quarantine | None:
+        """The quarantine in force (why, and when it ends: monotonic seconds), or None."""
+        return self._quarantines.current
 
     # ---------------------------------------------------------------- events
 
@@ -511,12 +483,30 @@ class LinkCore:
         """The subscription is confirmed: lines to publish now, in order."""
         with self._lock:
             self._connected = True
-            announcers = list(self._writers.values())
-            readers = self._readers
-        lines = [serialize(a.announce()) for a in announcers]
-        if readers:
-            lines.append(serialize(ReplicateCommand()))
-        return self.outgoing(lines)
+            announcers, readers = list(self._writers.values()), self._readers
+        return self.outgoing(_initial_lines(announcers, readers))
+
+    def lift_quarantine(self, now: float) -> list[bytes] | None:
+        """The driver's periodic tick (monotonic seconds ``now``): if the quarantine in force
+        is over, end it and return the lines to publish now, those of a reconnect (`on_connected`;
+        none while disconnected: the next `on_connected` sends them). None if nothing ended (the
+        link's liveness did not change)."""
+        with self._lock:
+            ended = self._quarantines.end(now)
+            if ended is None:
+                return None
+            self._suspects.clear()  # heard before or during it: evidence must come anew
+            connected = self._connected
+            # Under the lock, as in `on_connected`: a reader attaching meanwhile gets exactly
+            # one REPLICATE, this one or its own (`add_reader`).
+            announcers, readers = list(self._writers.values()), self._readers
+        log.info(
+            "replication channel %r: quarantine over after %.0f s; publishing and using signed "
+            "ranges again",
+            self.prefix,
+            ended.seconds,
+        )
+        return self.outgoing(_initial_lines(announcers, readers)) if connected else []
 
     def on_disconnected(self) -> None:
         """The subscription is lost (until the next `on_connected`)."""
@@ -524,15 +514,16 @@ class LinkCore:
             self._connected = False
 
     def outgoing(self, lines: list[_Line]) -> list[_Line]:
-        """The lines (or (channel, line) pairs) that may be published: none once the channel
-        is foreign (counted)."""
-        if self._foreign is None:
+        """The lines (or (channel, line) pairs) that may be published: none during a quarantine
+        (counted)."""
+        if self._quarantines.current is None:
             return lines
         self.stats.suppressed += len(lines)
         return []
 
-    def on_message(self, data: bytes | str) -> tuple[list[Hint], list[bytes]]:
-        """A message arrived: the hints for local readers and the lines to publish in reply."""
+    def on_message(self, data: bytes | str, now: float) -> tuple[list[Hint], list[bytes]]:
+        """A message arrived at ``now`` (monotonic seconds: a quarantine it starts starts then):
+        the hints for local readers and the lines to publish in reply."""
         self.stats.received += 1
         raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
         if self.discard is not None and self.discard(raw):
@@ -552,9 +543,9 @@ class LinkCore:
             self.stats.malformed += 1
             self._warn_once(exc.reason, "ignoring malformed replication line %s: %s", exc.line, exc)
             return [], []
-        return self.on_command(cmd)
+        return self.on_command(cmd, now)
 
-    def on_command(self, cmd: Command) -> tuple[list[Hint], list[bytes]]:
+    def on_command(self, cmd: Command, now: float) -> tuple[list[Hint], list[bytes]]:
         match cmd:
             case ReplicateCommand():
                 self.stats.replicate_requests += 1
@@ -569,7 +560,7 @@ class LinkCore:
                     if (
                         not local
                         and self.check_streams
-                        and self._foreign is None
+                        and self._quarantines.current is None
                         and cmd.stream_name not in self._known
                         and len(self._suspects) < MAX_SUSPECTS
                     ):
@@ -591,7 +582,8 @@ class LinkCore:
                 by_name = self.stats.foreign_by_name
                 by_name[cmd.name] = by_name.get(cmd.name, 0) + 1
                 log.debug("ignoring Synapse command %s on channel %r", cmd.name, self.prefix)
-                self._convict(foreign_verdict(commands=[cmd.name], line=_short(serialize(cmd))))
+                verdict = foreign_verdict(commands=[cmd.name], line=_short(serialize(cmd)))
+                self._convict(verdict, now)
                 return [], []
             case ErrorCommand():
                 self._warn_once("ERROR", "replication peer reported an error: %.200s", cmd.message)
@@ -609,7 +601,7 @@ class LinkCore:
         with self._lock:
             return (
                 self.check_streams
-                and self._foreign is None
+                and self._quarantines.current is None
                 and bool(self._suspects)
                 and (self._refreshed_at is None or now - self._refreshed_at >= REFRESH_INTERVAL)
             )
@@ -617,7 +609,7 @@ class LinkCore:
     def on_known_streams(self, names: Collection[str], now: float) -> ForeignDeployment | None:
         """The registry, read at ``now`` after every suspect was heard: convict or clear them.
 
-        Returns the link's verdict (`foreign`) afterwards.
+        Returns the reason of the link's quarantine (`foreign`) afterwards.
         """
         with self._lock:
             self._refreshed_at = now
@@ -627,8 +619,9 @@ class LinkCore:
             known = frozenset(self._known)
         if suspects:
             line = next(iter(suspects.values()))
-            self._convict(foreign_verdict(streams=suspects, known_streams=known, line=line))
-        return self._foreign
+            verdict = foreign_verdict(streams=suspects, known_streams=known, line=line)
+            self._convict(verdict, now)
+        return self.foreign
 
     def on_refresh_failed(self, now: float, error: BaseException) -> None:
         """Reading the registry failed: decide nothing, try again after `REFRESH_INTERVAL`."""
@@ -643,15 +636,16 @@ class LinkCore:
 
     # ---------------------------------------------------------------- helpers
 
-    def _convict(self, verdict: ForeignDeployment | None) -> None:
+    def _convict(self, verdict: ForeignDeployment | None, now: float) -> None:
         if verdict is None:
             return
         with self._lock:
-            if self._foreign is not None:
+            started = self._quarantines.begin(verdict, now)
+            if started is None:  # quarantined already: counted where heard, nothing more
                 return
-            self._foreign = verdict
             self._suspects.clear()
-        log.error("%s", verdict.describe(self.prefix))
+            self.stats.convictions[verdict.reason] += 1
+        log.error("%s", verdict.describe(self.prefix, started.seconds))
 
     def _warn_once(self, key: str, message: str, *args: object) -> None:
         """Log a warning the first time ``key`` comes up on this link, then debug only."""
@@ -676,6 +670,15 @@ class LinkCore:
             elif isinstance(cmd, KeysCommand):
                 hints.append(_keys_hint(cmd))
         return hints
+
+
+def _initial_lines(announcers: list[Announcer], readers: int) -> list[bytes]:
+    """What a link publishes on (re)connect: every local writer's ``POSITION``, then
+    ``REPLICATE`` if readers are attached (they re-run initialization)."""
+    lines = [serialize(a.announce()) for a in announcers]
+    if readers:
+        lines.append(serialize(ReplicateCommand()))
+    return lines
 
 
 def _hint_of(cmd: PositionCommand | RdataCommand, token: int) -> Hint:

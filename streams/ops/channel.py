@@ -6,7 +6,7 @@ channel, whose processes simply answer with their positions) and listens until t
 (`window` seconds after the last message, `cap` seconds at most). What it heard is tallied by
 `ChannelTally`, which is pure (no I/O, no clocks: times are passed in) and unit-tested on its own,
 and returned as a frozen `ChannelReport`, with the same foreign-deployment verdict a link would
-reach (`streams.core.replication.foreign_verdict`).
+reach (`streams.core.foreign.foreign_verdict`; the link quarantines itself on it).
 
 Used by ``streams doctor`` (is anybody answering? is the channel another deployment's?) and
 ``streams positions --from-redis``.
@@ -23,6 +23,7 @@ from typing import Any
 import redis
 
 from ..core.constants import PROOF_INSTANCE_PREFIX, replication_channel
+from ..core.foreign import ForeignDeployment, foreign_verdict
 from ..core.protocol import (
     ForeignCommand,
     PositionCommand,
@@ -32,7 +33,6 @@ from ..core.protocol import (
     parse,
     serialize,
 )
-from ..core.replication import ForeignDeployment, foreign_verdict
 from ..transport.redis_errors import connection_error
 from ..transport.topology import open_client
 
@@ -72,7 +72,7 @@ class ChannelReport:
     * ``foreign_commands``: Synapse-only commands heard, by name; ``malformed``: malformed lines,
       by reason; ``ignored``: other lines, by command name (``REPLICATE``, including our own
       echo, ``PING``, ``ERROR``, ``SERVER``, ``NAME``, and ``RDATA`` ``batch`` rows);
-    * ``foreign``: the verdict (see `streams.core.replication.foreign_verdict`), or None;
+    * ``foreign``: the verdict (see `streams.core.foreign.foreign_verdict`), or None;
     * ``messages``: lines heard; ``elapsed_ms``: time from ``REPLICATE`` to the end.
     """
 

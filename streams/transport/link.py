@@ -35,13 +35,18 @@ Connection discipline, as the issue of record asks and Synapse does:
 * a reader attaching to a connected link publishes ``REPLICATE`` (writers answer ``POSITION``).
 
 Foreign deployments (see `streams.core.replication`): when the core decides the channel belongs to
-another deployment (Synapse), the link publishes nothing more there for its whole life, and
-reports itself not connected (`connected` is False, listeners get ``on_link_state(False)``), so
-readers poll PostgreSQL. With ``known_streams`` (a blocking function returning the stream names
-of this deployment's registry) the link also checks announced stream names against it; it is
-called from the listener thread (asyncio: `asyncio.to_thread`), only when an unknown name was
-heard, at most every `streams.core.replication.REFRESH_INTERVAL` seconds. It should be quick (a
-short database timeout): the subscriber is not read while it runs.
+another deployment (Synapse), the link is quarantined (`streams.core.foreign`): it publishes
+nothing, and reports itself not connected (`connected` is False, listeners get
+``on_link_state(False)``), so readers poll PostgreSQL and use no signed range. The listen loop
+ticks at least every half second (its wait for a message is bounded) and asks the core whether
+the quarantine is over (`LinkCore.lift_quarantine`); then it publishes what a reconnect
+publishes and tells listeners ``on_link_state(True)``.
+
+With ``known_streams`` (a blocking function returning the stream names of this deployment's
+registry) the link also checks announced stream names against it; it is called from the
+listener thread (asyncio: `asyncio.to_thread`), only when an unknown name was heard, at most
+every `streams.core.replication.REFRESH_INTERVAL` seconds. It should be quick (a short database
+timeout): the subscriber is not read while it runs.
 
 Publishing is best effort: Redis delivers at most once anyway, so when the queue is full or Redis
 is down, messages are dropped (and counted in `dropped`) rather than blocking writers. The
@@ -79,6 +84,7 @@ from ..core.replication import (
     Hint,
     LinkCore,
     LinkStats,
+    Quarantine,
     backoff_delay,
 )
 from ..redis_urls import parse_redis_url
@@ -155,13 +161,18 @@ class _LinkBase:
         self._listeners_lock = threading.Lock()
         self._state_lock = threading.Lock()
         self._subscribed = False  # Redis confirmed the subscription (whatever `foreign` says)
-        self.connected = False  # live: subscribed and the channel is not foreign
+        self.connected = False  # live: subscribed and not quarantined
         self.dropped = 0
 
     @property
     def foreign(self) -> ForeignDeployment | None:
-        """Why the link went quiet for good (another deployment shares the channel), or None."""
+        """Why the link is quarantined (another deployment shares the channel), or None."""
         return self.core.foreign
+
+    @property
+    def quarantine(self) -> Quarantine | None:
+        """The quarantine in force (``.end``: when it ends, `time.monotonic` seconds), or None."""
+        return self.core.quarantine
 
     @property
     def stats(self) -> LinkStats:
@@ -262,18 +273,26 @@ class _LinkBase:
         for listener in listeners:
             listener.on_link_state(live)
 
-    def _check_foreign(self) -> None:
-        """After anything that may have made the channel foreign: tell the readers."""
-        if self.connected and self.core.foreign is not None:
+    def _update_liveness(self) -> None:
+        """After anything that may have started or ended a quarantine: tell the readers."""
+        if self.connected != (self._subscribed and self.core.foreign is None):
             self._set_connected(self._subscribed)
 
-    def _handle(self, message: Message) -> list[bytes]:
+    def _tick(self, now: float) -> None:
+        """The listen loop's periodic step: end a quarantine that is over (`lift_quarantine`),
+        publish what a reconnect would, and tell the readers the link is live again."""
+        lines = self.core.lift_quarantine(now)
+        if lines is not None:
+            self._enqueue_control(lines)
+            self._update_liveness()
+
+    def _handle(self, message: Message, now: float) -> list[bytes]:
         """One message from the subscriber connection: dispatch it, return lines to publish."""
         kind, channel, data = message
         if kind == b"message":
-            hints, replies = self.core.on_message(data)
+            hints, replies = self.core.on_message(data, now)
             self._dispatch(hints)
-            self._check_foreign()
+            self._update_liveness()
             return replies
         if kind == b"subscribe" and _text(channel) == self.core.channel:
             # Confirmed (also after a reconnect): the connect step.
@@ -315,14 +334,13 @@ class _LinkBase:
                         attempt = 0
                         if message[0] == b"pong":
                             last_pong = now
-                        self._enqueue_control(self._handle(message))
+                        self._enqueue_control(self._handle(message, now))
                         # No reader here: drain what has arrived, then let more pile up.
                         draining = self._idle_read_interval > 0 and not self.core.readers
                     elif draining:
                         draining = False
                         yield _Sleep(self._idle_read_interval)
-                    if self._known_streams is not None and self.core.refresh_due(now):
-                        yield from self._refresh_plan()
+                    yield from self._periodic_plan(now)
                     if now - last_ping >= KEEPALIVE:
                         if now - last_pong > 2 * KEEPALIVE + 1:
                             raise redis.ConnectionError("no reply to keep-alive PING")
@@ -375,6 +393,13 @@ class _LinkBase:
         if self._target is not None and now != self._target:
             raise NotMaster("the Sentinels name a new master")
 
+    def _periodic_plan(self, now: float) -> Generator[_ListenOp, Any, None]:
+        """After each wait for a message (at most half a second): read the registry if the
+        core asks (rule (b)), and end a quarantine that is over."""
+        if self._known_streams is not None and self.core.refresh_due(now):
+            yield from self._refresh_plan()
+        self._tick(now)
+
     def _refresh_plan(self) -> Generator[_ListenOp, Any, None]:
         # Read after every suspect name was heard: the listen plan is the only consumer of
         # messages, and it waits here.
@@ -384,7 +409,7 @@ class _LinkBase:
             self.core.on_refresh_failed(done, names)
         else:
             self.core.on_known_streams(names, done)
-            self._check_foreign()
+            self._update_liveness()
 
     def _send_plan(self, batch: list[_Out]) -> Generator[_Publish, Any, None]:
         # Lines queued before the channel was found foreign are dropped here, at the last step.

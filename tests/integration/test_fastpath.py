@@ -147,17 +147,17 @@ def test_link_core_skips_data_lines_without_readers() -> None:
     core = LinkCore("p", "me", check_streams=True, skip_data_without_readers=True)
     core.add_writer(Announcer("known", "w", 0))
     line = serialize(RdataCommand("known", "other", 5, {"first": 5, "count": 1, "ts": 0}))
-    assert core.on_message(line) == ([], [])
+    assert core.on_message(line, 0.0) == ([], [])
     assert core.stats.skipped == 1 and core.stats.hints == 0
     # An unknown stream is still parsed (rule (b) of the foreign check needs its name).
-    core.on_message(serialize(PositionCommand("unknown", "other", 1, 2)))
+    core.on_message(serialize(PositionCommand("unknown", "other", 1, 2)), 0.0)
     assert core.stats.skipped == 1 and core.stats.hints == 1
     # REPLICATE is always answered.
-    _, replies = core.on_message(serialize(ReplicateCommand()))
+    _, replies = core.on_message(serialize(ReplicateCommand()), 0.0)
     assert replies == [serialize(PositionCommand("known", "w", 0, 0))]
     # With a reader attached, data lines give hints again.
     core.add_reader()
-    hints, _ = core.on_message(line)
+    hints, _ = core.on_message(line, 0.0)
     assert [h.token for h in hints] == [5]
 
 

@@ -604,7 +604,7 @@ def test_async_link_unknown_stream_and_reader_replicate(
             assert link.foreign.evidence == ("s_not_in_this_database",)
             assert not link.connected
             assert listener.states == [False]
-            assert link.core.add_reader() == []  # quiet for good
+            assert link.core.add_reader() == []  # quarantined (60 s): quiet
         finally:
             await link.aclose()
 

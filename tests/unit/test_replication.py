@@ -310,7 +310,7 @@ def test_on_message_any_input(writers: dict[tuple[str, str], int], data: bytes |
         cmd: Command | None = parse(raw)
     except ProtocolError:
         cmd = None
-    hints, replies = core.on_message(data)  # never raises
+    hints, replies = core.on_message(data, 0.0)  # never raises
     stats = core.stats
     assert stats.received == 1
     if cmd is None:
@@ -332,7 +332,7 @@ def test_on_message_any_input(writers: dict[tuple[str, str], int], data: bytes |
     assert stats.foreign == int(foreign)
     assert (core.foreign is not None) == foreign
     if isinstance(data, bytes) and raw.isascii():
-        assert make_core(writers).on_message(raw.decode()) == (hints, replies)
+        assert make_core(writers).on_message(raw.decode(), 0.0) == (hints, replies)
 
 
 @given(WRITERS, st.lists(COMMANDS, max_size=10))
@@ -346,8 +346,8 @@ def test_message_sequence_counts(
     for cmd in commands:
         foreign = foreign or isinstance(cmd, ForeignCommand)
         want_hints, want_replies, echo = expected_outcome(cmd, writers, foreign)
-        assert core.on_message(serialize(cmd)) == (want_hints, want_replies)
-        assert core.on_command(cmd) == (want_hints, want_replies)
+        assert core.on_message(serialize(cmd), 0.0) == (want_hints, want_replies)
+        assert core.on_command(cmd, 0.0) == (want_hints, want_replies)
         all_hints += want_hints
         echoes += 2 * echo
         replicates += 2 * isinstance(cmd, ReplicateCommand)
@@ -401,7 +401,7 @@ def test_membership_connect_and_channels(ops: list[tuple[str, str, str, int]]) -
         assert channels == ["pfx", *(f"pfx/{i}" for i in instances)]
         assert len(set(channels)) == len(channels)
         assert core.channel == "pfx"
-        assert core.on_message(b"REPLICATE ") == ([], lines)
+        assert core.on_message(b"REPLICATE ", 0.0) == ([], lines)
 
 
 @given(WRITERS, st.lists(st.binary(max_size=20) | COMMANDS.map(serialize), max_size=10))
@@ -415,14 +415,14 @@ def test_discard_hook(writers: dict[tuple[str, str], int], messages: list[bytes]
 
     core.discard = discard
     for message in messages:
-        assert core.on_message(message) == ([], [])
-        assert core.on_message(message.decode("latin-1")) == ([], [])
+        assert core.on_message(message, 0.0) == ([], [])
+        assert core.on_message(message.decode("latin-1"), 0.0) == ([], [])
     assert seen == [raw for m in messages for raw in (m, m.decode("latin-1").encode())]
     stats = core.stats
     assert stats.received == 2 * len(messages)
     assert (stats.malformed, stats.hints, stats.echoes, stats.replicate_requests) == (0, 0, 0, 0)
     core.discard = lambda raw: not raw.startswith(b"POSITION")
-    assert core.on_message(b"POSITION zz w9 1 2") == ([Hint("zz", 2, "w9")], [])
+    assert core.on_message(b"POSITION zz w9 1 2", 0.0) == ([Hint("zz", 2, "w9")], [])
 
 
 @given(st.lists(COMMANDS, max_size=10))
@@ -436,20 +436,20 @@ def test_hints_for(commands: list[Command]) -> None:
     assert LinkCore.hints_for(commands) == expected
     # What a local writer publishes hints local readers exactly as a remote peer hearing it would.
     remote = make_core({})
-    assert [h for c in commands for h in remote.on_command(c)[0]] == expected
+    assert [h for c in commands for h in remote.on_command(c, 0.0)[0]] == expected
 
 
 def test_link_examples() -> None:
     core = make_core({("events", "w1"): 7}, readers=1)
     assert core.on_connected() == [b"POSITION events w1 7 7", b"REPLICATE"]
-    assert core.on_message(b"POSITION events w1 7 9") == ([], [])  # echo
-    assert core.on_message(b"POSITION events w2 7 9") == ([Hint("events", 9, "w2")], [])
-    assert core.on_message(b'RDATA events w2 batch {"a":1}') == ([], [])
-    assert core.on_message(b'RDATA events w2 12 {"a":1}') == ([Hint("events", 12, "w2")], [])
-    assert core.on_message("RDATA events w2 12 {}\n") == ([], [])  # malformed
-    assert core.on_message(b"\xff") == ([], [])
-    assert core.on_message("PING \ud800") == ([], [])
-    assert core.on_message(b"ERROR boom") == ([], [])
+    assert core.on_message(b"POSITION events w1 7 9", 0.0) == ([], [])  # echo
+    assert core.on_message(b"POSITION events w2 7 9", 0.0) == ([Hint("events", 9, "w2")], [])
+    assert core.on_message(b'RDATA events w2 batch {"a":1}', 0.0) == ([], [])
+    assert core.on_message(b'RDATA events w2 12 {"a":1}', 0.0) == ([Hint("events", 12, "w2")], [])
+    assert core.on_message("RDATA events w2 12 {}\n", 0.0) == ([], [])  # malformed
+    assert core.on_message(b"\xff", 0.0) == ([], [])
+    assert core.on_message("PING \ud800", 0.0) == ([], [])
+    assert core.on_message(b"ERROR boom", 0.0) == ([], [])
     assert core.stats.echoes == 1
     assert core.stats.hints == 2
     assert core.stats.malformed == 3
@@ -499,7 +499,7 @@ def test_writers_lines_stop_where_nobody_listens() -> None:
     # A REPLICATE (someone starts to listen): everything goes out for an interval, unasked.
     core.on_listeners({data: 0})
     assert core.drop_unheard(lines) == lines[1:]
-    core.on_command(ReplicateCommand())
+    core.on_command(ReplicateCommand(), 0.0)
     assert core.drop_unheard(lines) == lines
     assert core.listeners_due(2 * LISTENERS_INTERVAL) == []  # the interval starts now
     assert core.drop_unheard(lines) == lines
@@ -510,15 +510,15 @@ def test_writers_lines_stop_where_nobody_listens() -> None:
 def test_a_proof_rdata_hint_carries_its_row() -> None:
     core = make_core({})
     row: JsonValue = {"sig": "ab", "proof": {"key": 1}}
-    (hint,), _ = core.on_command(RdataCommand("s1", "_proof:p", 9, row))
+    (hint,), _ = core.on_command(RdataCommand("s1", "_proof:p", 9, row), 0.0)
     assert hint == Hint("s1", 9, "_proof:p", row)
-    (plain,), _ = core.on_command(RdataCommand("s1", "w2", 9, row))
+    (plain,), _ = core.on_command(RdataCommand("s1", "w2", 9, row), 0.0)
     assert plain.proof is None  # a writer's row is only a hint
 
 
 def test_a_keys_line_hints_every_listener_and_is_not_foreign() -> None:
     core = LinkCore("pfx", "me", check_streams=True)
-    (hint,), replies = core.on_message(b"KEYS 12")
+    (hint,), replies = core.on_message(b"KEYS 12", 0.0)
     assert replies == [] and is_keys_hint(hint) and not is_proof_hint(hint)
     assert hint.token == 12 and hint.stream == ""
     assert core.foreign is None and not core.refresh_due(10**6)  # no stream name to suspect
@@ -538,7 +538,7 @@ def test_add_reader_replicates_only_when_live() -> None:
     core.on_disconnected()
     assert core.add_reader() == []
     assert core.on_connected() == [b"POSITION s1 w1 3 3", b"REPLICATE"]
-    core.on_message(b"REMOTE_SERVER_UP matrix.org")  # foreign: never again
+    core.on_message(b"REMOTE_SERVER_UP matrix.org", 0.0)  # quarantined: not live
     assert core.add_reader() == []
     assert core.on_connected() == []
 
@@ -591,8 +591,8 @@ def test_synapse_command_makes_the_channel_foreign(
     assert core.on_connected() == [b"POSITION s1 w1 4 4", b"REPLICATE"]
     with caplog.at_level("DEBUG", logger="streams.replication"):
         for _ in range(3):
-            assert core.on_message(line) == ([], [])
-        assert core.on_message(b"REPLICATE") == ([], [])  # no answer any more
+            assert core.on_message(line, 0.0) == ([], [])
+        assert core.on_message(b"REPLICATE", 0.0) == ([], [])  # no answer any more
         assert core.on_connected() == []
         assert core.outgoing([b"POSITION s1 w1 4 5"]) == []
     name = line.split(b" ")[0].decode()
@@ -621,7 +621,7 @@ def test_our_own_traffic_never_looks_foreign() -> None:
         b'RDATA s2 w9 3 {"first":3,"count":1,"ts":0}',
     ]
     for line in lines:
-        core.on_message(line)
+        core.on_message(line, 0.0)
     assert core.foreign is None
     assert not core.refresh_due(0.0)  # check_streams is off: rule (b) does not apply
 
@@ -630,14 +630,14 @@ def test_unknown_stream_needs_a_fresh_registry_read() -> None:
     core = LinkCore("pfx", "me", check_streams=True)
     core.add_writer(Announcer("mine", "w1", 0))
     assert not core.refresh_due(0.0)
-    core.on_message(b"POSITION mine w2 0 3")  # a local writer's stream is known
+    core.on_message(b"POSITION mine w2 0 3", 0.0)  # a local writer's stream is known
     assert not core.refresh_due(0.0)
-    core.on_message(b"POSITION new1 w2 0 3")
+    core.on_message(b"POSITION new1 w2 0 3", 0.0)
     assert core.refresh_due(0.0)
     assert core.on_known_streams({"mine", "new1"}, 0.0) is None  # created meanwhile: fine
-    core.on_message(b"POSITION new1 w2 3 4")  # known now: no new read
+    core.on_message(b"POSITION new1 w2 3 4", 0.0)  # known now: no new read
     assert not core.refresh_due(100.0)
-    core.on_message(b"POSITION new2 w2 0 1")
+    core.on_message(b"POSITION new2 w2 0 1", 0.0)
     assert not core.refresh_due(REFRESH_INTERVAL - 0.1)  # rate-limited
     assert core.refresh_due(REFRESH_INTERVAL)
     core.on_refresh_failed(REFRESH_INTERVAL, OSError("db down"))
@@ -645,8 +645,8 @@ def test_unknown_stream_needs_a_fresh_registry_read() -> None:
     assert not core.refresh_due(REFRESH_INTERVAL + 1)
     assert core.refresh_due(2 * REFRESH_INTERVAL)
     assert core.on_known_streams({"new2"}, 2 * REFRESH_INTERVAL) is None
-    core.on_message(b'RDATA events master 12 ["ev",[]]')
-    core.on_message(b"POSITION typing master 5 5")
+    core.on_message(b'RDATA events master 12 ["ev",[]]', 0.0)
+    core.on_message(b"POSITION typing master 5 5", 0.0)
     verdict = core.on_known_streams({"mine"}, 3 * REFRESH_INTERVAL)
     assert verdict is not None and verdict == core.foreign
     assert verdict.reason == "unknown-streams"
@@ -654,8 +654,8 @@ def test_unknown_stream_needs_a_fresh_registry_read() -> None:
     assert "RDATA events" in verdict.line
     assert "does not have: events, typing" in verdict.describe("pfx")
     assert (core.stats.refreshes, core.stats.refresh_errors) == (3, 1)
-    core.on_message(b"POSITION other master 5 5")
-    assert not core.refresh_due(100.0)  # foreign for good: nothing more to decide
+    core.on_message(b"POSITION other master 5 5", 0.0)
+    assert not core.refresh_due(100.0)  # quarantined: nothing more to decide meanwhile
 
 
 @given(
@@ -675,7 +675,7 @@ def test_default_path_never_trips(ops: list[tuple[str, int]]) -> None:
         if op == "create":
             registry.add(name)
         elif op == "hear" and name in registry:
-            core.on_message(f"POSITION {name} w{n} 0 {n}".encode())
+            core.on_message(f"POSITION {name} w{n} 0 {n}".encode(), 0.0)
         elif op == "tick":
             now += n
         if core.refresh_due(now):
@@ -703,9 +703,9 @@ def test_malformed_lines_warn_once_per_reason(caplog: pytest.LogCaptureFixture) 
     core = LinkCore("pfx", "me")
     with caplog.at_level("WARNING", logger="streams.replication"):
         for i in range(200):
-            core.on_message(f"HOSTILE{i} spam".encode())
-            core.on_message(f"POSITION s w 0 {i}x".encode())
-            core.on_message(f"ERROR boom {i}".encode())
+            core.on_message(f"HOSTILE{i} spam".encode(), 0.0)
+            core.on_message(f"POSITION s w 0 {i}x".encode(), 0.0)
+            core.on_message(f"ERROR boom {i}".encode(), 0.0)
     assert core.stats.malformed == 400
     assert core.foreign is None  # unknown commands are not Synapse's
     assert len(caplog.records) == 3, [r.getMessage() for r in caplog.records]
