@@ -518,6 +518,42 @@ def _definer(s: str) -> list[str]:
     ]
 
 
+def _model_partitions(s: str) -> str:
+    """Where the role model is in use (``streams_admin`` owns ``streams_facts``), give its
+    roles the partitions that writers now name, so they keep working between this migration
+    and the next `streams roles create` (which also takes back what they no longer need)."""
+    return f"""
+    DO $$
+    DECLARE p record;
+    BEGIN
+        IF pg_catalog.to_regrole('streams_admin') IS NULL OR (
+            SELECT c.relowner FROM pg_catalog.pg_class c
+            WHERE c.oid = ({_literal(s + ".streams_facts")})::pg_catalog.regclass)
+            <> pg_catalog.to_regrole('streams_admin') THEN
+            RETURN;
+        END IF;
+        FOR p IN
+            SELECT i.inhrelid::pg_catalog.regclass::pg_catalog.text AS name
+            FROM pg_catalog.pg_inherits i
+            WHERE i.inhparent = ({_literal(s + ".streams_facts")})::pg_catalog.regclass
+        LOOP
+            IF pg_catalog.to_regrole('streams_writer') IS NOT NULL THEN
+                EXECUTE 'GRANT SELECT (stream, stream_id, row_no, instance, ts), INSERT ON '
+                        || p.name || ' TO streams_writer';
+            END IF;
+            FOR r IN 1 .. 4 LOOP
+                IF pg_catalog.to_regrole((ARRAY['streams_reader', 'streams_group_reader',
+                        'streams_prover', 'streams_operator'])[r]) IS NOT NULL THEN
+                    EXECUTE 'GRANT SELECT ON ' || p.name || ' TO '
+                            || (ARRAY['streams_reader', 'streams_group_reader',
+                                      'streams_prover', 'streams_operator'])[r];
+                END IF;
+            END LOOP;
+        END LOOP;
+    END $$
+    """
+
+
 def upgrade() -> None:
     schema = str(op.get_bind().exec_driver_sql(_SCHEMA_SQL).scalar())
     s = _ident(schema)
@@ -546,6 +582,7 @@ def upgrade() -> None:
         op.execute(statement)
     for signature, who in FUNCTIONS.items():
         op.execute(_grant_execute(s, signature, who))
+    op.execute(_model_partitions(s))
     # The check runs inside the group functions, as their owner (who owns it too, and an owner
     # keeps its own EXECUTE); the row security's test as whoever writes.
     op.execute(f"REVOKE ALL ON FUNCTION {s}.{INVOKER_FUNCTIONS[0]} FROM PUBLIC")

@@ -44,8 +44,9 @@ from typing import Any
 
 import click
 import psycopg
+from psycopg import sql
 
-from ..cli_params import FiniteFloat, common_options
+from ..cli_params import DATABASE_URL, FiniteFloat, common_options
 from ..config import Settings, redact_url
 from ..core.positions import PositionTracker
 from .common import PAYLOAD, Scratch, ignore_interrupts, progress_report, scratch_streams
@@ -147,6 +148,24 @@ def _setup_raw(url: str, table: str, sequence: str) -> None:
             "payload jsonb, PRIMARY KEY (stream, stream_id, row_no))"
         )
         conn.execute(f"CREATE INDEX ON {table} (stream, ts, stream_id)")
+
+
+def _grant_raw(url: str, writer_url: str, table: str, sequence: str) -> None:
+    """The raw baseline for a writer of the role model: its table and sequence, as a writer
+    holds its stream's partition and sequence."""
+    user = psycopg.conninfo.conninfo_to_dict(writer_url).get("user")
+    if not user:
+        raise click.UsageError("--writer-url must name its user")
+    grantee = sql.Identifier(str(user))
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("GRANT SELECT, INSERT ON {} TO {}").format(sql.Identifier(table), grantee)
+        )
+        conn.execute(
+            sql.SQL("GRANT SELECT, USAGE ON SEQUENCE {} TO {}").format(
+                sql.Identifier(sequence), grantee
+            )
+        )
 
 
 def _raw_worker(
@@ -375,14 +394,21 @@ def run_write_bench(
     seconds: float = 3.0,
     rounds: int = 3,
     report: Callable[[str], None] = print,
+    writer_url: str | None = None,
 ) -> list[WriteBenchResult]:
-    """Medians of `rounds` rounds of raw, Redis off and (with `redis_url`) Redis on."""
+    """Medians of `rounds` rounds of raw, Redis off and (with `redis_url`) Redis on.
+    ``writer_url``: the writers (raw and `streams`) log in as this user, a writer of the role
+    model (`url` sets up: creates the stream and the raw table, then grants the raw table to
+    that user)."""
     kinds = KINDS if redis_url is not None else KINDS[:3]
     results = []
     with scratch_streams(url, "write") as scratch:
         stream = scratch.create().name
         raw = (scratch.table("raw"), scratch.sequence("raw"))
         _setup_raw(url, *raw)
+        if writer_url is not None:
+            _grant_raw(url, writer_url, *raw)
+            url = writer_url
         for mode in modes:
             for writers in writer_counts:
                 runs: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
@@ -450,6 +476,12 @@ def tracker_memory(facts: int = 1_000_000, report: Callable[[str], None] = print
 @click.option("--json", "as_json", is_flag=True, help="Also print the results as JSON.")
 @plot_option("Also draw appends/s beside raw and the ratios against writers, as FILE.png or "
              "FILE.svg (the plot extra).")  # fmt: skip
+@click.option(
+    "--writer-url", metavar="URL", type=DATABASE_URL,
+    help="Append (raw and streams) as this user, a member of streams_writer of a database set "
+    "up with `streams roles create`: appends as deployed under the role model (row security, "
+    "partition grants); --database-url sets up and removes.",
+)  # fmt: skip
 @common_options
 def bench_write_command(
     seconds: float,
@@ -458,6 +490,7 @@ def bench_write_command(
     memory_facts: int,
     as_json: bool,
     plot: Path | None,
+    writer_url: str | None,
     database_url: str | None,
     redis_url: str | None,
     prefix: str | None,
@@ -470,6 +503,7 @@ def bench_write_command(
     click.echo(
         f"database {redact_url(settings.database_url)}; Redis {redis_text}; "
         f"medians of {rounds} rounds"
+        + (f"; writers log in as {redact_url(writer_url)}" if writer_url else "")
     )
     report = progress_report()
     results = run_write_bench(
@@ -479,6 +513,7 @@ def bench_write_command(
         seconds=seconds,
         rounds=rounds,
         report=report,
+        writer_url=writer_url,
     )
     if memory_facts:
         tracker_memory(memory_facts, report=report)

@@ -221,15 +221,24 @@ def _scoped(
         click.echo(line)
 
 
+def _role_name(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    """A role name as PostgreSQL takes one: 1 to 63 bytes, no NUL, not a predefined role."""
+    if not value or len(value.encode()) > 63 or "\x00" in value:
+        raise click.BadParameter("a role name has 1 to 63 bytes and no NUL character")
+    if value.startswith("pg_"):
+        raise click.BadParameter("pg_* roles are PostgreSQL's own")
+    return value
+
+
 @roles.command(name="grant")
-@click.argument("role")
-@click.option("--stream", "stream_names", multiple=True, help="A stream ROLE may write.")
-@click.option("--group", "groups", multiple=True, help="A reader group ROLE may open and commit.")
+@click.argument("role", callback=_role_name)
+@click.option("--stream", "stream", multiple=True, help="A stream ROLE may write.")
+@click.option("--group", "group", multiple=True, help="A reader group ROLE may open and commit.")
 @common_options
 def roles_grant(
     role: str,
-    stream_names: tuple[str, ...],
-    groups: tuple[str, ...],
+    stream: tuple[str, ...],
+    group: tuple[str, ...],
     database_url: str | None,
     redis_url: str | None,
     prefix: str | None,
@@ -238,19 +247,19 @@ def roles_grant(
     these reader groups only: what a writer (group reader) holds in common, and these streams'
     partitions and sequences (these groups). ROLE must not be a member of streams_writer
     (streams_group_reader), which holds every stream (group). As an admin."""
-    _scoped(role, stream_names, groups, database_url, redis_url, prefix)
+    _scoped(role, stream, group, database_url, redis_url, prefix)
 
 
 @roles.command(name="revoke")
-@click.argument("role")
-@click.option("--stream", "stream_names", multiple=True, help="A stream ROLE may no longer write.")
-@click.option("--group", "groups", multiple=True, help="A group ROLE may no longer use.")
+@click.argument("role", callback=_role_name)
+@click.option("--stream", "stream", multiple=True, help="A stream ROLE may no longer write.")
+@click.option("--group", "group", multiple=True, help="A group ROLE may no longer use.")
 @click.option("--all", "everything", is_flag=True, help="Every stream and group, and the rest.")
 @common_options
 def roles_revoke(
     role: str,
-    stream_names: tuple[str, ...],
-    groups: tuple[str, ...],
+    stream: tuple[str, ...],
+    group: tuple[str, ...],
     everything: bool,
     database_url: str | None,
     redis_url: str | None,
@@ -258,4 +267,4 @@ def roles_revoke(
 ) -> None:
     """Take back streams or groups `streams roles grant` gave ROLE (--all: every one, and what
     it held in common on the library's objects). As an admin."""
-    _scoped(role, stream_names, groups, database_url, redis_url, prefix, True, everything)
+    _scoped(role, stream, group, database_url, redis_url, prefix, True, everything)

@@ -4,7 +4,8 @@ This is the one description of the model. `streams.store.roles` grants it
 (`streams roles create`, new streams, ``streams roles grant``), `streams.store.role_checks`
 compares a database with it (`streams roles check`, `streams roles show`, `streams doctor`),
 the table of docs/operations.md is `privilege_table` (a test holds the two together), and the
-tests log in as each role and try each action of `ACTIONS`.
+tests log in as each role (and as `NOBODY`, `SOME_STREAMS`, `SOME_GROUPS`) and try each action
+of `ACTIONS`, the privilege matrix (`privilege_matrix` renders it).
 
 Seven group roles, all ``NOLOGIN``; people and services log in as users granted one or more
 of the first six:
@@ -41,8 +42,10 @@ __all__ = [
     "GROUP_GRANTS",
     "GROUP_READER",
     "INVOKER_FUNCTIONS",
+    "LOGINS",
     "MEMBERSHIPS",
     "MODEL",
+    "NOBODY",
     "OPERATOR",
     "PROVER",
     "PROVER_GRANTS",
@@ -51,6 +54,8 @@ __all__ = [
     "ROLES",
     "ROLE_DOCS",
     "SIGNING_KEYS",
+    "SOME_GROUPS",
+    "SOME_STREAMS",
     "STREAM_PRIVILEGES",
     "TABLES",
     "WRITER",
@@ -227,33 +232,47 @@ def model_privileges() -> list[tuple[str, str, str]]:
     return found
 
 
+#: Logins the matrix is tried with besides the model's roles: one with no streams role, one
+#: granted some streams (``streams roles grant L --stream A``: not B), one granted some groups
+#: (``--group g``: not h).
+NOBODY: Final = "no streams role"
+SOME_STREAMS: Final = "granted stream A"
+SOME_GROUPS: Final = "granted group g"
+LOGINS: Final = (*ROLES, NOBODY, SOME_STREAMS, SOME_GROUPS)
+
+
 @dataclass(frozen=True, slots=True)
 class Action:
-    """Something a login may try: ``name`` for people, and the roles that may do it (every
-    other role of the model is refused, by the library and by raw SQL alike)."""
+    """Something a login may try, and the logins (`LOGINS`) allowed it: every other one is
+    refused, by the library and by raw SQL alike (`tests/integration/test_no_escalation.py`
+    tries every cell)."""
 
     name: str
     allowed: tuple[str, ...]
 
 
-#: The privilege matrix: each action and the roles allowed it (tests try every cell).
+#: The privilege matrix.
 ACTIONS: Final = (
-    Action("read facts (any stream)", (ADMIN, OPERATOR, PROVER, READER, GROUP_READER)),
-    Action("append to a stream it is granted", (ADMIN, WRITER)),
-    Action("append to a stream it is not granted", (ADMIN,)),
-    Action("reserve IDs (nextval) of its streams", (ADMIN, WRITER)),
+    Action("read facts' payloads", (ADMIN, OPERATOR, PROVER, READER, GROUP_READER, SOME_GROUPS)),
+    Action("append to stream A", (ADMIN, WRITER, SOME_STREAMS)),
+    Action("append to stream B", (ADMIN, WRITER)),
+    Action("insert through streams_facts (any stream)", (ADMIN,)),
+    Action("reserve IDs of stream B (nextval)", (ADMIN, WRITER)),
     Action("set a sequence (setval, back too)", (ADMIN,)),
-    Action("repair a sequence forward (the database's function)", (ADMIN, OPERATOR, WRITER)),
-    Action("fence a new timeline (forward, bounded)", (ADMIN, OPERATOR, WRITER)),
-    Action("write another stream's writer rows", (ADMIN,)),
-    Action("retire expired writers", (ADMIN, OPERATOR, PROVER, WRITER)),
-    Action("commit a group it is granted (the database's function)", (ADMIN, GROUP_READER)),
+    Action("repair stream A's sequence forward", (ADMIN, OPERATOR, WRITER, SOME_STREAMS)),
+    Action("fence a new timeline (bounded skip)", (ADMIN, OPERATOR, WRITER, SOME_STREAMS)),
+    Action("fence with a negative skip", ()),
+    Action("register a writer of stream B", (ADMIN, WRITER)),
+    Action("retire stream B's writers", (ADMIN, OPERATOR, PROVER, WRITER)),
+    Action("commit group g (token, bound)", (ADMIN, GROUP_READER, SOME_GROUPS)),
+    Action("commit group h", (ADMIN, GROUP_READER)),
+    Action("commit a group past max allocated", ()),
     Action("update a group's row directly", (ADMIN,)),
-    Action("delete a group, accept an incarnation", (ADMIN, OPERATOR)),
-    Action("write proofs and keys", (ADMIN, PROVER)),
+    Action("delete a group", (ADMIN, OPERATOR)),
+    Action("write proofs", (ADMIN, PROVER)),
     Action("read the private keys (sign)", (ADMIN, PROVER)),
-    Action("end other roles' sessions (pg_signal_backend)", (OPERATOR, PROVER)),
-    Action("create and drop streams, declare tables", (ADMIN,)),
+    Action("end another role's session", (OPERATOR, PROVER)),
+    Action("create a stream", (ADMIN,)),
 )
 
 #: For the docs' table: what each role may and may not do, and how it is granted.
@@ -321,4 +340,14 @@ def privilege_table() -> str:
     for role in (*ROLES, DEFINER):
         may, may_not, grant = ROLE_DOCS[role]
         lines.append(f"| `{role}` | {may} | {may_not} | {grant} |")
+    return "\n".join(lines)
+
+
+def privilege_matrix() -> str:
+    """`ACTIONS` as a markdown table: a row per action, a column per login."""
+    short = [login.removeprefix("streams_") for login in LOGINS]
+    lines = ["| action | " + " | ".join(short) + " |", "|---" * (len(LOGINS) + 1) + "|"]
+    for action in ACTIONS:
+        cells = ["yes" if login in action.allowed else "-" for login in LOGINS]
+        lines.append(f"| {action.name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -80,6 +80,8 @@ def _valid_args(path: tuple[str, ...]) -> list[str]:
             args.append("billing")  # `incarnation accept`: groups, or --all
         elif isinstance(p, click.Argument) and p.required:
             args.append(STREAM)
+    if path in (("roles", "grant"), ("roles", "revoke")):
+        args += ["--stream", STREAM]  # one of --stream and --group is needed
     return args
 
 
@@ -110,6 +112,7 @@ _BY_NAME: dict[str, list[str]] = {
     "streams": [*_NAMES, "nosuch_stream_zz"],
     "instance": ["", "bad name", "x" * 200, "-x", "a\x00"],
     "group": ["", "x" * 201, "a\x00b", "tab\there"],
+    "role": ["", "x" * 64, "a\x00b", "pg_signal_backend", "streams_writer", "no_such_role_zz"],
     "tables": ["nodot", "a.b.c.d", "x;drop.y", "", "no_such_table.id", "streams_facts.nope"],
     "payloads": [
         "{",
@@ -188,6 +191,8 @@ def _bad_values(param: click.Parameter) -> st.SearchStrategy[str]:
     name = str(param.name)
     if name in _BY_NAME:
         return st.sampled_from(_BY_NAME[name])
+    if name == "writer_url":
+        return st.sampled_from(_SECRET_URLS["database_url"])
     if name in ("ks",):
         return st.sampled_from(["1,x", "0,-1", "", "1,,2", "9" * 12, "1;2"])
     if name in ("modes",):

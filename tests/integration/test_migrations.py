@@ -4,22 +4,26 @@ and `streams.migrate.upgrade` (what ``streams migrate`` and the wheel use)."""
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import sys
 from collections.abc import Iterator
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import pytest
+from click.testing import CliRunner
 from helpers import REPO_ROOT
 from servers import create_database, drop_database
 
 import streams
+from streams.command import main
 from streams.migrate import current_revision, upgrade
 
 TABLES = (
     "streams_facts",
     "streams_group_generations",
+    "streams_group_grants",
     "streams_idempotency_claims",
     "streams_idempotency_keys",
     "streams_incarnation",
@@ -32,7 +36,7 @@ TABLES = (
     "streams_writers",
 )
 VERSION_TABLE = "streams_alembic_version"
-HEAD = "0014_idempotency_claim_keys"
+HEAD = "0015_enforced_privileges"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,3 +189,90 @@ def test_claims_list_their_keys_after_upgrade_to_0014_and_prune_removes_them(
             "(SELECT count(*) FROM streams_idempotency_claims)"
         ).fetchone()
     assert left == (0, 0)
+
+
+#: A stream made by revision 0014's library and its role model's grants (`streams roles
+#: create` of then), where 0015 takes some away.
+OLD_MODEL = (
+    *(
+        f"DO $$ BEGIN CREATE ROLE {r} NOLOGIN; EXCEPTION WHEN OTHERS THEN NULL; END $$"
+        for r in ("streams_admin", "streams_writer", "streams_group_reader")
+    ),
+    "INSERT INTO streams_registry (id, name, sequence_name) OVERRIDING SYSTEM VALUE "
+    "VALUES (1, 'before', 'streams_seq_1')",
+    "CREATE SEQUENCE streams_seq_1 AS bigint MINVALUE 1 START WITH 1 NO CYCLE",
+    "CREATE TABLE streams_facts_1 (LIKE streams_facts INCLUDING DEFAULTS INCLUDING CONSTRAINTS)",
+    "ALTER TABLE streams_facts ATTACH PARTITION streams_facts_1 FOR VALUES IN (1)",
+    "GRANT USAGE ON SCHEMA public TO streams_writer, streams_group_reader",
+    *(
+        f"ALTER TABLE {t} OWNER TO streams_admin"
+        for t in (*TABLES, "streams_facts_1", "streams_alembic_version")
+        if t != "streams_group_grants"
+    ),
+    "ALTER SEQUENCE streams_seq_1 OWNER TO streams_admin",
+    "GRANT SELECT ON streams_alembic_version, streams_registry, streams_incarnation, "
+    "streams_reader_groups TO streams_writer",
+    "GRANT SELECT (stream, stream_id, row_no, instance, ts), INSERT ON streams_facts "
+    "TO streams_writer",
+    "GRANT SELECT, INSERT, UPDATE ON streams_writers, streams_idempotency_keys, "
+    "streams_idempotency_claims TO streams_writer",
+    "GRANT SELECT, USAGE, UPDATE ON SEQUENCE streams_seq_1 TO streams_writer",
+    "GRANT SELECT ON streams_alembic_version, streams_registry, streams_incarnation, "
+    "streams_facts, streams_proofs, streams_keys, streams_writers, streams_reader_groups, "
+    "streams_group_generations TO streams_group_reader",
+    "GRANT INSERT, UPDATE ON streams_reader_groups, streams_group_generations "
+    "TO streams_group_reader",
+    "GRANT SELECT ON SEQUENCE streams_seq_1 TO streams_group_reader",
+)
+
+
+def _cli(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(main, list(args))
+    return result.exit_code, result.output
+
+
+def _url_as(url: str, user: str) -> str:
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(netloc=f"{user}@{parts.hostname}:{parts.port or 5432}"))
+
+
+def test_a_role_model_database_keeps_working_across_revision_0015(
+    postgres_admin_url: str, empty_database: str
+) -> None:
+    """A database set up with the role model before revision 0015 (writers inserting through
+    ``streams_facts``, with ``UPDATE`` on sequences; group readers writing the groups' tables):
+    right after `streams migrate` its writers append to their streams' partitions and its
+    group readers commit through the new functions; `streams roles check` then flags what
+    they no longer need until `streams roles create` runs again, which takes it back."""
+    url = empty_database
+    upgrade(url, "0014_idempotency_claim_keys")
+    tag = secrets.token_hex(3)
+    writer, reader = f"streams_m{tag}_w", f"streams_m{tag}_g"
+    with psycopg.connect(url, autocommit=True) as conn:
+        # A stream, as revision 0014's library made it, and the role model as it granted it.
+        for statement in OLD_MODEL:
+            conn.execute(statement)
+        conn.execute(f"CREATE ROLE {writer} LOGIN IN ROLE streams_writer")
+        conn.execute(f"CREATE ROLE {reader} LOGIN IN ROLE streams_group_reader")
+    try:
+        upgrade(url)
+        with streams.connect(_url_as(url, writer)) as client, client.writer("before") as w:
+            assert w.append({"n": 1}).first_id == 1
+        with streams.connect(_url_as(url, reader)) as client:
+            group = client.reader("before", group="billing")
+            assert group.poll(timeout=10.0) is not None
+            assert group.commit() == {"before": 1}
+            group.close()
+        code, out = _cli("roles", "check", "--database-url", url)
+        assert code == 1 and "streams_writer may INSERT" in out and "sequence" in out, out
+        code, out = _cli("roles", "create", "--database-url", url)
+        assert code == 0, out
+        code, out = _cli("roles", "check", "--database-url", url)
+        assert code == 0, out
+        with streams.connect(_url_as(url, writer)) as client, client.writer("before") as w:
+            assert w.append({"n": 2}).first_id == 2
+    finally:
+        drop_database(postgres_admin_url, urlsplit(url).path.lstrip("/"))
+        with psycopg.connect(postgres_admin_url, autocommit=True) as conn:
+            for role in (writer, reader):
+                conn.execute(f"DROP ROLE IF EXISTS {role}")

@@ -36,6 +36,7 @@ from servers import create_database, database_name, drop_database
 import streams
 from streams.command import main
 from streams.migrate import upgrade
+from streams.store.privileges import ACTIONS, LOGINS, NOBODY, SOME_GROUPS, SOME_STREAMS
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -124,7 +125,7 @@ def _cli(*args: str) -> tuple[int, str]:
 def setup(postgres_admin_url: str) -> Iterator[Setup]:
     url = create_database(postgres_admin_url, prefix="streams_escalation")
     tag = secrets.token_hex(3)
-    kinds = [*MODEL, "nobody", "scoped_writer", "scoped_group"]
+    kinds = [*MODEL, "nobody", "scoped_writer", "scoped_group", "bystander"]
     names = {k: f"streams_e{tag}_{k.removeprefix('streams_')}" for k in kinds}
     try:
         upgrade(url)
@@ -134,6 +135,13 @@ def setup(postgres_admin_url: str) -> Iterator[Setup]:
             for name in ("victim", "other"):
                 with client.writer(name) as writer:
                     writer.append_batch([{"n": n} for n in range(3)])
+            # A writer row on "other" and group g's row on "victim", for the matrix.
+            with client.writer("other", instance="matrix-writer"):
+                pass
+            group = client.reader("victim", group="g")
+            group.poll(timeout=5.0)
+            group.commit()
+            group.close()
         code, out = _cli("roles", "create", "--database-url", url)
         assert code == 0, out
         with psycopg.connect(url, autocommit=True) as conn:
@@ -283,7 +291,7 @@ def _plant(conn: psycopg.Connection[Any], setup: Setup) -> None:
     conn.execute(f'SET search_path = pg_temp, "{schema}", public, pg_catalog')
 
 
-KINDS = [*MODEL, "nobody", "scoped_writer", "scoped_group"]
+KINDS = [*MODEL, "nobody", "scoped_writer", "scoped_group"]  # (the bystander attacks nothing)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -291,6 +299,7 @@ def test_no_login_runs_code_with_a_definer_functions_rights(setup: Setup, kind: 
     """Every shadow in place, every function called: the attacker's code never runs as anyone
     but the attacker, no seed is read, no role altered."""
     notices: list[str] = []
+    before = _last(setup, setup.victim)
     with psycopg.connect(setup.users[kind], autocommit=True) as conn:
         conn.add_notice_handler(lambda d: notices.append(str(d.message_primary)))
         _plant(conn, setup)
@@ -322,14 +331,9 @@ def test_no_login_runs_code_with_a_definer_functions_rights(setup: Setup, kind: 
             "SELECT rolsuper FROM pg_roles WHERE rolname = %s", (setup.names[kind],)
         ).fetchone()
         assert row == (False,)
-        # The fence found the timeline fenced and moved nothing; the repair moved nothing
-        # back (and nothing to 999, the shadow sequences' start).
-        last = conn.execute(
-            "SELECT pg_sequence_last_value(sequence_name::regclass) FROM streams_registry "
-            "WHERE id = %s",
-            (setup.victim,),
-        ).fetchone()
-        assert last == (3,)
+    # The fence found the timeline fenced and moved nothing; the repair moved nothing (not to
+    # 999, the shadow sequences' start, either).
+    assert _last(setup, setup.victim) == before
 
 
 def test_the_old_functions_fell_to_the_same_attack(postgres_admin_url: str) -> None:
@@ -576,3 +580,109 @@ def test_granting_a_stream_to_a_writer_of_every_stream_is_refused(setup: Setup) 
         "roles", "grant", "streams_writer", "--stream", "victim", "--database-url", setup.url
     )
     assert code != 0, out
+
+
+# --- the privilege matrix (`streams.store.privileges.ACTIONS`), every cell tried --------------
+
+#: Which login of the fixture stands for each of `LOGINS`.
+_LOGIN_KIND = {
+    **{role: role for role in MODEL},
+    NOBODY: "nobody",
+    SOME_STREAMS: "scoped_writer",
+    SOME_GROUPS: "scoped_group",
+}
+
+_OPEN_AND_COMMIT = (
+    "SELECT c.* FROM streams_open_group({group}, ARRAY[{a}], 'matrix') o, LATERAL "
+    "streams_commit_group({group}, ARRAY[o.o_stream], ARRAY[{position}::bigint], "
+    "ARRAY[0::bigint], ARRAY[NULL::bigint], ARRAY[o.o_generation], ARRAY[o.o_token], NULL, "
+    "false) c"
+)
+
+
+def _statements(action: str, a: int, b: int, last_b: int) -> list[str]:
+    """The raw SQL of each action of the matrix, on stream A (``a``) and B (``b``)."""
+    row = "(stream, stream_id, row_no, instance, ts, payload)"
+    return {
+        "read facts' payloads": ["SELECT payload FROM streams_facts LIMIT 1"],
+        "append to stream A": [
+            f"INSERT INTO streams_facts_{a} {row} "
+            f"VALUES ({a}, nextval('streams_seq_{a}'), 0, 'matrix', 0, '{{}}')"
+        ],
+        "append to stream B": [
+            f"INSERT INTO streams_facts_{b} {row} "
+            f"VALUES ({b}, nextval('streams_seq_{b}'), 0, 'matrix', 0, '{{}}')"
+        ],
+        "insert through streams_facts (any stream)": [
+            f"INSERT INTO streams_facts {row} VALUES ({b}, 1000000000, 0, 'matrix', 0, '{{}}')"
+        ],
+        "reserve IDs of stream B (nextval)": [f"SELECT nextval('streams_seq_{b}')"],
+        "set a sequence (setval, back too)": [f"SELECT setval('streams_seq_{b}', {last_b})"],
+        "repair stream A's sequence forward": [f"SELECT streams_repair_sequence({a}, NULL)"],
+        "fence a new timeline (bounded skip)": ["SELECT streams_fence_timeline(1000000)"],
+        "fence with a negative skip": ["SELECT streams_fence_timeline(-5)"],
+        "register a writer of stream B": [
+            "INSERT INTO streams_writers (stream, instance, position, lease_expires_at) "
+            f"VALUES ({b}, 'matrix', 0, now()) RETURNING 1"
+        ],
+        "retire stream B's writers": [
+            f"UPDATE streams_writers SET retired = retired WHERE stream = {b} RETURNING 1"
+        ],
+        "commit group g (token, bound)": [_OPEN_AND_COMMIT.format(group="'g'", position=1, a=a)],
+        "commit group h": [_OPEN_AND_COMMIT.format(group="'h'", position=1, a=a)],
+        "commit a group past max allocated": [
+            _OPEN_AND_COMMIT.format(group="'g'", position=2**62, a=a)
+        ],
+        "update a group's row directly": [
+            "UPDATE streams_reader_groups SET position = position WHERE group_name = 'g' "
+            "RETURNING 1"
+        ],
+        "delete a group": ["DELETE FROM streams_reader_groups WHERE group_name = 'g' RETURNING 1"],
+        "write proofs": [
+            "INSERT INTO streams_proofs (stream, complete, proven_at) "
+            f"VALUES ({b}, 0, now()) RETURNING 1"
+        ],
+        "read the private keys (sign)": ["SELECT seed FROM streams_prover.signing_keys LIMIT 1"],
+        "end another role's session": ["SELECT pg_terminate_backend({bystander})"],
+        "create a stream": [
+            "INSERT INTO streams_registry (name, sequence_name) VALUES ('m', 'm') RETURNING 1"
+        ],
+    }[action]
+
+
+#: Errors that mean "refused": no privilege (row security's WITH CHECK too), an argument the
+#: function refuses, a commit the database's bound refuses.
+_REFUSED = ("42501", "22023", "22P02")
+
+
+def _try(setup: Setup, login: str, action: str) -> bool:
+    a, b = setup.victim, setup.other
+    with psycopg.connect(setup.url, autocommit=True) as admin:
+        row = admin.execute(f"SELECT last_value FROM streams_seq_{b}").fetchone()
+        assert row is not None
+        with psycopg.connect(setup.users["bystander"], autocommit=True) as bystander:
+            pid = bystander.info.backend_pid
+            with psycopg.connect(setup.users[_LOGIN_KIND[login]]) as conn:
+                try:
+                    for statement in _statements(action, a, b, int(row[0])):
+                        cursor = conn.execute(statement.replace("{bystander}", str(pid)))
+                        rows = cursor.fetchall() if cursor.description else []
+                        # Row security hides rows from an UPDATE or DELETE instead of failing.
+                        if "RETURNING" in statement and not rows:
+                            return False
+                        if action == "end another role's session" and rows != [(True,)]:
+                            return False
+                    return True
+                except psycopg.Error as exc:
+                    assert exc.sqlstate in _REFUSED, (login, action, exc)
+                    return False
+                finally:
+                    conn.rollback()
+
+
+@pytest.mark.parametrize("action", [a.name for a in ACTIONS])
+def test_the_privilege_matrix_holds(setup: Setup, action: str) -> None:
+    """Each login tries the action with raw SQL: exactly those of `ACTIONS` may."""
+    allowed = next(a.allowed for a in ACTIONS if a.name == action)
+    found = {login: _try(setup, login, action) for login in LOGINS}
+    assert found == {login: login in allowed for login in LOGINS}

@@ -471,30 +471,53 @@ def test_check_is_clean_and_flags_broad_grants(setup: Setup) -> None:
 
 def test_check_reports_grants_the_model_misses(setup: Setup) -> None:
     with _restored(setup), psycopg.connect(setup.url, autocommit=True) as conn:
-        conn.execute("REVOKE INSERT ON streams_facts FROM streams_writer")
+        conn.execute(
+            f"REVOKE INSERT ON streams_facts_{_stream_id(setup, OLD_STREAM)} FROM streams_writer"
+        )
+        conn.execute(
+            "REVOKE EXECUTE ON FUNCTION streams_commit_group(text, integer[], bigint[], "
+            "bigint[], bigint[], bigint[], uuid[], text, boolean) FROM streams_group_reader"
+        )
         code, report = _check(setup.url)
         assert code == 1
-        assert report["missing"] == ["streams_writer lacks INSERT on streams_facts"], report
+        assert report["missing"] == [
+            f"streams_writer lacks INSERT on streams_facts_{_stream_id(setup, OLD_STREAM)}",
+            "streams_group_reader lacks EXECUTE on streams_commit_group(text, integer[], "
+            "bigint[], bigint[], bigint[], bigint[], uuid[], text, boolean)",
+        ], report
 
 
 def test_show_lists_each_roles_privileges(setup: Setup) -> None:
     code, out = _cli("roles", "show", "--json", "--database-url", setup.url)
     assert code == 0, out
     by_role = {r["role"]: r for r in json.loads(out)["roles"]}
-    assert list(by_role) == list(ROLES)
+    assert list(by_role) == [*ROLES, "streams_definer"]
     writer = by_role["streams_writer"]
-    assert writer["privileges"]["streams_facts"] == [
-        "INSERT",
-        "SELECT (stream, stream_id, row_no, instance, ts)",
-    ]
+    assert "streams_facts" not in writer["privileges"]  # its streams' partitions instead
+    partitions = writer["stream_partitions"]
+    assert partitions["privileges"] == {p: partitions["count"] for p in ("INSERT", "SELECT")}
     assert setup.names["streams_writer"] in writer["members"]
     sequences = writer["stream_sequences"]
-    assert sequences["privileges"] == {p: sequences["count"] for p in ("SELECT", "UPDATE", "USAGE")}
+    assert sequences["privileges"] == {p: sequences["count"] for p in ("SELECT", "USAGE")}
+    assert {f.split("(")[0] for f in writer["functions"]} == {
+        "streams_timeline_switchpoint",
+        "streams_fence_timeline",
+        "streams_repair_sequence",
+    }
+    definer = by_role["streams_definer"]
+    assert definer["stream_sequences"]["privileges"] == {
+        p: sequences["count"] for p in ("SELECT", "UPDATE")
+    }
     reader = by_role["streams_reader"]
     assert {p for ps in reader["privileges"].values() for p in ps} == {"SELECT"}
     group_reader = by_role["streams_group_reader"]["privileges"]
     assert group_reader["streams_proofs"] == ["SELECT"]
-    assert group_reader["streams_reader_groups"] == ["INSERT", "SELECT", "UPDATE"]
+    assert group_reader["streams_reader_groups"] == ["SELECT"]  # commits: the functions'
+    assert {f.split("(")[0] for f in by_role["streams_group_reader"]["functions"]} == {
+        "streams_timeline_switchpoint",
+        "streams_open_group",
+        "streams_commit_group",
+    }
     assert by_role["streams_prover"]["privileges"]["streams_proofs"] == [
         "INSERT",
         "SELECT",

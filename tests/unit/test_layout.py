@@ -75,7 +75,7 @@ TABLES = (
     "streams_writers",
 )
 VERSION_TABLE = "streams_alembic_version"
-HEAD = "0014_idempotency_claim_keys"
+HEAD = "0015_enforced_privileges"
 
 
 # ---------------------------------------------------------------------------------------------
