@@ -16,9 +16,10 @@ Six group roles (``NOLOGIN``; people and services log in as users granted one or
 * ``streams_prover``: what a reader reads, plus what only the prover may write: proofs
   (``streams_proofs``), the replication keys (``streams_keys``, and its private keys in
   ``streams_prover.signing_keys``, which it alone reads); retiring writers whose lease expired
-  and ending the sessions of such writers and of frozen provers (``pg_signal_backend``), the
-  two jobs that bound how long a stream stalls (`streams.store.leases`, "the liveness
-  argument"; `streams.store.probe.end_stale_provers`).
+  and ending the sessions of such writers, of frozen provers and of any session holding a
+  stream back past the lease (``pg_signal_backend``), the jobs that bound how long a stream
+  stalls (`streams.store.leases`, "the liveness argument" and "the holding argument";
+  `streams.store.probe.end_stale_provers`).
 * ``streams_writer``: appends (facts, its writer row, idempotency keys, the Spark sink's
   commits) and the sequence work a starting writer does (``nextval``, repair's ``setval``). It
   reads the columns of ``streams_facts`` that repair and timestamps need, never ``payload``.
