@@ -404,10 +404,13 @@ class _ClientBase(Generic[C]):
         self, streams: str | Sequence[str], start: Start, group: str | None, page_size: int | None
     ) -> ReaderCore:
         names = [streams] if isinstance(streams, str) else list(streams)
+        lease = self.settings.lease_seconds
         if page_size is None:
-            core = ReaderCore(names, start=start, group=group)
+            core = ReaderCore(names, start=start, group=group, lease_seconds=lease)
         else:
-            core = ReaderCore(names, start=start, group=group, page_size=page_size)
+            core = ReaderCore(
+                names, start=start, group=group, page_size=page_size, lease_seconds=lease
+            )
         core.guard = self.guard
         return core
 
@@ -603,7 +606,11 @@ class Client(_ClientBase[psycopg.Connection[Any]]):
             if self._proofs is None:
                 assert self._link is not None
                 self._proofs = ProofService(
-                    self.settings.database_url, self._link, _link_name(), self.guard
+                    self.settings.database_url,
+                    self._link,
+                    _link_name(),
+                    self.guard,
+                    lease_seconds=self.settings.lease_seconds,
                 )
             return self._proofs
 

@@ -35,7 +35,8 @@ Streams and groups (`streams.store.registry`, `streams.store.reader_groups`): `l
 
 Writers (`streams.store.writer_core`, `streams.writer`, `streams.store.leases`): `WriterCore`,
 `FactChunk`, `Writer`, `encode_payload`; `retire_where_held` and `HeldStreams` (a reader that
-sees a stream held back ends an expired writer's sessions, as Python readers do).
+sees a stream held back ends an expired writer's sessions, and any session that has held it
+back past the lease, as Python readers do).
 
 Sinks (`streams.store.sinks`, "the exactly-once argument"): `TaskKey`, `BatchCommit`,
 `claim_task`, `commit_batch`, `SINK_COMMIT_RETENTION_SECONDS`.

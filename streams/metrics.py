@@ -13,7 +13,7 @@ Two collectors, both *pull*: nothing is computed until Prometheus scrapes, so th
   `enable(client, port=...)` registers it and, with a port, serves ``/metrics``.
 * `DatabaseCollector` reports stream-level figures of one database, read at scrape time with
   the same queries as `streams positions`: linear position, max allocated, scratchpad, the age
-  of the oldest pending ID and each transaction holding the stream back (who holds it), each
+  of the oldest pending ID and each session holding the stream back (who holds it), each
   writer's position and pending count, each reader group's (and Spark query's) lag in IDs and
   in time and the retention it holds back, and the database's sessions by role and state.
   ``streams metrics serve`` runs it, so a Prometheus can
@@ -37,7 +37,7 @@ from .config import Settings
 from .errors import ConfigurationError, StreamsError
 from .store import sessions
 from .store.driver import run
-from .store.leases import LockHolder, reservation_lock_holders
+from .store.leases import HoldingState, holding_state
 from .store.reader_groups import StreamPositions, stream_positions
 from .store.registry import list_streams
 from .store.role_checks import connections_by_role
@@ -240,7 +240,7 @@ class DatabaseCollector:
             ):
                 items = [
                     (run(conn, stream_positions(info, retire=False)),
-                     run(conn, reservation_lock_holders(info)))
+                     run(conn, holding_state(info)))
                     for info in run(conn, list_streams())
                 ]  # fmt: skip
                 connections = run(conn, connections_by_role())
@@ -251,13 +251,13 @@ class DatabaseCollector:
         up.add_metric([], 1)
         yield up
         yield from _stream_families(items)
-        yield from _stall_families(items)
+        yield from _stall_families(items, self._settings.lease_seconds)
         yield from _writer_families(items)
         yield from _group_families(items)
         yield _connection_family(connections)
 
 
-_Item = tuple[StreamPositions, list[LockHolder]]
+_Item = tuple[StreamPositions, HoldingState]
 
 
 def _stream_families(items: list[_Item]) -> Iterator[Any]:
@@ -275,30 +275,45 @@ def _stream_families(items: list[_Item]) -> Iterator[Any]:
     yield from (linear, allocated, scratchpad, oldest)
 
 
-def _stall_families(items: list[_Item]) -> Iterator[Any]:
+def _stall_families(items: list[_Item], lease_seconds: float) -> Iterator[Any]:
     past_lease = _family(
         "gauge",
         "held_past_lease_seconds",
-        "Longest time an open writing transaction has held the stream past its writer's "
-        "lease (0: none; such a session is ended by the next reader or writer that looks).",
+        "Longest time a session has held the stream back past the lease: an open writing "
+        "transaction past its writer's lease, or any session past the bound (the longest "
+        "lease of the stream's writers, at least the collector's), by its transaction's age "
+        "or idle time (0: none; such a session is ended by the next reader or prover that "
+        "looks, if its role may).",
         ["stream"],
     )
     holder = _family(
         "gauge",
         "stall_holder_seconds",
-        "Age of each open writing transaction holding the stream's linear position back, by "
-        "who holds it: writer instance ('' if not found), application_name and session state "
-        "(the longest of a stream is its current stall; `streams doctor` names the session).",
-        ["stream", "instance", "application", "state"],
+        "How long each session holding the stream's linear position back has held it (its "
+        "transaction's age; outside a transaction, as a session-level lock, its idle time), by "
+        "who holds it: writer instance ('' if it is no known writer's), login role, "
+        "application_name and session state (the longest of a stream is its current stall; "
+        "`streams doctor` names the session).",
+        ["stream", "instance", "role", "application", "state"],
     )
-    for p, holders in items:
-        past = max((h.lease_expired_seconds or 0.0 for h in holders), default=0.0)
+    for p, state in items:
+        holders = state.holders
+        bound = max(lease_seconds, state.writers_lease or 0.0)
+        past = max(
+            (
+                max(h.lease_expired_seconds or 0.0, (h.holding_seconds or 0.0) - bound)
+                for h in holders
+            ),
+            default=0.0,
+        )
         past_lease.add_metric([p.stream], max(0.0, past))
         # Two sessions with the same labels (one writer's, say) are one series: the oldest.
-        longest: dict[tuple[str, str, str], float] = {}
+        # No pid or address label: the series stay as few as the roles and applications.
+        longest: dict[tuple[str, str, str, str], float] = {}
         for h in holders:
-            key = (h.instance or "", h.application_name, h.state)
-            longest[key] = max(longest.get(key, 0.0), h.transaction_seconds)
+            key = (h.instance or "", h.role, h.application_name, h.state)
+            held = h.transaction_seconds if h.holding_seconds is None else h.holding_seconds
+            longest[key] = max(longest.get(key, 0.0), held)
         for key, seconds in sorted(longest.items()):
             holder.add_metric([p.stream, *key], seconds)
     yield from (past_lease, holder)

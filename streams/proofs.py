@@ -59,7 +59,7 @@ from typing import Any
 
 import psycopg
 
-from .config import scrub_secrets, url_passwords
+from .config import DEFAULT_LEASE_SECONDS, scrub_secrets, url_passwords
 from .core.constants import PROOF_INSTANCE_PREFIX, STALE_AFTER, proof_channel
 from .core.incarnation import Guard
 from .core.protocol import (
@@ -142,7 +142,13 @@ class ProofService:
     """
 
     def __init__(
-        self, database_url: str, link: ProverLink, name: str, guard: Guard | None = None
+        self,
+        database_url: str,
+        link: ProverLink,
+        name: str,
+        guard: Guard | None = None,
+        *,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
     ) -> None:
         self._url = database_url
         self._link = link
@@ -169,7 +175,9 @@ class ProofService:
         # this connection); a process that may not never stands for election.
         self._may_sign: bool | None = None
         self._said_cannot_sign = False
-        self._stalls = HeldStreams()
+        # Stall checks of the streams it proves; ``lease_seconds``: this process's own lease,
+        # the least time a session may hold a stream back ("the holding argument").
+        self._stalls = HeldStreams(lease=lease_seconds)
 
     def __repr__(self) -> str:
         return f"<ProofService {self.instance} proving {sorted(self._held)}>"

@@ -89,7 +89,8 @@ __all__ = [
 log = logging.getLogger("streams.spark.sink")
 
 #: Rows reserved and copied per statement of a task's transaction (each statement must fit in
-#: the writer's lease; the transaction as a whole need not).
+#: the writer's lease, and so must the transaction as a whole: readers end a session that holds
+#: a stream's reservation lock longer, "the holding argument" in `streams.store.leases`).
 ROWS_PER_CHUNK = 10_000
 
 #: Spark's task-local properties that name a streaming query and its micro-batch.

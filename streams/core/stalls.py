@@ -1,4 +1,4 @@
-"""When a stream is held back, and when to look for an expired writer holding it (no I/O).
+"""When a stream is held back, when to look, and which sessions have held it too long (no I/O).
 
 A stream is *held* while PostgreSQL proves it complete only up to a position below max
 allocated: some reserved ID has not completed. That is normal for as long as a writer's
@@ -9,19 +9,93 @@ ended, which `streams.store.leases.retire_expired_writers` does once its lease h
 probe, so they run it; `HeldStreams` tells them when: after a stream has been held at the same
 position for `CHECK_AFTER` seconds, then at most every `CHECK_EVERY` seconds while it stays
 held. Times are passed in (monotonic seconds), so this is tested without clocks.
+
+Sessions that hold a stream back too long (the holding rule)
+-----------------------------------------------------------
+Any session may take a reservation lock (advisory locks have no privileges), not only a
+registered writer, so the same checks also end *whoever* has held one too long ("the holding
+argument" in `streams.store.leases` says why this is sound). A library transaction takes the
+key ``L`` only while the sequence's last value is ``L - 1``, in a statement that runs its
+``nextval`` next. So once a probe has seen the sequence at or past ``L`` (max allocated
+``>= L``), every library transaction holding ``L`` had started before that probe read the
+sequence. `HeldStreams` keeps, per stream, the max allocated of the probes it saw and when it
+saw them (`passed_before`); at a check at ``now`` with bound ``B`` (`bound`: the longest lease
+of the stream's writers, at least the observer's own), every session holding a key ``L <=`` the
+max allocated some probe saw at or before ``now - B`` is *overdue* (`overdue`): a library
+transaction holding it has been open for longer than ``B``, which none may, and no library
+transaction takes that key any more, so whoever holds it now holds the stream back for no
+writer. That covers one session holding one key for long, a session-level lock held while idle
+or across any number of short transactions, many keys in many sessions (all overdue one bound
+after the sequence passed them), and sessions that take turns on one key (each is overdue as
+soon as it takes it): what is judged is the key, not the session's age.
+
+It also remembers when it first saw each ``(pid, backend_start, key)`` holding, at every check
+since (forgetting those a check no longer sees), for what it says about an overdue session
+(`Overdue.seen_for`). No session takes the same key again in a later library transaction (the
+sequence has moved past it), so for a library transaction that is a lower bound on how long it
+has held the stream back; ending is decided by the key alone.
 """
 
 from __future__ import annotations
 
+import datetime as dt
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["CHECK_AFTER", "CHECK_EVERY", "HeldStreams"]
+from .constants import RESERVATION_LOCK_SPAN
+
+__all__ = [
+    "CHECK_AFTER",
+    "CHECK_EVERY",
+    "DEFAULT_LEASE",
+    "HeldStreams",
+    "Hold",
+    "Overdue",
+    "reservation_floor",
+]
 
 #: Seconds a stream must stay held at one position before anyone looks for an expired writer.
 CHECK_AFTER = 1.0
 #: Least seconds between two looks at one stream while it stays held.
 CHECK_EVERY = 1.0
+#: The observer's own lease when it is given none: `streams.config.DEFAULT_LEASE_SECONDS` (the
+#: pure core imports no configuration; a test checks that the two agree).
+DEFAULT_LEASE = 10.0
+#: Least seconds between two recorded probes of one stream (more often when the bound is long:
+#: a 128th of it), so the record stays small: a probe not recorded only makes `overdue` later
+#: by at most that much, never earlier.
+MIN_SPACING = 0.05
+
+
+def reservation_floor(key: int, allocated: int) -> int:
+    """``L`` from a reservation lock's second key as ``pg_locks`` shows it (``L mod 2**32``,
+    unsigned): the one value in ``[allocated + 1 - 2**31, allocated + 1 + 2**31)``, as the
+    probe reads it (`streams.store.probe`)."""
+    half = RESERVATION_LOCK_SPAN // 2
+    return allocated + 1 + (key - allocated - 1 + half) % RESERVATION_LOCK_SPAN - half
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """One session seen holding (or waiting for) one of a stream's reservation locks."""
+
+    pid: int
+    #: When its backend started (None: not visible to this role); with ``pid``, the session.
+    backend_start: dt.datetime | None
+    #: The lock's second key as ``pg_locks`` shows it: ``L mod 2**32``, unsigned.
+    key: int
+
+
+@dataclass(frozen=True, slots=True)
+class Overdue:
+    """A hold that no library transaction could have: to be ended."""
+
+    hold: Hold
+    #: ``L``, the ID the session holds the stream back at.
+    floor: int
+    #: Seconds this observer has seen the session hold that key (0 at the first sighting).
+    seen_for: float
 
 
 @dataclass(slots=True)
@@ -32,20 +106,39 @@ class _Held:
 
 
 class HeldStreams:
-    """Per stream: held since when, at which position, and when it was last checked."""
+    """Per stream: held since when, at which position, when it was last checked, and what the
+    probes saw of its sequence (see "the holding rule" in the module doc).
 
-    def __init__(self, check_after: float = CHECK_AFTER, check_every: float = CHECK_EVERY) -> None:
+    ``lease``: the observer's own lease (``Settings.lease_seconds``), the least `bound`.
+    """
+
+    def __init__(
+        self,
+        check_after: float = CHECK_AFTER,
+        check_every: float = CHECK_EVERY,
+        lease: float = DEFAULT_LEASE,
+    ) -> None:
         self.check_after = check_after
         self.check_every = check_every
+        self.lease = lease
         self._held: dict[str, _Held] = {}
+        # stream -> (when, max allocated) of recorded probes, both strictly increasing.
+        self._passed: dict[str, deque[tuple[float, int]]] = {}
+        # stream -> the longest bound asked about: how much of the record to keep.
+        self._horizon: dict[str, float] = {}
+        # stream -> when each hold was first seen, as of the last check.
+        self._seen: dict[str, dict[Hold, float]] = {}
 
     def observe(self, now: float, probes: Iterable[tuple[str, int, int]]) -> list[str]:
-        """``(stream, complete, max_allocated)`` from a probe at ``now``: the streams to check
-        now (held for `check_after` at one position, not checked for `check_every`)."""
+        """``(stream, complete, max_allocated)`` from a probe at ``now`` (taken after the probe
+        returned): the streams to check now (held for `check_after` at one position, not
+        checked for `check_every`)."""
         due = []
         for stream, complete, max_allocated in probes:
+            self._record(stream, now, max_allocated)
             if complete >= max_allocated:
                 self._held.pop(stream, None)
+                self._seen.pop(stream, None)
                 continue
             held = self._held.get(stream)
             if held is None or held.position != complete:
@@ -63,3 +156,58 @@ class HeldStreams:
         """Seconds ``stream`` has been held at its position (0 if it is not held)."""
         held = self._held.get(stream)
         return 0.0 if held is None else now - held.since
+
+    def bound(self, writers_lease: float | None) -> float:
+        """How long a session may hold a stream back: the longest lease of the stream's writers
+        that are not retired (None: there are none), at least this observer's own lease."""
+        return max(self.lease, writers_lease or 0.0)
+
+    def passed_before(self, stream: str, at: float) -> int | None:
+        """The max allocated ID of the newest recorded probe taken at or before ``at`` (None:
+        none): the sequence had passed every ID up to it by then."""
+        found = None
+        for when, allocated in self._passed.get(stream, ()):
+            if when > at:
+                break
+            found = allocated
+        return found
+
+    def overdue(
+        self, stream: str, now: float, bound: float, allocated: int, holds: Iterable[Hold]
+    ) -> list[Overdue]:
+        """A check at ``now`` (after its own look at ``pg_locks``, whose ``holds`` these are,
+        with the sequence at ``allocated``): the holds that have held ``stream`` back past
+        ``bound`` ("the holding rule"), oldest key first. Remembers when each hold was first
+        seen and forgets those not seen any more."""
+        self._horizon[stream] = max(self._horizon.get(stream, 0.0), bound)
+        seen = self._seen.get(stream, {})
+        current = {hold: seen.get(hold, now) for hold in holds}
+        self._seen[stream] = current
+        passed = self.passed_before(stream, now - bound)
+        record = self._passed.get(stream)
+        if record and allocated < record[-1][1]:
+            # The sequence went back (a restore): what it passed before says nothing now.
+            record.clear()
+            return []
+        if passed is None:
+            return []
+        found = [
+            Overdue(hold, floor, now - first)
+            for hold, first in current.items()
+            if (floor := reservation_floor(hold.key, allocated)) <= passed
+        ]
+        return sorted(found, key=lambda o: (o.floor, o.hold.pid))
+
+    def _record(self, stream: str, now: float, allocated: int) -> None:
+        record = self._passed.setdefault(stream, deque())
+        if record and allocated < record[-1][1]:
+            record.clear()  # the sequence went back (a restore, a failover to a lagging standby)
+        horizon = max(self.lease, self._horizon.get(stream, 0.0))
+        if not record or (
+            allocated > record[-1][1] and now - record[-1][0] >= max(MIN_SPACING, horizon / 128)
+        ):
+            record.append((now, allocated))
+        # Keep the newest probe at or before now - horizon (a check may look that far back)
+        # and everything after it.
+        while len(record) > 1 and record[1][0] <= now - horizon:
+            record.popleft()

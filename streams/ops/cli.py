@@ -778,27 +778,37 @@ def writers_prune(
 @click.option(
     "--repair",
     is_flag=True,
-    help="Do what is safe first: retire expired writers, repair sequences behind used IDs.",
+    help="Do what is safe first: retire expired writers, end sessions holding a stream back "
+    "past the lease, repair sequences behind used IDs.",
 )
 @_STALE_AFTER
+@click.option(
+    "--lease",
+    type=Duration(min_ms=500, max_ms=3_600_000),
+    default="10s",
+    show_default=True,
+    help="The lease your services use: no session may hold a stream back longer than the "
+    "longest of it and the stream's writers' leases (--repair ends those that have).",
+)
 @click.option("--json", "as_json", is_flag=True)
 @common_options
 def doctor(
     repair: bool,
     stale_after: int,
+    lease: int,
     as_json: bool,
     database_url: str | None,
     redis_url: str | None,
     prefix: str | None,
 ) -> None:
-    """Check connectivity, schema, sequences, declared tables, open writing transactions,
-    writer leases, retention (reader groups that lost facts, or are stale: no commit for
-    --stale-after while holding retention back) and the replication channel; exit 1 on any
-    problem."""
+    """Check connectivity, schema, sequences, declared tables, sessions holding a stream back
+    (writers or not: role, application, address), writer leases, retention (reader groups
+    that lost facts, or are stale: no commit for --stale-after while holding retention back)
+    and the replication channel; exit 1 on any problem."""
     from .doctor import diagnose
     from .doctor import repair as do_repair
 
-    settings = _settings(database_url, redis_url, prefix)
+    settings = Settings.resolve(database_url, redis_url, prefix, lease_seconds=lease / 1000)
     actions = do_repair(settings) if repair else []
     checks = diagnose(settings, stale_after_ms=stale_after)
     if as_json:

@@ -15,9 +15,11 @@ from ..store import sessions
 from ..store.driver import run
 from ..store.keys import key_health
 from ..store.leases import (
+    LockHolder,
+    end_long_holders,
     expired_writer_count,
+    holding_state,
     repair_sequence_now,
-    reservation_lock_holders,
     retire_expired_writers,
     sequence_state,
     unseen_ids,
@@ -53,14 +55,25 @@ class Check:
 
 def repair(settings: Settings) -> list[str]:
     """What is always safe, before the checks: retire writers whose lease expired, ending first
-    the sessions they still hold open (`streams.store.leases.retire_expired_writers`), and move
-    every sequence past the IDs known to be used (`streams.store.leases.repair_sequence`, under
-    the same registration lock a starting writer takes). Returns what was done."""
+    the sessions they still hold open (`streams.store.leases.retire_expired_writers`), end
+    every other session that has held a stream's reservation lock past the bound, by its
+    transaction's age or, outside a transaction, its idle time ("the holding argument",
+    `streams.store.leases.end_long_holders`, with ``settings.lease_seconds`` as the least
+    bound), and move every sequence past the IDs known to be used
+    (`streams.store.leases.repair_sequence`, under the same registration lock a starting writer
+    takes). Returns what was done."""
     done: list[str] = []
     with sessions.connect(settings.database_url, autocommit=False, purpose="doctor") as conn:
         for info in run(conn, list_streams()):
             for name in run(conn, retire_expired_writers(info)):
                 done.append(f"stream {info.name}: retired writer {name} (lease expired)")
+            for ended in run(conn, end_long_holders(info, settings.lease_seconds)):
+                done.append(
+                    f"stream {info.name}: ended session pid {ended.pid} (role {ended.role}, "
+                    f"application {ended.application_name!r}, address "
+                    f"{ended.client or '(not visible)'}), which held it back for "
+                    f"{ended.holding_seconds:.1f} s, past the bound ({ended.bound:.1f} s)"
+                )
             target = run(conn, repair_sequence_now(info))
             if target is not None:
                 done.append(f"stream {info.name}: sequence moved to {target}")
@@ -102,7 +115,7 @@ def diagnose(settings: Settings, *, stale_after_ms: int = STALE_AFTER_MS) -> lis
         checks.append(_keys_check(conn))
         infos = run(conn, list_streams())
         for info in infos:
-            checks.extend(_stream_checks(conn, info, stale_after_ms))
+            checks.extend(_stream_checks(conn, info, stale_after_ms, settings.lease_seconds))
     if settings.redis_url:
         import redis
 
@@ -146,7 +159,7 @@ UNSEEN_WINDOW = 10_000
 
 
 def _stream_checks(
-    conn: psycopg.Connection[Any], info: StreamInfo, stale_after_ms: int
+    conn: psycopg.Connection[Any], info: StreamInfo, stale_after_ms: int, lease_seconds: float
 ) -> list[Check]:
     state = run(conn, sequence_state(info))
     allocated = state.last_value or 0
@@ -195,7 +208,7 @@ def _stream_checks(
             "(COLUMN), or on (KEY, COLUMN) when a WHERE says which rows are this stream's)"
         )
     checks.append(Check(f"stream {info.name}: fact tables", True, detail))
-    checks.append(_held_check(conn, info))
+    checks.append(_held_check(conn, info, lease_seconds))
     retention = _retention_check(conn, info, stale_after_ms)
     if retention is not None:
         checks.append(retention)
@@ -325,26 +338,71 @@ def _retention_check(
     return Check(f"stream {info.name}: retention", not lost and not stale, detail)
 
 
-def _held_check(conn: psycopg.Connection[Any], info: Any) -> Check:
-    """Which transactions hold the stream's linear position back, and for how long."""
+def _held_check(conn: psycopg.Connection[Any], info: Any, lease_seconds: float) -> Check:
+    """Which sessions hold the stream's linear position back, who they are (role, application,
+    address), for how long, and when the bound of "the holding argument"
+    (`streams.store.leases`: the longest lease of the stream's writers, at least
+    ``lease_seconds``) passes for them."""
     found = run(conn, probe([info]))[info.name]
-    holders = run(conn, reservation_lock_holders(info))
+    state = run(conn, holding_state(info))
+    holders = state.holders
     name = f"stream {info.name}: linear position"
     if not holders:
         return Check(name, True, f"{found.complete} (max allocated {found.max_allocated})")
+    bound = max(lease_seconds, state.writers_lease or 0.0)
     oldest = holders[0]
     # Named first: a session whose writer's lease expired (it should have been ended: this
-    # role may not end it, or nobody has looked since), else the oldest.
+    # role may not end it, or nobody has looked since), then sessions that are no writer's
+    # (anyone may take a reservation lock), else the oldest.
     expired = [h for h in holders if (h.lease_expired_seconds or 0) > 0]
-    shown = expired[0] if expired else oldest
+    strangers = [h for h in holders if h.instance is None]
+    past = [h for h in holders if _past_bound(h, bound)]
+    shown = (expired or past or strangers or [oldest])[0]
+    label = "expired: " if expired else "past the bound: " if past else "oldest: "
+    if not expired and not past and strangers:
+        label = "no writer's: "
     detail = (
-        f"{found.complete} (max allocated {found.max_allocated}); {len(holders)} writing "
-        f"transaction(s) open; {'expired: ' if expired else 'oldest: '}{shown.describe()}"
+        f"{found.complete} (max allocated {found.max_allocated}); {len(holders)} session(s) "
+        f"holding its reservation locks; {label}{shown.describe()}; " + _bound_detail(shown, bound)
     )
+    others = [h for h in strangers if h is not shown][:4]
+    if others:
+        detail += "; also no writer's: " + "; ".join(h.who() for h in others)
     if expired:
         detail += (
             "; it holds the stream past its writer's lease: `streams doctor --repair` (or any "
             "reader) ends it if this role may signal that session"
         )
-    healthy = not expired and oldest.transaction_seconds < HELD_WARNING_SECONDS
+    longest = max(
+        h.transaction_seconds if h.holding_seconds is None else h.holding_seconds for h in holders
+    )
+    healthy = not expired and not past and longest < HELD_WARNING_SECONDS
     return Check(name, healthy, detail)
+
+
+def _past_bound(holder: LockHolder, bound: float) -> bool:
+    return holder.holding_seconds is not None and holder.holding_seconds > bound
+
+
+def _bound_detail(holder: LockHolder, bound: float) -> str:
+    """When the bound passes for ``holder``, and what then ends it."""
+    ends = (
+        "the next reader or prover to look ends it (if its role may signal that session), "
+        "and so does `streams doctor --repair`"
+        if holder.may_end
+        else "this role may not end that session (a superuser's, or another role's without "
+        "pg_signal_backend); readers and provers of a role that may will"
+    )
+    if holder.holding_seconds is None:
+        return (
+            f"bound {bound:.1f} s (the longest lease); how long it has held the stream is not "
+            "visible to this role (pg_read_all_stats, or a superuser, sees it); readers and "
+            "the prover end it one bound after the sequence passed its key"
+        )
+    left = bound - holder.holding_seconds
+    if left > 0:
+        return (
+            f"the bound ({bound:.1f} s, the longest lease) passes in {left:.1f} s at the "
+            f"latest; then {ends}"
+        )
+    return f"past the bound ({bound:.1f} s, the longest lease) by {-left:.1f} s: {ends}"

@@ -51,6 +51,7 @@ from collections.abc import Mapping, Sequence
 from typing import NamedTuple, TypeAlias
 
 from .._gc import collection_paused
+from ..config import DEFAULT_LEASE_SECONDS
 from ..core.constants import PROOF_GRACE, STALE_AFTER
 from ..core.epochs import Epoch, Fact, Row, next_position, plan_page
 from ..core.failover import RECENT_IDS, Sighting
@@ -187,6 +188,7 @@ class ReaderCore:
         start: Start = "earliest",
         group: str | None = None,
         page_size: int = DEFAULT_PAGE_SIZE,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
     ) -> None:
         names = list(streams)
         if not names:
@@ -231,7 +233,9 @@ class ReaderCore:
         self._awaited: dict[str, int] = {}
         self._awaited_since: float | None = None
         self.deadline_moved = False
-        self._held = HeldStreams()
+        #: When a stream held back is checked, and who has held it too long (`retire_where_held`,
+        #: with ``lease_seconds`` as this reader's own lease: "the holding argument").
+        self._held = HeldStreams(lease=lease_seconds)
         #: Probes run, shared proofs read, pages of rows read, and of those the pages read
         #: ahead while the previous one was planned (`_read_pages`), for metrics.
         self.probes = self.proof_reads = self.pages = self.pages_ahead = 0

@@ -361,13 +361,16 @@ class WriterCore:
                 (recovered, self.lease_seconds, info.id, self.instance),
             )
         else:
-            # A new writer is seeded at the linear position: never above any pending ID.
+            # A new writer is seeded at the linear position: never above any pending ID. Its
+            # heartbeat_at is set with its lease, as every heartbeat does: ``lease_expires_at -
+            # heartbeat_at`` is its lease ("the holding argument" in streams.store.leases).
             recovered = max_allocated if others_min is None else min(others_min, max_allocated)
             rows = yield Query(
                 """
                 INSERT INTO streams_writers
-                    (stream, instance, generation, position, lease_expires_at)
-                VALUES (%s, %s, 1, %s, clock_timestamp() + make_interval(secs => %s))
+                    (stream, instance, generation, position, lease_expires_at, heartbeat_at)
+                VALUES (%s, %s, 1, %s, clock_timestamp() + make_interval(secs => %s),
+                        clock_timestamp())
                 RETURNING generation
                 """,
                 (info.id, self.instance, recovered, self.lease_seconds),
@@ -744,9 +747,11 @@ class WriterCore:
         first, in the same transaction: if it returns False, nothing is reserved or written
         (the Spark sink's `streams.store.sinks.claim_task`).
 
-        Each statement is bounded by the lease, as an append's is; the transaction as a whole
-        is not (the writer's heartbeats renew its lease meanwhile). Returns None when nothing
-        was written (``first`` said no, or no facts).
+        Each statement is bounded by the lease, as an append's is, and so must the transaction
+        as a whole be, from its first reservation to its commit: readers end a session that
+        holds a reservation longer ("the holding argument" in `streams.store.leases`; the
+        writer's heartbeats renew its lease meanwhile, which only keeps it from being
+        retired). Returns None when nothing was written (``first`` said no, or no facts).
         """
         self._check_usable()
         self._report_failover()

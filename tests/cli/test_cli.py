@@ -527,7 +527,7 @@ def test_doctor_names_a_transaction_holding_the_stream_back(
             assert result.exit_code == 1, result.output
             (check,) = [c for c in json.loads(result.stdout) if c["name"] == name]
             assert check["ok"] is False
-            assert "1 writing transaction(s) open" in check["detail"]
+            assert "1 session(s) holding its reservation locks" in check["detail"]
             assert "'holder-app'" in check["detail"]
             assert check["detail"].startswith(f"{held.stream_id - 1} ")
     (check,) = [c for c in one_json(cli(streams_url, "doctor", "--json")) if c["name"] == name]

@@ -270,7 +270,7 @@ def test_every_name_the_dashboard_and_the_alerts_use_is_exported(
         if name == "streams_stall_holder_seconds" and dict(labels)["stream"] == stream
     ]
     assert held_by["instance"] == "w", held_by  # the writer holding the fact open
-    assert set(held_by) == {"stream", "instance", "application", "state"}
+    assert set(held_by) == {"stream", "instance", "role", "application", "state"}
     assert value[("streams_linear_position", s)] == ids["held"] - 1
     behind = (("group", "behind"), ("stream", stream))
     assert value[("streams_group_holds_retention", behind)] == 1
