@@ -60,8 +60,8 @@ from .core.stalls import HeldStreams
 from .core.standby import StandbyRoute
 from .store.driver import Commit, Gen, Query, run, transient_sqlstate
 from .store.failover import replicated
+from .store.holders import retire_where_held
 from .store.identity import holds_across_failover, read_incarnation, verify
-from .store.leases import retire_where_held
 from .store.reader_core import ReaderCore
 from .store.reader_groups import Generation, commit_group, group_position, take_generations
 from .store.reads import (

@@ -63,6 +63,7 @@ __all__ = [
     "PayloadNotSerializable",
     "PayloadTooLarge",
     "RedisUnavailable",
+    "ReservationBlocked",
     "SchemaNotReady",
     "SequenceRewound",
     "StandbyBehind",
@@ -220,6 +221,14 @@ class SequenceRewound(StoreError):
     starts (past every stored fact, declared table, writer and reader-group position): close this
     writer and open a new one, or run ``streams doctor --repair``.
     """
+
+
+class ReservationBlocked(StoreError):
+    """Another session holds the stream's reservation lock exclusively, which no session of
+    this library ever does, so no ID can be reserved behind it: nothing was written, and the
+    append may be tried again. The writer's next heartbeat ends that session if its role may (a
+    member of the session's role or of ``pg_signal_backend``); ``streams doctor`` names it and
+    ``streams doctor --repair`` ends it (`streams.store.holders`, "exclusive holders")."""
 
 
 class InvalidFactTables(StoreError):

@@ -37,7 +37,7 @@ from .config import Settings
 from .errors import ConfigurationError, StreamsError
 from .store import sessions
 from .store.driver import run
-from .store.leases import HoldingState, holding_state
+from .store.holders import HoldingState, holding_state
 from .store.reader_groups import StreamPositions, stream_positions
 from .store.registry import list_streams
 from .store.role_checks import connections_by_role

@@ -76,9 +76,9 @@ from .core.stalls import HeldStreams
 from .errors import ConnectionLost, StoreError
 from .store import sessions
 from .store.driver import Row, run
+from .store.holders import retire_where_held
 from .store.identity import verify
 from .store.keys import may_sign, renew_keys, signing_key
-from .store.leases import retire_where_held
 from .store.probe import (
     PROVER_SESSION_SETUP,
     READER_SESSION_SETUP,

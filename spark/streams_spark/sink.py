@@ -46,7 +46,7 @@ from pyspark.sql.datasource import (
 from pyspark.sql.types import StructType
 
 from streams import Writer
-from streams.config import DEFAULT_LEASE_SECONDS, DEFAULT_MAX_PAYLOAD_BYTES
+from streams.config import DEFAULT_MAX_PAYLOAD_BYTES
 from streams.connector import (
     BatchCommit,
     FactChunk,
@@ -90,7 +90,7 @@ log = logging.getLogger("streams.spark.sink")
 
 #: Rows reserved and copied per statement of a task's transaction (each statement must fit in
 #: the writer's lease, and so must the transaction as a whole: readers end a session that holds
-#: a stream's reservation lock longer, "the holding argument" in `streams.store.leases`).
+#: a stream's reservation lock longer, "the holding argument" in `streams.store.holders`).
 ROWS_PER_CHUNK = 10_000
 
 #: Spark's task-local properties that name a streaming query and its micro-batch.
@@ -347,7 +347,7 @@ def write_task(
     core = WriterCore(
         options.stream,
         f"{prefix}-{key.partition_id}",
-        lease_seconds=DEFAULT_LEASE_SECONDS,
+        lease_seconds=options.lease_seconds,
         max_payload_bytes=DEFAULT_MAX_PAYLOAD_BYTES,
     )
     writer = Writer(options.database_url, core)

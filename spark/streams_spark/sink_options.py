@@ -28,7 +28,13 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from streams.config import Settings, redact_url, validate_instance_name, validate_stream_name
+from streams.config import (
+    DEFAULT_LEASE_SECONDS,
+    Settings,
+    redact_url,
+    validate_instance_name,
+    validate_stream_name,
+)
 from streams.connector import SINK_COMMIT_RETENTION_SECONDS, FactChunk
 from streams.errors import ConfigurationError, InvalidStreamName
 
@@ -54,6 +60,7 @@ SINK_OPTIONS = (
     "timestampColumn",
     "keyColumn",
     "commitRetention",
+    "leaseSeconds",
 )
 #: Options Spark itself adds to a write's options (they mean nothing to the sink).
 SPARK_OPTIONS = ("checkpointLocation", "path")
@@ -63,6 +70,10 @@ _READ_LOWER = {name.lower(): name for name in KNOWN_OPTIONS}
 
 #: Instance prefixes end in ``-<partition id>``: room for that within the 128 characters.
 _MAX_PREFIX = 100
+#: The range of ``leaseSeconds``: long enough to renew (every lease/4), short enough that a
+#: task that died does not hold a stream for an hour.
+MIN_LEASE_SECONDS = 1.0
+MAX_LEASE_SECONDS = 3600.0
 _PREFIX = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]*")
 
 
@@ -79,6 +90,10 @@ class SinkOptions:
     timestamp_column: str | None = None
     key_column: str | None = None
     commit_retention: float = SINK_COMMIT_RETENTION_SECONDS
+    #: The lease of each task's writer: its whole transaction must end within it (readers end
+    #: a session that holds a stream's reservation lock longer), and readers wait that long
+    #: behind a task that died in it.
+    lease_seconds: float = DEFAULT_LEASE_SECONDS
 
     def __repr__(self) -> str:
         return (
@@ -144,6 +159,14 @@ def parse_sink_options(
                 "option commitRetention: at least 1h (a query stopped for longer than this "
                 "and restarted from its checkpoint may write its last batch again)"
             )
+    lease = DEFAULT_LEASE_SECONDS
+    if "leaseSeconds" in given:
+        lease = parse_duration(given["leaseSeconds"], "leaseSeconds")
+        if not MIN_LEASE_SECONDS <= lease <= MAX_LEASE_SECONDS:
+            raise ConfigurationError(
+                f"option leaseSeconds: between {MIN_LEASE_SECONDS:g}s and "
+                f"{MAX_LEASE_SECONDS:g}s (each task's transaction must end within it)"
+            )
     return SinkOptions(
         stream=stream,
         database_url=database_url,
@@ -153,6 +176,7 @@ def parse_sink_options(
         timestamp_column=timestamp_column,
         key_column=key_column,
         commit_retention=retention,
+        lease_seconds=lease,
     )
 
 

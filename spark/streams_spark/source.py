@@ -390,7 +390,8 @@ class _Driver:
     def probe(self) -> dict[str, int]:
         """What PostgreSQL proves complete, per stream; a stream held back for a while by an
         expired writer gets that writer's sessions ended, and so does any session that has held
-        it back past the lease (`streams.store.leases`: the liveness and holding arguments)."""
+        it back past the lease (the liveness and holding arguments: `streams.store.leases`,
+        `streams.store.holders`)."""
         infos = self.infos()
         found = self.run(probe, [infos[n] for n in self.config.streams])
         # The proofs' LSN, for executors that read on a standby (the highest: replay passes

@@ -45,7 +45,7 @@ ours are spelled out here:
   `streams.store.probe.probe`). Negative first keys keep them apart from the ``(7314, id)`` lock
   and from most applications' own keys; a foreign lock that happened to collide could only make
   readers more cautious, never make them skip a fact, and readers end the session holding it
-  once it has held the stream back past the lease (`streams.store.leases`, "the holding
+  once it has held the stream back past the lease (`streams.store.holders`, "the holding
   argument"), as they do any session's: advisory locks have no privileges.
 * ``(PROOF_LOCK, <stream id>)``, session-scoped, exclusive: held by the one process that proves
   a stream's complete position for every reader (see `streams.proofs`). A collision could only

@@ -13,12 +13,15 @@ from ..core.staleness import STALE_AFTER_MS
 from ..errors import StreamsError
 from ..store import sessions
 from ..store.driver import run
+from ..store.holders import (
+    LockHolder,
+    end_exclusive_holders,
+    end_long_holders,
+    holding_state,
+)
 from ..store.keys import key_health
 from ..store.leases import (
-    LockHolder,
-    end_long_holders,
     expired_writer_count,
-    holding_state,
     repair_sequence_now,
     retire_expired_writers,
     sequence_state,
@@ -58,8 +61,9 @@ def repair(settings: Settings) -> list[str]:
     the sessions they still hold open (`streams.store.leases.retire_expired_writers`), end
     every other session that has held a stream's reservation lock past the bound, by its
     transaction's age or, outside a transaction, its idle time ("the holding argument",
-    `streams.store.leases.end_long_holders`, with ``settings.lease_seconds`` as the least
-    bound), and move every sequence past the IDs known to be used
+    `streams.store.holders.end_long_holders`, with ``settings.lease_seconds`` as the least
+    bound) and every session holding one exclusively (`end_exclusive_holders`), and move
+    every sequence past the IDs known to be used
     (`streams.store.leases.repair_sequence`, under the same registration lock a starting writer
     takes). Returns what was done."""
     done: list[str] = []
@@ -73,6 +77,11 @@ def repair(settings: Settings) -> list[str]:
                     f"application {ended.application_name!r}, address "
                     f"{ended.client or '(not visible)'}), which held it back for "
                     f"{ended.holding_seconds:.1f} s, past the bound ({ended.bound:.1f} s)"
+                )
+            for pid in run(conn, end_exclusive_holders(info)):
+                done.append(
+                    f"stream {info.name}: ended session pid {pid}, which held its reservation "
+                    "lock exclusively (every writer waited for it)"
                 )
             target = run(conn, repair_sequence_now(info))
             if target is not None:
@@ -341,7 +350,7 @@ def _retention_check(
 def _held_check(conn: psycopg.Connection[Any], info: Any, lease_seconds: float) -> Check:
     """Which sessions hold the stream's linear position back, who they are (role, application,
     address), for how long, and when the bound of "the holding argument"
-    (`streams.store.leases`: the longest lease of the stream's writers, at least
+    (`streams.store.holders`: the longest lease of the stream's writers, at least
     ``lease_seconds``) passes for them."""
     found = run(conn, probe([info]))[info.name]
     state = run(conn, holding_state(info))
@@ -357,10 +366,13 @@ def _held_check(conn: psycopg.Connection[Any], info: Any, lease_seconds: float) 
     expired = [h for h in holders if (h.lease_expired_seconds or 0) > 0]
     strangers = [h for h in holders if h.instance is None]
     past = [h for h in holders if _past_bound(h, bound)]
-    shown = (expired or past or strangers or [oldest])[0]
+    exclusive = [h for h in holders if h.exclusive]
+    shown = (exclusive or expired or past or strangers or [oldest])[0]
     label = "expired: " if expired else "past the bound: " if past else "oldest: "
     if not expired and not past and strangers:
         label = "no writer's: "
+    if exclusive:
+        label = "blocking every writer: "
     detail = (
         f"{found.complete} (max allocated {found.max_allocated}); {len(holders)} session(s) "
         f"holding its reservation locks; {label}{shown.describe()}; " + _bound_detail(shown, bound)
@@ -376,7 +388,7 @@ def _held_check(conn: psycopg.Connection[Any], info: Any, lease_seconds: float) 
     longest = max(
         h.transaction_seconds if h.holding_seconds is None else h.holding_seconds for h in holders
     )
-    healthy = not expired and not past and longest < HELD_WARNING_SECONDS
+    healthy = not expired and not past and not exclusive and longest < HELD_WARNING_SECONDS
     return Check(name, healthy, detail)
 
 

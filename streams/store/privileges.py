@@ -209,9 +209,10 @@ INVOKER_FUNCTIONS: Final[dict[str, tuple[str, ...]]] = {
 #: Every function of the library and who executes it.
 FUNCTIONS: Final = {**DEFINER_FUNCTIONS, **INVOKER_FUNCTIONS}
 
-#: Predefined roles each role is made a member of.
+#: Predefined roles each role is made a member of: ending other roles' sessions, and for the
+#: operator seeing their state, times and address (`streams doctor` names what holds a stream).
 MEMBERSHIPS: Final[dict[str, tuple[str, ...]]] = {
-    OPERATOR: ("pg_signal_backend",),
+    OPERATOR: ("pg_signal_backend", "pg_read_all_stats"),
     PROVER: ("pg_signal_backend",),
 }
 
@@ -286,7 +287,8 @@ ROLE_DOCS: Final[dict[str, tuple[str, str, str]]] = {
     ),
     OPERATOR: (
         "`streams doctor [--repair]` (retire expired writers, repair sequences forward through "
-        "the database's function, end sessions: `pg_signal_backend`), `streams prune`, "
+        "the database's function, end sessions: `pg_signal_backend`; see every session's state "
+        "and address: `pg_read_all_stats`), `streams prune`, "
         "`streams writers prune`, `streams groups delete`, `streams incarnation accept`, "
         "set retention and key windows; read every table of `public`",
         "read the private keys, write proofs or keys, append, reserve IDs or set a sequence, "

@@ -34,7 +34,7 @@ REPEATABLE READ its first statement's snapshot would serve them all), so reader 
 notices the dropped connection; a wedged one, when its transaction has been idle for the lease
 (``idle_in_transaction_session_timeout``). Any session may take a reservation lock (advisory
 locks have no privileges): the probe counts it all the same, and readers end the session once
-it has held the stream back past the lease (`streams.store.leases`, "the holding argument").
+it has held the stream back past the lease (`streams.store.holders`, "the holding argument").
 
 The writer's side (`streams.store.writer_core`): one statement computes ``L`` from the sequence,
 takes the lock on it and calls ``nextval``. That is the one place where order inside a statement

@@ -71,9 +71,10 @@ from ..errors import (
     UsageError,
 )
 from .driver import Gen
+from .holders import retire_where_held
 from .identity import verify
 from .keys import live_keys
-from .leases import persisted_writer_position, retire_where_held
+from .leases import persisted_writer_position
 from .reader_groups import (
     GROUP_MOVED,
     Generation,

@@ -27,10 +27,10 @@ from ..core.staleness import (
 from ..errors import GroupFenced, InvalidPosition, StoreError, UsageError
 from ._common import NOW_MS_SQL
 from .driver import Commit, Gen, Query
+from .holders import reservation_lock_holders
 from .leases import (
     linear_from,
     max_allocated_sql,
-    reservation_lock_holders,
     retire_if_allowed,
 )
 from .probe import probe

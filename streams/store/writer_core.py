@@ -68,6 +68,7 @@ from ..core.payloads import encode_payload
 from ..core.positions import PositionTracker, ReservationToken
 from ..core.timestamps import resolve_timestamps, validate_client_timestamp
 from ..errors import (
+    ReservationBlocked,
     SequenceRewound,
     StoreError,
     UsageError,
@@ -75,6 +76,7 @@ from ..errors import (
 )
 from .driver import Autocommit, Commit, CopyIn, Gen, Pipeline, Query, Row
 from .failover import FAILOVER_SKIP, fence_timeline
+from .holders import end_exclusive_holders, exclusive_holders
 from .idempotency import (
     ATTEMPTS,
     FENCED,
@@ -237,6 +239,10 @@ UNIQUE_VIOLATION = "23505"
 #: its floor (the message carries `_REWOUND`).
 INVALID_TEXT = "22P02"
 _REWOUND = "streams-sequence-rewound"
+#: The text cast by which a reservation fails at once when another session holds the stream's
+#: reservation lock at its floor exclusively (no library session ever does: they share it), so
+#: a writer never waits behind it (`ReservationBlocked`).
+_BLOCKED = "streams-reservation-blocked"
 
 #: Retire expired peers every this many heartbeats.
 RETIRE_EVERY = 4
@@ -270,6 +276,8 @@ class WriterCore:
         self._reserve_one: bytes | None = None
         self._reserve_many: bytes | None = None
         self._copy_facts = ""
+        #: An append found the stream's reservation lock held exclusively (`_refused`).
+        self.blocked = False
         self._reserve_fact: bytes | None = None
         self._reserve_one_keyed = self._reserve_fact_keyed = self._reserve_many_keyed = b""
         #: IDs reserved in transactions of callers that this writer joined (``fact()`` on a
@@ -363,7 +371,7 @@ class WriterCore:
         else:
             # A new writer is seeded at the linear position: never above any pending ID. Its
             # heartbeat_at is set with its lease, as every heartbeat does: ``lease_expires_at -
-            # heartbeat_at`` is its lease ("the holding argument" in streams.store.leases).
+            # heartbeat_at`` is its lease ("the holding argument" in streams.store.holders).
             recovered = max_allocated if others_min is None else min(others_min, max_allocated)
             rows = yield Query(
                 """
@@ -427,7 +435,9 @@ class WriterCore:
                     SELECT {allocated} + 1 AS floor FROM w
                 ), g AS (
                     SELECT k.floor,
-                           pg_advisory_xact_lock_shared({lock_class}, {lock_key}) AS locked
+                           CASE WHEN pg_try_advisory_xact_lock_shared({lock_class}, {lock_key})
+                                THEN true
+                                ELSE ({blocked} || k.floor)::boolean END AS locked
                     FROM k
                 )
                 """
@@ -438,6 +448,7 @@ class WriterCore:
                 writer_lock=writer_lock_sql(sql.SQL("%(stream)s"), sql.SQL("%(instance)s")),
                 allocated=max_allocated_sql(info),
                 lock_class=sql.Literal(reservation_lock_class(info.id)),
+                blocked=sql.Literal(_BLOCKED + " "),
                 lock_key=reservation_lock_key_sql(sql.SQL("k.floor")),
             )
 
@@ -703,7 +714,7 @@ class WriterCore:
                     # The whole append: one statement, its own transaction (see the module doc).
                     rows = yield Autocommit(self._reserve_one, params)
                 except StoreError as exc:
-                    self._raise_refusal(exc)
+                    yield from self._refused(exc)
                     raise
                 if not rows:
                     self.fenced = True
@@ -714,7 +725,11 @@ class WriterCore:
                 assert self._reserve_many is not None
                 params["count"] = len(payloads)
                 # BEGIN and the reservation in one round trip.
-                (reserved,) = yield Pipeline([Query(self._reserve_many, params)])
+                try:
+                    (reserved,) = yield Pipeline([Query(self._reserve_many, params)])
+                except StoreError as exc:
+                    yield from self._refused(exc)
+                    raise
                 if not reserved:
                     self.fenced = True
                     self._check_usable()
@@ -749,7 +764,7 @@ class WriterCore:
 
         Each statement is bounded by the lease, as an append's is, and so must the transaction
         as a whole be, from its first reservation to its commit: readers end a session that
-        holds a reservation longer ("the holding argument" in `streams.store.leases`; the
+        holds a reservation longer ("the holding argument" in `streams.store.holders`; the
         writer's heartbeats renew its lease meanwhile, which only keeps it from being
         retired). Returns None when nothing was written (``first`` said no, or no facts).
         """
@@ -778,7 +793,11 @@ class WriterCore:
                 reservations.append((token, []))
                 params = self._lease_params()
                 params["count"] = chunk.count
-                reserved = yield Query(self._reserve_many_bytes(), params)
+                try:
+                    reserved = yield Query(self._reserve_many_bytes(), params)
+                except StoreError as exc:
+                    yield from self._refused(exc)
+                    raise
                 if not reserved:
                     self.fenced = True
                     self._check_usable()
@@ -823,6 +842,26 @@ class WriterCore:
     def _reserve_many_bytes(self) -> bytes:
         assert self._reserve_many is not None
         return self._reserve_many
+
+    def _refused(self, exc: StoreError) -> Gen[None]:
+        """`_raise_refusal`, and for a reservation blocked by an exclusive lock, who holds it
+        (read after the failed transaction), in the `ReservationBlocked` raised."""
+        if exc.sqlstate == INVALID_TEXT and _BLOCKED in str(exc):
+            self.blocked = True
+            try:
+                holders = yield from exclusive_holders(self.info)
+            except StoreError:  # the caller's transaction (`fact(conn=...)`) failed with it
+                holders = []
+            who = "; ".join(h.who() for h in holders) or "a session not named here"
+            raise ReservationBlocked(
+                f"stream {self.stream_name!r}: another session holds its reservation lock "
+                f"exclusively ({who}); no writer of this library ever does, and nothing can "
+                "be reserved behind it: nothing was written. This writer's next heartbeat "
+                "ends that session if this role may (a member of its role or of "
+                "pg_signal_backend); `streams doctor` names it and `streams doctor --repair` "
+                "ends it"
+            ) from None
+        self._raise_refusal(exc)
 
     def _raise_refusal(self, exc: StoreError) -> None:
         """Raise what a reservation statement's own refusal means (the text casts by which it
@@ -871,7 +910,7 @@ class WriterCore:
                         # The whole append when the key is new: one statement in autocommit.
                         rows = yield Autocommit(self._reserve_one_keyed, params)
                     except StoreError as exc:
-                        self._raise_refusal(exc)
+                        yield from self._refused(exc)
                         raise
                     stream_id = held(rows)
                     if stream_id is not None:
@@ -920,7 +959,11 @@ class WriterCore:
         params.update(keys=keys, stamps=stamps, count=len(payloads), claim=secrets.randbits(63))
         # A generic plan is as good as a custom one here: the statement looks nothing up (the
         # claim finds conflicts through the primary key itself), so it may be prepared.
-        ((row,),) = yield Pipeline([Query(self._reserve_many_keyed, params)])
+        try:
+            ((row,),) = yield Pipeline([Query(self._reserve_many_keyed, params)])
+        except StoreError as exc:
+            yield from self._refused(exc)
+            raise
         count, ords, reserved, floor, recorded = row
         if count and (reserved is None or recorded != 1):
             if reserved is None:  # held keys, reserved nothing: fenced (rolled back)
@@ -1007,7 +1050,11 @@ class WriterCore:
         assert self._reserve_fact is not None
         params = {**self._lease_params(), **self._tcp_settings(), "count": 1}
         if key is None:
-            rows = yield Query(self._reserve_fact, params)
+            try:
+                rows = yield Query(self._reserve_fact, params)
+            except StoreError as exc:
+                yield from self._refused(exc)
+                raise
             if not rows:
                 self.fenced = True
                 self._check_usable()
@@ -1018,7 +1065,7 @@ class WriterCore:
         try:
             rows = yield Query(self._reserve_fact_keyed, params)
         except StoreError as exc:
-            self._raise_refusal(exc)
+            yield from self._refused(exc)
             raise
         fact_id = held(rows)
         if fact_id is None:
@@ -1144,6 +1191,10 @@ class WriterCore:
         self._beats += 1
         if result.alive and self._beats % RETIRE_EVERY == 0:
             yield from retire_expired_writers(self.info)
+        if result.alive and self.blocked:
+            # An append found the reservation lock held exclusively: end that session.
+            self.blocked = False
+            yield from end_exclusive_holders(self.info)
         return result
 
     def retire(self) -> Gen[None]:

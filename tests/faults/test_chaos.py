@@ -22,6 +22,11 @@ disjoint across all its consumers' lifetimes and together with the rest of what 
 cover every fact, and the transactional group's effects hold every fact exactly once; every
 error a child met is one of the library's (`streams.StreamsError`).
 
+The run is made twice: every child logged in as the database's admin, then under the role
+model (`streams roles create`), each child logged in as a login of its own role: writers as
+``streams_writer``, one plain reader as ``streams_prover`` (it stands for election), the other
+as ``streams_reader``, the group consumers as ``streams_group_reader`` (issue 37).
+
 ``STREAMS_CHAOS_SEED`` replays a run (the seed is printed, and in every failure);
 ``STREAMS_CHAOS_SECONDS`` (default 60) is how long faults go on. Children die with the test
 (``PR_SET_PDEATHSIG``, and their process groups are killed), the servers are stopped by PID;
@@ -45,6 +50,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import pytest
@@ -86,8 +92,26 @@ class Slot:
         return [c for c in self.lives if c.proc.poll() is None]
 
 
+#: Under the role model, the login each kind of child uses (a LOGIN role granted only that
+#: group role): writers, the plain reader that stands for election as the prover, the plain
+#: reader that cannot prove, and the group consumers.
+ROLE_OF = {
+    "writer": "streams_writer",
+    "prover": "streams_prover",
+    "reader": "streams_reader",
+    "group": "streams_group_reader",
+}
+
+
+def _url_as(url: str, user: str) -> str:
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(netloc=f"{user}@{parts.hostname}:{parts.port}"))
+
+
 class Chaos:
-    def __init__(self, pg: RestartablePostgres, workdir: Path, rng: random.Random) -> None:
+    def __init__(
+        self, pg: RestartablePostgres, workdir: Path, rng: random.Random, *, roles: bool = False
+    ) -> None:
         self.workdir = workdir
         self.rng = rng
         self.stack = contextlib.ExitStack()
@@ -112,6 +136,10 @@ class Chaos:
                 "CREATE TABLE chaos_effects (grp text, stream text, stream_id bigint, "
                 "consumer text)"
             )
+        #: kind -> URL the children of that kind log in with (all the admin's without roles).
+        self.logins = {kind: self.url for kind in ROLE_OF}
+        if roles:
+            self.logins = self._role_model()
         a, b = self.names
         self.slots = [
             Slot("w0", "writer", [a]),
@@ -138,13 +166,36 @@ class Chaos:
         self.stack.callback(self.attacker.close)
         self.notes: list[str] = []
 
+    def _role_model(self) -> dict[str, str]:
+        """`streams roles create` on this run's database, and a LOGIN role per kind of child,
+        granted only its group role (the transactional group consumer also writes its effects
+        table)."""
+        from click.testing import CliRunner
+
+        from streams.command import main
+
+        result = CliRunner().invoke(main, ["roles", "create", "--database-url", self.url])
+        assert result.exit_code == 0, result.output
+        logins = {}
+        with psycopg.connect(self.url, autocommit=True) as conn:
+            for kind, role in ROLE_OF.items():
+                user = f"chaos_{kind}_{secrets.token_hex(3)}"
+                conn.execute(f"CREATE ROLE {user} LOGIN IN ROLE {role}")
+                logins[kind] = _url_as(self.url, user)
+            group_user = urlsplit(logins["group"]).username
+            conn.execute(f"GRANT SELECT, INSERT ON chaos_effects TO {group_user}")
+        return logins
+
     # ------------------------------------------------------------------ children
 
     def spawn(self, slot: Slot) -> Child:
         self.spawned += 1
         name = f"{slot.name}x{len(slot.lives)}"
         seed = str(self.rng.randrange(2**31))
-        common = [self.url, self.redis.url, self.prefix]
+        kind = {"writer": "writer", "auto": "group", "tx": "group"}.get(slot.role)
+        if kind is None:  # a plain reader: the first may prove, the second may not
+            kind = "prover" if slot.name == "r0" else "reader"
+        common = [self.logins[kind], self.redis.url, self.prefix]
         if slot.role == "writer":
             args = ["writer", *common, slot.streams[0], name, seed, str(LEASE)]
         else:
@@ -631,14 +682,15 @@ def check_lifetime(
     return problems
 
 
-@pytest.fixture
-def chaos() -> Iterator[Chaos]:
+@pytest.fixture(params=[False, True], ids=["one-login", "role-model"])
+def chaos(request: pytest.FixtureRequest) -> Iterator[Chaos]:
     """The run's private servers and children, all gone afterwards. Not pytest's
-    ``tmp_path``: as root, PostgreSQL runs as another user, who cannot enter it."""
+    ``tmp_path``: as root, PostgreSQL runs as another user, who cannot enter it. Twice: every
+    child as the admin, then (issue 37) each as a login of its own role."""
     workdir = Path(tempfile.mkdtemp(prefix="streams-chaos-"))
     try:
         with restartable_postgres({"wal_writer_delay": "10s"}) as pg:
-            run = Chaos(pg, workdir, random.Random(SEED))
+            run = Chaos(pg, workdir, random.Random(SEED), roles=request.param)
             try:
                 yield run
             finally:

@@ -11,7 +11,7 @@ session holds it. Here a LOGIN with no streams role (granted only CONNECT) does 
 (d) several keys from several sessions, each in one of those ways.
 
 Each time, a reader (or, under the role model, the elected prover) ends those sessions once the
-lease plus detection has passed ("the holding argument" in `streams.store.leases`): the fact
+lease plus detection has passed ("the holding argument" in `streams.store.holders`): the fact
 behind them is delivered within `BOUND`, and the attacker's sessions are gone. Writers that
 behave are never ended, however long the stream stays held meanwhile; `streams doctor` names
 the holder (role, application, address) and ``--repair`` ends it.
@@ -37,7 +37,7 @@ from psycopg import sql
 from servers import create_database, database_name, drop_database
 
 import streams
-import streams.store.leases as leases
+import streams.store.holders as holders_module
 from streams.command import main
 from streams.config import Settings
 from streams.core.stalls import HeldStreams
@@ -46,7 +46,7 @@ from streams.migrate import upgrade
 from streams.reader import Reader
 from streams.store import sessions
 from streams.store.driver import Gen, run
-from streams.store.leases import holding_state
+from streams.store.holders import holding_state
 from streams.store.registry import StreamInfo
 from streams.writer import Writer
 
@@ -287,8 +287,8 @@ def test_writers_that_behave_are_never_ended(
         checks.append(ended)
         return ended
 
-    original = leases.end_overdue_holders
-    monkeypatch.setattr(leases, "end_overdue_holders", spy)
+    original = holders_module.end_overdue_holders
+    monkeypatch.setattr(holders_module, "end_overdue_holders", spy)
     stop = threading.Event()
     errors: list[BaseException] = []
     with streams.connect(streams_url, lease_seconds=LEASE) as client:
@@ -562,3 +562,41 @@ def test_a_reader_that_may_not_end_them_says_so_once_and_carries_on(
         finally:
             attack.close()
     assert seen == list(range(1, behind + 1))
+
+
+def test_an_exclusive_holder_blocks_no_writer_for_long(
+    streams_url: str, mallory: Login, unique_name: str
+) -> None:
+    """An exclusive lock on the stream's next reservation key (no library session ever takes
+    one) would make every writer wait for it: a writer's append fails at once instead, with
+    `ReservationBlocked` naming the session, and its next heartbeat ends it (this writer's role
+    may: a superuser's), after which appends go on."""
+    with streams.connect(streams_url, lease_seconds=LEASE) as client:
+        client.create_stream(unique_name)
+        with client.writer(unique_name) as writer:
+            first = writer.append({"n": 0}).first_id
+            with psycopg.connect(streams_url, autocommit=True) as admin:
+                row = admin.execute(
+                    "SELECT id FROM streams_registry WHERE name = %s", (unique_name,)
+                ).fetchone()
+            assert row is not None
+            with mallory.connect() as conn:
+                conn.execute("SELECT pg_advisory_lock(%s, %s)", (-int(row[0]), _int4(first + 1)))
+                started = time.monotonic()
+                with pytest.raises(streams.ReservationBlocked) as caught:
+                    writer.append({"n": 1})
+                assert time.monotonic() - started < 1.0  # no wait behind the lock
+                assert mallory.name in str(caught.value) and APPLICATION in str(caught.value)
+                with pytest.raises(streams.ReservationBlocked):
+                    writer.append_batch([{"n": 2}, {"n": 3}])
+                # The writer's heartbeat (every lease / 4) ends the session.
+                wait_until(lambda: conn.closed or _ended(streams_url, conn), timeout=10)
+            assert writer.append({"n": 4}).first_id > first
+
+
+def _ended(admin_url: str, conn: psycopg.Connection[Any]) -> bool:
+    with psycopg.connect(admin_url, autocommit=True) as admin:
+        row = admin.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE pid = %s", (conn.info.backend_pid,)
+        ).fetchone()
+    return row == (0,)

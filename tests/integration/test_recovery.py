@@ -374,7 +374,7 @@ def test_lock_holders_with_unknown_transaction_start(
     """A holder whose xact_start is NULL (it does not report its activity) used to make
     `reservation_lock_holders` (and so `streams doctor`) raise TypeError."""
     from streams.core.constants import reservation_lock_class
-    from streams.store.leases import reservation_lock_holders
+    from streams.store.holders import reservation_lock_holders
 
     info = client.stream(stream)
     with psycopg.connect(streams_url) as holder, psycopg.connect(streams_url) as conn:

@@ -299,6 +299,8 @@ def state(url: str, info: registry.StreamInfo, query_id: str) -> tuple[Any, list
         ({"stream": "{s}", "payloadColumn": "raw"}, "'raw' is binary"),
         ({"stream": "{s}", "instancePrefix": "-x"}, "instancePrefix"),
         ({"stream": "{s}", "commitRetention": "5m"}, "commitRetention: at least 1h"),
+        ({"stream": "{s}", "leaseSeconds": "0.5"}, "leaseSeconds: between 1s and 3600s"),
+        ({"stream": "{s}", "leaseSeconds": "2h"}, "leaseSeconds: between 1s and 3600s"),
         ({"stream": "{s}-missing", "payloadColumns": "name"}, "unknown stream|does not exist"),
     ],
 )
