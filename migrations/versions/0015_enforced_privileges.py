@@ -59,7 +59,7 @@ PostgreSQL checks when a statement names it, so a role is granted a stream by a 
 partition (and ``USAGE`` on its sequence). The tables a writer writes rows of besides
 (``streams_writers``, the idempotency keys and claims, the Spark sink's queries and commits)
 get row security: a row of stream ``s`` may be written (or locked) only by a role that may
-insert into ``s``'s partition (``streams_may_write``), an operator or the prover. Reading is
+insert into ``s``'s partition, an operator or the prover (`_may_write`). Reading is
 not restricted. Owners and superusers bypass row security, as ever.
 
 Revision ID: 0015_enforced_privileges
@@ -377,20 +377,6 @@ def _functions(s: str, schema: str) -> list[str]:
         END
         $$
         """,
-        # Who may write rows of stream `stream` (row security of `WRITER_TABLES`): runs with
-        # the invoker's rights, its names bound when it is created (a SQL-standard body).
-        f"""
-        CREATE OR REPLACE FUNCTION {s}.streams_may_write(stream pg_catalog.int4)
-        RETURNS pg_catalog.bool
-        LANGUAGE sql STABLE
-        BEGIN ATOMIC
-            SELECT COALESCE(pg_catalog.has_table_privilege(pg_catalog.to_regclass(
-                       {qualified} || 'streams_facts_' || stream), 'INSERT'), false)
-                OR EXISTS (SELECT FROM pg_catalog.pg_roles r
-                           WHERE r.rolname IN ('streams_prover', 'streams_operator')
-                             AND pg_catalog.pg_has_role(r.oid, 'USAGE'));
-        END
-        """,
     ]
 
 
@@ -416,11 +402,9 @@ FUNCTIONS = {
     "pg_catalog.int8[], pg_catalog.int8[], pg_catalog.int8[], pg_catalog.uuid[], "
     "pg_catalog.text, pg_catalog.bool)": ("streams_admin", "streams_group_reader"),
 }
-#: The functions that run with the invoker's rights (the check, the row security's test).
-INVOKER_FUNCTIONS = (
-    "streams_check_group(pg_catalog.text)",
-    "streams_may_write(pg_catalog.int4)",
-)
+#: The function that runs with the invoker's rights: the group check (inside the group
+#: functions, so with their owner's).
+INVOKER_FUNCTIONS = ("streams_check_group(pg_catalog.text)",)
 MODEL_ROLES = (
     "streams_admin",
     "streams_operator",
@@ -554,6 +538,23 @@ def _model_partitions(s: str) -> str:
     """
 
 
+def _may_write(schema: str) -> str:
+    """Who may write (or lock) rows of stream ``stream`` (row security of `WRITER_TABLES`):
+    a role that may insert into its partition, or an operator or the prover (they retire
+    writers and prune keys of every stream). An expression in the policy itself, not a
+    function: its names are bound when the policy is made, it runs with the invoker's rights,
+    and it is planned with the statement (a SQL function called per row was parsed and planned
+    per execution: 0.3 ms an append)."""
+    qualified = _literal(_ident(schema) + ".streams_facts_")
+    return (
+        "(COALESCE(pg_catalog.has_table_privilege(pg_catalog.to_regclass("
+        f"{qualified} || stream), 'INSERT'), false) "
+        "OR EXISTS (SELECT FROM pg_catalog.pg_roles r "
+        "WHERE r.rolname IN ('streams_prover', 'streams_operator') "
+        "AND pg_catalog.pg_has_role(r.oid, 'USAGE')))"
+    )
+
+
 def upgrade() -> None:
     schema = str(op.get_bind().exec_driver_sql(_SCHEMA_SQL).scalar())
     s = _ident(schema)
@@ -571,12 +572,12 @@ def upgrade() -> None:
     op.execute(f"REVOKE ALL ON {s}.streams_group_grants FROM PUBLIC")
     for body in _functions(s, schema):
         op.execute(body)
+    may_write = _may_write(schema)
     for table in WRITER_TABLES:
         op.execute(f"ALTER TABLE {s}.{table} ENABLE ROW LEVEL SECURITY")
         op.execute(f"CREATE POLICY streams_read ON {s}.{table} FOR SELECT USING (true)")
         op.execute(
-            f"CREATE POLICY streams_write ON {s}.{table} "
-            f"USING ({s}.streams_may_write(stream)) WITH CHECK ({s}.streams_may_write(stream))"
+            f"CREATE POLICY streams_write ON {s}.{table} USING {may_write} WITH CHECK {may_write}"
         )
     for statement in _definer(s):
         op.execute(statement)

@@ -199,13 +199,9 @@ DEFINER_FUNCTIONS: Final[dict[str, tuple[str, ...]]] = {
     "streams_commit_group(text, integer[], bigint[], bigint[], bigint[], bigint[], uuid[], "
     "text, boolean)": (ADMIN, GROUP_READER),
 }
-#: Functions that run with the invoker's rights, owned by the definer too: the group check
-#: (called inside the group functions, so executed by their owner only) and the row
-#: security's test (PUBLIC: it tells a role only what that role may do).
-INVOKER_FUNCTIONS: Final[dict[str, tuple[str, ...]]] = {
-    "streams_check_group(text)": (),
-    "streams_may_write(integer)": ("PUBLIC",),
-}
+#: The function that runs with the invoker's rights, owned by the definer too: the group
+#: check, called inside the group functions, so executed by their owner only.
+INVOKER_FUNCTIONS: Final[dict[str, tuple[str, ...]]] = {"streams_check_group(text)": ()}
 #: Every function of the library and who executes it.
 FUNCTIONS: Final = {**DEFINER_FUNCTIONS, **INVOKER_FUNCTIONS}
 

@@ -24,7 +24,7 @@ its owner. IDs come from the stream's sequence, on which only ``USAGE`` (``nextv
 granted: ``UPDATE`` (``setval``) is the definer's, behind functions that move a sequence
 forward only (revision 0015). The other tables a writer writes hold rows of many streams;
 row security lets a role write (or lock) a row of stream ``s`` only if it may insert into
-``s``'s partition (``streams_may_write``). Group commits go through functions that check the
+``s``'s partition (revision 0015's policies). Group commits go through functions that check the
 login's grant of the group (`streams.store.privileges`).
 """
 

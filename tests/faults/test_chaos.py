@@ -28,7 +28,8 @@ model (`streams roles create`), each child logged in as a login of its own role:
 as ``streams_reader``, the group consumers as ``streams_group_reader`` (issue 37).
 
 ``STREAMS_CHAOS_SEED`` replays a run (the seed is printed, and in every failure);
-``STREAMS_CHAOS_SECONDS`` (default 60) is how long faults go on. Children die with the test
+``STREAMS_CHAOS_SECONDS`` (default 60) is how long faults go on; ``STREAMS_CHAOS_KEEP=1`` keeps
+the run's directory (the children's logs). Children die with the test
 (``PR_SET_PDEATHSIG``, and their process groups are killed), the servers are stopped by PID;
 each run has its own data directory, database, streams and channel prefix.
 """
@@ -696,7 +697,10 @@ def chaos(request: pytest.FixtureRequest) -> Iterator[Chaos]:
             finally:
                 run.close()
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        if os.environ.get("STREAMS_CHAOS_KEEP"):  # the children's logs, for a post-mortem
+            print(f"chaos: kept {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 def test_chaos_every_fault_at_once(chaos: Chaos) -> None:
