@@ -34,6 +34,8 @@ catch everything with one clause and still tell the cases apart::
         │   └── CommitUnknown       ... while committing: it may or may not have committed
         ├── SchemaNotReady          the schema is missing or older than this library's
         ├── SequenceRewound         a stream's sequence was set back below IDs already used
+        ├── ReservationBlocked      another session holds the stream's reservation lock
+        │                           exclusively (no writer of ours does): nothing was written
         ├── StandbyBehind           a read URL's standby has not replayed a proof yet, or is on
         │                           another timeline: the read waits, or goes to the primary
         └── InvalidFactTables       a declared user table / ID column does not exist or fits not

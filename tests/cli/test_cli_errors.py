@@ -131,6 +131,7 @@ _BY_NAME: dict[str, list[str]] = {
     "every": [*_DURATIONS, "0ms", "99ms", ""],
     "older_than": [*_DURATIONS, ""],
     "stale_after": [*_DURATIONS, ""],
+    "lease": [*_DURATIONS, "0ms", "499ms", "2h", ""],
     "addr": ["999.1.1.1", "not a host", "::zz", "8.8.8.8"],
     # `demo --metrics ADDR:PORT`: not of that form, a port out of range, an address not ours.
     "metrics_at": [
