@@ -76,7 +76,7 @@ from .core.stalls import HeldStreams
 from .errors import ConnectionLost, StoreError
 from .store import sessions
 from .store.driver import Row, run
-from .store.holders import retire_where_held
+from .store.holders import end_exclusive_holders, exclusive_streams, retire_where_held
 from .store.identity import verify
 from .store.keys import may_sign, renew_keys, signing_key
 from .store.probe import (
@@ -481,6 +481,12 @@ class ProofService:
         observed = [(name, p.complete, p.max_allocated) for name, p in probes.items()]
         by_name = {info.name: info for info in infos}
         run(conn, retire_where_held(by_name, self._stalls, time.monotonic(), observed))
+        if refresh:
+            # Once a second: a session holding a reservation lock exclusively blocks every
+            # writer of the stream and holds no reader back, so no stall check sees it; the
+            # prover ends it ("exclusive holders" in streams.store.holders).
+            for info in run(conn, exclusive_streams(infos)):
+                run(conn, end_exclusive_holders(info))
         commands: list[Command] = []
         with self._cond:
             for name, found in probes.items():

@@ -71,8 +71,10 @@ no ID was reserved at it, but every writer of the stream would wait for it: a wr
 the reservation lock with ``pg_try_advisory_xact_lock_shared``, and its reservation fails at
 once with `streams.ReservationBlocked` (naming the holder) instead of waiting. No library
 session ever takes a reservation lock exclusively, so such a session is ended as soon as it is
-seen: by the blocked writer's next heartbeat, at a stall check, by ``streams doctor --repair``
-(`end_exclusive_holders`; each only where this role may signal it).
+seen: by the blocked writer's next heartbeat, by the elected prover's sweep of its streams
+(once a second: `exclusive_streams`), at a stall check, by ``streams doctor --repair``
+(`end_exclusive_holders`; each only where this role may signal it: under the role model the
+prover and the operator may end anyone's but a superuser's).
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ from ..core.constants import RESERVATION_LOCK_SPAN, WRITER_LOCK, reservation_loc
 from ..core.stalls import HeldStreams, Hold, reservation_floor
 from ..errors import StoreError
 from ._common import MAY_END_SESSION, RESERVATION_LOCKS
-from .driver import Commit, Gen, Query
+from .driver import Commit, Gen, Query, Row
 from .leases import (
     END_SESSION_WAIT_MS,
     NOT_ALLOWED,
@@ -543,6 +545,10 @@ def exclusive_holders(info: StreamInfo) -> Gen[list[LockHolder]]:
         {"reservation_class": reservation_lock_class(info.id) % RESERVATION_LOCK_SPAN},
     )
     yield Commit()
+    return _exclusive(rows)
+
+
+def _exclusive(rows: Iterable[Row]) -> list[LockHolder]:
     return [
         LockHolder(
             pid=int(pid),
@@ -555,8 +561,38 @@ def exclusive_holders(info: StreamInfo) -> Gen[list[LockHolder]]:
             exclusive=True,
             may_end=bool(may_end),
         )
-        for pid, role, app, client, key, may_end in rows
+        for pid, role, app, client, key, may_end, *_ in rows
     ]
+
+
+#: Which of the given streams' reservation locks are held exclusively: one look at
+#: ``pg_locks`` for all of them (the prover's sweep, `exclusive_streams`).
+_EXCLUSIVE_ANY_SQL = sql.SQL(
+    """
+    SELECT DISTINCT k.id FROM pg_locks l
+    JOIN unnest(%(ids)s::int[], %(classes)s::bigint[]) AS k(id, cls) ON l.classid = k.cls::oid
+    WHERE {reservation} AND l.mode = 'ExclusiveLock' AND l.granted
+    """
+).format(reservation=sql.SQL(RESERVATION_LOCKS))
+
+
+def exclusive_streams(infos: Iterable[StreamInfo]) -> Gen[list[StreamInfo]]:
+    """Those of ``infos`` whose reservation lock some session holds exclusively (blocking every
+    writer), in one statement: the prover sweeps its streams with it once a second, and ends
+    the holders (`end_exclusive_holders`) of those it finds, since a blocked writer of the
+    role model may not end another role's session."""
+    by_id = {info.id: info for info in infos}
+    if not by_id:
+        return []
+    rows = yield Query(
+        _EXCLUSIVE_ANY_SQL,
+        {
+            "ids": list(by_id),
+            "classes": [reservation_lock_class(i) % RESERVATION_LOCK_SPAN for i in by_id],
+        },
+    )
+    yield Commit()
+    return [by_id[int(row[0])] for row in rows]
 
 
 def end_exclusive_holders(info: StreamInfo) -> Gen[list[int]]:

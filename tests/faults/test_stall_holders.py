@@ -600,3 +600,49 @@ def _ended(admin_url: str, conn: psycopg.Connection[Any]) -> bool:
             "SELECT count(*) FROM pg_stat_activity WHERE pid = %s", (conn.info.backend_pid,)
         ).fetchone()
     return row == (0,)
+
+
+def test_the_prover_ends_an_exclusive_holder_a_role_model_writer_may_not(
+    role_model: RoleModel,
+    mallory_there: Login,
+    unique_name: str,
+    redis_url: str,
+    redis_prefix: str,
+) -> None:
+    """A writer of the role model may not end another role's session: its append fails at
+    once with `ReservationBlocked` naming the holder, and the elected prover (a LOGIN granted
+    only ``streams_prover``, which may) ends it in its once-a-second sweep; appends go on."""
+    with streams.connect(role_model.url) as admin:
+        admin.create_stream(unique_name)
+        info = admin.stream(unique_name)
+    prover = streams.connect(
+        role_model.users["streams_prover"], redis_url, redis_prefix, shared_proofs=True,
+        lease_seconds=LEASE,
+    )  # fmt: skip
+    try:
+        prover.reader(unique_name)
+        with (
+            streams.connect(
+                role_model.users["streams_writer"], redis_url, redis_prefix, lease_seconds=LEASE
+            ) as writing,
+            writing.writer(unique_name, instance="w") as writer,
+        ):
+            proofs = prover._proofs
+            assert proofs is not None
+            first = writer.append({"n": 0}).first_id
+            wait_until(lambda: unique_name in proofs.proving, 20, "the prover to be elected")
+            with mallory_there.connect() as conn:
+                conn.execute("SELECT pg_advisory_lock(%s, %s)", (-info.id, _int4(first + 1)))
+                blocked_at = time.monotonic()
+                with pytest.raises(streams.ReservationBlocked) as caught:
+                    writer.append({"n": 1})
+                assert mallory_there.name in str(caught.value)
+                wait_until(
+                    lambda: _ended(role_model.url, conn), 10, "the prover to end the session"
+                )
+                ended_after = time.monotonic() - blocked_at
+            assert writer.append({"n": 2}).first_id > first
+    finally:
+        prover.close()
+    assert ended_after < 4.0, ended_after
+    print(f"prover: exclusive holder ended {ended_after:.2f}s after the writer was blocked")
