@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from .config import Settings
+from .core.stalls import holding_bound
 from .errors import ConfigurationError, StreamsError
 from .store import sessions
 from .store.driver import run
@@ -298,7 +299,7 @@ def _stall_families(items: list[_Item], lease_seconds: float) -> Iterator[Any]:
     )
     for p, state in items:
         holders = state.holders
-        bound = max(lease_seconds, state.writers_lease or 0.0)
+        bound = holding_bound(lease_seconds, state.writers_lease)
         past = max(
             (
                 max(h.lease_expired_seconds or 0.0, (h.holding_seconds or 0.0) - bound)

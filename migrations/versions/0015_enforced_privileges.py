@@ -215,6 +215,7 @@ def _functions(s: str, schema: str) -> list[str]:
             seq pg_catalog.regclass;
             part pg_catalog.regclass;
             last pg_catalog.int8;
+            stored pg_catalog.int8;
             used pg_catalog.int8;
             seqmax pg_catalog.int8;
         BEGIN
@@ -241,9 +242,14 @@ def _functions(s: str, schema: str) -> list[str]:
             END IF;
             SELECT pg_catalog.pg_sequence_last_value(seq), p.seqmax INTO last, seqmax
             FROM pg_catalog.pg_sequence p WHERE p.seqrelid = seq;
+            -- Planned for this stream's value each time (EXECUTE): a plan cached for any stream
+            -- (plpgsql's generic plan, after five calls in a session) would open and lock every
+            -- partition of streams_facts, more than the lock table holds at 10^4 streams.
+            EXECUTE 'SELECT pg_catalog.max(f.stream_id) FROM {s}.streams_facts f WHERE f.stream = '
+                    || p_stream::pg_catalog.text
+            INTO stored;
             used := GREATEST(
-                (SELECT pg_catalog.max(f.stream_id) FROM {s}.streams_facts f
-                 WHERE f.stream = p_stream),
+                stored,
                 (SELECT pg_catalog.max(w.position) FROM {s}.streams_writers w
                  WHERE w.stream = p_stream),
                 (SELECT pg_catalog.max(r.position) FROM {s}.streams_reader_groups r

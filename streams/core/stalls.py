@@ -14,7 +14,7 @@ Sessions that hold a stream back too long (the holding rule)
 -----------------------------------------------------------
 Any session may take a reservation lock (advisory locks have no privileges), not only a
 registered writer, so the same checks also end *whoever* has held one too long ("the holding
-argument" in `streams.store.leases` says why this is sound). A library transaction takes the
+argument" in `streams.store.holders` says why this is sound). A library transaction takes the
 key ``L`` only while the sequence's last value is ``L - 1``, in a statement that runs its
 ``nextval`` next. So once a probe has seen the sequence at or past ``L`` (max allocated
 ``>= L``), every library transaction holding ``L`` had started before that probe read the
@@ -52,6 +52,7 @@ __all__ = [
     "HeldStreams",
     "Hold",
     "Overdue",
+    "holding_bound",
     "reservation_floor",
 ]
 
@@ -66,6 +67,12 @@ DEFAULT_LEASE = 10.0
 #: a 128th of it), so the record stays small: a probe not recorded only makes `overdue` later
 #: by at most that much, never earlier.
 MIN_SPACING = 0.05
+
+
+def holding_bound(own_lease: float, writers_lease: float | None) -> float:
+    """How long a session may hold a stream back: the longest lease of the stream's writers
+    that are not retired (None: there are none), at least the observer's own lease."""
+    return max(own_lease, writers_lease or 0.0)
 
 
 def reservation_floor(key: int, allocated: int) -> int:
@@ -158,9 +165,8 @@ class HeldStreams:
         return 0.0 if held is None else now - held.since
 
     def bound(self, writers_lease: float | None) -> float:
-        """How long a session may hold a stream back: the longest lease of the stream's writers
-        that are not retired (None: there are none), at least this observer's own lease."""
-        return max(self.lease, writers_lease or 0.0)
+        """`holding_bound`, with this observer's own lease."""
+        return holding_bound(self.lease, writers_lease)
 
     def passed_before(self, stream: str, at: float) -> int | None:
         """The max allocated ID of the newest recorded probe taken at or before ``at`` (None:

@@ -10,6 +10,7 @@ import psycopg
 from ..config import Settings, redact_url
 from ..core.constants import replication_channel
 from ..core.staleness import STALE_AFTER_MS
+from ..core.stalls import holding_bound
 from ..errors import StreamsError
 from ..store import sessions
 from ..store.driver import run
@@ -17,6 +18,7 @@ from ..store.holders import (
     LockHolder,
     end_exclusive_holders,
     end_long_holders,
+    exclusive_streams,
     holding_state,
 )
 from ..store.keys import key_health
@@ -68,7 +70,15 @@ def repair(settings: Settings) -> list[str]:
     takes). Returns what was done."""
     done: list[str] = []
     with sessions.connect(settings.database_url, autocommit=False, purpose="doctor") as conn:
-        for info in run(conn, list_streams()):
+        infos = run(conn, list_streams())
+        # One look at pg_locks for every stream, then only the streams that need it.
+        for info in run(conn, exclusive_streams(infos)):
+            for pid in run(conn, end_exclusive_holders(info)):
+                done.append(
+                    f"stream {info.name}: ended session pid {pid}, which held its reservation "
+                    "lock exclusively (every writer waited for it)"
+                )
+        for info in infos:
             for name in run(conn, retire_expired_writers(info)):
                 done.append(f"stream {info.name}: retired writer {name} (lease expired)")
             for ended in run(conn, end_long_holders(info, settings.lease_seconds)):
@@ -77,11 +87,6 @@ def repair(settings: Settings) -> list[str]:
                     f"application {ended.application_name!r}, address "
                     f"{ended.client or '(not visible)'}), which held it back for "
                     f"{ended.holding_seconds:.1f} s, past the bound ({ended.bound:.1f} s)"
-                )
-            for pid in run(conn, end_exclusive_holders(info)):
-                done.append(
-                    f"stream {info.name}: ended session pid {pid}, which held its reservation "
-                    "lock exclusively (every writer waited for it)"
                 )
             target = run(conn, repair_sequence_now(info))
             if target is not None:
@@ -358,7 +363,7 @@ def _held_check(conn: psycopg.Connection[Any], info: Any, lease_seconds: float) 
     name = f"stream {info.name}: linear position"
     if not holders:
         return Check(name, True, f"{found.complete} (max allocated {found.max_allocated})")
-    bound = max(lease_seconds, state.writers_lease or 0.0)
+    bound = holding_bound(lease_seconds, state.writers_lease)
     oldest = holders[0]
     # Named first: a session whose writer's lease expired (it should have been ended: this
     # role may not end it, or nobody has looked since), then sessions that are no writer's

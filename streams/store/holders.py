@@ -465,14 +465,6 @@ class EndedHolder:
     bound: float
 
 
-def holding_bound(info: StreamInfo, lease_seconds: float) -> Gen[float]:
-    """The bound of "the holding argument" for ``info``, with ``lease_seconds`` as the caller's
-    own lease."""
-    rows = yield Query(f"SELECT {_WRITERS_LEASE}", {"stream": info.id})
-    yield Commit()
-    return max(lease_seconds, float(rows[0][0] or 0.0))
-
-
 def end_long_holders(info: StreamInfo, lease_seconds: float) -> Gen[list[EndedHolder]]:
     """End every session holding one of the stream's reservation locks whose current
     transaction (outside a transaction: its idle state, so a session-level lock) has lasted

@@ -49,7 +49,6 @@ from .privileges import (
     model_privileges,
 )
 from .roles import SCHEMA, has_prover_schema, model_in_use, oid_sql, scoped_grantees
-from .stream_objects import stream_objects
 
 __all__ = [
     "Finding",
@@ -60,6 +59,17 @@ __all__ = [
     "overbroad_grants",
     "role_grants",
 ]
+
+#: Every stream's partition and sequence, as ``(oid, relname, kind)`` rows, from the catalog
+#: (joins, not arrays of names: there may be 10^4 streams). ``kind``: ``partition``, ``sequence``.
+_STREAM_OBJECTS = """
+    SELECT i.inhrelid AS oid, c.relname::text AS relname, 'partition' AS kind
+    FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+    WHERE i.inhparent = 'streams_facts'::regclass
+    UNION ALL
+    SELECT s.oid, s.relname::text, 'sequence' FROM streams_registry r
+    JOIN pg_class s ON s.oid = to_regclass(quote_ident(r.sequence_name))
+"""
 
 #: The ``search_path`` a function that runs with another role's rights must have.
 PINNED_PATH = "search_path=pg_catalog, pg_temp"
@@ -148,8 +158,8 @@ GROUP BY r.name, c.rel ORDER BY 1, 2
 #: member of the sequence's owner; and members of pg_write_all_data.
 _SEQUENCE_SETTERS_SQL = """
 SELECT COALESCE(a.grantee::regrole::text, 'PUBLIC'), count(*)
-FROM pg_class c CROSS JOIN aclexplode(c.relacl) a
-WHERE c.oid = ANY(%(sequences)s::regclass[]) AND a.privilege_type = 'UPDATE'
+FROM ({objects}) o JOIN pg_class c ON c.oid = o.oid CROSS JOIN aclexplode(c.relacl) a
+WHERE o.kind = 'sequence' AND a.privilege_type = 'UPDATE'
   AND a.grantee <> c.relowner
   AND (a.grantee = 0 OR (a.grantee <> to_regrole(%(definer)s)
        AND NOT pg_has_role(a.grantee, c.relowner, 'USAGE')
@@ -160,7 +170,7 @@ SELECT m.rolname, -1 FROM pg_roles m
 WHERE m.rolname NOT LIKE 'pg\\_%%' AND NOT m.rolsuper
   AND pg_has_role(m.oid, 'pg_write_all_data', 'MEMBER')
 ORDER BY 1
-"""
+""".replace("{objects}", _STREAM_OBJECTS)
 
 
 def overbroad_grants() -> Gen[list[Finding]]:
@@ -197,11 +207,7 @@ def overbroad_grants() -> Gen[list[Finding]]:
                 "(group commits go through streams_commit_group)",
             )
         )
-    streams = yield from stream_objects()
-    rows = yield Query(
-        _SEQUENCE_SETTERS_SQL,
-        {"sequences": [s.sequence for s in streams], "definer": DEFINER},
-    )
+    rows = yield Query(_SEQUENCE_SETTERS_SQL, {"definer": DEFINER})
     for role, count in rows:
         if count == -1:
             findings.append(
@@ -399,6 +405,21 @@ WHERE to_regrole(m.role) IS NOT NULL AND o.oid IS NOT NULL
 """.replace("{oid}", oid_sql("m.rel"))
 
 
+#: Which per-stream privileges of the model a role lacks, object by object (one pass over the
+#: catalog, whatever the number of streams).
+_STREAM_LACKS_SQL = """
+SELECT m.role, o.relname, m.priv
+FROM unnest(%(roles)s::text[], %(kinds)s::text[], %(privs)s::text[]) AS m(role, kind, priv)
+JOIN ({objects}) o ON o.kind = m.kind
+WHERE to_regrole(m.role) IS NOT NULL
+  AND NOT CASE WHEN o.kind = 'sequence' THEN has_sequence_privilege(m.role, o.oid, m.priv)
+               WHEN m.priv IN ('SELECT', 'INSERT', 'UPDATE')
+               THEN has_any_column_privilege(m.role, o.oid, m.priv)
+               ELSE has_table_privilege(m.role, o.oid, m.priv) END
+ORDER BY m.role, o.relname, m.priv
+""".replace("{objects}", _STREAM_OBJECTS)
+
+
 def _plain(privileges: str) -> list[str]:
     """``"SELECT (a, b), INSERT"`` -> ``["SELECT", "INSERT"]``."""
     return [p.strip() for p in re.sub(r"\s*\([^)]*\)", "", privileges).split(",")]
@@ -413,11 +434,6 @@ def missing_grants() -> Gen[list[str]]:
         yield Commit()
         return []
     wanted = model_privileges()
-    for stream in (yield from stream_objects()):
-        for role, (on_partition, on_sequence) in STREAM_PRIVILEGES.items():
-            if on_partition is not None:
-                wanted += [(role, stream.partition, p) for p in _plain(on_partition)]
-            wanted += [(role, stream.sequence, p) for p in _plain(on_sequence)]
     rows = yield Query(
         _LACKS_SQL,
         {
@@ -427,6 +443,22 @@ def missing_grants() -> Gen[list[str]]:
         },
     )
     missing = [f"{role} lacks {privilege} on {relation}" for role, relation, privilege in rows]
+    per_stream = [
+        (role, kind, privilege)
+        for role, objects in STREAM_PRIVILEGES.items()
+        for kind, granted in zip(("partition", "sequence"), objects, strict=True)
+        if granted is not None
+        for privilege in _plain(granted)
+    ]
+    rows = yield Query(
+        _STREAM_LACKS_SQL,
+        {
+            "roles": [w[0] for w in per_stream],
+            "kinds": [w[1] for w in per_stream],
+            "privs": [w[2] for w in per_stream],
+        },
+    )
+    missing += [f"{role} lacks {privilege} on {relation}" for role, relation, privilege in rows]
     calls = [(role, signature) for signature, who in FUNCTIONS.items() for role in who]
     rows = yield Query(
         "SELECT c.role, c.f, p.proowner = to_regrole(%(definer)s) "
@@ -516,28 +548,31 @@ WHERE a.grantee = to_regrole(%(role)s)
 ORDER BY 1, 2, 4
 """.replace("{oid}", oid_sql("t.name"))
 
-#: Per privilege, on how many of the given relations a role holds it directly (their ACLs,
-#: table or column level).
+#: Per role, kind of stream object and privilege, on how many objects the role holds it
+#: directly (their ACLs, table or column level): one pass over the catalog for every role.
 _COUNT_SQL = """
-SELECT p, count(DISTINCT c.oid)
-FROM pg_class c CROSS JOIN LATERAL (
-    SELECT a.privilege_type AS p FROM aclexplode(c.relacl) a WHERE a.grantee = to_regrole(%(role)s)
+SELECT g.grantee::regrole::text, o.kind, g.p, count(DISTINCT c.oid)
+FROM ({objects}) o JOIN pg_class c ON c.oid = o.oid CROSS JOIN LATERAL (
+    SELECT a.grantee, a.privilege_type AS p FROM aclexplode(c.relacl) a
     UNION
-    SELECT a.privilege_type FROM pg_attribute att CROSS JOIN aclexplode(att.attacl) a
+    SELECT a.grantee, a.privilege_type FROM pg_attribute att CROSS JOIN aclexplode(att.attacl) a
     WHERE att.attrelid = c.oid AND att.attnum > 0 AND att.attacl IS NOT NULL
-      AND a.grantee = to_regrole(%(role)s)
 ) g
-WHERE c.oid = ANY(%(relations)s::regclass[])
-GROUP BY p ORDER BY p
-"""
+WHERE g.grantee <> 0
+GROUP BY 1, 2, 3 ORDER BY 1, 2, 3
+""".replace("{objects}", _STREAM_OBJECTS)
 
 
 def role_grants(extra: list[str] | None = None) -> Gen[list[RoleGrants]]:
     """What each role of the model holds here (`RoleGrants`), in `ROLES` order, then the
     definer, then the roles granted some streams or groups (and ``extra`` roles)."""
     prover = yield from has_prover_schema()
-    streams = yield from stream_objects()
+    rows = yield Query("SELECT count(*) FROM streams_registry")
+    streams = int(rows[0][0])
     scoped = yield from scoped_grantees()
+    counts: dict[tuple[str, str], dict[str, int]] = {}
+    for grantee, kind, privilege, n in (yield Query(_COUNT_SQL)):
+        counts.setdefault((str(grantee), str(kind)), {})[str(privilege)] = int(n)
     relations = [
         *TABLES,
         "streams_keys_id_seq",
@@ -548,7 +583,7 @@ def role_grants(extra: list[str] | None = None) -> Gen[list[RoleGrants]]:
     for role in [*ROLES, DEFINER, *scoped, *(extra or [])]:
         rows = yield Query("SELECT to_regrole(%s) IS NOT NULL", (role,))
         if not rows[0][0]:
-            found.append(RoleGrants(role, False, (), (), {}, (), {}, len(streams), {}))
+            found.append(RoleGrants(role, False, (), (), {}, (), {}, streams, {}))
             continue
         members = yield Query(
             "SELECT m.rolname FROM pg_auth_members a JOIN pg_roles m ON m.oid = a.member "
@@ -579,17 +614,8 @@ def role_grants(extra: list[str] | None = None) -> Gen[list[RoleGrants]]:
                 columns.setdefault((str(relation), str(privilege)), []).append(str(column))
         for (relation, privilege), names in columns.items():
             table.setdefault(relation, []).append(f"{privilege} ({', '.join(names)})")
-        on_sequences: dict[str, int] = {}
-        on_partitions: dict[str, int] = {}
-        if streams:
-            held = yield Query(
-                _COUNT_SQL, {"role": role, "relations": [s.sequence for s in streams]}
-            )
-            on_sequences = {str(p): int(n) for p, n in held}
-            held = yield Query(
-                _COUNT_SQL, {"role": role, "relations": [s.partition for s in streams]}
-            )
-            on_partitions = {str(p): int(n) for p, n in held}
+        on_sequences = counts.get((role, "sequence"), {})
+        on_partitions = counts.get((role, "partition"), {})
         functions = yield Query(
             "SELECT f FROM unnest(%(functions)s::text[]) AS f "
             "JOIN pg_proc p ON p.oid = to_regprocedure(%(schema)s || '.' || f) "
@@ -613,9 +639,10 @@ def role_grants(extra: list[str] | None = None) -> Gen[list[RoleGrants]]:
         groups: tuple[str, ...] = ()
         if role in scoped:
             held = yield Query(
-                "SELECT s FROM unnest(%s::text[], %s::text[]) AS t(s, p) "
-                "WHERE has_table_privilege(%s, to_regclass(t.p), 'INSERT') ORDER BY 1",
-                ([s.name for s in streams], [s.partition for s in streams], role),
+                "SELECT r.name FROM streams_registry r "
+                "JOIN pg_inherits i ON i.inhrelid = to_regclass('streams_facts_' || r.id) "
+                "WHERE has_table_privilege(%s, i.inhrelid, 'INSERT') ORDER BY 1",
+                (role,),
             )
             mine = tuple(str(r[0]) for r in held)
             held = yield Query(
@@ -631,7 +658,7 @@ def role_grants(extra: list[str] | None = None) -> Gen[list[RoleGrants]]:
                 {k: tuple(v) for k, v in sorted(table.items())},
                 tuple(owns),
                 on_sequences,
-                len(streams),
+                streams,
                 on_partitions,
                 tuple(str(r[0]) for r in functions),
                 mine,

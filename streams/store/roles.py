@@ -173,9 +173,19 @@ def _is_superuser() -> Gen[bool]:
     return bool(rows and rows[0][0])
 
 
+#: Streams whose partition and sequence `create_roles` hands over and grants per transaction:
+#: changing an owner locks the object to the end of its transaction, and PostgreSQL's lock
+#: table (``max_locks_per_transaction`` x ``max_connections``, 6,400 by default) holds no
+#: transaction that locks 10^4 of them.
+STREAMS_PER_TRANSACTION = 500
+
+
 def create_roles(*, restrict_public: bool = False) -> Gen[list[str]]:
     """Create the roles (if missing) and give each exactly the model's privileges on the
-    current schema, in one transaction; returns what was done, one line per step.
+    current schema; returns what was done, one line per step. The library's tables and
+    functions in one transaction, then the streams' partitions and sequences,
+    `STREAMS_PER_TRANSACTION` streams a transaction: a process running meanwhile never sees an
+    object without its grants (each object's grants are revoked and granted in one).
 
     Needs a superuser, or the owner of the library's objects with ``CREATEROLE``: the objects
     pass to ``streams_admin`` (an owner must be a member of the role it hands them to, so such
@@ -204,6 +214,8 @@ def create_roles(*, restrict_public: bool = False) -> Gen[list[str]]:
     if objects.functions:
         yield from _functions_to_definer(objects.functions, objects.superuser)
         done.append(f"{DEFINER} owns {len(objects.functions)} functions")
+    yield Commit()
+    done += yield from objects.streams_in_batches()
     scoped = yield from scoped_grantees()
     for role, kinds in scoped.items():
         for kind in kinds:
@@ -251,12 +263,14 @@ class _LibraryObjects:
         return cls(superuser, tables, streams, partitions, prover, prover_tables, functions)
 
     @property
-    def sequences(self) -> list[str]:
-        return [s.sequence for s in self.streams]
+    def orphan_partitions(self) -> list[str]:
+        """Partitions of ``streams_facts`` of no stream (a drop that crashed half-way)."""
+        known = {s.partition for s in self.streams}
+        return [p for p in self.partitions if p not in known]
 
     def hand_over(self) -> Gen[list[str]]:
-        """Tables, partitions, sequences and the prover's schema to the admin, functions to
-        the definer."""
+        """Tables, orphan partitions and the prover's schema to the admin (the streams' own
+        objects: `streams_in_batches`)."""
         admin = sql.Identifier(ADMIN)
         # A new owner must have CREATE on the schema of what it gets (unless a superuser runs
         # this).
@@ -272,28 +286,44 @@ class _LibraryObjects:
             yield Query(
                 sql.SQL("ALTER SCHEMA {} OWNER TO {}").format(_relation(PROVER_SCHEMA), admin)
             )
-        # ALTER ... OWNER takes an ACCESS EXCLUSIVE lock on each table, briefly: it waits for
-        # the transactions using it, and appends and reads wait behind it until this commits.
-        for table in [*self.tables, *self.partitions, *self.prover_tables]:
-            yield Query(sql.SQL("ALTER TABLE {} OWNER TO {}").format(_relation(table), admin))
-        for sequence in self.sequences:
-            yield Query(sql.SQL("ALTER SEQUENCE {} OWNER TO {}").format(_relation(sequence), admin))
-        done = [
-            f"{ADMIN} owns {len(self.tables)} tables, {len(self.partitions)} partitions, "
-            f"{len(self.sequences)} stream sequences"
+        yield from _own([*self.tables, *self.orphan_partitions, *self.prover_tables])
+        return [
+            f"{ADMIN} owns {len(self.tables)} tables"
             + (f" and schema {PROVER_SCHEMA}" if self.prover else "")
         ]
-        return done
+
+    def streams_in_batches(self) -> Gen[list[str]]:
+        """Each stream's partition and sequence: owned by the admin, everything others held on
+        them revoked and the model granted, `STREAMS_PER_TRANSACTION` streams a transaction."""
+        everyone = _everyone()
+        for start in range(0, len(self.streams), STREAMS_PER_TRANSACTION):
+            batch = self.streams[start : start + STREAMS_PER_TRANSACTION]
+            yield from _own([s.partition for s in batch], [s.sequence for s in batch])
+            yield Query(
+                sql.SQL("REVOKE ALL ON TABLE {} FROM {}").format(
+                    _relations([s.partition for s in batch]), everyone
+                )
+            )
+            yield Query(
+                sql.SQL("REVOKE ALL ON SEQUENCE {} FROM {}").format(
+                    _relations([s.sequence for s in batch]), everyone
+                )
+            )
+            for role in STREAM_PRIVILEGES:
+                yield from _grant_streams(role, batch, role)
+            yield Commit()
+        return [
+            f"{ADMIN} owns {len(self.streams)} streams' partitions and sequences, granted "
+            f"{STREAMS_PER_TRANSACTION} streams a transaction"
+        ]
 
     def revoke(self) -> Gen[None]:
         """Everything PUBLIC and the granted roles hold on the objects (the definer keeps
         its own EXECUTE on the functions it owns)."""
-        everyone = sql.SQL(", ").join([sql.SQL("PUBLIC"), *(sql.Identifier(r) for r in GRANTED)])
-        objects = [*self.tables, *self.partitions, *self.prover_tables]
+        everyone = _everyone()
+        objects = [*self.tables, *self.orphan_partitions, *self.prover_tables]
         yield Query(sql.SQL("REVOKE ALL ON {} FROM {}").format(_relations(objects), everyone))
-        relations = yield from _existing(
-            [*self.sequences, "streams_keys_id_seq", "streams_registry_id_seq"]
-        )
+        relations = yield from _existing(["streams_keys_id_seq", "streams_registry_id_seq"])
         if relations:
             yield Query(
                 sql.SQL("REVOKE ALL ON SEQUENCE {} FROM {}").format(_relations(relations), everyone)
@@ -306,14 +336,12 @@ class _LibraryObjects:
             )
 
     def grant(self) -> Gen[None]:
-        """The model: tables, memberships, each stream's objects, functions, the prover's
-        schema."""
+        """The model: tables, memberships, the prover's schema (the streams' own objects:
+        `streams_in_batches`; functions: `_functions_to_definer`)."""
         for role, grants in MODEL.items():
             yield from _grant_model(role, grants)
             for member_of in MEMBERSHIPS.get(role, ()):
                 yield _grant_role(role, member_of)
-        for role in STREAM_PRIVILEGES:
-            yield from _grant_streams(role, self.streams, role)
         if self.superuser and self.functions:
             # The switch point's owner reads the timeline's history file: only a superuser
             # may grant that (without it the switch point is "unknown", the safe side).
@@ -332,6 +360,34 @@ class _LibraryObjects:
                 present = yield from _existing(names)
                 if present:
                     yield _grant(privileges, present, PROVER)
+
+
+def _everyone() -> sql.Composed:
+    """PUBLIC and the roles the model grants to: who loses what it held on an object."""
+    return sql.SQL(", ").join([sql.SQL("PUBLIC"), *(sql.Identifier(r) for r in GRANTED)])
+
+
+def _own(tables: Sequence[str], sequences: Sequence[str] = ()) -> Gen[None]:
+    """``ALTER ... OWNER TO streams_admin`` for those of these tables and sequences it does
+    not own yet. That takes an ACCESS EXCLUSIVE lock on each, briefly: it waits for the
+    transactions using it, and appends and reads wait behind it until this one commits; an
+    object the admin owns already is left alone (nor locked)."""
+    rows = yield Query(
+        "SELECT n, k FROM unnest(%s::text[], %s::text[]) AS t(n, k) "
+        f"JOIN pg_class c ON c.oid = {oid_sql('t.n')} "
+        "WHERE c.relowner IS DISTINCT FROM to_regrole(%s)",
+        (
+            [*tables, *sequences],
+            ["TABLE"] * len(tables) + ["SEQUENCE"] * len(sequences),
+            ADMIN,
+        ),
+    )
+    for name, kind in rows:
+        yield Query(
+            sql.SQL("ALTER {} {} OWNER TO {}").format(
+                sql.SQL(kind), _relation(str(name)), sql.Identifier(ADMIN)
+            )
+        )
 
 
 def _functions_to_definer(functions: Sequence[str], superuser: bool) -> Gen[None]:
@@ -565,13 +621,16 @@ def revoke_scoped(
     grantee = sql.Identifier(role)
     if everything:
         streams = yield from stream_objects()
-    for objects in streams:
+    for start in range(0, len(streams), STREAMS_PER_TRANSACTION):
+        batch = streams[start : start + STREAMS_PER_TRANSACTION]
         yield Query(
-            sql.SQL("REVOKE ALL ON TABLE {} FROM {}").format(_relation(objects.partition), grantee)
+            sql.SQL("REVOKE ALL ON TABLE {} FROM {}").format(
+                _relations([s.partition for s in batch]), grantee
+            )
         )
         yield Query(
             sql.SQL("REVOKE ALL ON SEQUENCE {} FROM {}").format(
-                _relation(objects.sequence), grantee
+                _relations([s.sequence for s in batch]), grantee
             )
         )
     if streams and not everything:

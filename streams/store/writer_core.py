@@ -845,13 +845,15 @@ class WriterCore:
 
     def _refused(self, exc: StoreError) -> Gen[None]:
         """`_raise_refusal`, and for a reservation blocked by an exclusive lock, who holds it
-        (read after the failed transaction), in the `ReservationBlocked` raised."""
+        (read after the failed transaction, where the connection still serves), in the
+        `ReservationBlocked` raised."""
         if exc.sqlstate == INVALID_TEXT and _BLOCKED in str(exc):
             self.blocked = True
             try:
                 holders = yield from exclusive_holders(self.info)
-            except StoreError:  # the caller's transaction (`fact(conn=...)`) failed with it
-                holders = []
+            except StoreError:  # a caller's transaction (`fact(conn=...)`) failed with it, or
+                holders = []  # a pipeline's failure closed the connection
+
             who = "; ".join(h.who() for h in holders) or "a session not named here"
             raise ReservationBlocked(
                 f"stream {self.stream_name!r}: another session holds its reservation lock "

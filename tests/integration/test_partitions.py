@@ -146,3 +146,24 @@ def test_the_upgrade_moves_every_fact_into_its_streams_partition(url_at_0005: st
             assert writer.append({"after": True}).first_id > 1000
         with client.reader("b") as reader:
             assert len(list(reader.facts())) == 500
+
+
+def test_a_sequence_repair_opens_only_its_streams_partition(
+    client: Client, stream: str, streams_url: str
+) -> None:
+    """`streams_repair_sequence`, called again and again in one session (as `streams doctor
+    --repair` does for every stream): each call locks its stream's partition only, never
+    every partition (a plan cached for any stream would: at 10^4 streams, more locks than
+    PostgreSQL's lock table holds)."""
+    for n in range(3):
+        client.create_stream(f"{stream}_other{n}")
+    info = client.stream(stream)
+    with psycopg.connect(streams_url) as conn:  # one transaction: its locks stay to the end
+        for _ in range(8):  # past plpgsql's five custom plans
+            conn.execute("SELECT streams_repair_sequence(%s, NULL)", (info.id,))
+        rows = conn.execute(
+            "SELECT c.relname FROM pg_locks l JOIN pg_class c ON c.oid = l.relation "
+            "JOIN pg_inherits i ON i.inhrelid = c.oid "
+            "WHERE l.pid = pg_backend_pid() AND i.inhparent = 'streams_facts'::regclass"
+        ).fetchall()
+    assert {r[0] for r in rows} <= {facts_partition(info.id)}, rows
