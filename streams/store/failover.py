@@ -182,12 +182,20 @@ def replicated() -> Gen[None]:
 FAILOVER_SKIP = 1_000_000
 
 
-def fence_timeline(skip: int = FAILOVER_SKIP) -> Gen[int]:
+def fence_timeline(skip: int = FAILOVER_SKIP, *, commit: bool = True) -> Gen[int]:
     """On a writer's new session: if the server is on a timeline newer than the one whose
     sequences were last fenced (a failover), move every stream's sequence ``skip`` IDs forward,
     once per timeline (revision ``0013_timeline_switchpoint``: a failover may lose a sequence's
     last logged values, and IDs handed out on the old timeline would be handed out again, which
-    readers that passed them would skip). Returns how many sequences moved (0: none to do)."""
+    readers that passed them would skip). Returns how many sequences moved (0: none to do).
+
+    ``commit=False``: in a transaction of the caller's (a caller's session new to a writer,
+    before its first ``fact(conn=...)`` reserves there, `WriterCore.reserve_fact`). The
+    sequences move at once (``setval`` is not transactional); the timeline is recorded as
+    fenced when that transaction commits (until then, other fences wait for its row lock),
+    and fenced again, harmlessly further, if it rolls back. On a fenced timeline the call
+    changes nothing and locks nothing."""
     rows = yield Query(f"SELECT streams_fence_timeline({int(skip)})")
-    yield Commit()
+    if commit:
+        yield Commit()
     return int(rows[0][0]) if rows and rows[0][0] is not None else 0
