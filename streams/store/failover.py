@@ -46,12 +46,18 @@ __all__ = [
 log = logging.getLogger("streams.failover")
 
 
-def check_sighting(sighting: Sighting, where: str, what: str) -> Gen[None]:
+def check_sighting(sighting: Sighting, where: str, what: str, *, joined: bool = False) -> Gen[None]:
     """Raise `streams.FailoverLoss` (naming ``where``, the stream, the range, and ``what``
     the IDs were: "facts acknowledged", "facts delivered") if the new primary lacks facts the
     role saw; the first such stream is named. It is kept in `Sighting.failed`: a sticky role (a
     reader) raises it from then on, a non-sticky one (a writer) once more, from its next call
-    (`Sighting.take_loss`), and forgets what it saw."""
+    (`Sighting.take_loss`), and forgets what it saw.
+
+    ``joined``: in a transaction of a caller's (a ``fact(conn=...)`` on a session that reached
+    a new timeline first, `WriterCore.reserve_fact`): nothing is committed, and IDs missing
+    from the facts table of a stream with declared tables are left to the writer's own next
+    session, which checks again (a failing read of a declared table would fail the caller's
+    transaction)."""
     if sighting.sticky and sighting.failed is not None:
         raise sighting.failed
     losses = []
@@ -67,10 +73,15 @@ def check_sighting(sighting: Sighting, where: str, what: str) -> Gen[None]:
             (ids,),
         )
         pruned = yield Query(pruned_through_sql(key))
-        yield Commit()
         found = {int(r[0]) for r in present}
-        if len(found) < len(set(ids)):
-            found |= yield from _in_declared_tables(stream, [i for i in ids if i not in found])
+        if not joined:
+            yield Commit()
+            if len(found) < len(set(ids)):
+                found |= yield from _in_declared_tables(stream, [i for i in ids if i not in found])
+        elif len(found) < len(set(ids)):
+            info = yield from load_stream(stream)
+            if info.fact_tables:
+                continue
         loss = assess(stream, ids, found, int(pruned[0][0]) if pruned else 0)
         if loss is not None:
             losses.append(loss)

@@ -68,6 +68,7 @@ from ..core.payloads import encode_payload
 from ..core.positions import PositionTracker, ReservationToken
 from ..core.timestamps import resolve_timestamps, validate_client_timestamp
 from ..errors import (
+    FailoverLoss,
     ReservationBlocked,
     SequenceRewound,
     StoreError,
@@ -75,7 +76,7 @@ from ..errors import (
     WriterFenced,
 )
 from .driver import Autocommit, Commit, CopyIn, Gen, Pipeline, Query, Row
-from .failover import FAILOVER_SKIP, fence_timeline
+from .failover import FAILOVER_SKIP, check_sighting, fence_timeline
 from .holders import end_exclusive_holders, exclusive_holders
 from .idempotency import (
     ATTEMPTS,
@@ -1069,12 +1070,7 @@ class WriterCore:
         """
         assert self._reserve_fact is not None
         if fence:
-            moved = yield from fence_timeline(commit=False)
-            if moved:
-                log.warning(
-                    "a new timeline (a failover), first seen on a caller's session: moved %d "
-                    "stream sequences %d IDs forward", moved, FAILOVER_SKIP,
-                )  # fmt: skip
+            yield from self._fence_callers_session()
         params = {**self._lease_params(), **self._tcp_settings(), "count": 1}
         if key is None:
             try:
@@ -1102,6 +1098,30 @@ class WriterCore:
             return FactHandle(original[0], original[1], duplicate=True)
         self.tracker.reserved(token, [fact_id])
         return FactHandle(fact_id, stamp, xid=int(rows[0][3]))
+
+    def _fence_callers_session(self) -> Gen[None]:
+        """On a caller's session new to this writer (`reserve_fact`'s ``fence``), in its
+        transaction: fence the timeline, and on a timeline the writer's own sessions have not
+        verified yet (a failover), check what the writer saw acknowledged first, so a loss is
+        named (`FailoverLoss`, failing the caller's transaction) before anything is
+        acknowledged there. The writer's own next session checks again: its timeline is left
+        as it was."""
+        moved = yield from fence_timeline(commit=False)
+        if moved:
+            log.warning(
+                "a new timeline (a failover), first seen on a caller's session: moved %d "
+                "stream sequences %d IDs forward", moved, FAILOVER_SKIP,
+            )  # fmt: skip
+        rows = yield Query(f"SELECT {TIMELINE_SQL}")
+        seen = self.sighting.timeline
+        if seen is not None and int(rows[0][0]) != seen:
+            try:
+                yield from check_sighting(
+                    self.sighting, self._where(), "facts acknowledged to this writer", joined=True
+                )
+            except FailoverLoss:
+                self._report_failover()
+                raise
 
     def add_rows(self, handle: FactHandle, payloads: Sequence[Any]) -> Gen[None]:
         """Add rows of the fact to the built-in facts table (same transaction)."""
