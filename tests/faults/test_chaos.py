@@ -492,10 +492,19 @@ class Chaos:
             self.faults[kind] -= 1
 
     def failover_due(self) -> bool:
-        if self.pair is None or time.monotonic() < self.next_failover:
+        """Whether to fail over now: a while after the last rebuild ended (the other server
+        faults get their turn between), and only with the pair whole."""
+        if self.pair is None:
             return False
-        if not self.servers_free() or not self.pair.healthy:
-            self.next_failover = time.monotonic() + 0.5  # the pair is not whole yet
+        if self.rebuilding is not None:
+            if self.rebuilding.is_alive():
+                return False
+            self.rebuilding = None
+            self.next_failover = time.monotonic() + self.rng.uniform(2.0, 8.0)
+        if time.monotonic() < self.next_failover:
+            return False
+        if not self.pair.healthy:
+            self.next_failover = time.monotonic() + 0.5  # the standby is reconnecting
             return False
         return True
 
@@ -530,7 +539,6 @@ class Chaos:
 
         self.rebuilding = threading.Thread(target=rebuild, name="chaos-rebuild", daemon=True)
         self.rebuilding.start()
-        self.next_failover = time.monotonic() + rng.uniform(2.0, 8.0)
 
     def _signal(self, child: Child, sig: int) -> None:
         self.event(f"{signal.Signals(sig).name} to {child.name}")
@@ -719,7 +727,11 @@ class Chaos:
         self.stack.close()
         if os.environ.get("STREAMS_CHAOS_KEEP"):  # what each child printed, for a post-mortem
             for child in self.children:
-                (self.workdir / f"{child.name}.out").write_text("\n".join(child.history) + "\n")
+                lines = [
+                    f"{at - self.started:8.2f} {line}"
+                    for at, line in zip(child.times, child.history, strict=False)
+                ]
+                (self.workdir / f"{child.name}.out").write_text("\n".join(lines) + "\n")
             (self.workdir / "events.log").write_text("\n".join(self.events) + "\n")
 
 
