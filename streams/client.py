@@ -148,11 +148,12 @@ class _Run(NamedTuple):
 
 
 class _Connect(NamedTuple):
-    """Open a connection of the client to ``url``, waiting up to ``timeout`` seconds for a
-    starting server; the driver sends it back."""
+    """Open a connection of the client to ``url`` and check it (``opening``), waiting up to
+    ``timeout`` seconds for a starting server; the driver sends it back."""
 
     url: str
     timeout: float
+    opening: sessions.Opening
 
 
 class _Close(NamedTuple):
@@ -372,13 +373,8 @@ class _ClientBase(Generic[C]):
                 yield _Close(conn)
             self._conn = None
             timeout = _open_within(self.settings.connect_timeout, step.deadline)
-            conn = yield _Connect(self.settings.database_url, timeout)
-            try:
-                yield _On(conn, verify(self.guard, "client"))
-            except BaseException:
-                yield _Close(conn)
-                raise
-            self._conn = conn
+            opening = functools.partial(verify, self.guard, "client")
+            self._conn = conn = yield _Connect(self.settings.database_url, timeout, opening)
         return (yield _On(conn, step.gen))
 
     def _new_link(self, kind: type[L], url: str) -> L:
@@ -435,13 +431,15 @@ class Client(_ClientBase[psycopg.Connection[Any]]):
         # 100).
         super().__init__(settings, None, Guard())
         self._conn_lock = threading.Lock()
-        with sessions.connect(
+        # The checks at open ride out a session ended or a server restarting under them, up
+        # to connect_timeout (`streams.store.sessions`, "Opening checks").
+        sessions.connect(
             settings.database_url,
             autocommit=False,
             connect_timeout=settings.connect_timeout,
             purpose="client",
-        ) as conn:
-            run(conn, _checked(self.guard))
+            opening=functools.partial(_checked, self.guard),
+        ).close()
         self._link: RedisLink | None = None
         self._link_lock = threading.Lock()
         self._proofs: ProofService | None = None
@@ -701,7 +699,11 @@ class Client(_ClientBase[psycopg.Connection[Any]]):
                 return self._drive(self._session(step))
         if isinstance(step, _Connect):
             return sessions.connect(
-                step.url, autocommit=False, connect_timeout=step.timeout, purpose="client"
+                step.url,
+                autocommit=False,
+                connect_timeout=step.timeout,
+                purpose="client",
+                opening=step.opening,
             )
         if isinstance(step, _Close):
             step.conn.close()
@@ -744,18 +746,14 @@ class AsyncClient(_ClientBase[psycopg.AsyncConnection[Any]]):
 
     @classmethod
     async def open(cls, settings: Settings) -> AsyncClient:
+        guard = Guard()
         conn = await sessions.aconnect(
             settings.database_url,
             autocommit=False,
             connect_timeout=settings.connect_timeout,
             purpose="client",
+            opening=functools.partial(_checked, guard),
         )
-        guard = Guard()
-        try:
-            await arun(conn, _checked(guard))
-        except BaseException:
-            await conn.close()
-            raise
         return cls(settings, conn, guard)
 
     def __repr__(self) -> str:
@@ -929,7 +927,11 @@ class AsyncClient(_ClientBase[psycopg.AsyncConnection[Any]]):
                 return await self._drive(self._session(step))
         if isinstance(step, _Connect):
             return await sessions.aconnect(
-                step.url, autocommit=False, connect_timeout=step.timeout, purpose="client"
+                step.url,
+                autocommit=False,
+                connect_timeout=step.timeout,
+                purpose="client",
+                opening=step.opening,
             )
         if isinstance(step, _Close):
             await step.conn.close()

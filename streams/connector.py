@@ -16,7 +16,8 @@ retention, and why its order is the proof; a connector runs these plans, never i
   positions without reading rows (the Spark source's offsets); a `Probe` carries its proof's
   LSN (``wal_lsn``), which `read_range` with ``proof_lsn`` waits for on a hot standby (a read
   URL), and `StandbyRoute` says how long to wait before reading from the primary;
-* `READER_SESSION_SETUP`, `statement_timeout_setup`: the settings of a reading session;
+* `READER_SESSION_SETUP`, `set_up_reader_session`, `statement_timeout_setup`: the settings of a
+  reading session;
 * `ReaderCore`: the Python reader's own start logic (a group's position, earliest, latest, an
   ID, a time), for a connector that resolves starts as Python readers do.
 
@@ -28,7 +29,8 @@ Sessions and drivers (`streams.store.sessions`, `streams.store.driver`): `open_s
 `transient_sqlstate`, `backoff_delay`.
 
 The database's history (`streams.core.incarnation`, `streams.store.identity`): `Guard`,
-`Incarnation`, `written_elsewhere`, `verify`, `read_incarnation`.
+`Incarnation`, `written_elsewhere`, `verify`, `read_incarnation`, `read_incarnation_at`,
+`rewound`.
 
 Streams and groups (`streams.store.registry`, `streams.store.reader_groups`): `load_stream`,
 `load_streams`, `Generation`, `take_generations`, `group_position`, `commit_group`.
@@ -53,7 +55,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .client import default_instance_name
-from .core.incarnation import Guard, Incarnation, written_elsewhere
+from .core.incarnation import Guard, Incarnation, rewound, written_elsewhere
 from .core.payloads import encode_payload
 from .core.replication import Hint, backoff_delay
 from .core.stalls import HeldStreams
@@ -61,7 +63,8 @@ from .core.standby import StandbyRoute
 from .store.driver import Commit, Gen, Query, run, transient_sqlstate
 from .store.failover import replicated
 from .store.holders import retire_where_held
-from .store.identity import holds_across_failover, read_incarnation, verify
+from .store.identity import holds_across_failover, read_incarnation, read_incarnation_at, verify
+from .store.probe import set_up_reader_session
 from .store.reader_core import ReaderCore
 from .store.reader_groups import Generation, commit_group, group_position, take_generations
 from .store.reads import (
@@ -164,10 +167,13 @@ __all__ = [
     "pruned_positions",
     "range_ts_maxima",
     "read_incarnation",
+    "read_incarnation_at",
     "read_range",
     "replicated",
     "retire_where_held",
+    "rewound",
     "run",
+    "set_up_reader_session",
     "split_range",
     "statement_timeout_setup",
     "take_generations",

@@ -20,6 +20,7 @@ ours: the part after the block runs to its end (a second interruption included).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -166,9 +167,19 @@ class FactPlans:
 
     _core: WriterCore
     _wake: Flag
+    #: Callers' sessions this writer has fenced (`WriterCore.reserve_fact`'s ``fence``), with
+    #: their backend PIDs: each new one is fenced once, which a failover makes necessary for
+    #: a session that reaches a new primary before any of the writer's own.
+    _sessions: weakref.WeakKeyDictionary[Any, int]
 
-    def _completed(self, ids: tuple[int, ...] = (), timestamp: int = 0) -> None:
+    def _completed(
+        self, ids: tuple[int, ...] = (), timestamp: int = 0, *, remembered: bool = True
+    ) -> None:
         raise NotImplementedError
+
+    def _new_session(self, conn: AnyConnection) -> bool:
+        """Whether ``conn`` is a session this writer has not fenced yet."""
+        return self._sessions.get(conn) != conn.info.backend_pid
 
     def _enter_fact(
         self,
@@ -187,7 +198,11 @@ class FactPlans:
         try:
             if autocommit and not joined:
                 yield Call(conn.execute, "BEGIN")
-            handle = yield Run(conn, core.reserve_fact(token, stamp, key), joined=joined)
+            fence = self._new_session(conn)
+            reserve = core.reserve_fact(token, stamp, key, fence=fence)
+            handle = yield Run(conn, reserve, joined=joined)
+            if fence:
+                self._sessions[conn] = conn.info.backend_pid
         except BaseException:
             yield from self._end_fact(conn, joined, autocommit, token, handle, ok=False)
             raise
@@ -243,6 +258,9 @@ class FactPlans:
             else:
                 core.finish_fact(token, handle, ok)
                 if written and handle is not None:
-                    self._completed((handle.stream_id,), handle.timestamp)
+                    # A fact with no row in the facts table leaves nothing there that a
+                    # failover check could find: it is not remembered (`streams.core.failover`).
+                    remembered = handle.rows > 0 or bool(core.info.fact_tables)
+                    self._completed((handle.stream_id,), handle.timestamp, remembered=remembered)
                 else:
                     self._completed()

@@ -123,17 +123,14 @@ class HeartbeatPlans(Generic[C]):
 
     # ------------------------------------------------------------------ connections
 
-    def _connect_plan(self, connect_timeout: float | None = 0) -> Plan[C]:
+    def _connect_plan(self, connect_timeout: float | None = 0, *, first: bool = False) -> Plan[C]:
         """A new connection of the writer's, with its session settings (TCP keepalives and
-        checks: `WriterCore.configure_session`). ``connect_timeout``: see
-        `streams.store.sessions`; 0 (one attempt) when reopening, so an append fails at once
-        while the server is down and the heartbeat keeps its own pace of retries."""
-        conn = yield Connect(self._url, connect_timeout, "writer")
-        try:
-            yield Run(conn, self._core.configure_session())
-        except BaseException:
-            yield Call(conn.close)
-            raise
+        checks: `WriterCore.opening`; ``first``: the writer's first, which registers it).
+        ``connect_timeout``: see `streams.store.sessions`; 0 (one attempt) when reopening, so
+        an append fails at once while the server is down and the heartbeat keeps its own pace
+        of retries."""
+        opening = partial(self._core.opening, first=first)
+        conn = yield Connect(self._url, connect_timeout, "writer", opening)
         return conn  # type: ignore[no-any-return]
 
     def _reopen_plan(self) -> Plan[None]:

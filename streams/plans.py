@@ -151,9 +151,16 @@ class Run(Io):
 
 
 class Connect(Io):
-    """A new connection, not in autocommit (`streams.store.sessions.connect`)."""
+    """A new connection, not in autocommit, checked by ``opening``
+    (`streams.store.sessions.connect`)."""
 
-    def __init__(self, url: str, connect_timeout: float | None, purpose: str) -> None:
+    def __init__(
+        self,
+        url: str,
+        connect_timeout: float | None,
+        purpose: str,
+        opening: sessions.Opening | None = None,
+    ) -> None:
         super().__init__(
             sessions.connect,
             sessions.aconnect,
@@ -161,6 +168,7 @@ class Connect(Io):
             autocommit=False,
             connect_timeout=connect_timeout,
             purpose=purpose,
+            opening=opening,
         )
 
 

@@ -51,6 +51,7 @@ read the record early, or (a forged "alive" line) makes them probe for themselve
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -75,16 +76,16 @@ from .core.signing import KEY_REFRESH, MAX_SIGNED_ROWS, SigningKey, sign_range, 
 from .core.stalls import HeldStreams
 from .errors import ConnectionLost, StoreError
 from .store import sessions
-from .store.driver import Row, run
+from .store.driver import Gen, Row, run
 from .store.holders import end_exclusive_holders, exclusive_streams, retire_where_held
 from .store.identity import verify
 from .store.keys import may_sign, renew_keys, signing_key
 from .store.probe import (
     PROVER_SESSION_SETUP,
-    READER_SESSION_SETUP,
     Probe,
     end_stale_provers,
     resign_prover,
+    set_up_reader_session,
     try_become_prover,
 )
 from .store.reads import prove_with_rows
@@ -364,16 +365,18 @@ class ProofService:
             self._link.unwatch(sorted(lost), writers=True)
 
     def _connect(self) -> psycopg.Connection[Any]:
-        conn = sessions.connect(self._url, autocommit=True, connect_timeout=10, purpose="prober")
-        try:
-            for statement in (*READER_SESSION_SETUP, *PROVER_SESSION_SETUP):
-                conn.execute(statement)
-            # Proving in another database history would sign its ranges for this one's readers.
-            run(conn, verify(self.guard, "the prover"))
-        except BaseException:
-            conn.close()
-            raise
-        return conn
+        return sessions.connect(
+            self._url,
+            autocommit=True,
+            connect_timeout=10,
+            purpose="prober",
+            opening=self._opening,
+        )
+
+    def _opening(self) -> Gen[None]:
+        yield from set_up_reader_session(*PROVER_SESSION_SETUP)
+        # Proving in another database history would sign its ranges for this one's readers.
+        yield from verify(self.guard, "the prover")
 
     def _info_of(self, conn: psycopg.Connection[Any], names: set[str]) -> list[StreamInfo]:
         missing = sorted(n for n in names if n not in self._infos)
@@ -441,9 +444,12 @@ class ProofService:
                 return None
             # Its own transaction (this session is in autocommit), on this process's history.
             with sessions.connect(
-                self._url, autocommit=False, connect_timeout=10, purpose="prover keys"
+                self._url,
+                autocommit=False,
+                connect_timeout=10,
+                purpose="prover keys",
+                opening=functools.partial(verify, self.guard, "the prover renewing keys"),
             ) as keys_conn:
-                run(keys_conn, verify(self.guard, "the prover renewing keys"))
                 new = run(keys_conn, renew_keys(token))
             log.info("replication key %d made for database incarnation %s", new, token)
             self._link.publish([KeysCommand(new)])

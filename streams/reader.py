@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 import threading
@@ -111,27 +112,21 @@ def _standby_failure(exc: BaseException) -> bool:
 
 
 def _connect(
-    url: str, core: ReaderCore, connect_timeout: float | None = 0
+    url: str, core: ReaderCore, connect_timeout: float | None = 0, *, first: bool = False
 ) -> psycopg.Connection[Any]:
     """A reader session on the database history the reader started on (else
-    `streams.errors.DatabaseChanged`: `streams.store.identity`). ``connect_timeout``: see
+    `streams.errors.DatabaseChanged`: `streams.store.identity`); ``first``: the reader's
+    first, which opens it (`ReaderCore.opening`). ``connect_timeout``: see
     `streams.store.sessions`; 0 (one attempt) when reopening: the plans try again with
     backoff, within the caller's timeout."""
-    try:
-        conn = sessions.connect(
-            url, autocommit=True, connect_timeout=connect_timeout, purpose="reader"
-        )
-        try:
-            for statement in READER_SESSION_SETUP:
-                conn.execute(statement)
-            run(conn, core.verify_incarnation())
-        except BaseException:
-            conn.close()
-            raise
-        sessions.use_payload_decoder(conn)
-        return conn
-    except psycopg.Error as exc:
-        raise StoreError(f"cannot connect to PostgreSQL: {type(exc).__name__}") from None
+    return sessions.connect(
+        url,
+        autocommit=True,
+        connect_timeout=connect_timeout,
+        purpose="reader",
+        opening=functools.partial(core.opening, first=first),
+        decode_payloads=True,
+    )
 
 
 def _standby_where(core: ReaderCore) -> str:
@@ -186,23 +181,16 @@ async def _aconnect_standby(url: str, core: ReaderCore) -> psycopg.AsyncConnecti
 
 
 async def _aconnect(
-    url: str, core: ReaderCore, connect_timeout: float | None = 0
+    url: str, core: ReaderCore, connect_timeout: float | None = 0, *, first: bool = False
 ) -> psycopg.AsyncConnection[Any]:
-    try:
-        conn = await sessions.aconnect(
-            url, autocommit=True, connect_timeout=connect_timeout, purpose="reader"
-        )
-        try:
-            for statement in READER_SESSION_SETUP:
-                await conn.execute(statement)
-            await arun(conn, core.verify_incarnation())
-        except BaseException:
-            await conn.close()
-            raise
-        sessions.use_payload_decoder(conn)
-        return conn
-    except psycopg.Error as exc:
-        raise StoreError(f"cannot connect to PostgreSQL: {type(exc).__name__}") from None
+    return await sessions.aconnect(
+        url,
+        autocommit=True,
+        connect_timeout=connect_timeout,
+        purpose="reader",
+        opening=functools.partial(core.opening, first=first),
+        decode_payloads=True,
+    )
 
 
 class _ReaderBase:
@@ -464,16 +452,12 @@ class Reader(_ReaderBase):
         self._standby: psycopg.Connection[Any] | None = None
         if read_database_url is not None:
             core.route = standby or StandbyRoute()
-        self._conn = _connect(database_url, core, connect_timeout)  # None: the default wait
+        # None: the default wait; a session lost while opening is waited out within it.
+        self._conn = _connect(database_url, core, connect_timeout, first=True)
         self._wake = threading.Event()
         self._closed = False
         self._poll = poll_interval
         self._last_probe = 0.0
-        try:
-            run(self._conn, core.open())
-        except BaseException:
-            self._conn.close()
-            raise
         self._link = link
         if link is not None:
             core.set_link_state(link.connected)
@@ -698,12 +682,7 @@ class AsyncReader(_ReaderBase):
     ) -> AsyncReader:
         if read_database_url is not None:
             core.route = standby or StandbyRoute()
-        conn = await _aconnect(database_url, core, connect_timeout)
-        try:
-            await arun(conn, core.open())
-        except BaseException:
-            await conn.close()
-            raise
+        conn = await _aconnect(database_url, core, connect_timeout, first=True)
         self = cls(database_url, core, conn, link, poll_interval, read_database_url)
         if link is not None:
             core.set_link_state(link.connected)

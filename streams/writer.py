@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -83,6 +84,7 @@ class _WriterShell(HeartbeatPlans[C], FactPlans):
         self._wake, self._stopped = events(), events()
         self._spare = None
         self._spare_used = 0.0
+        self._sessions = weakref.WeakKeyDictionary()
 
     def __repr__(self) -> str:
         core = self._core
@@ -107,12 +109,15 @@ class _WriterShell(HeartbeatPlans[C], FactPlans):
 
     # ------------------------------------------------------------------ completions
 
-    def _completed(self, ids: tuple[int, ...] = (), timestamp: int = 0) -> None:
-        """IDs completed (``ids``: those that committed): report them to the link, and wake
-        the heartbeat to persist the position that moved."""
+    def _completed(
+        self, ids: tuple[int, ...] = (), timestamp: int = 0, *, remembered: bool = True
+    ) -> None:
+        """IDs completed (``ids``: those that committed; ``remembered``: facts with rows a
+        failover check can find): report them to the link, and wake the heartbeat to persist
+        the position that moved."""
         if self._attached is not None:
             self._attached.completed(ids, timestamp)
-        if ids:  # what a failover must not have lost (`streams.core.failover`)
+        if ids and remembered:  # what a failover must not have lost (`streams.core.failover`)
             self._core.sighting.note(self._core.stream_name, self._core.info.id, ids)
         if self._core.needs_persist and not self._wake.is_set():
             self._wake.set()
@@ -127,14 +132,9 @@ class _WriterShell(HeartbeatPlans[C], FactPlans):
     # ------------------------------------------------------------------ plans
 
     def _open_plan(self, link: Link | None, connect_timeout: float | None) -> Plan[None]:
-        """Connect (waiting up to ``connect_timeout`` for a starting server; None: the
-        default), register, and attach to the link."""
-        self._conn = yield from self._connect_plan(connect_timeout)
-        try:
-            yield self._core.register()
-        except BaseException:
-            yield Call(self._conn.close)
-            raise
+        """Connect and register (waiting up to ``connect_timeout`` for a starting server, or
+        a session lost meanwhile; None: the default), and attach to the link."""
+        self._conn = yield from self._connect_plan(connect_timeout, first=True)
         if link is not None:
             tracker = self._core.tracker
             self._attached = link.attach_writer(

@@ -80,7 +80,7 @@ from pyspark.sql.streaming.datasource import (
 from pyspark.sql.types import StructType
 
 from streams.connector import (
-    READER_SESSION_SETUP,
+    Gen,
     Generation,
     Guard,
     HeldStreams,
@@ -100,9 +100,12 @@ from streams.connector import (
     pruned_positions,
     range_ts_maxima,
     read_incarnation,
+    read_incarnation_at,
     replicated,
     retire_where_held,
+    rewound,
     run,
+    set_up_reader_session,
     split_range,
     statement_timeout_setup,
     take_generations,
@@ -235,6 +238,7 @@ class _Driver:
         #: The highest LSN of the driver's probes ("the standby fence" of the store): what
         #: an executor with a read URL waits for the standby to replay.
         self.proof_lsn = 0
+        self._proof_timeline = 0  # the timeline of proof_lsn
 
     def __getstate__(self) -> dict[str, Any]:
         # Spark pickles a fresh reader to ship read() to executors: never a connection.
@@ -255,35 +259,27 @@ class _Driver:
 
     def _connection(self) -> psycopg.Connection[Any]:
         if self._conn is None or self._conn.closed or self._conn.broken:
-            # The readers' own session (streams.store.probe.READER_SESSION_SETUP): the probe's
-            # argument needs READ COMMITTED whatever the server's default.
             try:
-                conn = open_session(
-                    self.config.database_url, autocommit=True, purpose="Spark source"
+                self._conn = open_session(
+                    self.config.database_url,
+                    autocommit=True,
+                    purpose="Spark source",
+                    opening=self._opening,
                 )
             except StoreError as exc:
-                if self._infos:  # it was reachable: an outage, which `run` waits out
+                if self._infos and not isinstance(exc, ConnectionLost):
+                    # It was reachable: an outage, which `run` waits out.
                     raise ConnectionLost(str(exc)) from None
                 raise
-            setup = (
-                *READER_SESSION_SETUP,
-                statement_timeout_setup(self.config.statement_timeout_ms),
-            )
-            try:
-                for statement in setup:
-                    conn.execute(statement)
-            except psycopg.Error as exc:
-                lost = conn.broken or transient_sqlstate(exc.sqlstate)
-                conn.close()
-                kind = ConnectionLost if lost else StoreError
-                raise kind(f"Spark source session setup failed: {exc}") from None
-            try:
-                run(conn, verify(self.guard, self._where()))
-            except BaseException:
-                conn.close()
-                raise
-            self._conn = conn
         return self._conn
+
+    def _opening(self) -> Gen[None]:
+        """A new session's checks, ridden out across a session lost meanwhile
+        (`streams.store.sessions`, "Opening checks"): the readers' settings (the probe's
+        argument needs READ COMMITTED whatever the server's default), then the database
+        history (`streams.store.identity`)."""
+        yield from set_up_reader_session(statement_timeout_setup(self.config.statement_timeout_ms))
+        yield from verify(self.guard, self._where())
 
     def run(self, make: Callable[..., Any], *args: Any) -> Any:
         """``make(*args)`` (a store generator) on the driver's connection. After a transient
@@ -333,12 +329,24 @@ class _Driver:
         before they carried an incarnation are taken as they are), or to an earlier timeline
         of it whose switch point is past the offset's proof (a failover that lost nothing the
         offset covers: `streams.store.identity.holds_across_failover`): `_written_elsewhere`."""
+        token, lsn = incarnation_of(offset), lsn_of(offset)
         self._written_elsewhere(
-            incarnation_of(offset),
-            f"{self._where()}: the {what} offset",
-            "was logged",
-            proof_lsn=lsn_of(offset),
+            token, f"{self._where()}: the {what} offset", "was logged", proof_lsn=lsn
         )
+        current = self._current()
+        seen = self.guard.seen_lsn
+        if lsn and token == current.token and (seen is None or (current.timeline, lsn) > seen):
+            # Logged by an earlier run: its proof's WAL position, flushed before Spark logged
+            # it (`replicated`), so an intact server on this timeline is at or past it ("A
+            # rewind", `streams.core.incarnation`). Asked once per offset beyond what this run
+            # saw on disk itself.
+            found, flushed = self.run(read_incarnation_at)
+            if found == current and flushed is not None:
+                if flushed < lsn:
+                    raise rewound(
+                        f"{self._where()}: the {what} offset", current.timeline, flushed, lsn
+                    )
+                self.guard.observed(current.timeline, flushed)
 
     def check_group_row(self, stream: str, token: str | None, position: int) -> None:
         """The group's committed position, where a start takes it, must have been committed in
@@ -396,7 +404,13 @@ class _Driver:
         found = self.run(probe, [infos[n] for n in self.config.streams])
         # The proofs' LSN, for executors that read on a standby (the highest: replay passes
         # the lower ones first).
+        timeline = self._current().timeline
+        if timeline != self._proof_timeline:  # a failover: the old timeline's LSNs mean nothing
+            self.proof_lsn, self._proof_timeline = 0, timeline
         self.proof_lsn = max([self.proof_lsn, *(p.wal_lsn for p in found.values())])
+        flushed = max(p.flushed_lsn for p in found.values())
+        if flushed:  # on disk: what a rewind would take back ("A rewind" of the guard)
+            self.guard.observed(timeline, flushed)
         observed = [(n, found[n].complete, found[n].max_allocated) for n in self.config.streams]
         self.run(retire_where_held, infos, self._held, time.monotonic(), observed)
         return {n: found[n].complete for n in self.config.streams}
@@ -701,6 +715,14 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
 
     # ------------------------------------------------------------------ offsets
 
+    def _proof_flushed(self, token: str) -> None:
+        """After `replicated` on the history ``token``: the proof's WAL position is on disk,
+        what this run saw there ("A rewind" of the guard; an offset carrying it then needs no
+        new reading in `check_offset`)."""
+        timeline = Incarnation.from_token(token).timeline
+        if self.proof_lsn and self._proof_timeline == timeline:
+            self.guard.observed(timeline, self.proof_lsn)
+
     def own_group(self) -> dict[str, Generation]:
         """Take the group's next generation on every stream, once per run of the query (as a
         Python reader does when it opens its group: before its position is read)."""
@@ -722,6 +744,7 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
         self.run(replicated)  # as for every offset (`latestOffset`)
         if self.incarnation() != token:  # it ran on a new primary: start there
             return self.initialOffset()
+        self._proof_flushed(token)
         log.info("streams source starts at %s (group %s)", start.positions, self.config.group)
         if start.waiting:
             log.info(
@@ -789,6 +812,7 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
         self.run(replicated)
         if self.incarnation() != token:  # it ran on a new primary: prove again there
             return self.latestOffset(start, limit)
+        self._proof_flushed(token)
         moved = {n for n in names if upper[n] > lower[n]}
         end_floors = self.floors_after(lower, upper, floors or self.floors_at(lower))
         return frontier_offset(

@@ -23,6 +23,18 @@ query) saw and compares every later one with it: on connect and on every reconne
 process never goes on silently in another history. Group rows and Spark offsets carry the
 `Incarnation.token` they were written under, checked the same way when they are read back.
 
+A *rewind* changes nothing of that: a file-system snapshot of the data directory restored in
+place keeps the identifiers and the timeline, and takes the WAL back. So the guard also keeps
+the highest *durable* WAL position the process saw on its timeline (`Guard.observed`: the
+flushed position read on every connect, a probe's proven position, a writer's heartbeat).
+Crash recovery replays at least everything that was flushed, so on an intact server that
+position never goes down on one timeline; a connect that finds it lower than one seen
+before its reading was taken is a rewind, and `DatabaseChanged` names both positions
+(`Guard.check`). A rewind restarts the server, so every session of the process connects
+again and is checked. A snapshot restored and then written
+past the position seen is not noticed: what no identifier and no position records, nothing
+here can tell.
+
 A *failover* changes the timeline only (`same_history`): the new primary holds a prefix of
 the old history (`streams.core.failover`). The guard takes a higher timeline as the process's
 own from then on, and each role checks what it saw against the new primary before it goes on
@@ -43,6 +55,8 @@ __all__ = [
     "Guard",
     "Incarnation",
     "changes",
+    "format_lsn",
+    "rewound",
     "same_history",
     "token_changes",
     "written_elsewhere",
@@ -166,17 +180,41 @@ def written_elsewhere(
     return "; ".join(token_changes(token, current))
 
 
+def format_lsn(lsn: int) -> str:
+    """A WAL position as PostgreSQL writes it (``0/3000060``)."""
+    return f"{lsn >> 32:X}/{lsn & 0xFFFFFFFF:X}"
+
+
+def rewound(where: str, timeline: int, found: int, seen: int) -> DatabaseChanged:
+    """The `DatabaseChanged` of a durable WAL position that went back on one timeline."""
+    return DatabaseChanged(
+        where,
+        f"the WAL went back on timeline {timeline}: the server's durable position is "
+        f"{format_lsn(found)}, below {format_lsn(seen)} seen there before (the data directory "
+        "was restored in place from a file-system snapshot or an older copy; what was written "
+        "after it is gone, and IDs above it may be handed out again)",
+    )
+
+
 class Guard:
-    """The incarnation a process started on, checked against every later one (thread-safe:
-    a client's readers, writers and prover share one)."""
+    """The incarnation a process started on, checked against every later one, and the highest
+    durable WAL position it saw on that timeline (see "A rewind"; thread-safe: a client's
+    readers, writers and prover share one)."""
 
     def __init__(self, expected: Incarnation | None = None) -> None:
         self._expected = expected
         self._lock = threading.Lock()
+        #: (timeline, the highest durable WAL position seen on it), or None.
+        self._seen: tuple[int, int] | None = None
 
     @property
     def expected(self) -> Incarnation | None:
         return self._expected
+
+    @property
+    def seen_lsn(self) -> tuple[int, int] | None:
+        """(timeline, the highest durable WAL position seen on it), or None."""
+        return self._seen
 
     def __getstate__(self) -> dict[str, Incarnation | None]:
         # Picklable (Spark ships its source to executors): the lock is the process's own.
@@ -185,18 +223,53 @@ class Guard:
     def __setstate__(self, state: dict[str, Incarnation | None]) -> None:
         self._expected = state["expected"]
         self._lock = threading.Lock()
+        self._seen = None
 
-    def check(self, found: Incarnation, where: str) -> Incarnation:
+    def check(
+        self,
+        found: Incarnation,
+        where: str,
+        flushed: int | None = None,
+        floor: tuple[int, int] | None = None,
+    ) -> Incarnation:
         """Take ``found`` as the process's incarnation if it has none yet, or if it is a later
         timeline of the same history (a failover: the caller checks what its role saw,
         `streams.store.identity.verify`); else raise `DatabaseChanged` (naming ``where`` and
-        what changed) unless it is the same."""
+        what changed) unless it is the same.
+
+        ``flushed``: the server's durable WAL position with ``found`` (None from a standby);
+        ``floor``: `seen_lsn` taken *before* that reading (readings of several threads arrive
+        in any order, so only what was seen before a reading was taken bounds it). On the
+        same timeline, a reading below its floor is a rewind: `DatabaseChanged`."""
         with self._lock:
             expected = self._expected
             if expected is None or (expected != found and same_history(expected, found)):
                 self._expected = found
+                expected = None
+            if expected is None or not changes(expected, found):
+                if (
+                    flushed is not None
+                    and floor is not None
+                    and floor[0] == found.timeline
+                    and flushed < floor[1]
+                ):
+                    raise rewound(where, found.timeline, flushed, floor[1])
+                self._observe(found.timeline, flushed)
                 return found
-        differences = changes(expected, found)
-        if differences:
-            raise DatabaseChanged(where, "; ".join(differences))
-        return found
+        raise DatabaseChanged(where, "; ".join(changes(expected, found)))
+
+    def observed(self, timeline: int, lsn: int) -> None:
+        """A durable WAL position read from a server on ``timeline`` (a probe's, a
+        heartbeat's): the next connect's reading must not be below it (`check`)."""
+        with self._lock:
+            self._observe(timeline, lsn)
+
+    def _observe(self, timeline: int, lsn: int | None) -> None:
+        if lsn is None:
+            return
+        seen = self._seen
+        if seen is None or timeline > seen[0]:  # a failover starts counting again
+            self._seen = (timeline, lsn)
+        elif timeline == seen[0]:
+            self._seen = (timeline, max(lsn, seen[1]))
+        # A lower timeline's position (a late answer from a former primary) says nothing.

@@ -28,6 +28,7 @@ from .driver import Commit, Gen, Query, Row
 from .failover import check_sighting, switchpoint
 
 __all__ = [
+    "FLUSHED_LSN_SQL",
     "INCARNATION_SQL",
     "TIMELINE_SQL",
     "BoundGroup",
@@ -37,6 +38,7 @@ __all__ = [
     "holds_across_failover",
     "incarnation_from_row",
     "read_incarnation",
+    "read_incarnation_at",
     "verify",
 ]
 
@@ -47,12 +49,19 @@ TIMELINE_SQL = """CASE WHEN pg_is_in_recovery()
             ELSE ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint
        END"""
 
-#: One row: ``(id, system identifier, database OID, table OID, timeline)``. A plain text (no
-#: parameters) so that other drivers (ADBC on Spark executors) run it as it is.
+#: The primary's durable WAL position (flushed: a crash recovers at least that far, so only a
+#: rewind of the data directory puts it lower on the same timeline: `Guard`); NULL on a standby.
+FLUSHED_LSN_SQL = """CASE WHEN pg_is_in_recovery() THEN NULL
+            ELSE (pg_current_wal_flush_lsn() - '0/0'::pg_lsn)::bigint
+       END"""
+
+#: One row: ``(id, system identifier, database OID, table OID, timeline, flushed LSN)``. A
+#: plain text (no parameters) so that other drivers (ADBC on Spark executors) run it as it is.
 INCARNATION_SQL = f"""
 SELECT i.id::text, s.system_identifier, d.oid::bigint,
        'streams_incarnation'::regclass::oid::bigint,
-       {TIMELINE_SQL}
+       {TIMELINE_SQL},
+       {FLUSHED_LSN_SQL}
 FROM streams_incarnation i
 CROSS JOIN pg_control_system() s
 JOIN pg_database d ON d.datname = current_database()
@@ -61,7 +70,7 @@ JOIN pg_database d ON d.datname = current_database()
 
 def incarnation_from_row(row: tuple[object, ...]) -> Incarnation:
     """The `Incarnation` of a row of `INCARNATION_SQL` (any driver's)."""
-    ident, system, database, table, timeline = row
+    ident, system, database, table, timeline = row[:5]
     return Incarnation(str(ident), int(str(system)), int(str(database)), int(str(table)),
                        int(str(timeline)))  # fmt: skip
 
@@ -69,6 +78,12 @@ def incarnation_from_row(row: tuple[object, ...]) -> Incarnation:
 def read_incarnation() -> Generator[Query | Commit, list[Row], Incarnation]:
     """The incarnation of the database this session is on (no transaction is left open).
     Plain statements only (`Query` without parameters, `Commit`): any driver runs it."""
+    found, _ = yield from read_incarnation_at()
+    return found
+
+
+def read_incarnation_at() -> Generator[Query | Commit, list[Row], tuple[Incarnation, int | None]]:
+    """`read_incarnation`, and the primary's flushed WAL position (None on a standby)."""
     try:
         rows = yield Query(INCARNATION_SQL)
     except StoreError as exc:
@@ -83,7 +98,8 @@ def read_incarnation() -> Generator[Query | Commit, list[Row], Incarnation]:
             "the incarnation table is empty (its row was deleted by hand): give this database a "
             "new incarnation with INSERT INTO streams_incarnation DEFAULT VALUES"
         )
-    return incarnation_from_row(rows[0])
+    lsn = rows[0][5]
+    return incarnation_from_row(rows[0]), None if lsn is None else int(lsn)
 
 
 def verify(
@@ -96,8 +112,9 @@ def verify(
     with a ``sighting`` checks that the new primary holds what it saw (``seen``: "facts
     acknowledged", "facts delivered"), `streams.store.failover.check_sighting`, before it
     does anything else: `streams.errors.FailoverLoss` otherwise."""
-    found = yield from read_incarnation()
-    guard.check(found, where)
+    floor = guard.seen_lsn  # before the reading: what it must not be below
+    found, flushed = yield from read_incarnation_at()
+    guard.check(found, where, flushed, floor)
     if sighting is not None:
         if sighting.sticky and sighting.failed is not None:
             raise sighting.failed

@@ -170,6 +170,11 @@ class Probe:
     #: The primary's WAL insert position read with the proof, as an int ("the standby fence";
     #: 0: not known): a standby that has replayed past it shows every fact ``<= complete``.
     wal_lsn: int = 0
+    #: The primary's flushed WAL position read with the proof (0: not known): on disk whenever
+    #: it was read, so a server on the same timeline is never below it unless its data
+    #: directory went back (`streams.core.incarnation`, "A rewind"). The insert position is
+    #: not: it may be past what any crash recovery restores.
+    flushed_lsn: int = 0
 
 
 #: Session settings (plus the stream's registry id) where a probe leaves max allocated
@@ -222,7 +227,8 @@ SELECT CASE
     WHEN pg_current_wal_flush_lsn() >= pg_current_wal_insert_lsn() THEN false
     ELSE (SELECT true FROM (SELECT set_config('synchronous_commit', 'on', true),
                                    pg_logical_emit_message(true, 'streams', 'durable')) AS flush)
-END, (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint
+END, (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint,
+    (pg_current_wal_flush_lsn() - '0/0'::pg_lsn)::bigint
 """
 
 #: Settings of every session that reads facts behind a probe (readers): READ COMMITTED, which the
@@ -237,6 +243,12 @@ READER_SESSION_SETUP = (
     "SET plan_cache_mode = force_generic_plan",
     "SET enable_bitmapscan = off",
 )
+
+
+def set_up_reader_session(*extra: str) -> Gen[None]:
+    """`READER_SESSION_SETUP`, then ``extra`` settings, on a new autocommit session."""
+    for statement in (*READER_SESSION_SETUP, *extra):
+        yield Query(statement)
 
 
 def probe_queries(infos: Sequence[StreamInfo]) -> list[Query]:
@@ -295,25 +307,31 @@ COMPLETE_STATEMENT = 1
 DURABLE_STATEMENT = 2
 
 
-def probes_from_rows(rows: Sequence[Row], wal_lsn: int = 0) -> dict[str, Probe]:
+def probes_from_rows(
+    rows: Sequence[Row], wal_lsn: int = 0, flushed_lsn: int = 0
+) -> dict[str, Probe]:
     """The `Probe` of each stream from the rows of statement `COMPLETE_STATEMENT` (and the
-    probe's LSN, from statement `DURABLE_STATEMENT`: `wal_lsn_from_rows`)."""
+    probe's LSNs, from statement `DURABLE_STATEMENT`: `wal_lsn_from_rows`)."""
     return {
-        name: Probe(name, int(allocated), int(complete), wal_lsn)
+        name: Probe(name, int(allocated), int(complete), wal_lsn, flushed_lsn)
         for name, allocated, complete, _ in rows
     }
 
 
-def wal_lsn_from_rows(rows: Sequence[Row]) -> int:
-    """The probe's LSN from the rows of statement `DURABLE_STATEMENT` (0 if absent)."""
-    return int(rows[0][1]) if rows and len(rows[0]) > 1 and rows[0][1] is not None else 0
+def wal_lsn_from_rows(rows: Sequence[Row], column: int = 1) -> int:
+    """The probe's LSN from the rows of statement `DURABLE_STATEMENT` (0 if absent): the
+    insert position (column 1), or the flushed one (2)."""
+    if rows and len(rows[0]) > column and rows[0][column] is not None:
+        return int(rows[0][column])
+    return 0
 
 
 def probes_from_results(results: Sequence[Sequence[Row]]) -> dict[str, Probe]:
     """The `Probe` of each stream from the results of a pipeline that began with
     `probe_queries`."""
+    durable = results[DURABLE_STATEMENT]
     return probes_from_rows(
-        results[COMPLETE_STATEMENT], wal_lsn_from_rows(results[DURABLE_STATEMENT])
+        results[COMPLETE_STATEMENT], wal_lsn_from_rows(durable), wal_lsn_from_rows(durable, 2)
     )
 
 

@@ -75,6 +75,7 @@ from .holders import retire_where_held
 from .identity import verify
 from .keys import live_keys
 from .leases import persisted_writer_position
+from .probe import set_up_reader_session
 from .reader_groups import (
     GROUP_MOVED,
     Generation,
@@ -182,6 +183,9 @@ _STREAM_ID = operator.itemgetter(1)
 class ReaderCore:
     """The logic of one reader, shared by `Reader` and `AsyncReader` (see the module doc)."""
 
+    #: The timeline of the reader's session (0: none yet; `verify_incarnation`).
+    timeline: int = 0
+
     def __init__(
         self,
         streams: Sequence[str],
@@ -280,12 +284,23 @@ class ReaderCore:
     def verify_incarnation(self) -> Gen[Incarnation]:
         """On a new session, before anything else: is it the database history this reader
         started on (`streams.store.identity`)? `DatabaseChanged` otherwise."""
-        what = "group " + repr(self.group) if self.group is not None else "reader"
-        found = yield from verify(
-            self.guard, f"{what} of {', '.join(self.names)}", self.sighting, "facts delivered"
-        )
-        self.incarnation = found.token
+        found = yield from verify(self.guard, self._where(), self.sighting, "facts delivered")
+        self.incarnation, self.timeline = found.token, found.timeline
         return found
+
+    def _where(self) -> str:
+        what = "group " + repr(self.group) if self.group is not None else "reader"
+        return f"{what} of {', '.join(self.names)}"
+
+    def opening(self, *, first: bool = False) -> Gen[None]:
+        """What a new reader session runs before anything else: the readers' settings, then
+        `verify_incarnation`; on the reader's first session, `open` too. Run afresh when the
+        session is lost under it (`streams.store.sessions`, "Opening checks"): each step reads,
+        or takes a group generation, which taking again only moves further ahead."""
+        yield from set_up_reader_session()
+        yield from self.verify_incarnation()
+        if first:
+            yield from self.open()
 
     # ---------------------------------------------------------------- initialization
 
@@ -387,6 +402,9 @@ class ReaderCore:
         self.probes += 1
         for name, found in probes.items():
             self.proof_lsn = max(self.proof_lsn, found.wal_lsn)
+            if found.flushed_lsn and self.timeline:
+                # On disk: what a rewind would take back (`Guard`, "A rewind").
+                self.guard.observed(self.timeline, found.flushed_lsn)
             if shared:
                 self._targets[name] = max(self._targets.get(name, 0), found.complete)
                 continue

@@ -237,6 +237,25 @@ class FactTable:
             column=sql.Identifier(self.column), relation=self._relation(), where=self._where(param)
         )
 
+    def present_sql(self, param: str, ids: str) -> sql.Composed:
+        """Which of the IDs ``%(ids)s`` (a bigint array) the table holds (this stream's rows),
+        as `max_sql`: an index probe per ID."""
+        where = (
+            sql.SQL(" AND {} = {}").format(
+                sql.Identifier(self.where_column), sql.Placeholder(param)
+            )
+            if self.where_column is not None
+            else sql.SQL("")
+        )
+        return sql.SQL(
+            "SELECT DISTINCT {column}::bigint FROM {relation} WHERE {column} = ANY({ids}){where}"
+        ).format(
+            column=sql.Identifier(self.column),
+            relation=self._relation(),
+            ids=sql.Placeholder(ids),
+            where=where,
+        )
+
     def ids_sql(self, param: str) -> sql.Composed:
         """Every stream ID of the table (of this stream's rows), as `max_sql`."""
         return sql.SQL("SELECT {column}::bigint FROM {relation}{where}").format(

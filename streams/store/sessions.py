@@ -20,6 +20,16 @@ that does not answer at all) nor past the total. ``connect_timeout=0`` makes a s
 of up to `ATTEMPT_TIMEOUT`, as before this wait existed: what readers and writers do when they
 reopen a connection, since they retry at their own pace (opening them waits).
 The retry logic is one generator (`_attempts`) that both drivers run.
+
+Opening checks
+--------------
+A session is not open until its checks have passed: the schema is migrated, the database is
+the history its owner started on (`streams.store.identity`), the session's settings are set.
+Those run as part of each attempt (``opening``: a store generator made afresh for each one), so
+a server that ends the new session or restarts while they run is one more transient failure
+waited out within ``connect_timeout``, exactly as a refused connection is; when the time is
+up, their own error is raised, as it would have been on a single attempt. A check that fails
+for good (`DatabaseChanged`, an unmigrated schema, a refused privilege) fails at once.
 """
 
 from __future__ import annotations
@@ -31,9 +41,9 @@ import os
 import random
 import re
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
@@ -49,12 +59,13 @@ from ..config import (
 )
 from ..core.payloads import decode_payload
 from ..core.replication import backoff_delay
-from ..errors import ConfigurationError, StoreError
-from .driver import transient_sqlstate
+from ..errors import ConfigurationError, ConnectionLost, StoreError
+from .driver import Gen, arun, run, transient_sqlstate
 
 __all__ = [
     "ATTEMPT_TIMEOUT",
     "CLIENT_TCP_SETTINGS",
+    "Opening",
     "aconnect",
     "connect",
     "connection_error",
@@ -89,6 +100,9 @@ CLIENT_TCP_SETTINGS = {
     "keepalives_count": "3",
     "tcp_user_timeout": "60000",
 }
+
+#: A session's opening checks (see "Opening checks"): a new store generator per attempt.
+Opening: TypeAlias = Callable[[], Gen[Any]]
 
 _START_SERVER = (
     "is PostgreSQL running there? Start it, or use the repository's docker-compose.yml "
@@ -187,7 +201,10 @@ def transient_connect_error(error: BaseException) -> bool:
     server")? A SQLSTATE decides when there is one (`streams.store.driver.transient_sqlstate`:
     57P03 "cannot connect now", 53300 "too many connections", class 08); otherwise libpq's
     reason must be one of `_TRANSIENT_REASONS`. A bad password, an unknown database or role, a
-    host name that does not resolve are not."""
+    host name that does not resolve are not. An opening check's `StoreError` is transient when
+    the session was lost under it or the server's error is (see "Opening checks")."""
+    if isinstance(error, ConnectionLost):
+        return True
     sqlstate = getattr(error, "sqlstate", None)
     if sqlstate is not None:
         return transient_sqlstate(sqlstate)
@@ -222,6 +239,8 @@ def _attempts(
         assert error is not None
         attempt += 1
         remaining = deadline - time.monotonic()
+        if isinstance(error, StoreError) and (not transient_connect_error(error) or remaining <= 0):
+            raise error  # an opening check's own error, as a single attempt would raise it
         if not transient_connect_error(error) or remaining <= 0:
             tried = (attempt, time.monotonic() - started)
             raise connection_error(
@@ -231,7 +250,9 @@ def _attempts(
             # Said once per connection: an operator sees why a start or a call is slow.
             log.warning(
                 "%s; trying again for up to %.0f s",
-                connection_error(url, error, purpose=purpose, secrets=secrets_of(url, params)),
+                f"opening a session ({purpose}): {error}"
+                if isinstance(error, StoreError)
+                else connection_error(url, error, purpose=purpose, secrets=secrets_of(url, params)),
                 connect_timeout,
             )
         # The last attempt comes at the deadline, not a backoff step before it.
@@ -261,13 +282,17 @@ def connect(
     autocommit: bool,
     connect_timeout: float | None = None,
     purpose: str = "streams",
+    opening: Opening | None = None,
+    decode_payloads: bool = False,
 ) -> psycopg.Connection[Any]:
     """A psycopg connection to `url`; `purpose` (e.g. ``"writer"``) is named in errors.
 
     ``connect_timeout``: the most seconds to keep trying while the server is starting,
     restarting or refusing connections (None: `streams.config.default_connect_timeout`; see
-    "Waiting for a starting server"). Raises `ConfigurationError` for a URL libpq cannot parse
-    and `StoreError` when the server cannot be reached or refuses the connection.
+    "Waiting for a starting server"). ``opening``: the session's checks, part of each attempt
+    (see "Opening checks"). ``decode_payloads``: `use_payload_decoder` (before ``opening``).
+    Raises `ConfigurationError` for a URL libpq cannot parse and `StoreError` when the server
+    cannot be reached or refuses the connection.
     """
     params = parse_database_url(url)
     conninfo = make_conninfo(url, **_tcp_options(params))
@@ -279,11 +304,25 @@ def connect(
             time.sleep(step.seconds)
             step = next(plan)
             continue
-        error: psycopg.Error | None = None
+        error: psycopg.Error | StoreError | None = None
         try:
-            return psycopg.connect(conninfo, autocommit=autocommit, connect_timeout=step.timeout)
+            conn = psycopg.connect(conninfo, autocommit=autocommit, connect_timeout=step.timeout)
         except psycopg.Error as exc:
             error = exc
+        else:
+            if decode_payloads:
+                use_payload_decoder(conn)
+            if opening is None:
+                return conn
+            try:
+                run(conn, opening())
+                return conn
+            except StoreError as exc:
+                conn.close()
+                error = exc
+            except BaseException:
+                conn.close()
+                raise
         step = plan.send(error)  # outside the except block: no chained driver message
 
 
@@ -293,6 +332,8 @@ async def aconnect(
     autocommit: bool,
     connect_timeout: float | None = None,
     purpose: str = "streams",
+    opening: Opening | None = None,
+    decode_payloads: bool = False,
 ) -> psycopg.AsyncConnection[Any]:
     """The asyncio twin of `connect`."""
     params = parse_database_url(url)
@@ -305,13 +346,27 @@ async def aconnect(
             await asyncio.sleep(step.seconds)
             step = next(plan)
             continue
-        error: psycopg.Error | None = None
+        error: psycopg.Error | StoreError | None = None
         try:
-            return await psycopg.AsyncConnection.connect(
+            conn = await psycopg.AsyncConnection.connect(
                 conninfo, autocommit=autocommit, connect_timeout=step.timeout
             )
         except psycopg.Error as exc:
             error = exc
+        else:
+            if decode_payloads:
+                use_payload_decoder(conn)
+            if opening is None:
+                return conn
+            try:
+                await arun(conn, opening())
+                return conn
+            except StoreError as exc:
+                await conn.close()
+                error = exc
+            except BaseException:
+                await conn.close()
+                raise
         step = plan.send(error)
 
 

@@ -88,7 +88,7 @@ from .idempotency import (
     read_originals,
     record_cte,
 )
-from .identity import verify
+from .identity import FLUSHED_LSN_SQL, TIMELINE_SQL, verify
 from .leases import (
     end_expired_sessions,
     max_allocated_sql,
@@ -600,6 +600,18 @@ class WriterCore:
             "tcp_user_timeout": str(int(lease * 1000)),
         }
 
+    def _where(self) -> str:
+        return f"writer {self.instance!r} of {self.stream_name!r}"
+
+    def opening(self, *, first: bool = False) -> Gen[None]:
+        """What a new session of the writer runs first: `configure_session`; on the writer's
+        first, `register` too. Run afresh when the session is lost under it
+        (`streams.store.sessions`, "Opening checks"): registering again takes the name over
+        again, which only fences this writer's own lost session."""
+        yield from self.configure_session()
+        if first:
+            yield from self.register()
+
     def configure_session(self) -> Gen[None]:
         """The writer's own connections (appends, heartbeats), first checked to be on the
         database history the writer started on (`guard`: `streams.store.identity`), then
@@ -608,7 +620,7 @@ class WriterCore:
         statement runs."""
         yield from verify(
             self.guard,
-            f"writer {self.instance!r} of {self.stream_name!r}",
+            self._where(),
             self.sighting,
             "facts acknowledged to this writer",
         )
@@ -1041,15 +1053,28 @@ class WriterCore:
         return self.tracker.begin_reservation(), stamp
 
     def reserve_fact(
-        self, token: ReservationToken, stamp: int, key: str | None = None
+        self, token: ReservationToken, stamp: int, key: str | None = None, *, fence: bool = False
     ) -> Gen[FactHandle]:
         """Reserve one ID inside the caller's transaction (open, or begun by this statement).
 
         With ``key``: claim it first, then reserve and record the ID only if this transaction
         holds the claim (two statements: "the claim argument" in `streams.store.idempotency`);
         otherwise the handle is a duplicate carrying the original fact's ID and timestamp.
+
+        ``fence``: the caller's session is new to this writer, and may be the first on a new
+        timeline (a failover), before any session of the writer's own: fence the timeline
+        first (`streams.store.failover.fence_timeline`), in the caller's transaction, so no ID
+        the old timeline may have handed out is handed out again here. Its ``setval`` took
+        effect before the reservation's statement began, which therefore draws past it.
         """
         assert self._reserve_fact is not None
+        if fence:
+            moved = yield from fence_timeline(commit=False)
+            if moved:
+                log.warning(
+                    "a new timeline (a failover), first seen on a caller's session: moved %d "
+                    "stream sequences %d IDs forward", moved, FAILOVER_SKIP,
+                )  # fmt: skip
         params = {**self._lease_params(), **self._tcp_settings(), "count": 1}
         if key is None:
             try:
@@ -1165,9 +1190,14 @@ class WriterCore:
                 FROM c
                 WHERE stream = %(stream)s AND instance = %(instance)s
                   AND generation = %(generation)s AND NOT retired AND c.v IS NOT NULL
-                RETURNING position, {max_allocated}, {now}
+                RETURNING position, {max_allocated}, {now}, {timeline}, {flushed}
                 """
-            ).format(max_allocated=max_allocated_sql(self.info), now=sql.SQL(_NOW_MS)),
+            ).format(
+                max_allocated=max_allocated_sql(self.info),
+                now=sql.SQL(_NOW_MS),
+                timeline=sql.SQL(TIMELINE_SQL),
+                flushed=sql.SQL(FLUSHED_LSN_SQL),
+            ),
             {
                 "position": position,
                 "pending": tracker.take_peak_pending(),
@@ -1180,8 +1210,10 @@ class WriterCore:
         if not rows:
             self.fenced = True
             return HeartbeatResult(False, self._persisted, tracker.max_allocated)
-        persisted, max_allocated, db_ms = (int(v) for v in rows[0])
+        persisted, max_allocated, db_ms, timeline = (int(v) for v in rows[0][:4])
         self.clock.sample(db_ms, sent, time.time())
+        if rows[0][4] is not None:  # what a rewind would take back (`Guard`, "A rewind")
+            self.guard.observed(timeline, int(rows[0][4]))
         self._persisted = max(self._persisted, persisted)
         tracker.note_allocated(max_allocated)
         return HeartbeatResult(True, self._persisted, max_allocated)

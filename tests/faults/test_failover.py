@@ -350,3 +350,56 @@ def test_asyncio_roles_ride_out_a_synchronous_failover_and_see_an_asynchronous_l
     for synchronous in (True, False):
         with _pair(synchronous=synchronous) as pair:
             asyncio.run(scenario(pair, synchronous))
+
+
+def test_facts_without_rows_are_no_loss_and_a_callers_session_fences_a_new_timeline(
+    unique_name: str,
+) -> None:
+    """Issue 38. Through a synchronous failover:
+
+    * a committed ``fact()`` with no row in the facts table (rows are optional; the caller's
+      own table holds its effect), and one whose rows are in a declared table, are never
+      named by `FailoverLoss` (the writer's check looks for rows: it remembered neither the
+      first, and finds the second in the declared table);
+    * a ``fact(conn=...)`` on a caller's session that reaches the new primary before any
+      session of the writer's own gets an ID past the fence (the old timeline's IDs may have
+      been handed out there).
+    """
+    declared = f"{unique_name}_d"
+    with _pair(synchronous=True) as pair:
+        url = pair.multi_host_url
+        with psycopg.connect(pair.primary_url, autocommit=True) as admin:
+            admin.execute(f"CREATE TABLE {unique_name}_app (id bigint PRIMARY KEY)")
+            admin.execute(f"CREATE TABLE {declared}_rows (stream_id bigint PRIMARY KEY)")
+        # A long lease: the writers' heartbeats (lease / 4) stay off their sessions, so the
+        # caller's session is the first on the new timeline.
+        client = streams.connect(url, connect_timeout=20, lease_seconds=120)
+        client.create_stream(unique_name)
+        client.create_stream(declared, fact_tables=[f"public.{declared}_rows.stream_id"])
+        plain, with_table = client.writer(unique_name), client.writer(declared)
+        before = plain.append({"n": 0}).ids[0]
+        with psycopg.connect(url) as app:
+            with plain.fact(app) as fact:  # no rows: the caller's table holds its effect
+                app.execute(f"INSERT INTO {unique_name}_app VALUES (%s)", (fact.stream_id,))
+            rowless = fact.stream_id
+            with with_table.fact(app) as fact:
+                app.execute(f"INSERT INTO {declared}_rows VALUES (%s)", (fact.stream_id,))
+            in_table = fact.stream_id
+        pair.kill_primary()
+        pair.promote()
+        with psycopg.connect(url) as app:  # the caller reconnects first
+            with plain.fact(app) as fact:
+                fact.add({"after": "failover"})
+            first_after = fact.stream_id
+        assert first_after > before + FAILOVER_SKIP, (before, first_after)
+        # The writers' own sessions reconnect now: what they remember is all there.
+        ack = plain.append({"n": 1})
+        assert ack.ids[0] > first_after
+        with_table.append({"n": 2})
+        with psycopg.connect(pair.standby_url) as conn:
+            assert conn.execute(f"SELECT id FROM {unique_name}_app").fetchall() == [(rowless,)]
+            held = conn.execute(f"SELECT stream_id FROM {declared}_rows").fetchall()
+            assert held == [(in_table,)]
+        plain.close()
+        with_table.close()
+        client.close()

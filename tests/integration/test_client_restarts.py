@@ -387,3 +387,136 @@ def test_a_write_is_not_sent_twice_when_its_connection_breaks(
     out = _break_under(streams_url, lambda: pid, lambda: client.set_retention(stream, 60_000))
     assert len(out) == 1 and isinstance(out[0], ConnectionLost), out
     assert client.stream(stream).retention_ms is None  # nothing was committed, nothing retried
+
+
+# ------------------------------------------------------------------ opening under a termination
+
+
+@contextlib.contextmanager
+def _incarnation_locked(url: str) -> Iterator[None]:
+    """Hold the incarnation table exclusively: every session's opening check (the
+    incarnation, `streams.store.identity.verify`) waits for it, where the test ends it."""
+    with psycopg.connect(url) as holder:
+        holder.execute("LOCK TABLE streams_incarnation IN ACCESS EXCLUSIVE MODE")
+        yield
+        holder.rollback()
+
+
+def _waiting_openers(url: str) -> set[int]:
+    with psycopg.connect(url, autocommit=True) as admin:
+        rows = admin.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+            "AND wait_event_type = 'Lock' AND query LIKE '%%FROM streams_incarnation%%'"
+        ).fetchall()
+    return {int(r[0]) for r in rows}
+
+
+def _new_openers(url: str, ended: set[int]) -> set[int]:
+    """The sessions waiting in an opening check, once there is one not ended yet."""
+    deadline = time.monotonic() + 30
+    while not (found := _waiting_openers(url) - ended):
+        assert time.monotonic() < deadline, "no opening check waits"
+        time.sleep(0.02)
+    return found
+
+
+def _opened_while_ended(url: str, call: Callable[[], Any], ends: int = 2) -> Any:
+    """``call()`` (an opening) while the sessions it opens are ended ``ends`` times under
+    its checks; its result (or what it raised)."""
+    ended: set[int] = set()
+    with _incarnation_locked(url):
+        thread, out = in_thread(call)
+        for _ in range(ends):
+            waiting = _new_openers(url, ended)
+            for pid in waiting:
+                terminate(url, pid)
+            ended |= waiting
+        wait_until(lambda: bool(_waiting_openers(url) - ended), what="the opening tried again")
+    thread.join(30)
+    assert not thread.is_alive() and len(out) == 1
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return out[0]
+
+
+def _spark_driver_session(url: str, stream: str) -> Any:
+    from streams_spark.options import parse_options
+    from streams_spark.source import _Driver
+
+    driver = _Driver(parse_options({"streams": stream, "databaseUrl": url}, environ={}))
+    return driver._connection()
+
+
+OPENINGS: dict[str, Callable[[streams.Client, str, str], Any]] = {
+    "connect": lambda client, url, stream: streams.connect(url),
+    "aconnect": lambda client, url, stream: asyncio.run(_aopen(url)),
+    "reader": lambda client, url, stream: client.reader(stream),
+    "group": lambda client, url, stream: client.reader(stream, group="billing"),
+    "writer": lambda client, url, stream: client.writer(stream),
+    "async writer": lambda client, url, stream: asyncio.run(_awriter(url, stream)),
+    "spark driver": lambda client, url, stream: _spark_driver_session(url, stream),
+}
+
+
+async def _aopen(url: str) -> str:
+    client = await streams.aconnect(url)
+    async with client:
+        await client.streams()  # the connection the opening checked serves the first call
+    return "opened"
+
+
+async def _awriter(url: str, stream: str) -> int:
+    client = await streams.aconnect(url)
+    async with client:
+        writer = await client.writer(stream)
+        async with writer:
+            return (await writer.append({"opened": True})).ids[0]
+
+
+@pytest.mark.parametrize("opening", list(OPENINGS))
+def test_opening_rides_out_its_session_ended_under_its_checks(
+    client: streams.Client, stream: str, streams_url: str, opening: str
+) -> None:
+    """Issue 38: a supervisor restarting a consumer while sessions are being ended (a
+    failover, ``pg_terminate_backend``): the opening checks (schema, incarnation, session
+    settings, a group's generation, a writer's registration) run again on a new session,
+    within ``connect_timeout``, as every read-only call does."""
+    opened = _opened_while_ended(
+        streams_url, lambda: OPENINGS[opening](client, streams_url, stream)
+    )
+    with contextlib.ExitStack() as stack:
+        if hasattr(opened, "close"):
+            stack.callback(opened.close)
+        if isinstance(opened, streams.Writer):
+            assert opened.append({"after": "opening"}).ids
+        elif isinstance(opened, streams.Reader):
+            assert opened.poll(timeout=0) is None  # caught up (the stream is empty)
+        elif isinstance(opened, streams.Client):
+            assert opened.streams()
+        else:
+            assert opened  # the asyncio client's first call, the async writer's first ID
+
+
+def test_an_opening_that_cannot_pass_its_checks_fails_with_their_error(
+    client: streams.Client, streams_url: str, stream: str
+) -> None:
+    """Past ``connect_timeout``, the checks' own error, as a single attempt raises it."""
+    with _incarnation_locked(streams_url):
+        stop = threading.Event()
+
+        def end_every_opener() -> None:
+            while not stop.is_set():
+                for pid in _waiting_openers(streams_url):
+                    terminate(streams_url, pid)
+                time.sleep(0.05)
+
+        ender = threading.Thread(target=end_every_opener, daemon=True)
+        ender.start()
+        started = time.monotonic()
+        try:
+            with pytest.raises(ConnectionLost):
+                streams.connect(streams_url, connect_timeout=2)
+        finally:
+            stop.set()
+            ender.join(10)
+        assert 1.5 < time.monotonic() - started < 15

@@ -254,7 +254,8 @@ def test_a_lock_taken_after_the_sequence_was_read_does_not_collapse_the_probe(
             with psycopg.connect(streams_url, autocommit=True) as conn:
                 for statement in READER_SESSION_SETUP:
                     conn.execute(statement)
-                return dataclasses.replace(run(conn, probe([info]))[stream], wal_lsn=0)
+                found = run(conn, probe([info]))[stream]
+                return dataclasses.replace(found, wal_lsn=0, flushed_lsn=0)
 
     assert probe_holding(last + 3) == Probe(stream, last, last)  # IDs above max allocated
     assert probe_holding(last + 1) == Probe(stream, last, last)

@@ -13,6 +13,7 @@ from streams.core.incarnation import (
     Guard,
     Incarnation,
     changes,
+    format_lsn,
     token_changes,
     written_elsewhere,
 )
@@ -127,3 +128,74 @@ def test_a_group_row_of_an_earlier_timeline_holds_across_a_failover_only() -> No
     assert written_elsewhere("a/1/9/3/1", current, across_failover=True) is not None
     assert written_elsewhere("nonsense", current, across_failover=True) is not None
     assert written_elsewhere("a/1/2/3/1", current) is not None
+
+
+# ------------------------------------------------------------------------------ a rewind
+
+HISTORY = Incarnation("a", 1, 2, 3, 1)
+
+
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 2**40)), max_size=40))
+def test_durable_positions_that_only_grow_on_each_timeline_never_stop_a_process(
+    steps: list[tuple[int, int]],
+) -> None:
+    """Readings of an intact history: timelines only rise, and on each one the durable
+    position only grows (crash recovery replays at least what was flushed)."""
+    guard, timeline, lsn = Guard(), 1, 0
+    for rise, grow in steps:
+        if rise == 3:  # a failover: the new timeline starts at or below the old position
+            timeline, lsn = timeline + 1, grow // 2
+        else:
+            lsn += grow
+        found = Incarnation("a", 1, 2, 3, timeline)
+        if rise % 2:
+            guard.check(found, "reader", lsn, guard.seen_lsn)  # a connect
+        else:
+            guard.check(found, "reader")
+            guard.observed(timeline, lsn)  # a probe, a heartbeat
+    assert guard.seen_lsn is None or guard.seen_lsn[0] == timeline
+
+
+@given(st.integers(1, 2**40), st.integers(1, 2**40))
+def test_a_durable_position_below_one_seen_on_the_same_timeline_is_a_rewind(
+    seen: int, back: int
+) -> None:
+    guard = Guard()
+    guard.check(HISTORY, "reader", seen)
+    guard.observed(1, seen + back)
+    below = seen + back - min(back, seen)
+    with pytest.raises(DatabaseChanged) as raised:
+        guard.check(HISTORY, "group 'g' of s", below, guard.seen_lsn)
+    text = str(raised.value)
+    assert "group 'g' of s" in text and "went back on timeline 1" in text
+    assert format_lsn(seen + back) in text  # both positions, as PostgreSQL writes them
+    assert format_lsn(below) in text
+
+
+def test_readings_that_arrive_out_of_order_are_no_rewind() -> None:
+    """Two threads: one reads 100 and is slow, the other reads 200 and records it first.
+    The first reading is bounded only by what was seen before it was taken."""
+    guard = Guard()
+    guard.check(HISTORY, "writer", 50, None)
+    floor = guard.seen_lsn  # the slow reading starts
+    guard.observed(1, 200)  # a heartbeat of another thread, read later, recorded first
+    guard.check(HISTORY, "writer", 100, floor)  # no rewind
+    assert guard.seen_lsn == (1, 200)
+
+
+def test_a_failover_starts_counting_again_and_a_former_primary_says_nothing() -> None:
+    guard = Guard()
+    guard.check(HISTORY, "writer", 5_000)
+    later = Incarnation("a", 1, 2, 3, 2)
+    guard.check(later, "writer", 4_000, guard.seen_lsn)  # the new timeline left lower: no rewind
+    assert guard.seen_lsn == (2, 4_000)
+    guard.observed(1, 9_000)  # a late answer from the old primary
+    assert guard.seen_lsn == (2, 4_000)
+    guard.check(later, "writer", None, guard.seen_lsn)  # a standby's reading: no position
+    with pytest.raises(DatabaseChanged, match="0/F9F"):
+        guard.check(later, "writer", 3_999, guard.seen_lsn)
+
+
+def test_lsns_are_written_as_postgresql_writes_them() -> None:
+    assert format_lsn(0) == "0/0"
+    assert format_lsn(0x1_0300_0060) == "1/3000060"

@@ -29,8 +29,8 @@ def _info(key: int, name: str) -> StreamInfo:
 
 INFO = _info(7, "s")
 TOKEN = "id/1/2/3/1"
-#: A row of INCARNATION_SQL whose token is `TOKEN`.
-SAME_HISTORY = ("id", 1, 2, 3, 1)
+#: A row of INCARNATION_SQL whose token is `TOKEN` (a primary's, flushed to 0/1000000).
+SAME_HISTORY = ("id", 1, 2, 3, 1, 16777216)
 
 
 def _drive(
@@ -93,7 +93,7 @@ def test_no_incarnation_no_check() -> None:
 def test_another_history_stops_before_the_probe() -> None:
     plan = _plan()
     with pytest.raises(DatabaseChanged, match=r"test reading 's' \(0, 5\]"):
-        _drive(plan, complete=9, history=("other", 1, 2, 3, 1))
+        _drive(plan, complete=9, history=("other", 1, 2, 3, 1, 16777216))
 
 
 def test_retention_is_checked_after_the_rows() -> None:
@@ -205,10 +205,10 @@ def test_on_a_standby_the_fence_replaces_the_probe() -> None:
         False,
     )
     with pytest.raises(StandbyBehind) as other:
-        drive(100, history=("id", 1, 2, 3, 2))
+        drive(100, history=("id", 1, 2, 3, 2, 16777216))
     assert other.value.timeline
     with pytest.raises(DatabaseChanged, match="read URL"):
-        drive(100, history=("other", 1, 2, 3, 1))
+        drive(100, history=("other", 1, 2, 3, 1, 16777216))
 
 
 def test_a_followers_proofs_carry_the_lsn_read_after_them() -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import types
+import weakref
 from collections.abc import Generator
 from typing import Any
 
@@ -37,6 +39,7 @@ class FakeConn:
         self.name = name
         self.closed = False
         self.autocommit = False
+        self.info = types.SimpleNamespace(backend_pid=1)
 
     def close(self) -> None:
         self.closed = True
@@ -103,8 +106,8 @@ class FakeCore:
     def beat(self) -> Generator[Any, Any, Any]:
         return self._marker("beat")
 
-    def configure_session(self) -> Generator[Any, Any, Any]:
-        return self._marker("configure_session")
+    def opening(self, *, first: bool = False) -> Generator[Any, Any, Any]:
+        return self._marker("opening")
 
     def append(self, *args: Any) -> Generator[Any, Any, Any]:
         return self._marker("append")
@@ -112,7 +115,9 @@ class FakeCore:
     def begin_fact(self, timestamp: int | None, key: str | None) -> tuple[str, int]:
         return "token", 1000
 
-    def reserve_fact(self, token: str, stamp: int, key: str | None) -> Generator[Any, Any, Any]:
+    def reserve_fact(
+        self, token: str, stamp: int, key: str | None, *, fence: bool = False
+    ) -> Generator[Any, Any, Any]:
         return self._marker("reserve_fact")
 
     def finish_fact(self, token: Any, handle: Any, ok: bool) -> None:
@@ -327,7 +332,6 @@ def test_a_slow_append_moves_the_beat_to_the_spare_until_it_idles(writer: Beatin
     d.answer("acquire", "beat_lock", None, value=True)
     d.answer("acquire", "lock", BORROW_WAIT, value=False)  # an append holds it
     d.answer("connect", value=FakeConn("spare"))
-    d.answer("run", "spare", "configure_session")
     d.answer("run", "spare", "heartbeat")
     assert d.done and writer._spare is not None and writer._spare_used == 100.0
     assert_free(writer)
@@ -353,7 +357,6 @@ def test_connections_the_server_ended_are_reopened(writer: Beating) -> None:
     d.answer("acquire", "lock", BORROW_WAIT, value=True)
     d.answer("call", "own", "close")
     d.answer("connect", value=FakeConn("own2"))
-    d.answer("run", "own2", "configure_session")
     assert writer._conn.name == "own2"
     d.answer("run", "own", "heartbeat")  # a store generator: on the (new) own connection
     assert d.done
@@ -364,21 +367,22 @@ def test_connections_the_server_ended_are_reopened(writer: Beating) -> None:
     d.answer("acquire", "lock", BORROW_WAIT, value=False)
     d.answer("call", "spare", "close")
     d.answer("connect", value=FakeConn("spare2"))
-    d.answer("run", "spare2", "configure_session")
     d.answer("run", "spare2", "heartbeat")
     assert d.done and writer._spare.name == "spare2"
     assert_free(writer)
 
 
-def test_a_failed_session_setup_closes_the_new_connection(writer: Beating) -> None:
+def test_a_new_connection_is_opened_with_the_writers_checks(writer: Beating) -> None:
+    """The checks run inside the connect step (`streams.store.sessions`, "Opening checks"),
+    which waits out a session lost under them; the first connection also registers."""
     d = Driver(writer, writer._connect_plan())
-    new = FakeConn("new")
-    d.answer("connect", value=new)
-    d.expect("run", "new", "configure_session")
-    d.throw(StoreError("refused"))
-    d.expect("call", "new", "close")
-    with pytest.raises(StoreError, match="refused"):
-        d.send()
+    opening = d.op.kwargs["opening"]
+    assert opening.func == writer._core.opening and opening.keywords == {"first": False}
+    d.answer("connect", value=FakeConn("new"))
+    assert d.done and d.value.name == "new"
+    d = Driver(writer, writer._connect_plan(5.0, first=True))
+    assert d.op.kwargs["opening"].keywords == {"first": True}
+    assert d.op.kwargs["connect_timeout"] == 5.0
 
 
 # ---------------------------------------------------------------------------- appends
@@ -393,7 +397,9 @@ class Shell(_WriterShell[Any]):
         self._conn = FakeConn("own")
         self.reports: list[Any] = []
 
-    def _completed(self, ids: tuple[int, ...] = (), timestamp: int = 0) -> None:
+    def _completed(
+        self, ids: tuple[int, ...] = (), timestamp: int = 0, *, remembered: bool = True
+    ) -> None:
         assert not self._lock.held, "reported while holding the connection"  # type: ignore[attr-defined]
         self.reports.append(ids)
 
@@ -418,7 +424,6 @@ def test_an_append_is_retried_once_when_lost_before_its_commit(
     assert "retrying" in caplog.text
     d.answer("call", "dead", "close")
     d.answer("connect", value=FakeConn("own2"))
-    d.answer("run", "own2", "configure_session")
     d.answer("run", "own", "append", value=ACK)
     assert d.done and d.value == ACK
     assert shell.reports == [(9,)] and not shell._lock.held  # type: ignore[attr-defined]
@@ -459,8 +464,11 @@ class Facts(FactPlans):
         self._core: Any = FakeCore()
         self._wake = threading.Event()
         self.reports: list[Any] = []
+        self._sessions = weakref.WeakKeyDictionary()
 
-    def _completed(self, ids: tuple[int, ...] = (), timestamp: int = 0) -> None:
+    def _completed(
+        self, ids: tuple[int, ...] = (), timestamp: int = 0, *, remembered: bool = True
+    ) -> None:
         self.reports.append(ids)
 
 
