@@ -347,9 +347,9 @@ class Chaos:
         self.targets: dict[str, int] = {}
 
     def start_spark(self, session: Any) -> None:
-        """The long form's Spark query over both streams (`chaos_spark`), logged in as the
-        plain reader that cannot prove."""
-        self.spark = SparkRun(session, self.logins["reader"], self.names, self.workdir / "spark")
+        """The long form's Spark query over both streams (`chaos_spark`), logged in as a group
+        consumer (the source commits its offsets to a group)."""
+        self.spark = SparkRun(session, self.logins["group"], self.names, self.workdir / "spark")
         self.stack.callback(self.spark.close)
 
     def event(self, what: str) -> None:
