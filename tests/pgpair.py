@@ -26,7 +26,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psycopg
@@ -399,13 +399,16 @@ class FailoverPair:
 
     # -- faults ----------------------------------------------------------------------------
 
-    def failover(self, how: str) -> float:
-        """Stop the primary (``kill``: SIGKILL to the postmaster; ``immediate``: SIGQUIT), then
-        promote the standby; the two change places (the old primary stays down until
-        `rebuild`). Returns the seconds from the stop until the new primary accepted writes."""
+    def failover(self, how: str, stopped: Callable[[], None] | None = None) -> float:
+        """Stop the primary (``kill``: SIGKILL to the postmaster; ``immediate``: SIGQUIT), call
+        ``stopped`` once every process of it is gone, then promote the standby; the two change
+        places (the old primary stays down until `rebuild`). Returns the seconds from the stop
+        until the new primary accepted writes."""
         old, new = self.primary, self.standby
         started = time.monotonic()
         self._stop(old, {"kill": signal.SIGKILL, "immediate": signal.SIGQUIT}[how])
+        if stopped is not None:
+            stopped()
         assert new.server is not None
         result = subprocess.run(
             [str(embedded.find_postgres_bindir() / "pg_ctl"), "promote", "-w", "-D", str(new.data)],

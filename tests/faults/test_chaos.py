@@ -21,7 +21,8 @@ prover), the primary is killed (SIGKILL to its postmaster) or stopped ``immediat
 standby promoted (``pg_ctl promote``); the old primary is then rebuilt as the new standby
 (``pg_rewind``, or ``pg_basebackup``: by the seed, and when ``pg_rewind`` fails) in the
 background while the other faults go on, and made synchronous again; then the next failover,
-several per run. The restarts stop and start whichever server is the primary then, and the
+several per run; half of the immediate stops after rolled-back reservations (above) are such
+a failover too. The restarts stop and start whichever server is the primary then, and the
 standby is restarted too (``standby-restart``: a synchronous primary's commits wait for it). A
 promoted standby runs asynchronously until its own standby is rebuilt (`FailoverPair`: as
 Patroni's non-strict synchronous mode); no failover comes before that.
@@ -63,12 +64,16 @@ two failover variants run: they hold every fault of the other two.
 
 ``STREAMS_CHAOS_SEED`` replays a run (the seed is printed, and in every failure);
 ``STREAMS_CHAOS_SECONDS`` (default 60) is how long faults go on; ``STREAMS_CHAOS_KEEP=1`` keeps
-the run's directory (the children's logs). From 300 s on (or with ``STREAMS_CHAOS_SPARK=1``) a
-Spark query (`streams_spark`, local mode, `chaos_spark`) reads both streams under the same
-faults, and its output must hold every stored fact once. Children die with the test
+the run's directory (each child's stderr, its lines with the time they came, and the test's
+events). From 300 s on (or with ``STREAMS_CHAOS_SPARK=1``) a Spark query (`streams_spark`, local
+mode, `chaos_spark`) reads both streams under the same faults, and is restarted from its
+checkpoint at random; its output must hold every stored fact once (not in ``failover-async``,
+where a query proven past the switch point stops by design). Children die with the test
 (``PR_SET_PDEATHSIG``, and their process groups are killed), the servers are stopped by PID;
 each run has its own data directories, database, streams and channel prefix. The summary
-printed at the end counts promotions, rebuilds, restarts, kills, facts acknowledged, groups.
+printed at the end counts promotions, rebuilds, restarts, kills, facts acknowledged, groups
+(and Spark's batches). A sampler started next to a run finds what to watch in
+`Chaos.child_pids`, `Chaos.server_pids` and `Chaos.urls`.
 """
 
 from __future__ import annotations
@@ -231,13 +236,13 @@ class Slot:
 class Failover:
     """One promotion: how the primary went, how long the standby had been cut off before
     (asynchronous only), the seconds until the new primary took writes, and how many lines
-    each child had printed once it did (a line after its mark came from the new timeline's
-    side of the switch, or later)."""
+    each child had printed once the old primary was gone (a line before its mark was printed
+    before, one after it came after: the new primary's, or of no primary)."""
 
     how: str
     cut_off: float
-    seconds: float
-    marks: dict[str, int]
+    seconds: float = 0.0
+    marks: dict[str, int] = field(default_factory=dict)
 
     def before(self, child: str, line: int) -> bool:
         """Whether ``child``'s line number ``line`` was printed before this failover."""
@@ -530,25 +535,30 @@ class Chaos:
             return False
         return True
 
-    def failover(self) -> None:
-        """The primary killed or stopped ``immediate`` (an asynchronous standby cut off a
-        moment before, half of the time), the standby promoted; the old primary is rebuilt
-        as the new standby in the background (`FailoverPair.rebuild`)."""
+    def failover(self, how: str | None = None) -> None:
+        """The primary killed or stopped ``immediate`` (``how``: by the seed unless given; an
+        asynchronous standby cut off a moment before, half of the time), the standby promoted;
+        the old primary is rebuilt as the new standby in the background
+        (`FailoverPair.rebuild`)."""
         pair = self.pair
         assert pair is not None
         rng = self.rng
-        how = rng.choice(["kill", "immediate"])
+        how = how or rng.choice(["kill", "immediate"])
         cut = 0.0
         if not pair.synchronous and rng.random() < 0.5:
             cut = rng.uniform(0.2, 1.5)
             pair.cut_off()
             self.wait(cut)
         self.event(f"failover: {how}" + (f", standby cut off {cut:.2f} s before" if cut else ""))
-        seconds = pair.failover(how)
+        done = Failover(how, cut)
+
+        def stopped() -> None:
+            self.event("old primary gone")
+            done.marks = {c.name: len(c.history) for c in self.children}
+
+        done.seconds = pair.failover(how, stopped)
+        self.failovers.append(done)
         self.event(pair.log[-1])
-        self.failovers.append(
-            Failover(how, cut, seconds, {c.name: len(c.history) for c in self.children})
-        )
         self.faults[f"failover-{how}"] += 1
         method = rng.choice(["rewind", "rewind", "basebackup"])
 
@@ -638,7 +648,12 @@ class Chaos:
                 last_position(c, stream) >= gaps[-1] for c in self.live("plain")
             ):
                 time.sleep(0.02)
-        self.servers.restart("immediate")
+        if self.pair is not None and self.rng.random() < 0.5 and self.pair.healthy:
+            # The standby lacks the sequences' unflushed WAL too: a failover in the window.
+            self.faults["pg-hole-failover"] += 1
+            self.failover("immediate")
+        else:
+            self.servers.restart("immediate")
         for child in self.live("writer"):
             child.signal(signal.SIGUSR2)
 
@@ -963,7 +978,10 @@ def check_everything(chaos: Chaos) -> tuple[list[str], dict[str, Any]]:
         if k.startswith("rebuild-")
     }
     summary["restarts"] = {
-        "primary": faults["pg-fast"] + faults["pg-immediate"] + faults["pg-hole"],
+        "primary": faults["pg-fast"]
+        + faults["pg-immediate"]
+        + faults["pg-hole"]
+        - faults["pg-hole-failover"],
         "standby": faults["standby-restart"],
         "redis": faults["redis-restart"],
     }
@@ -1131,13 +1149,17 @@ def check_lifetime(
     return problems
 
 
-def lost_commit_between(chaos: Chaos, first: tuple[str, int], then: tuple[str, int]) -> bool:
-    """Whether an asynchronous failover came between a group commit (consumer, line) and a
-    later one of the same facts: the first may be lost with the old timeline (acknowledged,
-    not replicated), and the group consumes those facts again."""
+def lost_commit_between(chaos: Chaos, one: tuple[str, int], other: tuple[str, int]) -> bool:
+    """Whether an asynchronous failover came between two group commits (consumer, line) of
+    the same facts, in either order (the consumers' lifetimes overlap: a zombie and its
+    replacement): the earlier may be lost with the old timeline (acknowledged, not
+    replicated), and the group consumes those facts again."""
     if chaos.variant.failover != "async":
         return False
-    return any(f.before(*first) and f.after(*then) for f in chaos.failovers)
+    return any(
+        (f.before(*one) and f.after(*other)) or (f.before(*other) and f.after(*one))
+        for f in chaos.failovers
+    )
 
 
 @pytest.fixture(params=CHOSEN)
