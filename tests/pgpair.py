@@ -15,6 +15,12 @@ What a failover test does with it:
 For standby reads: `pause_replay` / `resume_replay` (``pg_wal_replay_pause()``), and
 `restart_standby`. Both servers get their own ports and directory, and are stopped by PID
 (`close`), whatever state the test left them in.
+
+`FailoverPair` (the chaos test's) fails over again and again: each server behind a proxy with
+a fixed port (so one multi-host URL serves the whole run), `failover` (SIGKILL or immediate
+stop, then promote), `rebuild` (the old primary made the new standby by ``pg_rewind`` or
+``pg_basebackup``, synchronous again), restarts of either server, and `cut_off` for an
+asynchronous pair.
 """
 
 from __future__ import annotations
