@@ -701,6 +701,14 @@ def in_thread(action: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
     return thread, out
 
 
+def copy_data_directory(source: Path, target: Path) -> None:
+    """``target`` becomes an exact copy of the stopped server's ``source`` (owners kept: as
+    root, PostgreSQL runs as another user): a file-system snapshot, or its restore in place."""
+    if target.exists():
+        shutil.rmtree(target)
+    subprocess.run(["cp", "-a", str(source), str(target)], check=True)
+
+
 def terminate(url: str, pid: int) -> None:
     with psycopg.connect(url, autocommit=True) as admin:
         admin.execute("SELECT pg_terminate_backend(%s, 5000)", (pid,))  # waits until gone
@@ -729,9 +737,14 @@ class RestartablePostgres:
     def url(self, database: str) -> str:
         return self.admin_url.rsplit("/", 1)[0] + f"/{database}"
 
-    def restart(self, mode: str, down_for: float = 0.0) -> float:
-        """Stop (``fast`` or ``immediate``), wait ``down_for`` seconds, start; returns the
-        seconds the server was unreachable."""
+    def restart(
+        self,
+        mode: str,
+        down_for: float = 0.0,
+        while_down: Callable[[Path], None] | None = None,
+    ) -> float:
+        """Stop (``fast`` or ``immediate``), wait ``down_for`` seconds (and run ``while_down``
+        on the data directory), start; returns the seconds the server was unreachable."""
         sig = {"fast": signal.SIGINT, "immediate": signal.SIGQUIT}[mode]
         old = self.server
         started = time.monotonic()
@@ -742,6 +755,8 @@ class RestartablePostgres:
             time.sleep(0.01)
         old.stop()  # releases this handle (the server is gone already)
         time.sleep(down_for)
+        if while_down is not None:
+            while_down(old.directory / "data")
         self.server = embedded.start_postgres(self.workdir, durable=True, settings=self.settings)
         self.proxy.retarget("127.0.0.1", self.server.port)
         self.restarts += 1

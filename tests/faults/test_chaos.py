@@ -109,6 +109,7 @@ from faultkit import (
 from helpers import TESTS_DIR
 from pgpair import FailoverPair, failover_pair
 from servers import new_redis_prefix, new_stream_name
+from soak import Soak
 
 import streams
 from streams.embedded import ensure_database
@@ -454,6 +455,10 @@ class Chaos:
 
     def live(self, *roles: str) -> list[Child]:
         return [c for s in self.slots if s.role in roles for c in s.live()]
+
+    def pids(self) -> dict[str, int]:
+        """Each slot's newest live child, by slot: the processes a soak samples."""
+        return {s.name: live[-1].proc.pid for s in self.slots if (live := s.live())}
 
     def stopped(self) -> set[int]:
         return {id(c) for _, c in self.resume}
@@ -1203,6 +1208,10 @@ def test_chaos_every_fault_at_once(chaos: Chaos) -> None:
     )
     rng = chaos.rng
     started = time.monotonic()
+    # STREAMS_SOAK_DIR: sampled and judged for leaks (tests/soak.py, `make soak`).
+    soak = Soak.beside(chaos.pids, chaos.url, chaos.redis.url, chaos.prefix, chaos.names,
+                       seconds=SECONDS, seed=SEED)  # fmt: skip
+    chaos.stack.callback(soak.stop)
     chaos.supervise()
     time.sleep(2.0)  # warm up: every child connected
     next_fault = time.monotonic() + rng.uniform(0.2, 1.2)
@@ -1216,6 +1225,7 @@ def test_chaos_every_fault_at_once(chaos: Chaos) -> None:
             chaos.fault()
             next_fault = time.monotonic() + rng.uniform(0.2, 1.2)
         time.sleep(0.02)
+    soak.stop()
     targets = chaos.settle()
     problems, summary = check_everything(chaos)
     summary["final positions"] = targets
@@ -1226,6 +1236,7 @@ def test_chaos_every_fault_at_once(chaos: Chaos) -> None:
         f"STREAMS_CHAOS_VARIANTS={chaos.variant.name} (streams {chaos.names}): "
         f"{len(problems)} problems\n{report(problems)}\nsummary: {json.dumps(summary)}"
     )
+    soak.assert_flat()
 
 
 #: The kinds of problem, in the order a report shows them (a few of each).
