@@ -60,7 +60,8 @@ role model of `streams roles create`: each child a login of its own role: writer
 ``streams_writer``, one plain reader as ``streams_prover`` (it stands for election), the other
 as ``streams_reader``, the group consumers as ``streams_group_reader``; issue 37),
 ``failover-sync`` (under the role model) and ``failover-async`` (as the admin). By default the
-two failover variants run: they hold every fault of the other two.
+two failover variants run: they hold every fault of the other two (all four with
+``STREAMS_SOAK_DIR``, a soak choosing one with ``-k``: `make soak` takes ``role-model``).
 
 ``STREAMS_CHAOS_SEED`` replays a run (the seed is printed, and in every failure);
 ``STREAMS_CHAOS_SECONDS`` (default 60) is how long faults go on; ``STREAMS_CHAOS_KEEP=1`` keeps
@@ -147,7 +148,10 @@ VARIANTS = {
         Variant("failover-async", roles=False, failover="async"),
     )
 }
-_CHOSEN = os.environ.get("STREAMS_CHAOS_VARIANTS", "failover-sync,failover-async")
+#: A soak (``STREAMS_SOAK_DIR``: `make soak` picks its variant with ``-k``) may run any.
+_CHOSEN = os.environ.get("STREAMS_CHAOS_VARIANTS") or (
+    "all" if os.environ.get("STREAMS_SOAK_DIR") else "failover-sync,failover-async"
+)
 CHOSEN = list(VARIANTS) if _CHOSEN == "all" else [v.strip() for v in _CHOSEN.split(",")]
 assert set(CHOSEN) <= set(VARIANTS), f"STREAMS_CHAOS_VARIANTS: not one of {sorted(VARIANTS)}"
 
@@ -384,7 +388,7 @@ class Chaos:
     # ------------------------------------------------------------------ for a sampler
 
     def child_pids(self) -> dict[str, int]:
-        """The children running now: name (slot and lifetime) -> PID."""
+        """The children running now: name (slot and lifetime) -> PID (`pids`: by slot)."""
         return {c.name: c.proc.pid for c in self.children if c.proc.poll() is None}
 
     def server_pids(self) -> dict[str, int]:
