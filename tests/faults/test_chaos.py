@@ -241,20 +241,25 @@ class Slot:
 class Failover:
     """One promotion: how the primary went, how long the standby had been cut off before
     (asynchronous only), the seconds until the new primary took writes, and how many lines
-    each child had printed once the old primary was gone (a line before its mark was printed
-    before, one after it came after: the new primary's, or of no primary)."""
+    each child's history held once the old primary was gone (``gone``) and once the new one
+    took writes (``promoted``). Lines come through a pipe, a moment after they are printed:
+    one that came before ``promoted`` was printed before the old primary died (nothing
+    commits without a primary), and one that came after ``gone`` was printed after it died,
+    or a moment before."""
 
     how: str
     cut_off: float
     seconds: float = 0.0
-    marks: dict[str, int] = field(default_factory=dict)
+    gone: dict[str, int] = field(default_factory=dict)
+    promoted: dict[str, int] = field(default_factory=dict)
 
     def before(self, child: str, line: int) -> bool:
-        """Whether ``child``'s line number ``line`` was printed before this failover."""
-        return child in self.marks and line < self.marks[child]
+        """Whether ``child``'s line number ``line`` tells of something before this failover."""
+        return child in self.promoted and line < self.promoted[child]
 
     def after(self, child: str, line: int) -> bool:
-        return child not in self.marks or line >= self.marks[child]
+        """Whether it tells of something after (or at the moment of) this failover."""
+        return child not in self.gone or line >= self.gone[child]
 
 
 #: Under the role model, the login each kind of child uses (a LOGIN role granted only that
@@ -563,9 +568,10 @@ class Chaos:
 
         def stopped() -> None:
             self.event("old primary gone")
-            done.marks = {c.name: len(c.history) for c in self.children}
+            done.gone = {c.name: len(c.history) for c in self.children}
 
         done.seconds = pair.failover(how, stopped)
+        done.promoted = {c.name: len(c.history) for c in self.children}
         self.failovers.append(done)
         self.event(pair.log[-1])
         self.faults[f"failover-{how}"] += 1
