@@ -6,9 +6,12 @@
   <attempt>, "j": <index in a batch>, "r": <row>, "k": <rows of the fact>}``. It prints
   ``ACK n k id...`` (the IDs of attempt ``n``, ``k`` rows each), ``UNK n k count``
   (`streams.CommitUnknown`), ``RB n id`` (a reservation rolled back: that ID is a gap),
-  ``ERR n Type message`` (another error of the library's tree), ``BAD Type message`` (an error
-  outside it). SIGUSR1 pauses it between appends (it prints ``PAUSED``), SIGUSR2 resumes it,
-  SIGTERM makes it finish the current append, print ``DONE`` and exit.
+  ``LOSS n stream first last missing message`` (`streams.FailoverLoss`: a failover lost facts
+  acknowledged to it, IDs ``first..last``; it goes on), ``ERR n Type message`` (another error of
+  the library's tree), ``BAD Type message`` (an error outside it). Another
+  `streams.DatabaseChanged` (a history it may not write in): ``CHANGED n message``, exit 6.
+  SIGUSR1 pauses it between appends (it prints ``PAUSED``), SIGUSR2 resumes it, SIGTERM makes
+  it finish the current append, print ``DONE`` and exit.
 * ``reader URL REDIS PREFIX STREAMS MODE NAME SEED [GROUP]``: follows the comma-separated
   ``STREAMS`` with shared proofs; ``MODE`` is ``plain`` (no group), ``auto`` (group ``GROUP``,
   `Reader.commit` after each epoch) or ``tx`` (group ``GROUP``, records each fact in table
@@ -18,8 +21,14 @@
   arms a suicide: at its next epoch it prints ``DYING`` and SIGKILLs itself between the epoch
   and its commit. `streams.GroupFenced` and `streams.GroupMoved` mean "not the owner any
   more": it prints ``FENCED Type`` and exits 0. Any other failure of a group consumer's
-  transaction exits 3 (the test starts a new consumer, as a supervisor would). SIGTERM: print
-  ``DONE``, exit.
+  transaction exits 3 (the test starts a new consumer, as a supervisor would). A
+  `streams.FailoverLoss` (it delivered facts a failover lost) stops it for good: it prints
+  ``LOSS 0 stream first last missing message`` and exits 5; another `streams.DatabaseChanged`:
+  ``CHANGED 0 message``, exit 6. SIGTERM: print ``DONE``, exit.
+
+Every child that cannot open its client, writer or reader (any error: the library waits up to
+its ``connect_timeout``, 30 s, for a server that is restarting or failing over, longer than any
+fault lasts) prints ``OPEN Type message`` and exits 7.
 
 Every child dies with its parent (``PR_SET_PDEATHSIG``, set by the test before ``exec``) and
 flushes every line, so a line cut short by SIGKILL is the only one lost.
@@ -27,12 +36,15 @@ flushes every line, so a line cut short by SIGKILL is the only one lost.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import signal
 import sys
 import time
+import traceback
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -53,6 +65,23 @@ def _short(exc: BaseException) -> str:
     return " ".join(str(exc).split())[:200]
 
 
+def loss(exc: streams.FailoverLoss) -> str:
+    return f"{exc.stream} {exc.first} {exc.last} {exc.missing} {_short(exc)}"
+
+
+@contextlib.contextmanager
+def opening() -> Iterator[None]:
+    """Opening a client, writer or reader: any error is reported (``OPEN``) and ends the
+    process (the test judges it; a supervisor would start a new one)."""
+    try:
+        yield
+    except Exception as exc:
+        out(f"OPEN {type(exc).__name__} {_short(exc)}")
+        traceback.print_exc()  # where it came from, in the child's .err
+        sys.stderr.flush()
+        os._exit(7)
+
+
 class Flags:
     def __init__(self) -> None:
         self.paused = False
@@ -70,9 +99,10 @@ def write(url: str, redis_url: str, prefix: str, stream: str, name: str, seed: i
     flags = Flags()
     signal.signal(signal.SIGUSR1, lambda *_: setattr(flags, "paused", True))
     signal.signal(signal.SIGUSR2, lambda *_: setattr(flags, "paused", False))
-    client = streams.connect(url, redis_url=redis_url, prefix=prefix, lease_seconds=lease)
     generation = 0
-    writer = client.writer(stream, instance=f"{name}g{generation}")
+    with opening():
+        client = streams.connect(url, redis_url=redis_url, prefix=prefix, lease_seconds=lease)
+        writer = client.writer(stream, instance=f"{name}g{generation}")
     conn: psycopg.Connection[Any] | None = None
     out("READY")
     n = 0
@@ -125,8 +155,14 @@ def write(url: str, redis_url: str, prefix: str, stream: str, name: str, seed: i
             out(f"ERR {n} WriterFenced {_short(exc)}")
             with_retry = writer
             generation += 1
-            writer = client.writer(stream, instance=f"{name}g{generation}")
+            with opening():
+                writer = client.writer(stream, instance=f"{name}g{generation}")
             with_retry.close()
+        except streams.FailoverLoss as exc:
+            out(f"LOSS {n} {loss(exc)}")
+        except streams.DatabaseChanged as exc:
+            out(f"CHANGED {n} {_short(exc)}")
+            os._exit(6)
         except streams.StreamsError as exc:
             out(f"ERR {n} {type(exc).__name__} {_short(exc)}")
             time.sleep(0.05)
@@ -151,14 +187,9 @@ def read(url: str, redis_url: str, prefix: str, names: list[str], mode: str, nam
          seed: int, group: str | None) -> None:  # fmt: skip
     flags = Flags()
     signal.signal(signal.SIGUSR1, lambda *_: setattr(flags, "die", True))
-    client = streams.connect(url, redis_url=redis_url, prefix=prefix, shared_proofs=True)
-    while True:
-        try:
-            reader = client.reader(names, group=group, poll_interval=0.2)
-            break
-        except streams.StoreError as exc:  # the server restarting: try again
-            out(f"ERR 0 {type(exc).__name__} {_short(exc)}")
-            time.sleep(0.2)
+    with opening():
+        client = streams.connect(url, redis_url=redis_url, prefix=prefix, shared_proofs=True)
+        reader = client.reader(names, group=group, poll_interval=0.2)
     conn: psycopg.Connection[Any] | None = None
     positions = {s: reader.position(s) for s in names}
     out(f"START {json.dumps(positions)}")
@@ -168,6 +199,12 @@ def read(url: str, redis_url: str, prefix: str, names: list[str], mode: str, nam
         except streams.ConnectionLost as exc:
             out(f"ERR 0 {type(exc).__name__} {_short(exc)}")
             continue
+        except streams.FailoverLoss as exc:
+            out(f"LOSS 0 {loss(exc)}")
+            os._exit(5)
+        except streams.DatabaseChanged as exc:
+            out(f"CHANGED 0 {_short(exc)}")
+            os._exit(6)
         except streams.StreamsError as exc:
             out(f"ERR 0 {type(exc).__name__} {_short(exc)}")
             if mode != "plain":
@@ -209,6 +246,12 @@ def read(url: str, redis_url: str, prefix: str, names: list[str], mode: str, nam
         except (streams.GroupFenced, streams.GroupMoved) as exc:
             out(f"FENCED {type(exc).__name__} {_short(exc)}")
             os._exit(0)
+        except streams.FailoverLoss as exc:
+            out(f"LOSS 0 {loss(exc)}")
+            os._exit(5)
+        except streams.DatabaseChanged as exc:
+            out(f"CHANGED 0 {_short(exc)}")
+            os._exit(6)
         except (streams.StreamsError, psycopg.Error) as exc:
             # The epoch's effects and position did not commit (or nobody knows): this consumer
             # cannot go on from its in-memory position. A supervisor starts a new one.

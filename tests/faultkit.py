@@ -323,6 +323,8 @@ class Child:
             start_new_session=True,
         )
         self.history: list[str] = []
+        #: When each line of `history` arrived here (`time.monotonic`).
+        self.times: list[float] = []
         self.lines: queue.Queue[str | None] = queue.Queue()
         self._pump = threading.Thread(target=self._read, daemon=True)
         self._pump.start()
@@ -331,6 +333,7 @@ class Child:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             if line.endswith("\n"):  # a line cut short by SIGKILL is dropped
+                self.times.append(time.monotonic())
                 self.history.append(line.rstrip("\n"))
                 self.lines.put(line.rstrip("\n"))
         self.lines.put(None)
