@@ -245,30 +245,50 @@ atexit.register(_close_adbc_connections)
 def _adbc_connection(
     url: str, fresh: bool = False, statement_timeout_ms: int = DEFAULT_TIMEOUT_MS
 ) -> Any:
-    """This worker's ADBC connection to ``url`` (a new one if ``fresh``), with the readers'
-    session settings and the statement timeout; `ConnectionLost` if it cannot be had."""
+    """This worker's ADBC connection to ``url`` (a new session if ``fresh``), with the readers'
+    session settings and the statement timeout; `ConnectionLost` if it cannot be had.
+
+    A session replacing one that failed (a failover, a restart, a cut) is opened on the failed
+    one's ADBC database (``adbc_clone``): one libpq connection, as for psycopg. Opening a
+    database takes two, the first to read the server's catalog for ADBC's type map (``pg_type``
+    and every row of ``pg_attribute``, 38 a stream): 0.1 s at a few streams, 1.4 s at 1,000,
+    twice ``connect_timeout`` behind a dead first host of a multi-host URL; every executor paid
+    it after a failover before its first read there. The map outlives the server it was read
+    on: the source's statements return built-in types only, whose OIDs are the same anywhere.
+    """
     import adbc_driver_postgresql.dbapi as adbc
 
     key = (url, statement_timeout_ms)
     with _ADBC_LOCK:
-        conn = _ADBC.pop(key, None)
-        if conn is not None and fresh:
+        old = _ADBC.get(key)
+        if old is not None and not fresh:
+            return old
+        setup = (*READER_SESSION_SETUP, statement_timeout_setup(statement_timeout_ms))
+        conn = None
+        try:
+            if old is None:
+                conn = adbc.connect(with_client_tcp_settings(url), autocommit=True)
+            else:
+                conn = old.adbc_clone()
+                # A clone is opened in a transaction (DB-API's default); the readers' sessions
+                # commit each statement by itself.
+                conn.adbc_connection.set_autocommit(True)
+            with conn.cursor() as cur:
+                for statement in setup:
+                    cur.execute(statement)
+        except Exception as exc:
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    conn.close()
+            # The failed session stays: the next try opens a new one on its database.
+            raise ConnectionLost(
+                f"cannot connect to {redact_url(url)} with ADBC: {type(exc).__name__}"
+            ) from None
+        if old is not None:
             try:
-                conn.close()
+                old.close()  # the database lives on in the new session
             except Exception:
                 log.debug("closing a stale ADBC connection failed", exc_info=True)
-            conn = None
-        if conn is None:
-            setup = (*READER_SESSION_SETUP, statement_timeout_setup(statement_timeout_ms))
-            try:
-                conn = adbc.connect(with_client_tcp_settings(url), autocommit=True)
-                with conn.cursor() as cur:
-                    for statement in setup:
-                        cur.execute(statement)
-            except Exception as exc:
-                raise ConnectionLost(
-                    f"cannot connect to {redact_url(url)} with ADBC: {type(exc).__name__}"
-                ) from None
         _ADBC[key] = conn
         return conn
 
