@@ -267,18 +267,3 @@ def executor_pids(app_id: str) -> list[int]:
             if EXECUTOR_CLASS in cmd and app_id in cmd:
                 pids.append(int(entry.name))
     return sorted(pids)
-
-
-def python_workers(executor: int) -> list[tuple[list[str], Path]]:
-    """``(command line, working directory)`` of the Python processes an executor runs."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and _parent(int(entry.name)) == executor:
-            cmd = _cmdline(int(entry.name))
-            if cmd and "python" in Path(cmd[0]).name:
-                try:
-                    cwd = Path(os.readlink(f"/proc/{entry.name}/cwd"))
-                except OSError:
-                    continue
-                found.append((cmd, cwd))
-    return found

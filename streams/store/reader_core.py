@@ -285,6 +285,13 @@ class ReaderCore:
         """On a new session, before anything else: is it the database history this reader
         started on (`streams.store.identity`)? `DatabaseChanged` otherwise."""
         found = yield from verify(self.guard, self._where(), self.sighting, "facts delivered")
+        if self.incarnation is not None and found.token != self.incarnation:
+            # A failover: what was verified in the old history (signed ranges heard, maybe
+            # while this process was frozen) may describe facts the new primary lacks, and
+            # they were not part of the check just made. Drop it; read the keys again.
+            self._verified.clear()
+            self._ranges.clear()
+            self._keys_stale = self._keys_wanted = True
         self.incarnation, self.timeline = found.token, found.timeline
         return found
 
@@ -747,6 +754,13 @@ class ReaderCore:
             found = self._verified.popleft()
             if found.key not in keys:  # verified before the key table said it was retired
                 self.rejected_ranges["retired-key"] = self.rejected_ranges.get("retired-key", 0) + 1
+                continue
+            if keys[found.key].incarnation != self.incarnation:
+                # Verified (on the link's thread) just before a failover moved this reader to
+                # another timeline: not proven in the history it reads now.
+                self.rejected_ranges["other-history"] = (
+                    self.rejected_ranges.get("other-history", 0) + 1
+                )
                 continue
             waiting = self._ranges.setdefault(found.stream, {})
             known = waiting.get(found.after)

@@ -678,6 +678,10 @@ class WriterCore:
 
     def _check_usable(self) -> None:
         if self.fenced:
+            # A failover that lost acknowledged facts may also have fenced the writer (its
+            # lease renewals lost, its name retired or taken over on the new primary): the
+            # loss is named first, or no one would ever be told of it.
+            self._report_failover()
             raise WriterFenced(
                 f"writer {self.instance!r} on stream {self.stream_name!r} was retired "
                 "(lease expired or name taken over); create a new writer"

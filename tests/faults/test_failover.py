@@ -29,6 +29,7 @@ import psycopg
 import pytest
 from click.testing import CliRunner
 from faultkit import Appender
+from helpers import wait_until
 from pgpair import PostgresPair, postgres_pair
 
 import streams
@@ -403,3 +404,132 @@ def test_facts_without_rows_are_no_loss_and_a_callers_session_fences_a_new_timel
         plain.close()
         with_table.close()
         client.close()
+
+
+def test_a_writer_fenced_on_the_new_timeline_still_names_its_lost_facts(
+    redis_url: str, redis_prefix: str, unique_name: str
+) -> None:
+    """Issue 38 (found by the asynchronous chaos variant). After an asynchronous failover the
+    writer is fenced on the new primary before its next call: there its lease may have run
+    out (the renewals after the cut are lost) and been retired, or, as here, its name taken
+    over. Its next call still names the acknowledged facts the failover lost before it says
+    the writer is retired: `FailoverLoss` first, then `WriterFenced`."""
+    with _pair(synchronous=False) as pair:
+        url = pair.multi_host_url
+        client = streams.connect(
+            url, redis_url, redis_prefix, connect_timeout=20, lease_seconds=2.0
+        )
+        client.create_stream(unique_name)
+        writer = client.writer(unique_name)
+        kept = [writer.append({"n": n}).ids[0] for n in range(5)]
+        pair.wait_replayed()
+        pair.cut_off()
+        lost = [writer.append({"n": n}).ids[0] for n in range(5, 45)]
+        pair.kill_primary()
+        pair.promote()
+        # Another process takes the name over on the new primary (as a reader retiring the
+        # expired lease would, it bumps the generation).
+        with streams.connect(url, redis_url, redis_prefix, connect_timeout=20) as other:
+            other.writer(unique_name, instance=writer.instance).close()
+        # The writer's heartbeat (every lease / 4) reaches the new primary first: it finds the
+        # loss, then its writer fenced.
+        deadline = time.monotonic() + 30
+        while not writer._core.fenced:
+            assert time.monotonic() < deadline, "the heartbeat never found the writer fenced"
+            time.sleep(0.05)
+        with pytest.raises(streams.FailoverLoss) as caught:
+            _first_call_past_connecting(writer)
+        assert (caught.value.first, caught.value.last) == (lost[0], lost[-1])
+        assert caught.value.stream == unique_name
+        with pytest.raises(streams.WriterFenced):
+            writer.append({"n": "after"})
+        assert _stored(pair.standby_url, unique_name) == kept
+        with contextlib.suppress(streams.StreamsError):
+            writer.close()
+        client.close()
+
+
+def _first_call_past_connecting(writer: streams.Writer) -> None:
+    """Append until a call gets past reaching the new primary (which may take a few tries)."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            writer.append({"n": "probe"})
+            return
+        except (streams.FailoverLoss, streams.WriterFenced):
+            raise
+        except streams.StreamsError:
+            assert time.monotonic() < deadline, "no call reached the new primary"
+            time.sleep(0.05)
+
+
+def test_signed_ranges_of_the_old_timeline_are_not_delivered_after_the_check(
+    redis_url: str, redis_prefix: str, unique_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 38 (found by the asynchronous chaos variant: a group consumer frozen through a
+    failover). A follower verifies the prover's signed ranges as Redis brings them, on its
+    link's thread, before it polls. Ranges of facts the promoted standby lacks, verified
+    before the failover, must not be delivered after the reader has checked what it delivered
+    against the new primary: it would go on past facts that are gone without a
+    `FailoverLoss`. Either it never delivers them, or it stops with `FailoverLoss`."""
+    # Every step reads the keys first: the reader's session reaches the new primary (and
+    # checks what it delivered) before it looks at the signed ranges it holds.
+    monkeypatch.setattr("streams.store.reader_core.KEY_REFRESH", 0.0)
+    with _pair(synchronous=False) as pair:
+        url = pair.multi_host_url
+        options: dict[str, Any] = {"connect_timeout": 20, "shared_proofs": True}
+        with contextlib.ExitStack() as stack:
+            prover, follower, writing = (
+                stack.enter_context(streams.connect(url, redis_url, redis_prefix, **options))
+                for _ in range(3)
+            )
+            writing.create_stream(unique_name)
+            stack.enter_context(prover.reader(unique_name)).poll()
+            proofs = prover._proofs
+            assert proofs is not None
+            wait_until(lambda: unique_name in proofs.proving, 15, "a prover of the stream")
+            reader = stack.enter_context(follower.reader(unique_name, poll_interval=30.0))
+            writer = writing.writer(unique_name)
+            kept = [writer.append({"n": n}).ids[0] for n in range(5)]
+            delivered: list[int] = []
+            deadline = time.monotonic() + 30
+            while not delivered or delivered[-1] < kept[-1]:
+                assert time.monotonic() < deadline, delivered
+                epoch = reader.poll(timeout=1.0)
+                delivered += [f.stream_id for f in epoch.facts] if epoch is not None else []
+            assert reader.core.signed_ranges > 0 or reader.core.proof_reads > 0
+            pair.wait_replayed()
+            pair.cut_off()
+            before = reader.core.verified_ranges
+            lost = [writer.append({"n": n}).ids[0] for n in range(5, 25)]
+            # The follower verifies the prover's ranges of the lost facts without polling.
+            wait_until(
+                lambda: (
+                    reader.core.verified_ranges > before
+                    and any(r.through >= lost[-1] for r in reader.core._verified)
+                ),
+                30,
+                "the follower to hold a verified range of the lost facts",
+            )
+            pair.kill_primary()
+            pair.promote()
+            with streams.connect(url, redis_url, redis_prefix, connect_timeout=20) as fresh:
+                after = fresh.writer(unique_name, instance="after").append({"n": "after"})
+            got: list[int] = []
+            stopped = False
+            deadline = time.monotonic() + 60
+            while after.ids[0] not in got:
+                assert time.monotonic() < deadline, got
+                try:
+                    epoch = reader.poll(timeout=1.0)
+                except streams.FailoverLoss:
+                    stopped = True
+                    break
+                except streams.StreamsError:
+                    time.sleep(0.05)
+                    continue
+                got += [f.stream_id for f in epoch.facts] if epoch is not None else []
+            gone = sorted(set(got) & set(lost))
+            assert stopped or not gone, f"delivered {gone} (lost) and went on to {got[-1]}"
+            assert _stored(pair.standby_url, unique_name) == [*kept, after.ids[0]]
+            writer.close()

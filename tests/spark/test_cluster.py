@@ -38,7 +38,6 @@ from sparkcluster import (
     executor_pids,
     free_port,
     pack_environment,
-    python_workers,
     start_cluster,
     stop_group,
     submit,
@@ -50,6 +49,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 CONSUME = REPO_ROOT / "spark" / "examples" / "consume.py"
 PRODUCE = REPO_ROOT / "spark" / "examples" / "produce.py"
+#: A job whose tasks report where their Python runs.
+PROBE = REPO_ROOT / "tests" / "spark_probe.py"
 #: Facts the sink example writes (3 rows each) before the consumer starts.
 ORDERS = 300
 
@@ -164,9 +165,11 @@ def test_the_shipped_environment_is_what_executors_run(
     streams_url: str,
     tmp_path: Path,
 ) -> None:
-    """Without ``--archives`` (everything else the same) the job fails on the executors: the
-    Python they run exists only in the shipped archive. The interpreter the virtualenv was made
-    from cannot import ``streams``: only the archive's site-packages have it."""
+    """The executors run the shipped archive, as their tasks themselves report (a probe job,
+    submitted as the examples are: no process sampling, which misses short-lived workers). And
+    without ``--archives`` (everything else the same) the job fails on the executors: the Python
+    they run exists only in the shipped archive. The interpreter the virtualenv was made from
+    cannot import ``streams``: only the archive's site-packages have it."""
     base = subprocess.run(
         [str(packed_env.python.resolve()), "-I", "-c", "import streams"],
         capture_output=True, text=True, check=False, cwd=tmp_path,
@@ -175,6 +178,30 @@ def test_the_shipped_environment_is_what_executors_run(
     client_env = {"STREAMS_DATABASE_URL": streams_url}
     with client.writer(stream) as writer:
         writer.append({"n": 1})
+    report = tmp_path / "probe.json"
+    probe = submit(
+        cluster, packed_env, PROBE, [stream, str(report)],
+        cwd=driver_dir(tmp_path / "driver", packed_env), log=tmp_path / "probe.log",
+        env=client_env, conf={"spark.ui.enabled": "false"},
+    )  # fmt: skip
+    try:
+        assert probe.wait(240) == 0, (tmp_path / "probe.log").read_text(errors="replace")[-4000:]
+    finally:
+        stop_group(probe)
+    found = json.loads(report.read_text())
+    assert found["rows"] == 1  # the streams source itself ran on the executors
+    assert found["tasks"]
+    for task in found["tasks"]:
+        workdir = Path(task["cwd"]).resolve()
+        environment = workdir / "environment"
+        # The executor's own directory under the worker, the archive unpacked in it (a copy,
+        # not a link to the virtualenv the archive was made from).
+        assert workdir.is_relative_to((cluster.base / "work").resolve()), task
+        assert environment.is_dir() and not environment.is_symlink(), task
+        assert Path(task["executable"]).parent.resolve() == environment / "bin", task
+        assert Path(task["prefix"]).resolve() == environment, task
+        for module in ("streams", "streams_spark"):
+            assert Path(task[module]).resolve().is_relative_to(environment), task
     log = tmp_path / "no-archive.log"
     job = submit(
         cluster, packed_env, CONSUME,
@@ -191,17 +218,6 @@ def test_the_shipped_environment_is_what_executors_run(
     assert code != 0, text[-3000:]
     assert 'Cannot run program "./environment/bin/python"' in text, text[-3000:]
     assert not _batches(tmp_path / "out")
-
-
-def _sample_workers(
-    app_id: str, found: list[tuple[list[str], Path]], stop: threading.Event
-) -> None:
-    """Add to ``found`` every Python worker of the application's executors, until ``stop``."""
-    while not stop.wait(0.1):
-        for pid in executor_pids(app_id):
-            for worker in python_workers(pid):
-                if worker not in found:
-                    found.append(worker)
 
 
 def test_consume_on_a_cluster_is_exactly_once_across_executor_and_driver_kills(
@@ -237,14 +253,6 @@ def test_consume_on_a_cluster_is_exactly_once_across_executor_and_driver_kills(
     first = submit(cluster, packed_env, CONSUME, args, cwd=cwd, log=log, env=env, conf=ui_conf)
     try:
         app_id = _app_id(ui)
-        # The executors' Python workers, sampled all along (a worker lives only while the
-        # executor has Python work; one look just before the kill can miss it).
-        workers: list[tuple[list[str], Path]] = []
-        sampling = threading.Event()
-        sampler = threading.Thread(
-            target=_sample_workers, args=(app_id, workers, sampling), daemon=True
-        )
-        sampler.start()
         # Kill the executor JVM while a task reads a batch's facts and writes its files (the
         # batch's folder is being written, not yet committed): Spark retries the task on a new
         # executor, and the batch's files must still hold exactly its facts.
@@ -273,14 +281,6 @@ def test_consume_on_a_cluster_is_exactly_once_across_executor_and_driver_kills(
         assert killed_in is not None, (
             "no task was lost to an executor kill:\n" + (log.read_text(errors="replace")[-3000:])
         )
-        # The Python workers ran from the archive, unpacked in the executor's own directory.
-        sampling.set()
-        sampler.join(10)
-        assert workers, "no Python worker seen under the executor"
-        for command, workdir in workers:
-            assert command[0] == "./environment/bin/python", command
-            assert workdir.is_relative_to(cluster.base / "work"), workdir
-            assert (workdir / "environment").is_dir() and not (workdir / "environment").is_symlink()
         after_executor = len(_batches(output))
         wait_until(lambda: len(_batches(output)) > after_executor, 180, "a batch after it")
 
