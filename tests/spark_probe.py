@@ -12,14 +12,14 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from pyspark.sql import SparkSession
 
 
-def _where(_: Iterator[int]) -> Iterator[dict[str, Any]]:
+def _where(_: Iterable[int]) -> Iterator[dict[str, Any]]:
     import streams_spark
 
     import streams
