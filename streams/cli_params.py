@@ -301,7 +301,7 @@ EMBEDDED_DIR = Path(".streams")
 
 def read_url_option(func: F) -> F:
     """``--read-database-url``: a hot standby where a reading command reads its rows, while
-    completeness is proven on ``--database-url`` (`streams.core.standby`)."""
+    completeness is proven on ``--database-url`` (`streams.core.standby_fence`)."""
     option = click.option(
         "--read-database-url",
         envvar="STREAMS_READ_DATABASE_URL",

@@ -74,7 +74,7 @@ from .core.incarnation import Guard
 from .core.protocol import KeysCommand, serialize
 from .core.replication import backoff_delay
 from .core.staleness import STALE_AFTER_MS
-from .core.standby import StandbyRoute
+from .core.standby_fence import StandbyRoute
 from .core.timestamps import TimestampMode
 from .errors import ConnectionLost, StoreError
 from .proofs import ProofService
@@ -960,7 +960,7 @@ def connect(
     its readers and writers) waits for a server that is starting, restarting or refusing
     connections (default ``STREAMS_CONNECT_TIMEOUT`` or 30: `streams.store.sessions`).
     ``read_database_url`` (default ``STREAMS_READ_DATABASE_URL``): a hot standby where readers
-    read their rows, behind the fence (`streams.core.standby`; proofs and group commits stay
+    read their rows, behind the fence (`streams.core.standby_fence`; proofs and group commits stay
     on the primary); ``standby_max_wait`` (default ``STREAMS_STANDBY_MAX_WAIT`` or 5): seconds
     a reader waits for that standby, behind or down, before it reads from the primary.
     """

@@ -59,7 +59,7 @@ from .core.incarnation import Guard, Incarnation, rewound, written_elsewhere
 from .core.payloads import encode_payload
 from .core.replication import Hint, backoff_delay
 from .core.stalls import HeldStreams
-from .core.standby import StandbyRoute
+from .core.standby_fence import StandbyRoute
 from .store.driver import Commit, Gen, Query, run, transient_sqlstate
 from .store.failover import replicated
 from .store.holders import retire_where_held

@@ -259,7 +259,7 @@ class FactPlans:
                 core.finish_fact(token, handle, ok)
                 if written and handle is not None:
                     # A fact with no row in the facts table leaves nothing there that a
-                    # failover check could find: it is not remembered (`streams.core.failover`).
+                    # failover check could find: it is not remembered (`streams.core.sightings`).
                     remembered = handle.rows > 0 or bool(core.info.fact_tables)
                     self._completed((handle.stream_id,), handle.timestamp, remembered=remembered)
                 else:

@@ -117,7 +117,7 @@ class _WriterShell(HeartbeatPlans[C], FactPlans):
         the position that moved."""
         if self._attached is not None:
             self._attached.completed(ids, timestamp)
-        if ids and remembered:  # what a failover must not have lost (`streams.core.failover`)
+        if ids and remembered:  # what a failover must not have lost (`streams.core.sightings`)
             self._core.sighting.note(self._core.stream_name, self._core.info.id, ids)
         if self._core.needs_persist and not self._wake.is_set():
             self._wake.set()

@@ -133,7 +133,7 @@ def diagnose(settings: Settings, *, stale_after_ms: int = STALE_AFTER_MS) -> lis
     if settings.redis_url:
         import redis
 
-        from ..transport.topology import open_client
+        from ..transport.discovery import open_client
 
         # A connection failure says why (`streams.transport.redis_errors`, password scrubbed);
         # anything else, even redis-py's URL parser raising ValueError, shows only the class name:

@@ -1,4 +1,4 @@
-"""After a failover: does the new primary hold what a role saw (`streams.core.failover`)?
+"""After a failover: does the new primary hold what a role saw (`streams.core.sightings`)?
 
 `check_sighting` runs on a role's first session on a new timeline, after the incarnation
 check (`streams.store.identity.verify`) and before anything else: it reads which of the fact
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from psycopg import sql
 
 from ..core.constants import facts_partition
-from ..core.failover import Sighting, assess
-from ..core.standby import parse_lsn
+from ..core.sightings import Sighting, assess
+from ..core.standby_fence import parse_lsn
 from ..errors import FailoverLoss, StoreError, UnknownStream
 from .driver import Commit, Gen, Query, Row
 from .registry import load_stream

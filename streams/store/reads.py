@@ -52,7 +52,7 @@ The forms of the sequence, one plan each:
 Step 2 alone (`probe`) and step 4 alone (`pruned_positions`) are what planners use to decide
 positions without reading rows (the Spark source's driver, a reader's start).
 
-Reads from a hot standby (a read URL: `streams.core.standby`, `streams.store.standby`): step 2
+Reads from a hot standby (a read URL: `streams.core.standby_fence`, `streams.store.standby`): step 2
 stays on the primary, and carries the LSN of the proof ("the standby fence" in
 `streams.store.probe`; `read_proofs` for a follower of shared proofs); steps 3-4 run on the
 standby's session behind the fence, a statement that finds the standby replayed past that LSN

@@ -62,10 +62,10 @@ from psycopg import sql
 
 from ..config import validate_instance_name
 from ..core.constants import facts_partition, reservation_lock_class
-from ..core.failover import Sighting
 from ..core.incarnation import Guard
 from ..core.payloads import encode_payload
 from ..core.positions import PositionTracker, ReservationToken
+from ..core.sightings import Sighting
 from ..core.timestamps import resolve_timestamps, validate_client_timestamp
 from ..errors import (
     FailoverLoss,
@@ -262,7 +262,7 @@ class WriterCore:
         self.lease_seconds = lease_seconds
         #: The database history this writer's state belongs to (shared with its client's).
         self.guard = Guard()
-        #: The facts acknowledged lately, checked after a failover (`streams.core.failover`).
+        #: The facts acknowledged lately, checked after a failover (`streams.core.sightings`).
         self.sighting = Sighting()
         self.max_payload_bytes = max_payload_bytes
         self.clock = DatabaseClock()

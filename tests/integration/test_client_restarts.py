@@ -213,7 +213,7 @@ def test_an_open_client_goes_on_across_the_new_timeline_of_a_promotion(
 ) -> None:
     """A promoted standby is a failover (a later timeline of the same database): a client
     that knew the old timeline goes on (its roles saw nothing the new one lacks:
-    `streams.core.failover`); the first writer session there moves the sequences past any
+    `streams.core.sightings`); the first writer session there moves the sequences past any
     ID the old timeline may have handed out (`streams_fence_timeline`)."""
     with streams.connect(pg.url) as client:
         client.create_stream(unique_name)
