@@ -85,17 +85,8 @@ from .store.identity import verify
 from .store.keys import describe_keys, rotate_keys
 from .store.leases import prune_writers
 from .store.reader_core import ReaderCore, Start
-from .store.reader_groups import (
-    GroupRow,
-    StreamPositions,
-    delete_group,
-    list_groups,
-    stream_positions,
-    streams_of_group,
-)
+from .store.reader_groups import delete_group, list_groups, stream_positions, streams_of_group
 from .store.registry import (
-    FactTableSpec,
-    StreamInfo,
     check_schema,
     create_stream,
     list_streams,
@@ -104,10 +95,11 @@ from .store.registry import (
     set_key_window,
     set_retention,
 )
-from .store.retention import PRUNE_BATCH, PruneResult, prune
+from .store.retention import PRUNE_BATCH, prune
 from .store.writer_core import WriterCore
 from .transport.connections import publish_now
 from .transport.link import AsyncRedisLink, RedisLink
+from .types import FactTableSpec, GroupRow, PruneResult, StreamInfo, StreamPositions
 from .writer import AsyncWriter, Writer
 
 if TYPE_CHECKING:

@@ -31,7 +31,8 @@ from .core.positions import ReservationToken
 from .errors import StoreError, UsageError
 from .plans import Call, FailJoined, Flag, Plan, Run, Settle
 from .store.driver import arun, commit_unknown, run
-from .store.writer_core import Ack, FactHandle, WriterCore
+from .store.writer_core import FactHandle, WriterCore
+from .types import Ack
 
 __all__ = ["AsyncOpenFact", "FactPlans", "OpenFact"]
 

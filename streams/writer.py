@@ -39,9 +39,9 @@ from .heartbeat import C, HeartbeatPlans
 from .orm import async_target, sync_target
 from .plans import Call, Flag, Io, Lock, Plan
 from .store.driver import Gen, arun, gone, run
-from .store.registry import StreamInfo
-from .store.writer_core import Ack, FactChunk, WriterCore
+from .store.writer_core import WriterCore
 from .transport.faces import Link
+from .types import Ack, FactChunk, StreamInfo
 
 __all__ = ["AsyncOpenFact", "AsyncWriter", "OpenFact", "Writer"]
 

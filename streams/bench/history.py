@@ -63,9 +63,8 @@ from ..config import Settings, redact_url
 from ..store import sessions
 from ..store.driver import run
 from ..store.reader_core import DEFAULT_PAGE_SIZE
-from ..store.registry import StreamInfo
-from ..store.retention import PruneResult
 from ..store.rows import position_before_time
+from ..types import PruneResult, StreamInfo
 from .common import PAYLOAD, percentile, progress_report, raw_catchup, scratch_streams
 from .history_arrow import ArrowMeasure, measure_arrow
 from .history_arrow import describe as describe_arrow

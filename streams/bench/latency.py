@@ -66,7 +66,7 @@ from .plots import plot_latency, plot_option
 if TYPE_CHECKING:
     from ..client import Client
     from ..reader import Reader
-    from ..store.registry import StreamInfo
+    from ..types import StreamInfo
 
 __all__ = [
     "CatchupResult",

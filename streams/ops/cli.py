@@ -45,9 +45,9 @@ from ..reader import Reader
 from ..store import sessions
 from ..store.driver import run
 from ..store.reader_core import Start
-from ..store.reader_groups import StreamPositions
 from ..store.registry import check_schema
 from ..store.retention import PRUNE_BATCH
+from ..types import StreamPositions
 from .failover_commands import failover
 from .group_commands import groups
 from .incarnation_commands import incarnation

@@ -95,7 +95,7 @@ def check_sighting(sighting: Sighting, where: str, what: str, *, joined: bool = 
 
 
 def _in_declared_tables(stream: str, ids: list[int]) -> Gen[set[int]]:
-    """Which of ``ids`` the stream's declared tables hold (`registry.FactTable`): a fact
+    """Which of ``ids`` the stream's declared tables hold (`streams.types.FactTable`): a fact
     written there has no row in the facts table. A table this session may not read, or that
     is gone, cannot tell: its IDs count as present, so a failover check never reports as lost
     a fact that may have committed (the warning says which table went unchecked)."""

@@ -150,9 +150,9 @@ from ..core.constants import (
     STALE_AFTER,
     reservation_lock_class,
 )
+from ..types import StreamInfo
 from ._common import COMPLETE_SETTING, MAY_END_SESSION, RESERVATION_LOCKS, int_array
 from .driver import Commit, Gen, Pipeline, Query, Row
-from .registry import StreamInfo
 
 
 @dataclass(frozen=True, slots=True)

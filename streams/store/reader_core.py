@@ -70,6 +70,7 @@ from ..errors import (
     StoreError,
     UsageError,
 )
+from ..types import StreamInfo
 from .driver import Gen
 from .holders import retire_where_held
 from .identity import verify
@@ -96,7 +97,7 @@ from .reads import (
     send_proven,
     standby_fence,
 )
-from .registry import StreamInfo, load_streams
+from .registry import load_streams
 from .rows import database_time_ms, position_before_time, ts_floor_at
 
 __all__ = ["DEFAULT_PAGE_SIZE", "ReaderCore", "Start"]

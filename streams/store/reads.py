@@ -68,6 +68,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, TypeAlias, TypeVar
 
 from ..errors import FactsPruned, StoreError
+from ..types import StreamInfo
 from .driver import Commit, Gen, Op, Pipeline, Query, Receive, Row, Send
 from .identity import check_history
 from .probe import (
@@ -83,7 +84,6 @@ from .probe import (
     statement_timeout_setup,
     wal_position_query,
 )
-from .registry import StreamInfo
 from .rows import (
     check_retained,
     fetch_rows_after_probe,

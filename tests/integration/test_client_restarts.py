@@ -35,7 +35,7 @@ from helpers import wait_until
 import streams
 from streams import ConnectionLost, StoreError, embedded
 from streams.migrate import upgrade
-from streams.store.reader_groups import StreamPositions
+from streams.types import StreamPositions
 
 
 class StartingPostgres:

@@ -6,13 +6,14 @@ packages never import each other; there are no import cycles):
 
 0. `streams.errors`, `streams.config`, `streams.redis_urls`, `streams._aio`: foundations;
 1. `streams.core`: the pure model (sans-IO);
-2. `streams.store` (PostgreSQL) and `streams.transport` (Redis): the I/O;
-3. `streams.writer` (with `streams.heartbeat`, `streams.fact_blocks`, `streams.plans`),
+2. `streams.types`: the data types callers see, made and read by the store;
+3. `streams.store` (PostgreSQL) and `streams.transport` (Redis): the I/O;
+4. `streams.writer` (with `streams.heartbeat`, `streams.fact_blocks`, `streams.plans`),
    `streams.reader`, `streams.proofs`, `streams.migrate`: the shells that drive them;
-4. `streams.client`, `streams.metrics`, `streams.connector`, `streams` itself: the entry points;
-5. `streams.cli_params`, `streams.embedded`, `streams.plugins`: what every command shares;
-6. `streams.ops`, `streams.bench`: the operator's commands and the benchmarks, kept apart;
-7. `streams.command`, `streams.__main__`: the `streams` command, composed of both.
+5. `streams.client`, `streams.metrics`, `streams.connector`, `streams` itself: the entry points;
+6. `streams.cli_params`, `streams.embedded`, `streams.plugins`: what every command shares;
+7. `streams.ops`, `streams.bench`: the operator's commands and the benchmarks, kept apart;
+8. `streams.command`, `streams.__main__`: the `streams` command, composed of both.
 
 The library never imports the Spark connector (`streams_spark`): the command finds what the
 connector adds through entry points. Outside the package: the Spark connector imports of
@@ -209,6 +210,7 @@ def test_version() -> None:
 LAYERS = (
     ("streams.errors", "streams.config", "streams.redis_urls", "streams._aio", "streams._gc"),
     ("streams.core",),
+    ("streams.types",),
     ("streams.store", "streams.transport"),
     (
         "streams.writer",
