@@ -359,7 +359,7 @@ def _use_embedded(stack: contextlib.ExitStack, kwargs: dict[str, Any], *, explic
     ctx = click.get_current_context()
     if explicit and ctx.get_parameter_source("database_url") == ParameterSource.COMMANDLINE:
         raise click.UsageError("--embedded starts its own database: drop --database-url")
-    from .embedded import embedded_servers
+    from .devservers import embedded_servers
 
     urls = stack.enter_context(
         embedded_servers(EMBEDDED_DIR, announce=lambda line: click.echo(line, err=True))

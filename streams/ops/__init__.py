@@ -9,7 +9,7 @@
   through an entry point: `streams.plugins`).
 
 Their parameter types, error discipline and ``--embedded`` are `streams.cli_params` and
-`streams.embedded`, shared with the benchmarks; `streams.command` composes the ``streams``
+`streams.devservers`, shared with the benchmarks; `streams.command` composes the ``streams``
 command. The library never imports this package; it may import anything below it, never
 `streams.bench` nor the Spark connector.
 """

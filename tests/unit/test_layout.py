@@ -11,7 +11,7 @@ packages never import each other; there are no import cycles):
 4. `streams.writer` (with `streams.heartbeat`, `streams.fact_blocks`, `streams.plans`),
    `streams.reader`, `streams.proofs`, `streams.migrate`: the shells that drive them;
 5. `streams.client`, `streams.metrics`, `streams.connector`, `streams` itself: the entry points;
-6. `streams.cli_params`, `streams.embedded`, `streams.plugins`: what every command shares;
+6. `streams.cli_params`, `streams.devservers`, `streams.plugins`: what every command shares;
 7. `streams.ops`, `streams.bench`: the operator's commands and the benchmarks, kept apart;
 8. `streams.command`, `streams.__main__`: the `streams` command, composed of both.
 
@@ -224,7 +224,7 @@ LAYERS = (
         "streams.orm",
     ),
     ("streams.client", "streams.metrics", "streams.connector", "streams"),
-    ("streams.cli_params", "streams.embedded", "streams.plugins"),
+    ("streams.cli_params", "streams.devservers", "streams.plugins"),
     ("streams.ops", "streams.bench"),
     ("streams.command", "streams.__main__"),
 )
