@@ -46,9 +46,7 @@ from .errors import (
     WriterFenced,
 )
 from .reader import AsyncReader, Reader
-from .store.reader_groups import GroupRow, StreamPositions
-from .store.registry import FactTable, StreamInfo
-from .store.writer_core import Ack
+from .types import Ack, FactTable, GroupRow, StreamInfo, StreamPositions
 from .writer import AsyncOpenFact, AsyncWriter, OpenFact, Writer
 
 __version__ = "0.1.0"

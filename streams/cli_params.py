@@ -301,7 +301,7 @@ EMBEDDED_DIR = Path(".streams")
 
 def read_url_option(func: F) -> F:
     """``--read-database-url``: a hot standby where a reading command reads its rows, while
-    completeness is proven on ``--database-url`` (`streams.core.standby`)."""
+    completeness is proven on ``--database-url`` (`streams.core.standby_fence`)."""
     option = click.option(
         "--read-database-url",
         envvar="STREAMS_READ_DATABASE_URL",
@@ -359,7 +359,7 @@ def _use_embedded(stack: contextlib.ExitStack, kwargs: dict[str, Any], *, explic
     ctx = click.get_current_context()
     if explicit and ctx.get_parameter_source("database_url") == ParameterSource.COMMANDLINE:
         raise click.UsageError("--embedded starts its own database: drop --database-url")
-    from .embedded import embedded_servers
+    from .devservers import embedded_servers
 
     urls = stack.enter_context(
         embedded_servers(EMBEDDED_DIR, announce=lambda line: click.echo(line, err=True))

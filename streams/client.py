@@ -74,7 +74,7 @@ from .core.incarnation import Guard
 from .core.protocol import KeysCommand, serialize
 from .core.replication import backoff_delay
 from .core.staleness import STALE_AFTER_MS
-from .core.standby import StandbyRoute
+from .core.standby_fence import StandbyRoute
 from .core.timestamps import TimestampMode
 from .errors import ConnectionLost, StoreError
 from .proofs import ProofService
@@ -85,17 +85,8 @@ from .store.identity import verify
 from .store.keys import describe_keys, rotate_keys
 from .store.leases import prune_writers
 from .store.reader_core import ReaderCore, Start
-from .store.reader_groups import (
-    GroupRow,
-    StreamPositions,
-    delete_group,
-    list_groups,
-    stream_positions,
-    streams_of_group,
-)
+from .store.reader_groups import delete_group, list_groups, stream_positions, streams_of_group
 from .store.registry import (
-    FactTableSpec,
-    StreamInfo,
     check_schema,
     create_stream,
     list_streams,
@@ -104,10 +95,11 @@ from .store.registry import (
     set_key_window,
     set_retention,
 )
-from .store.retention import PRUNE_BATCH, PruneResult, prune
+from .store.retention import PRUNE_BATCH, prune
 from .store.writer_core import WriterCore
 from .transport.connections import publish_now
 from .transport.link import AsyncRedisLink, RedisLink
+from .types import FactTableSpec, GroupRow, PruneResult, StreamInfo, StreamPositions
 from .writer import AsyncWriter, Writer
 
 if TYPE_CHECKING:
@@ -960,7 +952,7 @@ def connect(
     its readers and writers) waits for a server that is starting, restarting or refusing
     connections (default ``STREAMS_CONNECT_TIMEOUT`` or 30: `streams.store.sessions`).
     ``read_database_url`` (default ``STREAMS_READ_DATABASE_URL``): a hot standby where readers
-    read their rows, behind the fence (`streams.core.standby`; proofs and group commits stay
+    read their rows, behind the fence (`streams.core.standby_fence`; proofs and group commits stay
     on the primary); ``standby_max_wait`` (default ``STREAMS_STANDBY_MAX_WAIT`` or 5): seconds
     a reader waits for that standby, behind or down, before it reads from the primary.
     """

@@ -9,8 +9,9 @@ Configuration comes from arguments first, then the environment:
 * ``STREAMS_CONNECT_TIMEOUT``: seconds spent opening a PostgreSQL connection while the server
   is starting, restarting or refusing connections, default `DEFAULT_CONNECT_TIMEOUT`;
 * ``STREAMS_READ_DATABASE_URL``: a hot standby of the database, where readers read their rows
-  (`streams.core.standby`); ``STREAMS_STANDBY_MAX_WAIT``: seconds a reader waits for it when it
-  is behind or down before reading from the primary, default `DEFAULT_STANDBY_MAX_WAIT`.
+  (`streams.core.standby_fence`); ``STREAMS_STANDBY_MAX_WAIT``: seconds a reader waits for it
+  when it is behind or down before reading from the primary, default
+  `DEFAULT_STANDBY_MAX_WAIT`.
 
 Secrets never leave this module unredacted: anything that shows a URL uses `redact_url`.
 """
@@ -59,7 +60,7 @@ DEFAULT_LEASE_SECONDS = 10.0
 #: all: a bad password, an unknown database or role, a bad URL.
 DEFAULT_CONNECT_TIMEOUT = 30.0
 #: Seconds a reader with a read URL waits for its standby before reading from the primary
-#: (`streams.core.standby.DEFAULT_MAX_WAIT`, repeated here: config imports no core).
+#: (`streams.core.standby_fence.DEFAULT_MAX_WAIT`, repeated here: config imports no core).
 DEFAULT_STANDBY_MAX_WAIT = 5.0
 
 _STREAM_NAME = re.compile(r"[a-z][a-z0-9_.\-]{0,62}")
@@ -340,10 +341,10 @@ class Settings:
     #: Seconds opening a connection waits for a server that is starting (`connect_timeout`).
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
     #: A hot standby's URL: readers read their rows there, behind the fence
-    #: (`streams.core.standby`); None: every read goes to ``database_url``.
+    #: (`streams.core.standby_fence`); None: every read goes to ``database_url``.
     read_database_url: str | None = field(default=None, repr=False)
     #: Seconds a reader waits for a standby that is behind or down before reading from the
-    #: primary (`streams.core.standby.StandbyRoute`).
+    #: primary (`streams.core.standby_fence.StandbyRoute`).
     standby_max_wait: float = DEFAULT_STANDBY_MAX_WAIT
 
     def __repr__(self) -> str:

@@ -59,7 +59,7 @@ from .core.incarnation import Guard, Incarnation, rewound, written_elsewhere
 from .core.payloads import encode_payload
 from .core.replication import Hint, backoff_delay
 from .core.stalls import HeldStreams
-from .core.standby import StandbyRoute
+from .core.standby_fence import StandbyRoute
 from .store.driver import Commit, Gen, Query, run, transient_sqlstate
 from .store.failover import replicated
 from .store.holders import retire_where_held
@@ -84,8 +84,9 @@ from .store.sessions import connect as open_session
 from .store.sessions import with_client_tcp_settings
 from .store.sinks import DEFAULT_RETENTION_SECONDS as SINK_COMMIT_RETENTION_SECONDS
 from .store.sinks import BatchCommit, TaskKey, claim_task, commit_batch
-from .store.writer_core import FactChunk, WriterCore
+from .store.writer_core import WriterCore
 from .transport.link import RedisLink
+from .types import FactChunk
 from .writer import Writer
 
 if TYPE_CHECKING:

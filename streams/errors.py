@@ -203,7 +203,7 @@ class SchemaNotReady(StoreError):
 
 class StandbyBehind(StoreError):
     """The standby of a read URL cannot serve this read yet: it has replayed only to
-    ``replayed`` (an LSN as an int), below the proof's ``proof_lsn`` (`streams.core.standby`),
+    ``replayed`` (an LSN as an int), below the proof's ``proof_lsn`` (`streams.core.standby_fence`),
     or it is on another timeline than the primary (``timeline`` True). Nothing was read; the
     reader waits and looks again, or reads from the primary. Never a fact skipped."""
 

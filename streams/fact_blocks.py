@@ -31,7 +31,8 @@ from .core.positions import ReservationToken
 from .errors import StoreError, UsageError
 from .plans import Call, FailJoined, Flag, Plan, Run, Settle
 from .store.driver import arun, commit_unknown, run
-from .store.writer_core import Ack, FactHandle, WriterCore
+from .store.writer_core import FactHandle, WriterCore
+from .types import Ack
 
 __all__ = ["AsyncOpenFact", "FactPlans", "OpenFact"]
 
@@ -259,7 +260,7 @@ class FactPlans:
                 core.finish_fact(token, handle, ok)
                 if written and handle is not None:
                     # A fact with no row in the facts table leaves nothing there that a
-                    # failover check could find: it is not remembered (`streams.core.failover`).
+                    # failover check could find: it is not remembered (`streams.core.sightings`).
                     remembered = handle.rows > 0 or bool(core.info.fact_tables)
                     self._completed((handle.stream_id,), handle.timestamp, remembered=remembered)
                 else:

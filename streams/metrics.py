@@ -39,9 +39,10 @@ from .errors import ConfigurationError, StreamsError
 from .store import sessions
 from .store.driver import run
 from .store.holders import HoldingState, holding_state
-from .store.reader_groups import StreamPositions, stream_positions
+from .store.reader_groups import stream_positions
 from .store.registry import list_streams
 from .store.role_checks import connections_by_role
+from .types import StreamPositions
 
 if TYPE_CHECKING:
     from .client import Client

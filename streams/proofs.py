@@ -89,8 +89,9 @@ from .store.probe import (
     try_become_prover,
 )
 from .store.reads import prove_with_rows
-from .store.registry import StreamInfo, load_streams
+from .store.registry import load_streams
 from .transport.faces import ProverLink
+from .types import StreamInfo
 
 __all__ = [
     "ELECTION_INTERVAL",

@@ -26,7 +26,7 @@ from ._gc import collection_paused
 from .core.epochs import Epoch, Fact
 from .core.frontier import Antichain, FrontierProbe
 from .core.replication import Hint, backoff_delay
-from .core.standby import StandbyRoute
+from .core.standby_fence import StandbyRoute
 from .errors import ConnectionLost, StandbyBehind, StoreError, UsageError, WaitTimeout
 from .orm import async_target, sync_target
 from .store import sessions
@@ -91,7 +91,7 @@ class _Pause(NamedTuple):
 
 
 class _OnStandby(NamedTuple):
-    """Run this store generator on the read URL's session (`streams.core.standby`); the driver
+    """Run this store generator on the read URL's session (`streams.core.standby_fence`); the driver
     sends back its result, or throws in what made the standby fail (`StandbyBehind`,
     `ConnectionLost`, a `StoreError` the standby may mend by itself)."""
 
@@ -332,7 +332,7 @@ class _ReaderBase:
                 return None
 
     def _step_plan(self, deadline: float | None, prove_only: bool = False) -> _Plan[Epoch | None]:
-        """One step of the reader. With a read URL (`streams.core.standby`): prove on the
+        """One step of the reader. With a read URL (`streams.core.standby_fence`): prove on the
         primary (no rows), then read the rows on the standby behind the fence, waiting for it
         with backoff (never past the caller's ``deadline``: None is returned, nothing moved),
         or from the primary when the route says so (a fallback, logged and counted)."""
@@ -446,8 +446,9 @@ class Reader(_ReaderBase):
     ) -> None:
         self._core = core
         self._url = database_url
-        # ``read_database_url``: a hot standby where the rows are read (`streams.core.standby`),
-        # opened at the first read there; ``standby``: how long to wait for it.
+        # ``read_database_url``: a hot standby where the rows are read
+        # (`streams.core.standby_fence`), opened at the first read there; ``standby``: how long
+        # to wait for it.
         self._read_url = read_database_url
         self._standby: psycopg.Connection[Any] | None = None
         if read_database_url is not None:

@@ -39,9 +39,9 @@ from .heartbeat import C, HeartbeatPlans
 from .orm import async_target, sync_target
 from .plans import Call, Flag, Io, Lock, Plan
 from .store.driver import Gen, arun, gone, run
-from .store.registry import StreamInfo
-from .store.writer_core import Ack, FactChunk, WriterCore
+from .store.writer_core import WriterCore
 from .transport.faces import Link
+from .types import Ack, FactChunk, StreamInfo
 
 __all__ = ["AsyncOpenFact", "AsyncWriter", "OpenFact", "Writer"]
 
@@ -117,7 +117,7 @@ class _WriterShell(HeartbeatPlans[C], FactPlans):
         the position that moved."""
         if self._attached is not None:
             self._attached.completed(ids, timestamp)
-        if ids and remembered:  # what a failover must not have lost (`streams.core.failover`)
+        if ids and remembered:  # what a failover must not have lost (`streams.core.sightings`)
             self._core.sighting.note(self._core.stream_name, self._core.info.id, ids)
         if self._core.needs_persist and not self._wake.is_set():
             self._wake.set()

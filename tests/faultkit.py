@@ -37,7 +37,7 @@ from helpers import wait_until
 from servers import docker_available, free_port
 
 import streams
-from streams import Client, embedded
+from streams import Client, devservers
 from streams.core.constants import data_channel, proof_channel, replication_channel
 from streams.core.protocol import ProtocolError, RdataCommand, parse, serialize
 from streams.transport.link import RedisLink
@@ -715,7 +715,7 @@ def terminate(url: str, pid: int) -> None:
 
 
 class RestartablePostgres:
-    """A private PostgreSQL server (`streams.embedded`, durable: an immediate shutdown
+    """A private PostgreSQL server (`streams.devservers`, durable: an immediate shutdown
     must lose nothing that was acknowledged) behind a `proxy.Proxy`, so that clients keep
     one URL while the server restarts on a new port.
 
@@ -729,7 +729,7 @@ class RestartablePostgres:
         self.workdir = workdir
         #: Server settings (``postgres -c``), kept across restarts.
         self.settings = dict(settings or {})
-        self.server = embedded.start_postgres(workdir, durable=True, settings=self.settings)
+        self.server = devservers.start_postgres(workdir, durable=True, settings=self.settings)
         self.proxy = Proxy("127.0.0.1", self.server.port)
         self.admin_url = self.proxy.url(self.server.url)
         self.restarts = 0
@@ -757,7 +757,7 @@ class RestartablePostgres:
         time.sleep(down_for)
         if while_down is not None:
             while_down(old.directory / "data")
-        self.server = embedded.start_postgres(self.workdir, durable=True, settings=self.settings)
+        self.server = devservers.start_postgres(self.workdir, durable=True, settings=self.settings)
         self.proxy.retarget("127.0.0.1", self.server.port)
         self.restarts += 1
         return time.monotonic() - started

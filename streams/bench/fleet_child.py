@@ -31,7 +31,7 @@ from typing import Any
 
 import psycopg
 
-from ..transport.topology import open_client
+from ..transport.discovery import open_client
 from .common import ignore_interrupts
 
 __all__ = ["main"]

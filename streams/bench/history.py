@@ -31,7 +31,7 @@ benchmarks' 197-byte payload), then:
   (`streams.bench.standby_reads`);
 * **Arrow** (``--arrow``, instead of the rest): the load, then ``catchup_facts`` facts read as
   Arrow batches (`Reader.batches`) beside the object path (`Reader.epochs`) and a raw ADBC
-  ``SELECT`` of the same rows (`streams.bench.arrow_reads`).
+  ``SELECT`` of the same rows (`streams.bench.history_arrow`).
 
 Both streams are the run's own (`common.scratch_streams`): they are dropped when it ends, also
 on Ctrl-C or an error, except the long one with ``keep`` (its name is in the first line the
@@ -63,12 +63,11 @@ from ..config import Settings, redact_url
 from ..store import sessions
 from ..store.driver import run
 from ..store.reader_core import DEFAULT_PAGE_SIZE
-from ..store.registry import StreamInfo
-from ..store.retention import PruneResult
 from ..store.rows import position_before_time
-from .arrow_reads import ArrowMeasure, measure_arrow
-from .arrow_reads import describe as describe_arrow
+from ..types import PruneResult, StreamInfo
 from .common import PAYLOAD, percentile, progress_report, raw_catchup, scratch_streams
+from .history_arrow import ArrowMeasure, measure_arrow
+from .history_arrow import describe as describe_arrow
 from .plots import plot_arrow, plot_option
 from .standby_reads import StandbyMeasure, describe, measure_standby_reads
 

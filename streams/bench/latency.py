@@ -50,7 +50,7 @@ from ..cli_params import FiniteFloat, common_options
 from ..config import Settings, redact_url
 from ..core.constants import facts_partition
 from ..store.reader_core import DEFAULT_PAGE_SIZE
-from ..transport.topology import open_client
+from ..transport.discovery import open_client
 from .common import (
     PAYLOAD,
     Scratch,
@@ -66,7 +66,7 @@ from .plots import plot_latency, plot_option
 if TYPE_CHECKING:
     from ..client import Client
     from ..reader import Reader
-    from ..store.registry import StreamInfo
+    from ..types import StreamInfo
 
 __all__ = [
     "CatchupResult",

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-    from .arrow_reads import ArrowMeasure
+    from .history_arrow import ArrowMeasure
     from .latency import LatencyBenchResult
     from .write import WriteBenchResult
 
@@ -336,10 +336,10 @@ def plot_latency(result: LatencyBenchResult, path: Path) -> None:
 
 
 def plot_arrow(measure: ArrowMeasure, path: Path) -> None:
-    """`streams.bench.arrow_reads.measure_arrow`'s result: the three reads' medians, every
+    """`streams.bench.history_arrow.measure_arrow`'s result: the three reads' medians, every
     round as a dot, and the two targets."""
     require_matplotlib()
-    from .arrow_reads import TARGET_VS_OBJECTS, TARGET_VS_RAW
+    from .history_arrow import TARGET_VS_OBJECTS, TARGET_VS_RAW
 
     fig, (ax,) = _figure(1, "streams bench history --arrow", height=4.8)
     fig.set_figwidth(7.5)

@@ -54,8 +54,8 @@ from ..cli_params import common_options
 from ..config import Settings, redact_url
 from ..store.driver import Commit, Gen, Pipeline, Row, run
 from ..store.probe import PROVER_SESSION_SETUP, READER_SESSION_SETUP, probe, prove
-from ..store.registry import StreamInfo
 from ..store.rows import fetch_rows_after_proof, retention_query
+from ..types import StreamInfo
 from .common import scratch_streams
 
 __all__ = [

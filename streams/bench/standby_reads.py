@@ -2,8 +2,8 @@
 
 On the long stream of `streams.bench.history`, a reader catches up from ``earliest`` through
 ``facts`` facts, alternately with every read on the primary and with a read URL (proofs on the
-primary, rows on the standby behind the fence: `streams.core.standby`), `ROUNDS` times each, in
-the same run. For each, medians of:
+primary, rows on the standby behind the fence: `streams.core.standby_fence`), `ROUNDS` times
+each, in the same run. For each, medians of:
 
 * **primary CPU per caught-up fact**: the CPU time (user + system, from ``/proc/<pid>/stat``) of
   every process of the primary's server (the postmaster's children: the reader's backend, the

@@ -36,9 +36,9 @@ past the position seen is not noticed: what no identifier and no position record
 here can tell.
 
 A *failover* changes the timeline only (`same_history`): the new primary holds a prefix of
-the old history (`streams.core.failover`). The guard takes a higher timeline as the process's
+the old history (`streams.core.sightings`). The guard takes a higher timeline as the process's
 own from then on, and each role checks what it saw against the new primary before it goes on
-(`streams.store.identity.verify` with a `streams.core.failover.Sighting`). A *lower* timeline
+(`streams.store.identity.verify` with a `streams.core.sightings.Sighting`). A *lower* timeline
 than one already seen is another branch of the history (a former primary writable again after
 a failover: split brain) and stops the process like any other change.
 This module is pure: `streams.store.identity` reads the numbers.
@@ -105,7 +105,7 @@ class Incarnation:
 
 def same_history(old: Incarnation, new: Incarnation) -> bool:
     """The same database and schema, on the same or a later timeline (a failover or a
-    point-in-time recovery of it: `streams.core.failover` says what that may lose)."""
+    point-in-time recovery of it: `streams.core.sightings` says what that may lose)."""
     return (
         old.id == new.id
         and old.system_identifier == new.system_identifier

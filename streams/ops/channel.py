@@ -33,8 +33,8 @@ from ..core.protocol import (
     parse,
     serialize,
 )
+from ..transport.discovery import open_client
 from ..transport.redis_errors import connection_error
-from ..transport.topology import open_client
 
 __all__ = ["ChannelPosition", "ChannelReport", "ChannelTally", "observe_channel"]
 

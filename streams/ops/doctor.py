@@ -31,9 +31,10 @@ from ..store.leases import (
 )
 from ..store.probe import probe
 from ..store.reader_groups import groups_beyond, list_groups
-from ..store.registry import StreamInfo, check_schema, list_streams
+from ..store.registry import check_schema, list_streams
 from ..store.retention import prune_target
 from ..transport.redis_errors import connection_error
+from ..types import StreamInfo
 from .pg_topology import postgres_topology
 from .redis_topology import redis_topology
 from .render import age
@@ -133,7 +134,7 @@ def diagnose(settings: Settings, *, stale_after_ms: int = STALE_AFTER_MS) -> lis
     if settings.redis_url:
         import redis
 
-        from ..transport.topology import open_client
+        from ..transport.discovery import open_client
 
         # A connection failure says why (`streams.transport.redis_errors`, password scrubbed);
         # anything else, even redis-py's URL parser raising ValueError, shows only the class name:

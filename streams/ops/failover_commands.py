@@ -1,7 +1,7 @@
 """`streams failover check|repair`: the way on after a PostgreSQL failover that lost facts.
 
 A failover to a *synchronous* standby loses nothing acknowledged: every role resumes by itself
-on the new primary (`streams.core.failover`). A failover to an *asynchronous* one may lose the
+on the new primary (`streams.core.sightings`). A failover to an *asynchronous* one may lose the
 old primary's last commits: a writer whose acknowledged facts are gone raises
 `streams.FailoverLoss` once, a reader that delivered facts that are gone stops with it, naming
 the stream and the IDs. What the operator does then:

@@ -22,7 +22,7 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from ..config import redact_url
-from ..core.standby import parse_lsn
+from ..core.standby_fence import parse_lsn
 from ..store.driver import run
 from ..store.topology import ServerState, server_state, standbys
 

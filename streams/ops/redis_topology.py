@@ -22,7 +22,7 @@ import redis
 
 from ..config import redact_url
 from ..redis_urls import parse_redis_url
-from ..transport.topology import SLOTS, ClusterMap, master_address
+from ..transport.discovery import SLOTS, ClusterMap, master_address
 
 __all__ = ["redis_topology"]
 

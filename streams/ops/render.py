@@ -16,7 +16,7 @@ from typing import IO, TYPE_CHECKING, Any
 from ..cli_params import LAST_DATE_MS
 
 if TYPE_CHECKING:
-    from ..store.reader_groups import GroupRow, StreamPositions
+    from ..types import GroupRow, StreamPositions
 
 __all__ = [
     "Table",

@@ -31,12 +31,6 @@ executors, any other engine's) through `streams.connector`, as every other inter
 * `writer_core`: `WriterCore`, one writer instance: registration, appends, heartbeats.
 * `reader_core`: `ReaderCore`, one reader: starts, steps (epochs), group commits.
 
-The data types most callers need are here: `StreamInfo`, `StreamPositions`, `GroupRow`.
+The data types callers see (`StreamInfo`, `StreamPositions`, `GroupRow`, `Ack`, ...) are
+`streams.types`, which the store imports and never the other way round.
 """
-
-from __future__ import annotations
-
-from .reader_groups import GroupRow, StreamPositions, WriterRow
-from .registry import FactTable, StreamInfo
-
-__all__ = ["FactTable", "GroupRow", "StreamInfo", "StreamPositions", "WriterRow"]

@@ -1,4 +1,4 @@
-"""After a failover: does the new primary hold what a role saw (`streams.core.failover`)?
+"""After a failover: does the new primary hold what a role saw (`streams.core.sightings`)?
 
 `check_sighting` runs on a role's first session on a new timeline, after the incarnation
 check (`streams.store.identity.verify`) and before anything else: it reads which of the fact
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from psycopg import sql
 
 from ..core.constants import facts_partition
-from ..core.failover import Sighting, assess
-from ..core.standby import parse_lsn
+from ..core.sightings import Sighting, assess
+from ..core.standby_fence import parse_lsn
 from ..errors import FailoverLoss, StoreError, UnknownStream
 from .driver import Commit, Gen, Query, Row
 from .registry import load_stream
@@ -95,7 +95,7 @@ def check_sighting(sighting: Sighting, where: str, what: str, *, joined: bool = 
 
 
 def _in_declared_tables(stream: str, ids: list[int]) -> Gen[set[int]]:
-    """Which of ``ids`` the stream's declared tables hold (`registry.FactTable`): a fact
+    """Which of ``ids`` the stream's declared tables hold (`streams.types.FactTable`): a fact
     written there has no row in the facts table. A table this session may not read, or that
     is gone, cannot tell: its IDs count as present, so a failover check never reports as lost
     a fact that may have committed (the warning says which table went unchecked)."""

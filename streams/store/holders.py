@@ -89,6 +89,7 @@ from psycopg import sql
 from ..core.constants import RESERVATION_LOCK_SPAN, WRITER_LOCK, reservation_lock_class
 from ..core.stalls import HeldStreams, Hold, reservation_floor
 from ..errors import StoreError
+from ..types import StreamInfo
 from ._common import MAY_END_SESSION, RESERVATION_LOCKS
 from .driver import Commit, Gen, Query, Row
 from .leases import (
@@ -98,7 +99,6 @@ from .leases import (
     retire_if_allowed,
     writer_lock_key,
 )
-from .registry import StreamInfo
 
 log = logging.getLogger("streams.writer")
 

@@ -96,8 +96,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import StoreError, UsageError
+from ..types import StreamInfo
 from .driver import Autocommit, Commit, Gen, Query, Row
-from .registry import StreamInfo
 
 __all__ = [
     "ATTEMPTS",

@@ -20,9 +20,9 @@ from __future__ import annotations
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 
-from ..core.failover import Sighting
 from ..core.incarnation import Guard, Incarnation, same_history, written_elsewhere
-from ..core.standby import format_lsn
+from ..core.sightings import Sighting
+from ..core.standby_fence import format_lsn
 from ..errors import DatabaseChanged, FailoverLoss, SchemaNotReady, StoreError, UsageError
 from .driver import Commit, Gen, Query, Row
 from .failover import check_sighting, switchpoint

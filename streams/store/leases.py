@@ -66,9 +66,9 @@ from ..core.constants import (
 )
 from ..core.positions import sequence_repair_target
 from ..errors import StoreError
+from ..types import FactTable, StreamInfo
 from ._common import MAY_END_SESSION
 from .driver import Commit, Gen, Query
-from .registry import FactTable, StreamInfo
 
 
 def max_allocated_sql(info: StreamInfo) -> sql.Composed:

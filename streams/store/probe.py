@@ -86,7 +86,7 @@ window).
 
 The standby fence (what a proof tells a reader that reads its rows from a hot standby)
 --------------------------------------------------------------------------------------
-A reader with a read URL (`streams.core.standby`) reads the rows of proven facts from a hot
+A reader with a read URL (`streams.core.standby_fence`) reads the rows of proven facts from a hot
 standby, which shows a committed transaction only once it has *replayed* its commit record. So
 every proof carries an LSN: statement 3 of the probe also returns ``pg_current_wal_insert_lsn()``.
 Every transaction that held an ID ``<= C[s]`` ended before statement 2 read ``pg_locks``; one
@@ -150,9 +150,9 @@ from ..core.constants import (
     STALE_AFTER,
     reservation_lock_class,
 )
+from ..types import StreamInfo
 from ._common import COMPLETE_SETTING, MAY_END_SESSION, RESERVATION_LOCKS, int_array
 from .driver import Commit, Gen, Pipeline, Query, Row
-from .registry import StreamInfo
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,14 +54,14 @@ from .._gc import collection_paused
 from ..config import DEFAULT_LEASE_SECONDS
 from ..core.constants import PROOF_GRACE, STALE_AFTER
 from ..core.epochs import Epoch, Fact, Row, next_position, plan_page
-from ..core.failover import RECENT_IDS, Sighting
 from ..core.frontier import Antichain, FrontierProbe, FrontierSnapshot, LiveFilter, UpperAntichain
 from ..core.incarnation import Guard, Incarnation, written_elsewhere
 from ..core.payloads import decode_payloads
 from ..core.replication import Hint, is_keys_hint, is_proof_hint
+from ..core.sightings import RECENT_IDS, Sighting
 from ..core.signing import KEY_REFRESH, PublicKeys, SignedRange, verify_range
 from ..core.stalls import HeldStreams
-from ..core.standby import StandbyRoute
+from ..core.standby_fence import StandbyRoute
 from ..errors import (
     ConnectionLost,
     DatabaseChanged,
@@ -70,6 +70,7 @@ from ..errors import (
     StoreError,
     UsageError,
 )
+from ..types import StreamInfo
 from .driver import Gen
 from .holders import retire_where_held
 from .identity import verify
@@ -96,7 +97,7 @@ from .reads import (
     send_proven,
     standby_fence,
 )
-from .registry import StreamInfo, load_streams
+from .registry import load_streams
 from .rows import database_time_ms, position_before_time, ts_floor_at
 
 __all__ = ["DEFAULT_PAGE_SIZE", "ReaderCore", "Start"]
@@ -264,7 +265,7 @@ class ReaderCore:
         self.rows = self.standby_rows = 0
         #: Read rows on a hot standby (a read URL; set by the shells), and how long to wait
         #: for it: the shells then `step` without rows on the primary (it only proves) and
-        #: read the rows by `standby_step` behind the fence (`streams.core.standby`).
+        #: read the rows by `standby_step` behind the fence (`streams.core.standby_fence`).
         self.route: StandbyRoute | None = None
         #: The highest LSN of a proof this reader noted ("the standby fence" in
         #: `streams.store.probe`): a standby replayed past it shows every fact up to the
@@ -273,7 +274,7 @@ class ReaderCore:
         #: The database history this reader's positions belong to: the first session records
         #: it (or the client's, which shares its guard), every reconnect checks it.
         self.guard = Guard()
-        #: The facts delivered lately, checked after a failover (`streams.core.failover`);
+        #: The facts delivered lately, checked after a failover (`streams.core.sightings`);
         #: a loss stops the reader (its consumer holds facts the database no longer has).
         self.sighting = Sighting(sticky=True)
         # Reading ahead (`_read_pages`): the pages sent on the session, not yet received;
@@ -384,7 +385,7 @@ class ReaderCore:
         reader until an operator binds it to this one (`streams incarnation accept`). Rows
         committed before incarnations existed (None) are taken as they are, and so are rows of
         an earlier timeline of this history (a failover): the new primary holds the row and
-        every fact committed before it, so it resumes from there (`streams.core.failover`)."""
+        every fact committed before it, so it resumes from there (`streams.core.sightings`)."""
         current = self.guard.expected
         changed = (
             None if current is None else written_elsewhere(token, current, across_failover=True)

@@ -25,6 +25,7 @@ from ..core.staleness import (
     retention_held,
 )
 from ..errors import GroupFenced, InvalidPosition, StoreError, UsageError
+from ..types import GroupRow, StreamInfo, StreamPositions, WriterRow
 from ._common import NOW_MS_SQL
 from .driver import Commit, Gen, Query
 from .holders import reservation_lock_holders
@@ -34,137 +35,9 @@ from .leases import (
     retire_if_allowed,
 )
 from .probe import probe
-from .registry import DEFAULT_KEY_WINDOW_MS, StreamInfo
 from .rows import position_before_time
 
-
-@dataclass(frozen=True, slots=True)
-class WriterRow:
-    """A writer's row: its persisted position, lease and what it last reported."""
-
-    instance: str
-    generation: int
-    position: int
-    retired: bool
-    lease_expires_in_ms: int
-    pending: int = 0
-    #: Milliseconds since its last heartbeat (or registration).
-    heartbeat_age_ms: int = 0
-
-    @property
-    def state(self) -> str:
-        """``retired`` (closed, fenced or pruned from the linear position), ``lease expired``
-        (stopped heartbeating; retired at the next chance), ``active`` (it had IDs pending
-        between its last two heartbeats, i.e. it wrote) or ``idle`` (nothing pending in that
-        time: it holds nobody back)."""
-        if self.retired:
-            return "retired"
-        if self.lease_expires_in_ms < 0:
-            return "lease expired"
-        return "active" if self.pending else "idle"
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "position": self.position,
-            "generation": self.generation,
-            "retired": self.retired,
-            "state": self.state,
-            "lease_expires_in_ms": self.lease_expires_in_ms,
-            "heartbeat_age_ms": self.heartbeat_age_ms,
-            "pending": self.pending,
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class StreamPositions:
-    """What `positions(stream)` reports; every figure read in one database snapshot."""
-
-    stream: str
-    linear: int
-    max_allocated: int
-    writers: Mapping[str, WriterRow]
-    #: The minimum of the writers' persisted positions: trails ``linear`` by a heartbeat.
-    persisted_linear: int = 0
-    groups: tuple[GroupRow, ...] = ()
-    #: Age in ms of the oldest open writing transaction (the oldest pending ID), if any.
-    oldest_pending_ms: int | None = None
-    #: Every fact ``<=`` it may have been removed by retention (`prune`); 0: none was.
-    pruned_through: int = 0
-    #: How long an append's idempotency key names it (`streams.store.idempotency`).
-    key_window_ms: int = DEFAULT_KEY_WINDOW_MS
-
-    @property
-    def scratchpad(self) -> int:
-        """IDs in (linear, max allocated]: pending, or completed behind a pending one."""
-        return self.max_allocated - self.linear
-
-    def as_dict(self, *, retired: bool = True) -> dict[str, Any]:
-        """JSON-ready; ``retired=False`` folds retired writers into ``retired_writers``."""
-        shown = {n: w for n, w in sorted(self.writers.items()) if retired or not w.retired}
-        return {
-            "stream": self.stream,
-            "linear": self.linear,
-            "persisted_linear": self.persisted_linear,
-            "max_allocated": self.max_allocated,
-            "scratchpad": self.scratchpad,
-            "oldest_pending_ms": self.oldest_pending_ms,
-            "pruned_through": self.pruned_through,
-            "key_window_ms": self.key_window_ms,
-            "groups": {g.group: g.as_dict() for g in self.groups},
-            "writers": {name: row.as_dict() for name, row in shown.items()},
-            "retired_writers": sum(w.retired for w in self.writers.values()),
-        }
-
-
 # --- reader groups ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class GroupRow:
-    """A reader group's committed frontier on one stream and its lag behind the stream."""
-
-    stream: str
-    group: str
-    position: int
-    ts_floor: int
-    lag: int
-    updated_at: str
-    #: Age in ms of the oldest fact the group has not consumed (None when it is caught up).
-    lag_ms: int | None = None
-    #: Milliseconds since the group's last commit (``updated_at``, by the database's clock).
-    idle_ms: int = 0
-    #: It stops `prune` short of what the stream's retention period allows
-    #: (`streams.core.staleness.holds_retention`).
-    holds_retention: bool = False
-    #: How many IDs `prune` would remove but for this group (0 unless it holds retention back:
-    #: `streams.core.staleness.retention_held`).
-    retention_held_ids: int = 0
-    #: Idle for the stale-after time while holding retention back (`streams.core.staleness`).
-    stale: bool = False
-    #: The generation of the group's consumer (`take_generations`): how many times a consumer
-    #: opened the group on this stream; None if none did since the generations exist.
-    generation: int | None = None
-    #: Who opened it last (``host:pid`` of a reader, the Spark query), and when (ISO 8601).
-    owner: str | None = None
-    taken_at: str | None = None
-    #: Milliseconds since then (by the database's clock): since the group last changed hands.
-    taken_age_ms: int | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "group": self.group,
-            "position": self.position,
-            "lag": self.lag,
-            "lag_ms": self.lag_ms,
-            "updated_at": self.updated_at,
-            "idle_ms": self.idle_ms,
-            "holds_retention": self.holds_retention,
-            "stale": self.stale,
-            "generation": self.generation,
-            "owner": self.owner,
-            "taken_at": self.taken_at,
-            "taken_age_ms": self.taken_age_ms,
-        }
 
 
 class GroupPosition(NamedTuple):

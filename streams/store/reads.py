@@ -52,7 +52,7 @@ The forms of the sequence, one plan each:
 Step 2 alone (`probe`) and step 4 alone (`pruned_positions`) are what planners use to decide
 positions without reading rows (the Spark source's driver, a reader's start).
 
-Reads from a hot standby (a read URL: `streams.core.standby`, `streams.store.standby`): step 2
+Reads from a hot standby (a read URL: `streams.core.standby_fence`, `streams.store.standby`): step 2
 stays on the primary, and carries the LSN of the proof ("the standby fence" in
 `streams.store.probe`; `read_proofs` for a follower of shared proofs); steps 3-4 run on the
 standby's session behind the fence, a statement that finds the standby replayed past that LSN
@@ -68,6 +68,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, TypeAlias, TypeVar
 
 from ..errors import FactsPruned, StoreError
+from ..types import StreamInfo
 from .driver import Commit, Gen, Op, Pipeline, Query, Receive, Row, Send
 from .identity import check_history
 from .probe import (
@@ -83,7 +84,6 @@ from .probe import (
     statement_timeout_setup,
     wal_position_query,
 )
-from .registry import StreamInfo
 from .rows import (
     check_retained,
     fetch_rows_after_probe,

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from ..errors import (
     UnknownStream,
 )
+from ..types import PruneResult, StreamInfo
 from ._common import NOW_MS_SQL
 from .driver import Commit, Gen, Query
 from .idempotency import prune_keys
 from .probe import probe
-from .registry import StreamInfo
 from .rows import position_before_time
 
 # --- retention --------------------------------------------------------------------------------
@@ -130,35 +129,6 @@ def prune_step(info: StreamInfo, target: int, batch: int = PRUNE_BATCH) -> Gen[t
         deleted = int(rows[0][0])
     yield Commit()
     return max(old, new), deleted
-
-
-@dataclass(frozen=True, slots=True)
-class PruneResult:
-    """What one `prune` of a stream did."""
-
-    stream: str
-    #: ``pruned_through`` before and after.
-    before: int
-    after: int
-    #: How far retention allowed, and what held it there (`PruneTarget`).
-    target: int
-    limited_by: str
-    rows_deleted: int
-    transactions: int
-    #: Idempotency keys older than the stream's key window, removed (`prune_keys`).
-    keys_deleted: int = 0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "stream": self.stream,
-            "pruned_through_before": self.before,
-            "pruned_through": self.after,
-            "target": self.target,
-            "limited_by": self.limited_by,
-            "rows_deleted": self.rows_deleted,
-            "transactions": self.transactions,
-            "keys_deleted": self.keys_deleted,
-        }
 
 
 def prune(

@@ -20,9 +20,9 @@ from typing import Any
 from psycopg import sql
 
 from ..errors import FactsPruned
+from ..types import StreamInfo
 from ._common import COMPLETE_SETTING, int_array
 from .driver import Commit, Gen, Query, Row
-from .registry import StreamInfo
 
 
 def fetch_rows_after_proof(

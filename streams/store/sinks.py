@@ -64,8 +64,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import StoreError
+from ..types import StreamInfo
 from .driver import Autocommit, Commit, Gen, Query
-from .registry import StreamInfo
 
 __all__ = [
     "DEFAULT_RETENTION_SECONDS",

@@ -1,4 +1,4 @@
-"""A hot standby's side of a read: its incarnation, and the fence (`streams.core.standby`).
+"""A hot standby's side of a read: its incarnation, and the fence (`streams.core.standby_fence`).
 
 Two statements, run on the session of a read URL and nowhere else:
 
@@ -12,7 +12,7 @@ Two statements, run on the session of a read URL and nowhere else:
   by up to a checkpoint interval, and one that still follows a primary that was failed over
   may hold facts the new primary never had (asynchronous replication) and an LSN that is not
   comparable with the new primary's. Neither is read from: the reader reads from the primary
-  until the standby's timeline is the reader's again (`streams.core.standby.StandbyRoute`).
+  until the standby's timeline is the reader's again (`streams.core.standby_fence.StandbyRoute`).
   The primary's own session keeps its check (`streams.store.identity.verify`): a reader whose
   primary changed history stops there, before any standby read.
 * `replayed_to` (before the rows of each read): the standby's replay position, read in a
@@ -39,7 +39,7 @@ from __future__ import annotations
 from collections.abc import Generator
 
 from ..core.incarnation import Incarnation
-from ..core.standby import format_lsn, standby_mismatch
+from ..core.standby_fence import format_lsn, standby_mismatch
 from ..errors import DatabaseChanged, StandbyBehind
 from .driver import Commit, Query, Row
 from .identity import read_incarnation

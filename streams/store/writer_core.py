@@ -54,7 +54,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import chain, repeat
 from typing import Any
 
@@ -62,10 +62,10 @@ from psycopg import sql
 
 from ..config import validate_instance_name
 from ..core.constants import facts_partition, reservation_lock_class
-from ..core.failover import Sighting
 from ..core.incarnation import Guard
 from ..core.payloads import encode_payload
 from ..core.positions import PositionTracker, ReservationToken
+from ..core.sightings import Sighting
 from ..core.timestamps import resolve_timestamps, validate_client_timestamp
 from ..errors import (
     FailoverLoss,
@@ -75,6 +75,7 @@ from ..errors import (
     UsageError,
     WriterFenced,
 )
+from ..types import Ack, FactChunk, StreamInfo
 from .driver import Autocommit, Commit, CopyIn, Gen, Pipeline, Query, Row
 from .failover import FAILOVER_SKIP, check_sighting, fence_timeline
 from .holders import end_exclusive_holders, exclusive_holders
@@ -99,55 +100,17 @@ from .leases import (
     retire_expired_writers,
     writer_lock_sql,
 )
-from .registry import StreamInfo, load_stream
+from .registry import load_stream
 
 log = logging.getLogger("streams.writer")
 
 __all__ = [
-    "Ack",
     "DatabaseClock",
-    "FactChunk",
     "FactHandle",
     "HeartbeatResult",
     "WriterCore",
     "encode_payload",
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class Ack:
-    """Acknowledgement of an append: IDs (ascending, not necessarily contiguous) and times.
-
-    ``first_id``/``last_id`` are the lowest and highest ID, ``first_timestamp``/
-    ``last_timestamp`` the timestamps of those two facts, ``ids`` the ID of each payload's fact
-    in the order of the payloads. With idempotency keys (`streams.store.idempotency`),
-    ``duplicates`` are the positions of the payloads whose key had been written already: their
-    IDs are the original facts' (so ``ids`` need not ascend then) and this append wrote
-    nothing for them. ``duplicates`` takes no part in comparisons: a retried append's `Ack`
-    equals the original's.
-    """
-
-    first_id: int
-    last_id: int
-    first_timestamp: int
-    last_timestamp: int
-    count: int
-    ids: tuple[int, ...] = field(repr=False)
-    duplicates: tuple[int, ...] = field(default=(), compare=False)
-
-    @property
-    def duplicate(self) -> bool:
-        """Every payload's key had been written already: this append wrote nothing."""
-        return len(self.duplicates) == self.count
-
-    @classmethod
-    def of(cls, ids: Sequence[int], stamps: Sequence[int], duplicates: Sequence[int] = ()) -> Ack:
-        """The `Ack` of facts ``ids`` (in payload order) with timestamps ``stamps``."""
-        low = min(range(len(ids)), key=ids.__getitem__)
-        high = max(range(len(ids)), key=ids.__getitem__)
-        return cls(
-            ids[low], ids[high], stamps[low], stamps[high], len(ids), tuple(ids), tuple(duplicates)
-        )
 
 
 class DatabaseClock:
@@ -173,35 +136,6 @@ class HeartbeatResult:
     alive: bool
     persisted_position: int
     max_allocated: int
-
-
-@dataclass(frozen=True, slots=True)
-class FactChunk:
-    """Facts for `WriterCore.append_facts`: every row's payload as JSON text, the facts one
-    after the other (each fact's row 0 first); ``sizes``, the rows of each fact (None: one row
-    each); one client timestamp (or None) per fact."""
-
-    rows: Sequence[str]
-    timestamps: Sequence[int | None]
-    sizes: Sequence[int] | None = None
-
-    def __post_init__(self) -> None:
-        if len(self.timestamps) != self.count:
-            raise UsageError("a chunk needs one timestamp entry per fact")
-        if self.sizes is not None and (
-            sum(self.sizes) != len(self.rows) or min(self.sizes, default=1) < 1
-        ):
-            raise UsageError("a chunk's sizes must be >= 1 and add up to its rows")
-
-    @property
-    def count(self) -> int:
-        """The facts in the chunk."""
-        return len(self.rows) if self.sizes is None else len(self.sizes)
-
-    @classmethod
-    def of(cls, facts: Sequence[Sequence[str]], timestamps: Sequence[int | None]) -> FactChunk:
-        """A chunk of these facts, each given as its rows."""
-        return cls([text for rows in facts for text in rows], timestamps, [len(r) for r in facts])
 
 
 @dataclass(slots=True)
@@ -262,7 +196,7 @@ class WriterCore:
         self.lease_seconds = lease_seconds
         #: The database history this writer's state belongs to (shared with its client's).
         self.guard = Guard()
-        #: The facts acknowledged lately, checked after a failover (`streams.core.failover`).
+        #: The facts acknowledged lately, checked after a failover (`streams.core.sightings`).
         self.sighting = Sighting()
         self.max_payload_bytes = max_payload_bytes
         self.clock = DatabaseClock()

@@ -40,7 +40,7 @@ from typing import Any, TypeAlias
 
 from ..core.replication import LinkStats
 from .connections import REDIS_ERRORS, Message
-from .topology import ClusterMap
+from .discovery import ClusterMap
 
 __all__ = [
     "MAP_REFRESH_INTERVAL",

@@ -43,7 +43,7 @@ from .connections import (
     Subscriber,
     client_options,
 )
-from .topology import ClusterMap
+from .discovery import ClusterMap
 
 __all__ = [
     "AsyncClusterPublisher",

@@ -31,7 +31,7 @@ from redis.retry import Retry
 
 from .._aio import uninterrupted
 from ..core import resp
-from .topology import NotMaster, check_master, open_client
+from .discovery import NotMaster, check_master, open_client
 
 __all__ = [
     "INLINE_RECONNECT_INTERVAL",

@@ -102,8 +102,8 @@ from .connections import (
     Subscriber,
     client_options,
 )
+from .discovery import ClusterMap, NotMaster, master_url
 from .faces import AttachedWriter, LinkListener
-from .topology import ClusterMap, NotMaster, master_url
 
 __all__ = ["KEEPALIVE", "AsyncRedisLink", "KnownStreams", "LinkListener", "RedisLink"]
 

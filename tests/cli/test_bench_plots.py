@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from helpers import assert_image
 
 from streams.bench import plots
-from streams.bench.arrow_reads import ArrowMeasure
+from streams.bench.history_arrow import ArrowMeasure
 from streams.bench.latency import CatchupResult, LatencyBenchResult, LatencyRun, LatencyStats
 from streams.bench.write import Measurement, WriteBenchResult
 from streams.command import main

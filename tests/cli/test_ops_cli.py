@@ -11,7 +11,7 @@ import psycopg
 import pytest
 from click.testing import CliRunner, Result
 
-import streams.ops.cli
+import streams.ops.io_commands
 from streams import Client
 from streams.command import main
 from streams.store.driver import run
@@ -153,7 +153,7 @@ def test_read_format_table_and_json(streams_url: str, client: Client, stream: st
 def test_append_from_a_terminal_stdin_says_what_to_do(
     streams_url: str, stream: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(streams.ops.cli, "_stdin_terminal", lambda: True)
+    monkeypatch.setattr(streams.ops.io_commands, "_stdin_terminal", lambda: True)
     result = cli(streams_url, "append", stream)
     assert result.exit_code == 2
     assert "pipe JSON lines" in result.stderr

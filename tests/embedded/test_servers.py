@@ -38,8 +38,7 @@ from servers import (
     with_database,
 )
 
-from streams import embedded
-from streams.embedded import EmbeddedServerError, find_postgres_bindir, find_redis_server
+from streams.devservers import EmbeddedServerError, find_postgres_bindir, find_redis_server
 
 HERE = TESTS_DIR  # servers.py and conftest.py
 
@@ -222,7 +221,7 @@ def test_private_postgres_starts_answers_and_stops() -> None:
 def test_private_tier_unavailable_names_the_missing_binaries(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # The private tier is streams.embedded: its "not installed" error becomes the tier's reason.
+    # The private tier is streams.devservers: its "not installed" error becomes the tier's reason.
     def missing() -> Path:
         raise EmbeddedServerError("no redis-server binary found (pip install ...)")
 
@@ -233,7 +232,7 @@ def test_private_tier_unavailable_names_the_missing_binaries(
         made.append(mkdtemp(prefix=prefix))
         return made[-1]
 
-    monkeypatch.setattr(embedded, "find_redis_server", missing)
+    monkeypatch.setattr("streams.devservers.redis_server.find_redis_server", missing)
     monkeypatch.setattr(tempfile, "mkdtemp", recording_mkdtemp)
     with pytest.raises(ServerUnavailable, match="private: no redis-server binary found"):
         redis_server(tiers=("private",))

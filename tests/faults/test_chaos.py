@@ -113,7 +113,7 @@ from servers import new_redis_prefix, new_stream_name
 from soak import Soak
 
 import streams
-from streams.embedded import ensure_database
+from streams.devservers import ensure_database
 from streams.store.failover import FAILOVER_SKIP
 
 SECONDS = float(os.environ.get("STREAMS_CHAOS_SECONDS", "60"))

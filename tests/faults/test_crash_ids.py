@@ -22,7 +22,7 @@ import pytest
 from faultkit import restartable_postgres
 
 import streams
-from streams.embedded import ensure_database
+from streams.devservers import ensure_database
 
 ROUNDS = 3
 

@@ -49,7 +49,7 @@ from proxy import Proxy
 from servers import new_redis_prefix
 
 import streams
-from streams.embedded import ensure_database
+from streams.devservers import ensure_database
 
 LEASE = 5.0
 

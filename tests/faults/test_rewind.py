@@ -26,7 +26,7 @@ import pytest
 from faultkit import RestartablePostgres, copy_data_directory, restartable_postgres
 
 import streams
-from streams.embedded import ensure_database
+from streams.devservers import ensure_database
 from streams.migrate import upgrade
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -47,7 +47,7 @@ from streams.reader import Reader
 from streams.store import sessions
 from streams.store.driver import Gen, run
 from streams.store.holders import holding_state
-from streams.store.registry import StreamInfo
+from streams.types import StreamInfo
 from streams.writer import Writer
 
 pytestmark = pytest.mark.timeout(240)

@@ -1,4 +1,5 @@
-"""Reads from a hot standby (`streams.core.standby`): proofs on the primary, rows on the standby.
+"""Reads from a hot standby (`streams.core.standby_fence`): proofs on the primary, rows on the
+standby.
 
 A private primary and a streaming standby (`tests/pgpair.py`, asynchronous replication) serve
 every test of this module. A reader given the standby as its read URL must deliver nothing that

@@ -33,9 +33,10 @@ from faultkit import backend_waits_for_a_lock, in_thread, terminate
 from helpers import wait_until
 
 import streams
-from streams import ConnectionLost, StoreError, embedded
+from streams import ConnectionLost, StoreError, devservers
+from streams.devservers import accounts, processes
 from streams.migrate import upgrade
-from streams.store.reader_groups import StreamPositions
+from streams.types import StreamPositions
 
 
 class StartingPostgres:
@@ -45,7 +46,7 @@ class StartingPostgres:
 
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
-        first = embedded.start_postgres(workdir, durable=False)  # initdb, once
+        first = devservers.start_postgres(workdir, durable=False)  # initdb, once
         try:
             with psycopg.connect(first.url, autocommit=True) as admin:
                 admin.execute("CREATE DATABASE streams")
@@ -53,10 +54,10 @@ class StartingPostgres:
         finally:
             first.stop()
         self.pgdata = workdir / "data"
-        self.account = embedded.postgres_account(self.pgdata.stat().st_uid)
-        self.bindir = embedded._reachable_bindir(embedded.find_postgres_bindir(), self.account)
-        self.port = embedded.free_port()
-        self.url = embedded.postgres_url(self.port, "streams")
+        self.account = devservers.postgres_account(self.pgdata.stat().st_uid)
+        self.bindir = accounts._reachable_bindir(devservers.find_postgres_bindir(), self.account)
+        self.port = devservers.free_port()
+        self.url = devservers.postgres_url(self.port, "streams")
         self.proc: subprocess.Popen[bytes] | None = None
 
     def _own(self, path: Path) -> None:
@@ -72,8 +73,8 @@ class StartingPostgres:
             self._own(self.pgdata / "standby.signal")
         else:  # a standby that was stopped, not promoted, comes up as a primary again
             (self.pgdata / "standby.signal").unlink(missing_ok=True)
-        argv = embedded.postgres_argv(self.bindir, self.pgdata, self.port, False, settings)
-        self.proc = embedded._popen(argv, self.workdir, self.workdir / "server.log", self.account)
+        argv = devservers.postgres_argv(self.bindir, self.pgdata, self.port, False, settings)
+        self.proc = processes._popen(argv, self.workdir, self.workdir / "server.log", self.account)
         if not standby:
             wait_until(self.ready, timeout=30, what="the private server accepts connections")
 
@@ -213,7 +214,7 @@ def test_an_open_client_goes_on_across_the_new_timeline_of_a_promotion(
 ) -> None:
     """A promoted standby is a failover (a later timeline of the same database): a client
     that knew the old timeline goes on (its roles saw nothing the new one lacks:
-    `streams.core.failover`); the first writer session there moves the sequences past any
+    `streams.core.sightings`); the first writer session there moves the sequences past any
     ID the old timeline may have handed out (`streams_fence_timeline`)."""
     with streams.connect(pg.url) as client:
         client.create_stream(unique_name)

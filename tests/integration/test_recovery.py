@@ -21,8 +21,9 @@ import streams
 from streams import Client, InvalidFactTables, SequenceRewound, StoreError, StreamsError
 from streams.store.driver import run
 from streams.store.leases import UnseenIds, sequence_state, unseen_ids
-from streams.store.registry import FactTable, parse_fact_tables
+from streams.store.registry import parse_fact_tables
 from streams.store.writer_core import WriterCore
+from streams.types import FactTable
 
 
 def set_back(url: str, client: Client, stream: str, value: int = 1) -> None:

@@ -16,8 +16,7 @@ import pytest
 
 from streams import Client, Writer
 from streams.store import driver, sinks
-from streams.store.registry import StreamInfo
-from streams.store.writer_core import FactChunk
+from streams.types import FactChunk, StreamInfo
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -16,7 +16,7 @@ from helpers import wait_until
 import streams
 import streams.heartbeat as writer_module
 from streams import Client
-from streams.store.writer_core import FactChunk
+from streams.types import FactChunk
 
 
 def sessions(url: str) -> set[int]:

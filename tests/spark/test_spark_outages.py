@@ -26,7 +26,7 @@ from faultkit import Appender, RestartablePostgres, restartable_postgres
 from proxy import Proxy
 
 import streams
-from streams.embedded import ensure_database
+from streams.devservers import ensure_database
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 

@@ -20,6 +20,7 @@ import pytest
 
 from streams import Client
 from streams.store import driver, registry, sinks
+from streams.types import StreamInfo
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -273,12 +274,12 @@ def test_streaming_write_replay_before_spark_committed_uses_task_commits(
     shutil.rmtree(checkpoint)
 
 
-def driver_info(url: str, name: str) -> registry.StreamInfo:
+def driver_info(url: str, name: str) -> StreamInfo:
     with psycopg.connect(url) as conn:
         return driver.run(conn, registry.load_stream(name))
 
 
-def state(url: str, info: registry.StreamInfo, query_id: str) -> tuple[Any, list[Any]]:
+def state(url: str, info: StreamInfo, query_id: str) -> tuple[Any, list[Any]]:
     with psycopg.connect(url) as conn:
         return driver.run(conn, sinks.sink_state(info, query_id))
 

@@ -12,7 +12,7 @@ import redis
 from streams.core.replication import LinkStats
 from streams.redis_urls import parse_redis_url
 from streams.transport import cluster as c
-from streams.transport.topology import ClusterMap
+from streams.transport.discovery import ClusterMap
 
 A, B = ("10.0.0.1", 7000), ("10.0.0.2", 7000)
 CONTROL = "p"

@@ -1,4 +1,4 @@
-"""What a failover may have lost of what a role saw, pure (`streams.core.failover`)."""
+"""What a failover may have lost of what a role saw, pure (`streams.core.sightings`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 from hypothesis import given
 from hypothesis import strategies as st
 
-from streams.core.failover import RECENT_IDS, Loss, Sighting, assess
+from streams.core.sightings import RECENT_IDS, Loss, Sighting, assess
 from streams.errors import DatabaseChanged, FailoverLoss
 
 ids = st.lists(st.integers(1, 10_000), max_size=60)

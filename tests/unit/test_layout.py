@@ -1,18 +1,21 @@
 """The shape of `streams`: exported names, the error tree, the pure core, the layers of the
-import graph, and the package list of the wheel. No servers: this is the fast loop's too.
+import graph, module names, and the package list of the wheel. No servers: this is the fast
+loop's too.
 
 The layers, from the bottom (a module imports only from its own layer or below; the two I/O
-packages never import each other; there are no import cycles):
+packages never import each other; there are no import cycles but the known ones, and no two
+modules share a file name):
 
 0. `streams.errors`, `streams.config`, `streams.redis_urls`, `streams._aio`: foundations;
 1. `streams.core`: the pure model (sans-IO);
-2. `streams.store` (PostgreSQL) and `streams.transport` (Redis): the I/O;
-3. `streams.writer` (with `streams.heartbeat`, `streams.fact_blocks`, `streams.plans`),
+2. `streams.types`: the data types callers see, made and read by the store;
+3. `streams.store` (PostgreSQL) and `streams.transport` (Redis): the I/O;
+4. `streams.writer` (with `streams.heartbeat`, `streams.fact_blocks`, `streams.plans`),
    `streams.reader`, `streams.proofs`, `streams.migrate`: the shells that drive them;
-4. `streams.client`, `streams.metrics`, `streams.connector`, `streams` itself: the entry points;
-5. `streams.cli_params`, `streams.embedded`, `streams.plugins`: what every command shares;
-6. `streams.ops`, `streams.bench`: the operator's commands and the benchmarks, kept apart;
-7. `streams.command`, `streams.__main__`: the `streams` command, composed of both.
+5. `streams.client`, `streams.metrics`, `streams.connector`, `streams` itself: the entry points;
+6. `streams.cli_params`, `streams.devservers`, `streams.plugins`: what every command shares;
+7. `streams.ops`, `streams.bench`: the operator's commands and the benchmarks, kept apart;
+8. `streams.command`, `streams.__main__`: the `streams` command, composed of both.
 
 The library never imports the Spark connector (`streams_spark`): the command finds what the
 connector adds through entry points. Outside the package: the Spark connector imports of
@@ -209,6 +212,7 @@ def test_version() -> None:
 LAYERS = (
     ("streams.errors", "streams.config", "streams.redis_urls", "streams._aio", "streams._gc"),
     ("streams.core",),
+    ("streams.types",),
     ("streams.store", "streams.transport"),
     (
         "streams.writer",
@@ -222,7 +226,7 @@ LAYERS = (
         "streams.orm",
     ),
     ("streams.client", "streams.metrics", "streams.connector", "streams"),
-    ("streams.cli_params", "streams.embedded", "streams.plugins"),
+    ("streams.cli_params", "streams.devservers", "streams.plugins"),
     ("streams.ops", "streams.bench"),
     ("streams.command", "streams.__main__"),
 )
@@ -249,14 +253,36 @@ def _layer(module: str) -> int:
     return next(i for i, layer in enumerate(LAYERS) if group in layer)
 
 
-def _graph(*, top_level_only: bool) -> dict[str, set[str]]:
-    """module -> the `streams` modules it imports (at any depth, or at module level only)."""
+#: How a module writes ``if TYPE_CHECKING:``.
+TYPING_ONLY = ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+
+
+def _module_level(body: list[ast.stmt]) -> Iterator[ast.stmt]:
+    """The statements that run when a module is imported: its body, and the bodies of its
+    module-level ``if``, ``try`` and ``with`` blocks, but not those of ``if TYPE_CHECKING:``
+    (typing only) nor of functions and classes."""
+    for node in body:
+        yield node
+        if isinstance(node, ast.If) and ast.unparse(node.test) in TYPING_ONLY:
+            yield from _module_level(node.orelse)
+        elif isinstance(node, ast.If):
+            yield from _module_level([*node.body, *node.orelse])
+        elif isinstance(node, ast.Try):
+            handlers = [stmt for handler in node.handlers for stmt in handler.body]
+            yield from _module_level([*node.body, *handlers, *node.orelse, *node.finalbody])
+        elif isinstance(node, ast.With):
+            yield from _module_level(node.body)
+
+
+def _graph(*, module_level: bool) -> dict[str, set[str]]:
+    """module -> the `streams` modules it imports (at any depth, or when it is imported:
+    `_module_level`)."""
     graph: dict[str, set[str]] = {}
     for path in sorted(PACKAGE_DIR.rglob("*.py")):
         name = _module_name(path)
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         tree = ast.parse(path.read_text(encoding="utf-8"))
-        nodes = tree.body if top_level_only else list(ast.walk(tree))
+        nodes = list(_module_level(tree.body)) if module_level else list(ast.walk(tree))
         found: set[str] = set()
         for node in nodes:
             if isinstance(node, ast.ImportFrom):
@@ -284,7 +310,7 @@ def _graph(*, top_level_only: bool) -> dict[str, set[str]]:
 
 def test_every_module_is_in_a_layer_below_what_imports_it() -> None:
     wrong = []
-    for module, imported in _graph(top_level_only=False).items():
+    for module, imported in _graph(module_level=False).items():
         for target in imported:
             if target == "streams" and module != "streams":
                 continue  # `from streams import __version__`: a constant, not a layer
@@ -307,27 +333,72 @@ def test_the_library_never_imports_the_connector() -> None:
     assert wrong == []
 
 
+#: The import cycles that exist today, each as the modules it runs through: allowed until they
+#: are gone (to remove: issue 39 item 2). Both close through imports inside functions (and
+#: `streams.arrow` imports `streams.reader` under ``TYPE_CHECKING``), which the module-level
+#: graph does not follow: they are listed so that one made module-level stays allowed.
+KNOWN_CYCLES = (
+    frozenset({"streams.arrow", "streams.reader"}),
+    frozenset(
+        {
+            "streams.bench.plots",
+            "streams.bench.fleet",
+            "streams.bench.history",
+            "streams.bench.latency",
+            "streams.bench.write",
+        }
+    ),
+)
+
+
+def _cycles(graph: dict[str, set[str]]) -> set[frozenset[str]]:
+    """The cycles of ``graph``, each as the modules it runs through (a strongly connected
+    component: a module on a cycle with every module it reaches and is reached from)."""
+    reach: dict[str, set[str]] = {}
+    for start in graph:
+        seen: set[str] = set()
+        todo = [start]
+        while todo:
+            for nxt in graph.get(todo.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        reach[start] = seen
+    return {
+        frozenset({m} | {n for n in reach[m] if m in reach.get(n, ())})
+        for m in graph
+        if m in reach[m]
+    }
+
+
 def test_no_import_cycles() -> None:
-    graph = _graph(top_level_only=True)
-    state: dict[str, int] = {}
-    cycles: list[list[str]] = []
+    """No cycle among the imports a module runs when it is imported (relative ones resolved;
+    those under ``if TYPE_CHECKING:`` left out), but the known ones."""
+    new = [sorted(c) for c in _cycles(_graph(module_level=True)) if c not in KNOWN_CYCLES]
+    assert new == []
 
-    def visit(node: str, trail: list[str]) -> None:
-        state[node] = 1
-        for nxt in sorted(graph.get(node, ())):
-            if nxt not in graph:
-                continue
-            if state.get(nxt) == 1:
-                cycles.append([*trail[trail.index(nxt) :], nxt] if nxt in trail else [node, nxt])
-            elif nxt not in state:
-                visit(nxt, [*trail, nxt])
-        state[node] = 2
 
-    for node in sorted(graph):
-        if node not in state:
-            visit(node, [node])
-    # `streams/__init__` re-exports from its subpackages, which Python imports first anyway.
-    assert [c for c in cycles if "streams" not in c] == []
+def test_cycle_check_catches_cycles() -> None:
+    code = (
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\n"
+        "try:\n    import b\nexcept ImportError:\n    import c\n"
+        "def f():\n    import d\n"
+    )
+    found = [
+        alias.name
+        for node in _module_level(ast.parse(code).body)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    ]
+    assert found == ["b", "c"]
+    graph = {"a": {"b"}, "b": {"c", "a"}, "c": set(), "d": {"d", "e"}}
+    assert _cycles(graph) == {frozenset({"a", "b"}), frozenset({"d"})}
+
+
+def test_no_two_modules_share_a_file_name() -> None:
+    """A module's file name says which one it is (in a traceback, a search, a diff)."""
+    names = [p.name for p in PACKAGE_DIR.rglob("*.py") if p.name != "__init__.py"]
+    assert sorted({name for name in names if names.count(name) > 1}) == []
 
 
 def test_the_wheel_lists_every_package() -> None:

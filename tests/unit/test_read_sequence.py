@@ -18,9 +18,9 @@ from streams.store import reads
 from streams.store.driver import Commit, Pipeline, Query, Receive, Row, Send
 from streams.store.identity import INCARNATION_SQL
 from streams.store.probe import PROBE_STATEMENTS, probe_queries, probe_texts
-from streams.store.registry import StreamInfo
 from streams.store.rows import pruned_through_sql
 from streams.store.standby import REPLAY_SQL
+from streams.types import StreamInfo
 
 
 def _info(key: int, name: str) -> StreamInfo:

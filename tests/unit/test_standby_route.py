@@ -1,4 +1,4 @@
-"""The pure side of reads from a hot standby (`streams.core.standby`): LSNs, the incarnation
+"""The pure side of reads from a hot standby (`streams.core.standby_fence`): LSNs, the incarnation
 comparison, and when a reader stops waiting for its standby."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from streams.config import DEFAULT_STANDBY_MAX_WAIT
 from streams.core.incarnation import Incarnation
-from streams.core.standby import (
+from streams.core.standby_fence import (
     DEFAULT_MAX_WAIT,
     MAX_PAUSE,
     OUTCOMES,

@@ -27,7 +27,8 @@ from streams.heartbeat import (
     HeartbeatPlans,
 )
 from streams.plans import Acquire, Call, Connect, FailJoined, Io, Plan, Run, Settle, Wait
-from streams.store.writer_core import Ack, FactHandle
+from streams.store.writer_core import FactHandle
+from streams.types import Ack
 from streams.writer import _WriterShell
 
 LEASE = 4.0  # a scheduled heartbeat every second
