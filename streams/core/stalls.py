@@ -159,11 +159,6 @@ class HeldStreams:
             due.append(stream)
         return due
 
-    def held_for(self, stream: str, now: float) -> float:
-        """Seconds ``stream`` has been held at its position (0 if it is not held)."""
-        held = self._held.get(stream)
-        return 0.0 if held is None else now - held.since
-
     def bound(self, writers_lease: float | None) -> float:
         """`holding_bound`, with this observer's own lease."""
         return holding_bound(self.lease, writers_lease)
