@@ -240,7 +240,7 @@ class ReaderCore:
         self._awaited_since: float | None = None
         self.deadline_moved = False
         #: When a stream held back is checked, and who has held it too long (`retire_where_held`,
-        #: with ``lease_seconds`` as this reader's own lease: "the holding argument").
+        #: with ``lease_seconds`` as this reader's own lease: docs/design/liveness.md).
         self._held = HeldStreams(lease=lease_seconds)
         #: Probes run, shared proofs read, pages of rows read, and of those the pages read
         #: ahead while the previous one was planned (`_read_pages`), for metrics.

@@ -11,8 +11,8 @@ steps below in this order, and none of them writes the order again:
    (`identity.verify`), a Spark task at each try of its read (`read_range`: its cached
    connection may be a stale one of a database dropped since).
 2. **probe**: the three probe statements (`streams.store.probe`) prove ``C``, every stream's
-   complete position: every ID ``<= C`` has completed ("the probe argument") and can never be
-   handed out again ("the durability argument": the probe's transaction commits before anything
+   complete position: every ID ``<= C`` has completed (docs/design/probe.md) and can never be
+   handed out again (docs/design/durability.md: the probe's transaction commits before anything
    is read behind it).
 3. **rows**: a *later* statement reads the rows of a range at or below ``C``.
 4. **retention**: a later statement still reads the stream's ``pruned_through``: above the
