@@ -1,52 +1,12 @@
 """Shared proofs: one process per stream proves its complete position for every reader.
 
-Terms: a *probe* (`streams.store.probe.probe`) asks PostgreSQL which IDs of a stream have completed;
-it reads ``pg_locks``, which costs the server more the more locks it holds for anyone. A
-*prober* is the one process, among all those with readers of a stream, that probes it and
-records the result (`streams.store.probe.prove`); every other reader is a *follower* and reads that
-record together with the rows behind it, in one statement. Why this is as safe as probing
-oneself is argued in `streams.store` ("shared proofs").
-
-Theory of operation
-===================
-
 Each `streams.Client` with a Redis link runs one `ProofService` (a thread) once it has a
-reader. A followed stream that no other process is heard proving (no line on its proof channel
-for `PROVER_ALIVE_WINDOW`) gets an election every `ELECTION_INTERVAL`: the service connects and
-tries to take the stream's election lock; the process that holds it is the stream's prover
-until it exits or its connection drops (``kill -9``: at once). A process that proves nothing
-keeps no connection open for it, so a reader process holds one PostgreSQL connection, not two.
-Only a process whose database role may read the private signing seeds
-(``streams_prover.signing_keys``: the prover role) stands for election; one that may not says
-so once (INFO) and only follows.
+reader: it stands for election as the prober of the streams its readers follow (only with the
+prover role), proves them (`streams.store.probe.prove`), and publishes each proof on the
+stream's proof channel, as signed ranges (`streams.core.signing`) and ``POSITION`` lines.
 
-The prover signs with the newest live key (`streams.store.keys.signing_key`), read again every
-`KEY_REFRESH` and at once when a ``KEYS`` line says the keys changed. A key made in another
-database incarnation (the database was restored, or this is a promoted standby) is never
-used: the prover makes a new one first (`streams.store.keys.renew_keys`, which retires the
-others) and announces it with ``KEYS``, so no line signed in another history verifies again.
-
-The prover hears the writers' hints of the streams it proves (their data channels) and proves
-when one names a token beyond what it last proved, and at least every `REFRESH_INTERVAL`
-anyway (announcing even an unchanged position, so other processes hear it lives); proofs are
-never closer than `MIN_PROOF_GAP`, so a flood of hints costs a bounded probe rate and, at high
-rates, one proof covers many appends. Every proof line costs each follower process a wake-up,
-so with many followers proofs are spaced further (`proof_gap`: the lines all followers receive
-per second stay about constant): the prover counts a stream's followers (``PUBSUB NUMSUB`` of
-its proof channel) at most every `FOLLOWER_COUNT_INTERVAL`. Each proof is recorded in
-``streams_proofs`` and announced on the stream's proof channel: as a *signed range* with the
-rows of the facts it covers (`streams.core.signing`: readers deliver them without PostgreSQL)
-as far as one line may carry them, and as ``POSITION <stream> _proof:<name> <prev>
-<complete>`` for the rest.
-
-Followers (`streams.reader`) deliver signed ranges that fit where they are, and otherwise read
-the record together with the rows behind it, in one statement. While proofs are fresh they
-hear no writer's hint (only the proof channel) and look at the record at least every second; a
-record older than `STALE_AFTER` (a prober stopped with SIGSTOP, or none elected yet) makes a
-follower probe for itself and hear writers' hints again, exactly as before shared proofs, until
-a fresh record appears. Redis, as always, only decides *when* to look, or brings facts whose
-signature proves the prover read them after proving them: a forged proof line makes followers
-read the record early, or (a forged "alive" line) makes them probe for themselves, never more.
+Theory of operation: docs/design/trust.md; why a shared proof is as safe as one's own probe:
+docs/design/probe.md.
 """
 
 from __future__ import annotations
@@ -178,7 +138,7 @@ class ProofService:
         self._may_sign: bool | None = None
         self._said_cannot_sign = False
         # Stall checks of the streams it proves; ``lease_seconds``: this process's own lease,
-        # the least time a session may hold a stream back ("the holding argument").
+        # the least time a session may hold a stream back (docs/design/liveness.md).
         self._stalls = HeldStreams(lease=lease_seconds)
 
     def __repr__(self) -> str:
@@ -484,7 +444,7 @@ class ProofService:
         probes, rows = run(conn, prove_with_rows(infos, after, MAX_SIGNED_ROWS + 1, self._token()))
         self.proofs += 1
         # Followers see only proofs: the prover is the reader that notices a stream held back
-        # by an expired writer (streams.store.leases, "the liveness argument").
+        # by an expired writer (docs/design/liveness.md).
         observed = [(name, p.complete, p.max_allocated) for name, p in probes.items()]
         by_name = {info.name: info for info in infos}
         run(conn, retire_where_held(by_name, self._stalls, time.monotonic(), observed))

@@ -90,7 +90,7 @@ log = logging.getLogger("streams.spark.sink")
 
 #: Rows reserved and copied per statement of a task's transaction (each statement must fit in
 #: the writer's lease, and so must the transaction as a whole: readers end a session that holds
-#: a stream's reservation lock longer, "the holding argument" in `streams.store.holders`).
+#: a stream's reservation lock longer, "the holding argument" in docs/design/liveness.md).
 ROWS_PER_CHUNK = 10_000
 
 #: Spark's task-local properties that name a streaming query and its micro-batch.

@@ -22,7 +22,8 @@ Terms, each defined before it is used:
 * Frontier **A dominates B** (timely's term, `Antichain.dominates`) iff every element of ``B`` is
   ``>=`` some element of ``A``: A is *at or behind* B, everything B may still produce A may too.
   Frontiers only advance, i.e. an older frontier dominates every newer one.
-* **meet** and **join** are lattice operations on frontiers ordered by dominance. The meet is the
+* **meet** (`Antichain.meet_all`) and **join** are lattice operations on frontiers ordered by
+  dominance. The meet is the
   frontier of "either may still produce it" (minimal elements of the union): use it to combine the
   frontiers of several streams or partitions read together. The join is "both may still produce
   it" (minimal pointwise maxima): the least frontier that is at or beyond both.
@@ -205,10 +206,6 @@ class Antichain(_AntichainBase[T]):
         """Is every element of ``other`` ``>=`` some element of ``self`` (self at or behind)?"""
         return all(self.less_equal(t) for t in other._elements)
 
-    def meet(self, other: Antichain[T]) -> Antichain[T]:
-        """The frontier behind both: minimal elements of the union (combine streams with this)."""
-        return Antichain(self._elements + other._elements)
-
     def join(self, other: Antichain[T]) -> Antichain[T]:
         """The frontier beyond both: minimal pointwise maxima. Empty if either is empty."""
         return Antichain(_lub(a, b) for a in self._elements for b in other._elements)
@@ -261,10 +258,6 @@ class UpperAntichain(_AntichainBase[T]):
         """Is ``time <=`` some element?"""
         return any(less_equal(time, e) for e in self._elements)
 
-    def greater_than(self, time: T) -> bool:
-        """Is ``time <`` some element?"""
-        return any(less_than(time, e) for e in self._elements)
-
     def join(self, other: UpperAntichain[T]) -> UpperAntichain[T]:
         """Maximal elements of the union: merges several partitions' upper frontiers."""
         return UpperAntichain(self._elements + other._elements)
@@ -288,11 +281,6 @@ class FrontierProbe(Generic[T]):
     def __post_init__(self) -> None:
         # Own a private copy: Antichain.insert on the caller's object must not change us.
         object.__setattr__(self, "frontier", self.frontier.copy())
-
-    @classmethod
-    def at_position(cls, linear_position: int) -> FrontierProbe[int]:
-        """The probe of a reader of one stream at linear position ``linear_position``."""
-        return FrontierProbe(position_frontier(linear_position))
 
     def less_than(self, time: T) -> bool:
         """May a fact with a time ``< time`` still appear?"""
@@ -322,11 +310,6 @@ class MutableAntichain(Generic[T]):
         self._counts: dict[T, int] = {}
         self._frontier: Antichain[T] = Antichain()
         self.update_iter(updates)
-
-    @classmethod
-    def new_bottom(cls, bottom: T) -> MutableAntichain[T]:
-        """Count 1 at ``bottom``, like a source's initial capability."""
-        return cls([(bottom, 1)])
 
     def update_iter(self, updates: Iterable[tuple[T, int]]) -> list[tuple[T, int]]:
         """Apply ``(time, delta)`` updates; return the frontier's changes.
@@ -425,11 +408,6 @@ class LiveFilter(Generic[T]):
         self._lower: Antichain[T] = snapshot.lower.copy()
         self._upper: UpperAntichain[T] = snapshot.upper.copy()
         self._prune()
-
-    @classmethod
-    def from_snapshots(cls, snapshots: Iterable[FrontierSnapshot[T]]) -> LiveFilter[T]:
-        """A filter for several partitions, from the merge of their snapshots."""
-        return cls(FrontierSnapshot.merge(snapshots))
 
     @property
     def active(self) -> bool:

@@ -270,10 +270,6 @@ class PositionTracker:
             positions[self._local] = self._local_position
         return positions
 
-    def is_sole_pending(self, stream_id: int) -> bool:
-        """Would completing `stream_id` leave nothing of this writer pending or in flight?"""
-        return not self._in_flight and self._pending == {stream_id}
-
     @_locked
     def snapshot(self) -> TrackerSnapshot:
         return TrackerSnapshot(

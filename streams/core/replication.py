@@ -229,13 +229,12 @@ class LinkStats:
 
     ``foreign`` counts Synapse-only commands heard (``foreign_by_name`` per command name);
     ``convictions`` the quarantines started, by `streams.core.foreign.ForeignReason`;
-    ``suppressed`` the lines not published during a quarantine; ``refreshes`` and
-    ``refresh_errors`` the reads of the stream registry (see `LinkCore.on_known_streams`).
+    ``suppressed`` the lines not published during a quarantine; ``refresh_errors`` the failed
+    reads of the stream registry (see `LinkCore.on_refresh_failed`).
     """
 
     received: int = 0
     malformed: int = 0
-    echoes: int = 0
     hints: int = 0
     replicate_requests: int = 0
     published: int = 0
@@ -244,7 +243,6 @@ class LinkStats:
     foreign_by_name: dict[str, int] = field(default_factory=dict)
     convictions: dict[str, int] = field(default_factory=lambda: {r: 0 for r in FOREIGN_REASONS})
     suppressed: int = 0
-    refreshes: int = 0
     refresh_errors: int = 0
     #: Data lines (``RDATA``/``POSITION`` of known streams) discarded unparsed: no reader here.
     skipped: int = 0
@@ -568,7 +566,6 @@ class LinkCore:
                 token = cmd.new_token if isinstance(cmd, PositionCommand) else cmd.token
                 if local:
                     # Our own echo: local readers were hinted directly when it was published.
-                    self.stats.echoes += 1
                     return [], []
                 if token is None:  # an RDATA "batch" row: the last row of the fact follows
                     return [], []
@@ -613,7 +610,6 @@ class LinkCore:
         """
         with self._lock:
             self._refreshed_at = now
-            self.stats.refreshes += 1
             self._known.update(names)
             suspects, self._suspects = self._suspects, {}
             known = frozenset(self._known)

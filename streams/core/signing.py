@@ -1,100 +1,10 @@
 """Signed ranges: facts a reader may take from Redis without asking PostgreSQL. Pure: no I/O.
 
-Terms. A *range* of a stream is ``(after, through]``: every fact with ``after < ID <=
-through``. A *proven range* is one whose every ID has completed (committed or rolled back) as
-PostgreSQL proved it (`streams.store.probe`), read whole by the prober in the snapshot that
-followed its probe. A *signed range* is the line the elected prober publishes for it on the
-stream's proof channel::
+The elected prober seals a proven range's rows (ChaCha20-Poly1305) and signs the sealed line
+(Ed25519) with a key only the prover role can read; a reader verifies it with the public keys
+of its own database incarnation (`PublicKeys`) and applies it only where it fits its position.
 
-    RDATA <stream> _proof:<prober> <through> {"sig":S,"proof":{"key":K,"after":A,
-                                                             "nonce":N,"sealed":C}}
-
-(one line on the wire)
-
-A *key* (`streams.store.keys`) is an Ed25519 key pair plus a 32-byte *cipher key*, made in one
-database *incarnation* (`streams.core.incarnation`: which history of which database). Its
-private seed is in ``streams_prover.signing_keys``, which only the prover role may read; its
-public key, cipher key and incarnation are in ``streams_keys``, which readers read
-(`PublicKeys`). The line's fields:
-
-* ``C`` (base64): the range's rows sealed with ChaCha20-Poly1305 under key ``K``'s cipher key,
-  nonce ``N`` (12 random bytes, base64), associated data the line's *header* (`_header`: the
-  stream, the instance, the token ``through``, the incarnation, ``K`` and ``A``). The plain text
-  is every row of the range as PostgreSQL returned it, ``[stream_id, row_no, instance, ts,
-  payload_text]`` in (ID, row) order, as one JSON array (``payload_text`` the ``jsonb``
-  column's text, decoded by the reader exactly as a row read from PostgreSQL).
-* ``S`` (base64): the Ed25519 signature, under key ``K``'s private key, of the format tag, the
-  header, ``N`` and ``C``.
-
-So Redis, and anyone who reads it without a database role, sees the stream's name, the
-prober's name, IDs (``A``, ``through``), the key's number, the sizes of the sealed rows, and
-nothing of the payloads, writers or timestamps.
-
-Encrypt, then sign
-------------------
-The signature covers the ciphertext, not the plain text. A reader checks it first, and opens
-(decrypts) only what the prover signed: a forged or altered line costs one signature check
-and is never decrypted or parsed. The order is also what the two keys can vouch for: every
-reader holds the cipher key (it must, to read), so a valid seal proves nothing about *who*
-sealed; the signature, which only the prover can make, is what proves authorship, and it must
-cover exactly the bytes readers will open. (Signing the plain text and sealing both would let
-any reader re-seal a genuine signed plain text under a header of its choosing unless the header
-were signed again inside: the same thing, with the check after the decryption.) Ed25519 is
-deterministic and its signature reveals nothing of the plain text, as the ciphertext does not.
-The header is both signed and the seal's associated data, so neither can be moved to another
-stream, range, key or incarnation. ChaCha20-Poly1305 does not commit to its key, which does not
-matter here: the key is named by the signed ``K`` and read from the database, never chosen by
-the line.
-
-The trust argument
-==================
-
-Claim: whatever a party with Redis and any database role *but the prover's* publishes, a reader
-delivers only facts of its streams that PostgreSQL proved committed, in the database history
-the reader is in, each whole, each once, in ID order, and no fact is skipped. Such a party can
-make a reader slower, nothing more.
-
-1. *Only a role that can read ``streams_prover.signing_keys`` can sign.* A valid signature for
-   a new message needs the private key (Ed25519 is unforgeable without it). Readers hold only
-   public keys (and the cipher key, which lets them read but not sign). The seeds are in their
-   own schema, which ``GRANT ... ON ALL TABLES IN SCHEMA public`` and default privileges on
-   ``public`` do not reach, made by the server and never sent as a parameter. Processes that
-   cannot read them never stand for election (`streams.proofs`). So every other party can only
-   forge (rejected), alter a signed line (rejected: the header and every byte of the sealed
-   rows are signed), or *replay* a line a prover signed.
-2. *Every signed line is true for ever, in its history.* The prober signs ``(after, through]``
-   only with the rows it read after proving ``through`` complete (the store's proof: the same
-   probe that readers run themselves, `streams.store.probe`), and only if retention had removed
-   none of them (checked after the read, as every read does), so the rows are exactly the
-   facts of the range. Facts are immutable and IDs never reused *within one history*, so a
-   replayed line, however old, still says the truth about its range there. The stream,
-   instance and token are signed, so a line cannot be moved to another stream or range.
-3. *Another history never verifies.* A restore, a failover to an asynchronous standby, or a
-   recreated database may lack facts that signed lines describe, and reissue their IDs. The
-   signed header names the incarnation the prover was in, and a reader verifies with its own
-   (``"other-history"`` before any signature check if the key was made in another one); a
-   reader accepts only keys made in its own incarnation, and a prover that finds its newest key
-   made in another one makes a new key before signing (`streams.store.keys.renew_keys`). So a
-   line signed before a restore or a failover verifies for no reader after it.
-4. *A reader applies a range only where it fits.* A reader at position ``p`` (every fact ``<=
-   p`` delivered, none after) applies a verified range only if ``after <= p < through``, and
-   then delivers exactly the facts with ``p < ID <= through``, whole (a fact's rows share its
-   ID, and the range holds all of them), then moves to ``through``. Nothing below ``p`` is
-   delivered again; nothing in ``(p, through]`` is missing, by 2. A range that does not fit
-   (a gap: lines dropped, truncated, reordered, or never sent) is not applied; the reader reads
-   PostgreSQL as it did before signed ranges, which is correct on its own.
-5. *Retired keys.* ``streams keys rotate`` adds a key and retires the others, and announces it
-   with ``KEYS`` on the replication channel: every reader that hears it stops verifying at
-   once (lines wait until it has read the key table again, and a range verified under a key
-   that is no longer live is not applied). Readers that did not hear it drop retired keys when
-   they next read the table (at most `KEY_REFRESH` seconds later). (Per 2, a line genuinely
-   signed with a retired key is still true; retirement matters only if a seed leaked.)
-6. *Proofs beyond the truth.* Nobody but the prover can sign a claim that a range is complete
-   (1.), and unsigned ``POSITION`` lines, forged or not, are only hints: a reader that follows
-   one reads PostgreSQL, which proves completeness itself.
-
-What is *not* covered: a role that can read ``streams_prover.signing_keys`` (the prover role,
-the owner, a superuser) can sign anything; treat those credentials as the database's own.
+The line's format, why encrypt-then-sign, and the trust argument: docs/design/trust.md.
 """
 
 from __future__ import annotations

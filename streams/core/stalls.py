@@ -1,39 +1,12 @@
 """When a stream is held back, when to look, and which sessions have held it too long (no I/O).
 
-A stream is *held* while PostgreSQL proves it complete only up to a position below max
-allocated: some reserved ID has not completed. That is normal for as long as a writer's
-transaction runs, and wrong once that writer is gone: a process frozen (SIGSTOP, a VM pause) or
-cut off from the database in the middle of a transaction keeps its locks until its session is
-ended, which `streams.store.leases.retire_expired_writers` does once its lease has expired
-("the liveness argument" there). Readers, the elected prover and the Spark source see every
-probe, so they run it; `HeldStreams` tells them when: after a stream has been held at the same
-position for `CHECK_AFTER` seconds, then at most every `CHECK_EVERY` seconds while it stays
-held. Times are passed in (monotonic seconds), so this is tested without clocks.
+A stream is *held* while PostgreSQL proves it complete only below max allocated. `HeldStreams`
+tells readers, the elected prover and the Spark source when to check a held stream (after
+`CHECK_AFTER` seconds at one position, then at most every `CHECK_EVERY`) and, from the max
+allocated of the probes it saw, which sessions are overdue (`overdue`: the holding rule).
+Times are passed in (monotonic seconds), so this is tested without clocks.
 
-Sessions that hold a stream back too long (the holding rule)
------------------------------------------------------------
-Any session may take a reservation lock (advisory locks have no privileges), not only a
-registered writer, so the same checks also end *whoever* has held one too long ("the holding
-argument" in `streams.store.holders` says why this is sound). A library transaction takes the
-key ``L`` only while the sequence's last value is ``L - 1``, in a statement that runs its
-``nextval`` next. So once a probe has seen the sequence at or past ``L`` (max allocated
-``>= L``), every library transaction holding ``L`` had started before that probe read the
-sequence. `HeldStreams` keeps, per stream, the max allocated of the probes it saw and when it
-saw them (`passed_before`); at a check at ``now`` with bound ``B`` (`bound`: the longest lease
-of the stream's writers, at least the observer's own), every session holding a key ``L <=`` the
-max allocated some probe saw at or before ``now - B`` is *overdue* (`overdue`): a library
-transaction holding it has been open for longer than ``B``, which none may, and no library
-transaction takes that key any more, so whoever holds it now holds the stream back for no
-writer. That covers one session holding one key for long, a session-level lock held while idle
-or across any number of short transactions, many keys in many sessions (all overdue one bound
-after the sequence passed them), and sessions that take turns on one key (each is overdue as
-soon as it takes it): what is judged is the key, not the session's age.
-
-It also remembers when it first saw each ``(pid, backend_start, key)`` holding, at every check
-since (forgetting those a check no longer sees), for what it says about an overdue session
-(`Overdue.seen_for`). No session takes the same key again in a later library transaction (the
-sequence has moved past it), so for a library transaction that is a lower bound on how long it
-has held the stream back; ending is decided by the key alone.
+The arguments: docs/design/liveness.md (the liveness and the holding arguments).
 """
 
 from __future__ import annotations
@@ -158,11 +131,6 @@ class HeldStreams:
             held.checked = now
             due.append(stream)
         return due
-
-    def held_for(self, stream: str, now: float) -> float:
-        """Seconds ``stream`` has been held at its position (0 if it is not held)."""
-        held = self._held.get(stream)
-        return 0.0 if held is None else now - held.since
 
     def bound(self, writers_lease: float | None) -> float:
         """`holding_bound`, with this observer's own lease."""

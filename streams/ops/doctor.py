@@ -63,7 +63,7 @@ def repair(settings: Settings) -> list[str]:
     """What is always safe, before the checks: retire writers whose lease expired, ending first
     the sessions they still hold open (`streams.store.leases.retire_expired_writers`), end
     every other session that has held a stream's reservation lock past the bound, by its
-    transaction's age or, outside a transaction, its idle time ("the holding argument",
+    transaction's age or, outside a transaction, its idle time (docs/design/liveness.md,
     `streams.store.holders.end_long_holders`, with ``settings.lease_seconds`` as the least
     bound) and every session holding one exclusively (`end_exclusive_holders`), and move
     every sequence past the IDs known to be used
@@ -355,7 +355,7 @@ def _retention_check(
 
 def _held_check(conn: psycopg.Connection[Any], info: Any, lease_seconds: float) -> Check:
     """Which sessions hold the stream's linear position back, who they are (role, application,
-    address), for how long, and when the bound of "the holding argument"
+    address), for how long, and when the bound of docs/design/liveness.md
     (`streams.store.holders`: the longest lease of the stream's writers, at least
     ``lease_seconds``) passes for them."""
     found = run(conn, probe([info]))[info.name]

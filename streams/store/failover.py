@@ -1,20 +1,11 @@
 """After a failover: does the new primary hold what a role saw (`streams.core.sightings`)?
 
-`check_sighting` runs on a role's first session on a new timeline, after the incarnation
-check (`streams.store.identity.verify`) and before anything else: it reads which of the fact
-IDs the role remembers are still there, and each stream's ``pruned_through`` in a later
-statement. Why that order is enough: the new primary's history is a prefix of the old one and
-only grows from here, so a fact present now was committed before the switch point and stays
-(retention aside, which the later statement sees: a prune commits ``pruned_through`` with its
-deletes, so a fact gone from the first snapshot because retention removed it shows as pruned
-in the second). Facts absent now were lost with the old timeline: nothing will commit them
-again under their IDs, since the new primary's sequence is past every ID its prefix handed
-out; readers also check their positions against that sequence (`ReaderCore._note_probe`).
+`check_sighting` runs on a role's first session on a new timeline, before anything else, and
+reads which of the fact IDs the role remembers are still there; `fence_timeline` moves every
+sequence forward once per timeline; `failover_report` and `repair_sequences` are the operator's
+``streams failover check|repair``.
 
-`failover_report` is the operator's view (`streams failover check`): per stream, the
-sequence's last value, the highest fact ID, and the group rows committed beyond the sequence.
-`repair_sequences` moves sequences forward so that no ID a process may have seen handed out on
-the old timeline is handed out again.
+The argument: docs/design/fencing.md ("After a failover: the timeline fence").
 """
 
 from __future__ import annotations
@@ -203,15 +194,8 @@ def switchpoint(old_timeline: int) -> Generator[Query | Commit, list[Row], int |
 
 def replicated() -> Gen[None]:
     """Return once every WAL record written before it is on the synchronous standbys (those
-    of ``synchronous_standby_names``; at once without any): commit a logical message (any role
-    may) with ``synchronous_commit`` on, and PostgreSQL's commit waits for them.
-
-    For a position kept outside the database (a Spark offset) with the WAL position of its
-    proof: after a failover to a synchronous standby, the switch point is past that position
-    (the standby had flushed this commit, which came after it, and a promotion replays all it
-    flushed), so the position holds there (`identity.holds_across_failover`). Without it, the
-    proof's WAL position (the insert position, ahead of what was sent while writers commit)
-    would often be past the switch point although nothing it covers was lost."""
+    of ``synchronous_standby_names``; at once without any). Before storing a position outside
+    the database (a Spark offset) with its proof's WAL position: docs/design/fencing.md."""
     yield Query(
         "SELECT set_config('synchronous_commit', 'on', true), "
         "pg_logical_emit_message(true, 'streams', 'replicated')"
@@ -219,25 +203,16 @@ def replicated() -> Gen[None]:
     yield Commit()
 
 
-#: IDs every stream's sequence moves forward on a new timeline (`fence_timeline`): more than
-#: an old primary hands out in any replication lag seen in practice (10 minutes at 1,600 IDs/s);
-#: `streams failover repair --skip N` moves them further.
+#: IDs every stream's sequence moves forward on a new timeline (`fence_timeline`): more than an
+#: old primary hands out in any replication lag seen in practice (10 minutes at 1,600 IDs/s).
 FAILOVER_SKIP = 1_000_000
 
 
 def fence_timeline(skip: int = FAILOVER_SKIP, *, commit: bool = True) -> Gen[int]:
-    """On a writer's new session: if the server is on a timeline newer than the one whose
-    sequences were last fenced (a failover), move every stream's sequence ``skip`` IDs forward,
-    once per timeline (revision ``0013_timeline_switchpoint``: a failover may lose a sequence's
-    last logged values, and IDs handed out on the old timeline would be handed out again, which
-    readers that passed them would skip). Returns how many sequences moved (0: none to do).
-
-    ``commit=False``: in a transaction of the caller's (a caller's session new to a writer,
-    before its first ``fact(conn=...)`` reserves there, `WriterCore.reserve_fact`). The
-    sequences move at once (``setval`` is not transactional); the timeline is recorded as
-    fenced when that transaction commits (until then, other fences wait for its row lock),
-    and fenced again, harmlessly further, if it rolls back. On a fenced timeline the call
-    changes nothing and locks nothing."""
+    """On a writer's new session on a timeline not yet fenced (a failover): move every
+    stream's sequence ``skip`` IDs forward, once per timeline. Returns how many moved (0: none
+    to do). ``commit=False``: inside the caller's transaction (`WriterCore.reserve_fact`).
+    Why: docs/design/fencing.md ("The timeline fence")."""
     rows = yield Query(f"SELECT streams_fence_timeline({int(skip)})")
     if commit:
         yield Commit()

@@ -1,80 +1,10 @@
 """Who holds a stream back, and ending them: sessions holding its reservation locks.
 
-The liveness argument (`streams.store.leases`) ends the sessions of a writer whose lease
-expired, found by its writer lock. This module is about *any* session holding a stream's
-reservation lock: naming them for operators (`holding_state`, `streams doctor`, the metrics)
-and ending those that hold a stream back past the bound (stall checks of readers, the prover
-and the Spark source: `retire_where_held`), or that hold the lock exclusively, which blocks
-every writer (`end_exclusive_holders`).
+Names them for operators (`holding_state`, `streams doctor`, the metrics), ends those that hold
+a stream back past the bound (`retire_where_held`, `end_overdue_holders`) and those that hold
+the lock exclusively, which blocks every writer (`end_exclusive_holders`).
 
-Why no session holds a stream back past the lease (the holding argument)
------------------------------------------------------------------------
-The liveness argument finds a writer's sessions by its writer lock. But advisory locks have no
-privileges: any login may take a stream's reservation lock, hold it as long as it likes, and
-every reader stops below its key (issue 37); it may forge a live writer's writer lock as
-easily. The probe cannot tell such a lock from a writer's, and must not ignore it (a lock it
-ignored could be a writer's, about to commit an ID below what it proves), so the defence is
-to *end* the session, and the rule is about sessions, whoever they are: **no session holds a
-stream's reservation lock past the bound**, where the bound is the longest lease of the
-stream's writers that are not retired (``lease_expires_at - heartbeat_at``: registration and
-every heartbeat set both in one statement), and at least the observer's own lease
-(``Settings.lease_seconds``). The probe keeps counting every lock; its soundness is untouched.
-
-Which sessions are overdue. A library transaction takes key ``L`` in the statement that reads
-the sequence at ``L - 1`` and then calls ``nextval`` ("the probe argument"), and the sequence
-only moves forward (an observer that sees it lower, after a restore, forgets what it had
-recorded). So once some probe has read the sequence at or past ``L`` (its max allocated),
-every library transaction holding ``L`` had read it at ``L - 1`` before, hence had begun
-before that probe. (Keys are ``L mod 2**32``, read back as the probe reads them,
-`streams.core.stalls.reservation_floor`: exact for any transaction less than 2**31 IDs old.)
-Each observer (`streams.core.stalls.HeldStreams`) records, after each probe returns, when
-(its own monotonic clock) it saw which max allocated; at a stall check at
-``now`` it reads ``pg_locks`` (`holding_state`, later than ``now``) and ends every session
-holding, or waiting for, a key ``L <=`` the max allocated of a probe recorded at or before
-``now - bound`` (`end_overdue_holders`). A library transaction so ended would have been open
-for longer than the bound, which none may: its statements and idle gaps are bounded by the
-lease (the liveness argument), and so must the transaction as a whole be, from its first
-reservation to its end (a batch, a ``fact()`` block, a Spark sink task: a transaction that
-long holds every reader of its stream back for as long anyway). Whatever else holds such a
-key holds the stream back for no writer: no library transaction takes it any more.
-
-This catches one session holding one key for as long as it likes (ended one bound after the
-sequence passed its key), a session-level lock held while idle or across any number of short
-transactions (no transaction age is looked at), many keys in many sessions (all ended at
-once), and sessions taking turns on one key (each is overdue the moment it takes it). The
-design first considered judged each ``(pid, backend_start, key)`` by how long this observer
-had seen it hold: two sessions taking turns on one key, each for less than the bound, would
-have held the stream for ever under it, none of them ever ended nor named. Judging the *key*
-by when the sequence passed it ends each of them within a check of taking it, and never ends
-a session holding a key above max allocated (which holds nothing back), such as a writer that
-took ``L`` and has not reserved yet. The stall behind such sessions is then at most the bound
-from the first probe that saw the sequence past their key, plus up to `CHECK_EVERY` to the
-next check, plus up to a second for the server to end them.
-
-What it does not end: a session this role may not signal (a superuser's, or any other role's
-without ``pg_signal_backend``): it is named in one warning per stream, and by `streams
-doctor`. Under the role model the prover may (`streams.store.roles`), a plain reader warns. A
-prepared transaction (no session) holding a key. And no rule of this kind stops a login that
-keeps opening sessions and taking the key again as fast as they are ended: each lasts about a
-check and is logged by name, but the stream stays held while it goes on (revoke its
-``CONNECT``). An exclusive lock on the *next* key holds no reader back but would block every
-writer: see "exclusive holders" below.
-
-Ending is one statement (`_END_HOLDERS_SQL`) that re-checks, for each session to end, in its
-own reading of ``pg_locks``, that the pid still holds that key of that stream, that its
-``backend_start`` is the one seen (pid reuse; NULL to a role that may not see it) and that this
-role may signal it; ``pg_terminate_backend`` is called only on the rows those joins and filters
-leave, whatever order PostgreSQL evaluates them in (a pid that holds such a key in that reading
-is overdue, whoever it is).
-Exclusive holders. An exclusive lock on a stream's reservation key holds no reader back when
-no ID was reserved at it, but every writer of the stream would wait for it: a writer takes
-the reservation lock with ``pg_try_advisory_xact_lock_shared``, and its reservation fails at
-once with `streams.ReservationBlocked` (naming the holder) instead of waiting. No library
-session ever takes a reservation lock exclusively, so such a session is ended as soon as it is
-seen: by the blocked writer's next heartbeat, by the elected prover's sweep of its streams
-(once a second: `exclusive_streams`), at a stall check, by ``streams doctor --repair``
-(`end_exclusive_holders`; each only where this role may signal it: under the role model the
-prover and the operator may end anyone's but a superuser's).
+The argument: docs/design/liveness.md ("the holding argument").
 """
 
 from __future__ import annotations
@@ -132,7 +62,7 @@ def retire_where_held(
 @dataclass(frozen=True, slots=True)
 class LockHolder:
     """A session holding (or waiting for) a stream's reservation lock: a writing transaction,
-    or whoever else took it ("the holding argument").
+    or whoever else took it (docs/design/liveness.md).
 
     What `pg_stat_activity` shows of another role's session (its state, times and address)
     only a superuser, a member of that role or of ``pg_read_all_stats`` sees: to other roles
@@ -372,7 +302,7 @@ def reservation_lock_holders(info: StreamInfo) -> Gen[list[LockHolder]]:
 
 
 #: Ends the sessions given as ``(pid, key, backend_start)`` that still hold that key of the
-#: stream's reservation locks, are the same sessions and may be ended ("the holding argument").
+#: stream's reservation locks, are the same sessions and may be ended (docs/design/liveness.md).
 _END_HOLDERS_SQL = sql.SQL(
     """
     SELECT h.pid, pg_terminate_backend(h.pid, {wait})
@@ -397,7 +327,7 @@ _END_HOLDERS_SQL = sql.SQL(
 
 def end_overdue_holders(info: StreamInfo, held: HeldStreams, now: float) -> Gen[list[int]]:
     """A stall check of ``info`` at ``now``: end every session that has held the stream back
-    past the bound ("the holding argument"; `streams.core.stalls.HeldStreams.overdue` says
+    past the bound (docs/design/liveness.md; `streams.core.stalls.HeldStreams.overdue` says
     which), each named in a warning; returns their pids. Sessions this role may not end are
     named in one warning per stream (and left to a role that may: the prover, an operator)."""
     try:
@@ -468,7 +398,7 @@ class EndedHolder:
 def end_long_holders(info: StreamInfo, lease_seconds: float) -> Gen[list[EndedHolder]]:
     """End every session holding one of the stream's reservation locks whose current
     transaction (outside a transaction: its idle state, so a session-level lock) has lasted
-    longer than the bound of "the holding argument" (``lease_seconds`` the caller's lease),
+    longer than the bound of docs/design/liveness.md (``lease_seconds`` the caller's lease),
     and that this role may end (``streams doctor --repair``: one look, where readers compare
     what they saw over time). A session whose times this role may not see is left alone
     (doctor names it), and so is a session-level lock held across short transactions."""

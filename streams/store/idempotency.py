@@ -1,93 +1,12 @@
 """Idempotency keys: an append named by a key is written once per stream and key window.
 
-Terms. An append's **key** (a string the caller chooses: a request ID, an order number) names
-it within its stream for the stream's **key window** (``key_window_ms``, default 24 hours). An
-append whose key was written within the window is a **duplicate**: it writes nothing and
-returns the original append's `Ack` (same IDs and timestamps), whichever process wrote it and
-whether or not that process saw its own outcome. A **claim** is one appending statement's
-attempt at its keys; its **token** (``claim``) is a random number of that statement. Each
-key's row in ``streams_idempotency_keys`` holds the token of the claim that wrote it, when
-(``written_at``), the fact's timestamp ``ts`` and ``ord``, the key's position in its append
-(from 1). The claim's row in ``streams_idempotency_claims`` (same ``stream``, ``written_at``
-and ``claim``) holds the IDs the append reserved (``ids``, ascending) and the positions of the
-keys it wrote (``ords``, ascending; NULL when it wrote all of them) and those keys (``keys``,
-in no particular order): a key's fact is ``ids[i]`` where ``ords[i] = ord`` (`FACT_ID`).
-Revision 0010 has the tables, 0014 the claim's ``keys``, by which `prune_keys` finds expired
-key rows (key rows have no index but their primary key).
+A keyed append claims its keys, reserves its IDs and records them in one statement
+(`claim_ctes`, `GATE`, `record_cte`, assembled by `streams.store.writer_core`); a duplicate
+writes nothing and returns the original `Ack` (`ORIGINALS`); `prune_keys` deletes expired
+keys. Tables ``streams_idempotency_keys`` and ``streams_idempotency_claims`` (revisions 0010,
+0014).
 
-How a key is written once (the claim argument)
-----------------------------------------------
-A keyed append writes its keys, reserves its IDs and records them in **one statement**
-(`claim_ctes`, `GATE`, `record_cte`, assembled by `streams.store.writer_core`); the argument rests
-on data dependencies between the parts of that statement and on the order of statements in a
-transaction, never on the order in which PostgreSQL evaluates independent parts of a statement.
-
-1. **The claim** (the statement's ``q``): ``INSERT`` each key's row with the claim's token,
-   ``ON CONFLICT DO UPDATE`` only where the existing row is older than the window (its key
-   expired: the append is written anew), ``RETURNING`` the rows it inserted or updated. The
-   primary key ``(stream, key)`` makes the insert of a key wait for any other open
-   transaction that inserted it, then insert (that transaction rolled back) or conflict (it
-   committed, or the row committed long ago). ``RETURNING`` yields exactly the keys this
-   transaction now **holds**; a key whose younger row committed yields nothing (a duplicate),
-   and that row is locked by this transaction until it ends all the same (``DO UPDATE``
-   locks the row even where its ``WHERE`` is false). No other transaction can hold a key
-   this one holds until this one ends. A batch inserts its keys in key order, so two batches
-   with common keys wait for each other rather than deadlock.
-2. **The gate** (``n``, `GATE`): ``n`` aggregates the claim's rows (how many, their positions,
-   their keys, ``written_at``). An aggregate has no row to give before it has consumed all of
-   its input, so ``n`` exists only once the claim has inserted, or waited for and found
-   written, every key. The writer's lease check (``w`` in `streams.store.writer_core`) reads
-   its row only where ``n`` counts a key held; the reservation lock, ``nextval``, the facts and
-   the claim's row are computed from rows derived from ``w``. Hence no ID is reserved and no
-   reservation lock is taken before every key of the append is claimed: a statement that
-   waits in its claim holds neither, and one whose keys are all duplicates reserves nothing at
-   all. (A data dependency: no part can compute from a row that does not exist yet.)
-3. **The record** (``x``, `record_cte`): the claim's row, with the IDs reserved and the keys
-   held, from rows of ``n`` and of the reservation. One fact: the statement runs in autocommit
-   and is the whole transaction (one round trip, as for an append without a key); where it
-   holds the key but recorded nothing (its writer was fenced, so ``w`` gave no row) it fails
-   (`FENCED`). A batch: ``BEGIN`` and the statement, then ``COPY`` of the rows of the keys it
-   holds, then ``COMMIT``, which the writer sends only after it saw the claim's row written.
-   So a key's row never commits without its claim's row: they commit together, or neither
-   does.
-4. **The originals** (`ORIGINALS`), read only when some key was a duplicate: the claim's
-   statement cannot read them, since an original that committed while the claim waited for
-   it is newer than that statement's snapshot. A later statement has a later snapshot. In a
-   batch, and in a fact written in the caller's transaction, it runs in the same transaction,
-   whose claim still locks the duplicates' rows: they are there. For one fact it runs after the
-   claim's autocommit transaction, and a row found missing then was pruned meanwhile (its
-   window passed): the append starts over, and its claim now writes the key.
-
-Rows go only in pairs that are consistent in every snapshot: `prune_keys` deletes key rows
-(never a locked one) and then, in the same transaction, claim rows *to which no key row
-refers* (seen in one snapshot, which sees that transaction's own deletions; a key row only
-ever refers to the claim that wrote it, which lists it in ``keys``, so probing the keys a
-claim lists finds every key row that refers to it, and none can appear later). Hence a
-snapshot that sees a key's row sees its claim's row.
-
-So: two transactions racing with one key write one fact (the second waits in its claim, then
-returns the first's `Ack`), and if the first rolls back (a failure, a kill), the second's claim
-succeeds and it writes the fact. The waiting happens in the claim, *before* any ID is reserved:
-a duplicate holds no reserved ID and no reservation lock, so it never leaves a pending ID and
-never holds the linear position back (it waits at most as long as the first transaction stays
-open, which the lease bounds: "the liveness argument" in `streams.store.leases`). A fact and
-its key commit together, or neither does; so a caller that got `streams.CommitUnknown` and
-retries with the same key gets the original `Ack` if the first attempt committed, and writes
-the fact (once) if it did not. A fact written in the caller's transaction (``writer.fact(conn,
-key=...)``) claims, reserves and records in one statement of that transaction (its rows come
-later), so the key, the fact and the caller's own rows commit together.
-
-What a key does not check: the payload. A duplicate returns the original `Ack` even when its
-payload differs (as Kafka's idempotent producer and S2's ``match_seq_num`` do); the key, not the
-content, names the append.
-
-Expiry: a key older than the stream's window is written anew (the claim's ``DO UPDATE``), and
-`prune_keys` deletes such rows (``streams prune``, with the facts' retention), and then the
-claim rows left without keys: the window is the one in force when the claim or the prune runs,
-read from ``streams_registry``. It finds them through the claims: a key row and the claim that
-wrote it share ``written_at``, so the expired key rows that still refer to a claim are among the
-keys listed by the expired claims, which the claims' primary key ``(stream, written_at, claim)``
-yields oldest first.
+The argument: docs/design/claim.md.
 """
 
 from __future__ import annotations
@@ -124,7 +43,7 @@ MAX_KEY_LENGTH = 512
 FENCED = "streams-writer-fenced"
 
 #: How many times one keyed fact starts over when the originals it found written were pruned
-#: before it could read them (step 4 of the claim argument): each start over needs a prune
+#: before it could read them (step 4 of docs/design/claim.md): each start over needs a prune
 #: between two statements of it.
 ATTEMPTS = 3
 
@@ -159,7 +78,7 @@ def check_keys(keys: Sequence[object], count: int) -> list[str]:
 
 
 def claim_ctes(many: bool) -> str:
-    """Steps 1 and 2 of the claim argument, as the leading CTEs of an appending statement:
+    """Steps 1 and 2 of docs/design/claim.md, as the leading CTEs of an appending statement:
     ``q`` claims key ``%(key)s`` with timestamp ``%(ts)s`` (or every key of ``%(keys)s``, with
     ``%(stamps)s``, in key order) for token ``%(claim)s`` on stream ``%(stream)s``; ``n`` is
     one row: ``count`` (keys held), ``ords`` (their positions, ascending) and ``at`` (their

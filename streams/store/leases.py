@@ -1,56 +1,12 @@
 """Writer rows, sequences and their repair: who may still complete IDs.
 
 ``streams_writers`` has one row per (stream, writer instance): its generation, its persisted
-per-writer position (forward-only) and its lease. This module reads and retires those rows,
-compares each stream's sequence with every ID known to be used (and repairs a sequence set
-back by a restore), and finds the sessions that hold a stream's reservation locks. The
-statements of a writer's own transactions are in `streams.store.writer_core`.
+position (forward-only) and its lease. This module reads and retires those rows, repairs a
+sequence set back by a restore, and ends the sessions of writers whose lease expired. A
+writer's own statements are in `streams.store.writer_core`.
 
-Why PostgreSQL judges dead writers (the fencing argument)
----------------------------------------------------------
-Every writing transaction starts with one statement that takes ``FOR KEY SHARE`` on its
-writer's row *where the generation is still the writer's own and the row is not retired*, and
-reserves its IDs in the same statement. Retiring a writer takes ``FOR UPDATE`` on that row,
-which conflicts with ``FOR KEY SHARE``: the retirement therefore waits until every open
-transaction of that writer has ended (committed or rolled back), and every later transaction
-of the retired writer finds no row, reserves nothing and stops with `WriterFenced`. So once a
-retirement commits, no ID reserved by that writer can still complete: it is safe to treat the
-writer as caught up and let the linear position pass its pending IDs. A writer killed with
-``kill -9`` loses its connection, the server aborts its transaction, and the retirement goes
-through as soon as the lease has expired. Position heartbeats are plain ``UPDATE``s of
-non-key columns, which do not conflict with ``FOR KEY SHARE``, so they never wait for appends.
-A wedged-but-connected writer cannot hold a transaction open forever either: each writing
-transaction sets ``idle_in_transaction_session_timeout`` to the lease.
-
-Why no stream stalls past a writer's lease (the liveness argument)
------------------------------------------------------------------
-Fencing waits for a writer's open transactions; liveness needs each of them to end within a
-bound, whatever the writer's process does. Every writing transaction sets, for itself, the
-server's ``idle_in_transaction_session_timeout`` and ``statement_timeout`` to the lease, so a
-transaction that sits idle, runs a statement (ours or the caller's, inside ``fact()``) or
-waits for a lock longer than that is aborted by the server. What neither timer ends is a
-backend waiting for the client in the middle of a ``COPY ... FROM STDIN``: the server does not
-act on a timeout while it reads from the client. That is what a frozen process (SIGSTOP, a VM
-pause) or a network partition leaves behind during a batch or a ``fact.add``. So every writing
-transaction also holds its writer's own lock (`streams.core.constants.WRITER_LOCK`, keyed by
-stream and instance), and `end_expired_sessions` ends, with ``pg_terminate_backend``, every
-session that holds the lock of a writer whose lease has expired: its transaction aborts (its
-IDs are gaps: nothing of it was committed, since it still held its locks), the retirement that
-follows goes through, and the linear position passes. A live writer renews its lease every
-``lease / 4``, so this only ever ends the sessions of a writer that has not been heard from
-for a whole lease (a frozen process, or one cut off from the database); if it wakes up, its
-connection is gone and its next transaction is fenced.
-
-Who ends them: every writer's heartbeat retires expired peers (every `RETIRE_EVERY` beats),
-and so does every reader, the elected prover and the Spark source when a probe finds the
-stream held below max allocated for `streams.core.stalls.CHECK_AFTER` (then at most
-once a second). So a stream with a reader stalls behind a frozen or partitioned writer for at
-most the lease (from the writer's last heartbeat), plus about a second to notice, plus the
-time the server takes to end the session (up to a second is waited for). Ending another
-session needs the right to: the sessions of one role may end each other's (PostgreSQL lets a
-role signal its own backends, and members of ``pg_signal_backend`` any non-superuser's);
-sessions the caller may not end are left alone, and doctor names them.
-
+The arguments: docs/design/fencing.md (a retired writer completes no ID) and
+docs/design/liveness.md (no stream stalls past a writer's lease).
 """
 
 from __future__ import annotations
@@ -260,7 +216,7 @@ def repair_sequence(info: StreamInfo) -> Gen[int | None]:
 
 
 def writer_lock_sql(stream: sql.Composable, instance: sql.Composable) -> sql.Composed:
-    """Take the writer's own lock (`WRITER_LOCK`, see "the liveness argument") for the rest of
+    """Take the writer's own lock (`WRITER_LOCK`, see docs/design/liveness.md) for the rest of
     the transaction: ``stream`` and ``instance`` are SQL expressions (parameters, columns)."""
     return sql.SQL("pg_advisory_xact_lock_shared({cls}, {key})").format(
         cls=sql.Literal(WRITER_LOCK), key=writer_lock_key(stream, instance)
@@ -328,7 +284,7 @@ def retire_expired_writers(info: StreamInfo) -> Gen[list[str]]:
     ``FOR KEY SHARE`` on its row): that transaction may still commit, so the writer is not
     caught up yet. The server aborts it when the connection dies, when it has been idle or run
     a statement for the lease, and otherwise `end_expired_sessions` ends its session first (see
-    "the liveness argument"); a writer whose session could not be ended is retired by a later
+    docs/design/liveness.md); a writer whose session could not be ended is retired by a later
     call.
     """
     yield from end_expired_sessions(info)

@@ -1,141 +1,11 @@
 """What is complete: the probe, shared proofs and the prober election.
 
-How readers know what is complete (the probe argument)
------------------------------------------------------
-A reader may deliver the facts up to ``C`` only when every ID ``<= C`` has completed: an ID
-still pending could commit later and would then be skipped. `probe` learns ``C`` for every
-stream it is given from PostgreSQL alone, without trusting any writer's announcement (Redis is
-unauthenticated). It sends three kinds of statement in one pipeline (one round trip), and the
-argument rests only on the order of *statements*, which the server runs one after the other,
-never on the order in which PostgreSQL evaluates the parts of one statement (a planner may
-evaluate a function scan such as ``pg_lock_status()`` once and reuse it, or read rows in any
-order):
+`probe` learns each stream's complete position ``C`` from PostgreSQL alone, in one pipeline of
+ordered statements (the sequences, then ``pg_locks``, then a WAL flush); `prove` records it in
+``streams_proofs`` for followers, who read it with the rows behind it in one statement.
 
-1. statement 1 reads ``A[s]``, every stream's sequence last value (max allocated), and leaves
-   them in session settings;
-2. statement 2 reads ``pg_locks`` for the streams' reservation locks (`streams.core.constants`) and
-   computes ``C[s] = min(A[s], min(L[s]) - 1)`` from the settings of statement 1; a reservation
-   lock is held by every writing transaction from just *before* its ``nextval`` until it ends,
-   keyed by ``L`` (the sequence value plus one when it started), so every ID it reserves is
-   ``>= L``;
-3. later statements read rows ``<= C[s]`` (the order every reader runs is written once, in
-   `streams.store.reads`).
-
-For one stream ``s``: any transaction holding an ID ``<= A[s]`` called ``nextval`` before
-statement 1 read ``A[s]``, so it took its lock before statement 1 ended, hence before statement
-2 began. If it is still open when statement 2 reads ``pg_locks``, its lock is seen, with ``L <=``
-its IDs, and ``C[s]`` stays below them. Otherwise it has ended (committed or rolled back for
-good). This holds for each stream separately, whatever the number of streams and whichever
-order statement 1 reads their sequences in: every sequence is read before any lock is. The rows
-are read by a *later* statement, with a newer snapshot, so they include every committed fact
-``<= C[s]``; that needs READ COMMITTED (a pipeline is one implicit transaction, and under
-REPEATABLE READ its first statement's snapshot would serve them all), so reader sessions pin it
-(`READER_SESSION_SETUP`). A writer whose process dies releases its locks when the server
-notices the dropped connection; a wedged one, when its transaction has been idle for the lease
-(``idle_in_transaction_session_timeout``). Any session may take a reservation lock (advisory
-locks have no privileges): the probe counts it all the same, and readers end the session once
-it has held the stream back past the lease (`streams.store.holders`, "the holding argument").
-
-The writer's side (`streams.store.writer_core`): one statement computes ``L`` from the sequence,
-takes the lock on it and calls ``nextval``. That is the one place where order inside a statement
-matters, and it is a data dependency, not an evaluation-order assumption: ``nextval`` runs in a CTE
-that scans the CTE taking the lock, and the writer checks ``ID >= L`` for every ID before the
-transaction can commit (inside the statement itself for a single fact, which then commits by
-itself in autocommit; from the returned ``L`` for a batch): `SequenceRewound` otherwise.
-
-Durable IDs: what a crash may hand out again (the durability argument)
----------------------------------------------------------------------
-``C`` is only safe to pass if no ID ``<= C`` can be handed out *again*. PostgreSQL does not
-make a sequence crash-safe for values given to transactions that never commit: ``nextval``
-writes a WAL record (covering the value and the next 32) but nothing flushes it until some
-transaction commits (or the WAL writer, within ``wal_writer_delay``, and only behind an
-asynchronous commit). A writer that reserved ID 6 and rolled back (or failed), a reader that
-passed 6 as a gap, then a crash (an immediate shutdown, an OOM-killed backend, a power loss)
-before anything flushed: recovery restores the sequence from the last checkpoint, the next
-append is given 6 again, commits, and the reader never delivers it. So statement 3 makes
-everything statement 1 read durable before the probe's transaction ends:
-
-3. statement 3 compares ``pg_current_wal_flush_lsn()`` with ``pg_current_wal_insert_lsn()``.
-   ``nextval`` inserts its WAL record while it holds the sequence's buffer lock, and statement
-   1 read the sequence under that lock, so the record of every value ``<= A[s]`` (and the commit
-   record of every transaction that held one ``<= C[s]``: they ended before statement 2) was
-   inserted before statement 3 began, at an LSN ``<=`` the insert position statement 3 reads.
-   If the flush position is already there (read in either order: both only grow, and the
-   flush position never passes the insert position), all of it is on disk. Otherwise the
-   statement writes a transactional logical message (``pg_logical_emit_message``: no table,
-   any role may call it) and sets ``synchronous_commit = on`` for this transaction only: its
-   commit then waits until the WAL up to its commit record, which is after all of that, is
-   flushed.
-
-The probe's transaction commits before its caller gets any result (a pipeline's results come
-back after its sync, where an implicit transaction commits; `probe` and `prove` commit
-explicitly): a reader delivers nothing up to ``C`` unless that flush succeeded, and a crash
-before it fails the step, which reads the same range again afterwards. A crash after it cannot
-take ``A[s]`` back: the sequence is recovered at or past it, and every fact ``<= C[s]`` that
-committed (even with ``synchronous_commit = off`` in the writer) is recovered too. The flush
-costs a WAL flush only when something was written since the last one (a busy stream: a group
-commit beside the writers'); an idle one pays a comparison. The same holds for a proof
-(`prove`): its transaction is the probe's, so a follower never reads a proof of an ID a crash
-could hand out again.
-
-Earlier versions read ``pg_locks`` in a correlated subquery of the statement that read the
-sequences. PostgreSQL evaluated ``pg_lock_status()`` once, at the first stream's row, and reused
-it for the others, whose sequences were therefore read *after* the lock snapshot: a reader of
-several streams could pass an ID reserved in between (issue 7; `tests/test_probe.py` forces that
-window).
-
-The standby fence (what a proof tells a reader that reads its rows from a hot standby)
---------------------------------------------------------------------------------------
-A reader with a read URL (`streams.core.standby_fence`) reads the rows of proven facts from a hot
-standby, which shows a committed transaction only once it has *replayed* its commit record. So
-every proof carries an LSN: statement 3 of the probe also returns ``pg_current_wal_insert_lsn()``.
-Every transaction that held an ID ``<= C[s]`` ended before statement 2 read ``pg_locks``; one
-that committed inserted its commit record into the WAL before it became visible and before it
-released its locks (PostgreSQL inserts the commit record, flushes it unless the writer runs
-with ``synchronous_commit = off``, marks the transaction visible, then releases its locks). So
-that record ends at or below the insert position statement 3 reads, whatever the writer's
-``synchronous_commit``: the insert position, not ``pg_current_wal_lsn()`` (the *write*
-position, which an asynchronous commit may leave behind its own visible commit record). A
-standby whose ``pg_last_wal_replay_lsn()`` (the end of the last record it applied) is at or
-past that LSN has applied all those commit records, and so has every snapshot it takes after
-that look: the rows statement, run after it on the standby session, shows every fact
-``<= C[s]`` (`streams.store.standby`). The WAL up to that LSN reaches the standby: the probe's
-transaction flushed it (the durability argument) and a walsender sends what is flushed.
-A follower of shared proofs takes the LSN in a statement *after* the one whose snapshot showed
-the proof (`wal_position_query`): every commit that snapshot showed had inserted its record
-before the snapshot was taken, hence before the later statement read the insert position.
-
-Shared proofs (one prober per stream instead of one per reader)
----------------------------------------------------------------
-A probe reads ``pg_locks``, which the server copies whole (every lock of every application)
-under all lock-manager partition locks: K readers each probing on every hint cost K such copies
-per fact, and the copy grows with everything else the server does. So the processes that read
-a stream elect one *prober* among themselves (session advisory lock ``(PROOF_LOCK, id)``,
-`try_become_prover`); it runs the probe above and, as one more statement of the same pipeline,
-records ``C[s]`` in ``streams_proofs`` (`prove`: forward-only, with the server's time). Every
-other reader reads that row *and* the rows behind it in **one statement**
-(`fetch_rows_after_proof`), so both come from one snapshot: if the snapshot shows ``C``, the
-prober's transaction had committed before it was taken; that transaction read ``pg_locks``
-before committing, when every transaction holding an ID ``<= C`` had already ended, so all of
-them are visible (committed) or gone (rolled back) in the same snapshot. Nothing depends on the
-order in which the statement's parts are evaluated; only on one statement seeing one snapshot
-(READ COMMITTED). The proof row is a cache of a fact PostgreSQL itself established: a lost,
-stale or missing row only makes a reader probe for itself (`streams.reader`), never skip a fact.
-Nor does a row above the stream's max allocated ID: the same statement reads the sequence, and
-refuses a ``C`` above it (a prober's ``C`` is at most the ``A[s]`` its statement 1 read, before
-its proof committed, so before the follower's snapshot, and the sequence only grows: an honest
-proof always passes; one above it was written by a role that may write ``streams_proofs``, not
-by a prober). The next proof replaces such a row. The row names the database incarnation the
-prober proved in (`streams.core.incarnation`), and a follower reads only a row of its own
-(`streams.store.rows.fetch_rows_after_proof`): a row restored with the database, or written by
-a primary before a failover, is as good as missing.
-The choice against the alternatives (coalescing probes per process, sharing one probe inside a
-process) is that this one costs O(streams) ``pg_locks`` reads, not O(reader processes), and a
-reader's read becomes a primary-key lookup plus the range scan it needed anyway.
-
-The alternative (transaction-ID snapshots with ``pg_current_snapshot``) needs every fact to
-record its ``xid`` and readers to reason about snapshots; row locks put the whole proof in one
-place the database already enforces.
+The arguments: docs/design/probe.md (what is complete; shared proofs; the standby fence) and
+docs/design/durability.md (no ID ``<= C`` is handed out again after a crash).
 """
 
 from __future__ import annotations
@@ -157,7 +27,7 @@ from .driver import Commit, Gen, Pipeline, Query, Row
 
 @dataclass(frozen=True, slots=True)
 class Probe:
-    """What PostgreSQL proves about a stream at one moment (see "the probe argument").
+    """What PostgreSQL proves about a stream at one moment (docs/design/probe.md).
 
     ``max_allocated``: the highest ID reserved so far. ``complete``: every ID ``<=`` it has
     completed, so a reader may deliver everything up to it; this is the stream's linear
@@ -220,7 +90,7 @@ CROSS JOIN LATERAL (
 """
 
 #: Statement 3 of a probe: make durable every sequence value and commit statements 1 and 2 saw
-#: ("the durability argument"): flushed already, or flushed by this transaction's commit. Its
+#: (docs/design/durability.md): flushed already, or flushed by this transaction's commit. Its
 #: second column is the probe's LSN, the WAL insert position ("the standby fence").
 _PROBE_DURABLE_SQL = """
 SELECT CASE
@@ -252,7 +122,7 @@ def set_up_reader_session(*extra: str) -> Gen[None]:
 
 
 def probe_queries(infos: Sequence[StreamInfo]) -> list[Query]:
-    """The statements of `probe`, for pipelining (see "the probe argument"): the rows of
+    """The statements of `probe`, for pipelining (docs/design/probe.md): the rows of
     statement `COMPLETE_STATEMENT` go to `probes_from_rows`; more statements may follow them
     in the pipeline, in the order `streams.store.reads` gives (`reads.probe_and_read`)."""
     return list(_probe_queries(tuple(info.id for info in infos)))
@@ -380,7 +250,7 @@ RETURNING stream
 #: Settings of the prober's session, on top of `READER_SESSION_SETUP`: a proof row that a crash
 #: loses is recomputed by the next probe, and what it vouches for is durable before it commits
 #: (statement 3 of the probe turns ``synchronous_commit`` on for the transactions that need a
-#: flush: "the durability argument"), so the others need not wait for the WAL flush.
+#: flush: docs/design/durability.md), so the others need not wait for the WAL flush.
 PROVER_SESSION_SETUP = ("SET synchronous_commit = off",)
 
 

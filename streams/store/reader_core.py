@@ -240,7 +240,7 @@ class ReaderCore:
         self._awaited_since: float | None = None
         self.deadline_moved = False
         #: When a stream held back is checked, and who has held it too long (`retire_where_held`,
-        #: with ``lease_seconds`` as this reader's own lease: "the holding argument").
+        #: with ``lease_seconds`` as this reader's own lease: docs/design/liveness.md).
         self._held = HeldStreams(lease=lease_seconds)
         #: Probes run, shared proofs read, pages of rows read, and of those the pages read
         #: ahead while the previous one was planned (`_read_pages`), for metrics.
@@ -315,7 +315,7 @@ class ReaderCore:
     def open(self) -> Gen[None]:
         """Load the streams and resolve every starting position. With a group, first take the
         group's next generation on every stream (committed before its positions are read:
-        "the fencing argument of groups", `streams.store.reader_groups.commit_group`): a consumer
+        the fencing of groups, docs/design/fencing.md): a consumer
         that opened the group before this one is fenced from now on."""
         infos = yield from load_streams(list(self.names))
         self.infos = {info.name: info for info in infos}
@@ -957,7 +957,7 @@ class ReaderCore:
 
     def commit_in(self, through: Fact | None = None) -> Gen[dict[str, int]]:
         """`commit` in the caller's open transaction, from exactly where this reader left the
-        group (see `streams.store.reader_groups.commit_group_in`, "the group argument"):
+        group (`streams.store.reader_groups.commit_group_in`; docs/design/fencing.md):
         `GroupMoved` (and the caller's transaction failed) if the group moved meanwhile,
         `GroupFenced` (the same) if another reader opened it since this one did.
 

@@ -78,8 +78,8 @@ def take_generations(
 ) -> Gen[dict[str, Generation]]:
     """Open ``group`` on these streams for a new consumer: take the next generation of each
     (1 for a group never opened; ``owner`` and the time recorded, a fresh token drawn), one
-    statement, committed here. Call it before reading the group's positions: see "the fencing
-    argument of groups" (`commit_group`) for why that order. The rows are taken in stream
+    statement, committed here. Call it before reading the group's positions (why that order:
+    docs/design/fencing.md). The rows are taken in stream
     order, so two consumers opening overlapping sets of streams do not deadlock (if they did,
     PostgreSQL would fail one open; nothing would move)."""
     by_id = {info.id: info.name for info in infos}
@@ -155,48 +155,15 @@ def commit_group(
     incarnation: str | None = None,
 ) -> Gen[dict[str, int]]:
     """Record that ``group`` consumed everything ``<= position`` of each stream, given as
-    ``(info, position, ts_floor)``: one statement, one transaction, so a reader of several
-    streams commits all of them or none. Forward-only; returns the committed position by
-    stream name, higher than the one given where another reader committed more. ``held``: the
-    generation this consumer took of each stream (`take_generations`); `GroupFenced`, and
-    nothing moves on any stream, if the group's is another on one of them. ``incarnation``:
-    the database incarnation written into the group's rows. `InvalidPosition`, and nothing
-    moves on any stream, if a position is beyond its stream's max allocated ID (checked in the
-    same statement: a forged signed range could otherwise make a group skip every fact up to
-    it, or brick the stream at ``2**63 - 1``).
+    ``(info, position, ts_floor)``, in one statement and one transaction (all streams or none).
 
-    Why a consumer that outlived its replacement can never move the group again, and why the
-    replacement resumes after everything the old one committed (the fencing argument of
-    groups). Opening a group (`take_generations`) replaces each stream's generation row (a new
-    generation, a new random token) and commits that *before* it reads the group's position.
-    A commit reads the rows of its streams ``FOR SHARE`` (``held``), and its ``INSERT``
-    reads those rows (a data dependency: it writes only the streams whose row holds this
-    consumer's token, and none at all when one does not, ``fenced``), so no group row moves
-    unless the commit first locked every one of its generation rows and found its own token
-    in each. That lock conflicts with the open's ``ON CONFLICT DO UPDATE`` (which locks the row
-    ``FOR NO KEY UPDATE``). So for one stream, an open and a commit are ordered by the row:
-
-    * the open locked it first: the commit waits for the open's transaction to end and, under
-      READ COMMITTED, then locks and judges the row's newest version (as it does a version
-      committed after its snapshot was taken). That version holds the new token: the commit
-      writes nothing, and its statement fails (`GROUP_FENCED`, cast like `GROUP_MOVED`), which
-      rolls back the statement and, in `commit_group_in`, fails the caller's transaction with
-      its effects. Every later commit of that consumer finds the same or a newer token (tokens
-      are drawn at random for each open, so never repeat, also when generations restart at 1
-      after the group was deleted), or no row (deleted: `delete_group`): fenced for good.
-    * the commit locked it first: the open waits until the commit's transaction has ended
-      (committed or rolled back; for `commit_group_in`, the caller's whole transaction), and
-      reads the group's position only after its own generation committed, in a later
-      statement whose snapshot therefore holds that commit's outcome.
-
-    Hence the new consumer starts from every position the old one committed, and the old one
-    moves the group no more once the new one holds it: what the new consumer delivers next is
-    what it found, and a position only the zombie reached is never committed after the new
-    consumer's start. Nothing rests on the order PostgreSQL runs the statement's parts: the
-    ``INSERT`` cannot produce a row before ``held`` returned (and locked) it, and the error is
-    raised from the rows of ``f``, which exist exactly when one stream is fenced (a failed
-    statement moves nothing anyway). The group argument (`commit_group_in`) is not touched: it
-    judges the group's row, and only commits that pass the fence reach it.
+    Forward-only: returns the committed position by stream name, higher than the one given
+    where another reader committed more. ``held``: the generation this consumer took of each
+    stream (`take_generations`); ``incarnation``: written into the group's rows. Raises
+    `GroupFenced` if another consumer opened the group since (the fencing of groups:
+    docs/design/fencing.md), `InvalidPosition` for a position beyond its stream's max
+    allocated ID (a forged signed range could otherwise make a group skip facts); nothing
+    moves on any stream then.
     """
     committed = yield from _commit(
         group, [(i, p, f, None) for i, p, f in commits], held, incarnation, exact=False
@@ -219,23 +186,13 @@ def commit_group_in(
     """`commit_group` inside the caller's transaction, *exactly* from where this reader left
     the group: ``(info, position, ts_floor, base)`` per stream, ``base`` being the group's
     position when this reader opened it or last committed it (None: the group had no row).
-    Fenced as `commit_group` ("the fencing argument of groups"): `GroupFenced`, the caller's
-    transaction failed, if another consumer opened the group since this one did; bounded as
-    `commit_group`: `InvalidPosition`, the caller's transaction failed, for a position beyond
-    its stream's max allocated ID.
 
-    Why a consumer that writes its effects and this commit in one transaction applies each fact
-    once (the group argument): the row of each stream moves from ``base`` to ``position`` only
-    where it still holds ``base``; ``ON CONFLICT DO UPDATE`` locks the row and judges its
-    newest committed version, so of two consumers that read the same facts from ``base``
-    (a stale process and its replacement, two processes of one group) the second to commit
-    waits for the first, finds the row moved, and fails: the statement raises
-    (`GROUP_MOVED`), which fails the caller's whole transaction, its effects with it. And the
-    position commits or rolls back with the effects, so a consumer killed at any point has
-    either committed both (it resumes after them) or neither (it resumes at ``base`` and applies
-    them again, for the first time as far as the database knows). Forward-only as
-    `commit_group`: a position below the row's never lowers it. Returns the committed position by
-    stream name."""
+    Raises (failing the caller's transaction, effects and all) `GroupFenced` and
+    `InvalidPosition` as `commit_group` does; if the group's row no longer holds ``base`` the
+    statement fails with `GROUP_MOVED` (the reader raises `GroupMoved`). So a consumer that
+    commits its effects with this applies each fact once (the group argument:
+    docs/design/fencing.md). Forward-only; returns the committed position by stream name.
+    """
     return (yield from _commit(group, commits, held, incarnation, exact=True))
 
 

@@ -1,64 +1,15 @@
-"""The read sequence: how every reader reads facts, written once, and why its order is the proof.
+"""The read sequence: how every reader reads facts, written once.
 
-Every reader of facts (the Python reader's core `streams.store.reader_core.ReaderCore`, the
-prober of shared proofs `streams.proofs`, the Spark source's driver and its executors, any other
-engine's connector through `streams.connector`) reads by the plans of this module. They run the
-steps below in this order, and none of them writes the order again:
+Every reader (`streams.store.reader_core`, the prober, the Spark source's driver and executors,
+any connector through `streams.connector`) runs these plans, in this order: 1. incarnation
+(`streams.store.identity`), 2. probe (`streams.store.probe`), 3. rows, by a later statement,
+4. retention, by a later one still (`FactsPruned`). The forms: `probe_and_read` (2-4, one
+pipeline) and `prove_with_rows` (the prober's), `read_proven` / `send_proven` /
+`receive_proven` (3-4 behind an earlier probe), `read_after_proof` (a follower of shared
+proofs), `read_range` (1-4 for a planned range, any driver; `fetch_all` on psycopg); on a hot
+standby steps 3-4 run behind the fence (`streams.store.standby`).
 
-1. **incarnation**: the session is on the database history the reader's positions belong to
-   (`streams.store.identity`; `streams.core.incarnation` says why a URL is not enough). Checked
-   before the session reads anything: the Python shells and the prober when they connect
-   (`identity.verify`), a Spark task at each try of its read (`read_range`: its cached
-   connection may be a stale one of a database dropped since).
-2. **probe**: the three probe statements (`streams.store.probe`) prove ``C``, every stream's
-   complete position: every ID ``<= C`` has completed ("the probe argument") and can never be
-   handed out again ("the durability argument": the probe's transaction commits before anything
-   is read behind it).
-3. **rows**: a *later* statement reads the rows of a range at or below ``C``.
-4. **retention**: a later statement still reads the stream's ``pruned_through``: above the
-   range's start, retention may have removed facts of the range before step 3 read them
-   (`streams.store.retention`, "the retention argument"), and the read fails with `FactsPruned`
-   (or a reader allowed to lose facts, Spark's ``failOnDataLoss=false``, says so and goes on).
-
-Why the order is the proof: each step's argument speaks about statements that ran *before* it.
-The rows must come from a statement whose snapshot is taken after step 2's ``pg_locks`` read: a
-transaction holding an ID ``<= C`` had ended by then, so that snapshot sees its fact (or it
-rolled back for good); rows read in the probe's own statements, or before them, could miss a
-fact that committed in between, which no later read would look for again. The retention check
-must come after the rows: a prune commits its ``pruned_through`` together with its deletes, so
-a prune that removed rows of the range before step 3's snapshot shows in any later snapshot,
-while one read before the rows could not see it. And a session on another history would prove
-and read that history's facts under this one's positions, so step 1 comes before everything.
-The server runs the statements of a pipeline one after the other, each with its own snapshot
-(READ COMMITTED, which reader sessions pin: `probe.READER_SESSION_SETUP`), so the order holds
-whether the statements go one round trip each or all in one pipeline.
-
-The forms of the sequence, one plan each:
-
-* `probe_and_read`: steps 2-4 in one pipeline, one round trip (a caught-up Python reader's
-  step); `prove_with_rows` is the prober's, with its proof recorded between steps 2 and 3.
-* `read_proven`: steps 3-4 for a range at or below what an earlier probe proved (a reader
-  catching up: its step 2 was an earlier step's, and a complete range never changes).
-  `send_proven` and `receive_proven` are the same steps split in two: sent while the reader
-  still plans the page it has, received at its next step (the statements and their order are
-  the same; only the client's wait moves).
-* `read_after_proof`: steps 3-4 for a follower of shared proofs, where step 2 is the prober's,
-  read with the rows in the same statement ("shared proofs" in `streams.store.probe`).
-* `read_range`: steps 1-4, one statement at a time, for a range planned earlier (a Spark
-  partition) and read by a session of any driver: the rows statement is the `StreamRows`
-  operation, which a driver that streams results (ADBC on Spark executors) hands on batch by
-  batch; `fetch_all` runs the plan on psycopg (`driver.run`).
-
-Step 2 alone (`probe`) and step 4 alone (`pruned_positions`) are what planners use to decide
-positions without reading rows (the Spark source's driver, a reader's start).
-
-Reads from a hot standby (a read URL: `streams.core.standby_fence`, `streams.store.standby`): step 2
-stays on the primary, and carries the LSN of the proof ("the standby fence" in
-`streams.store.probe`; `read_proofs` for a follower of shared proofs); steps 3-4 run on the
-standby's session behind the fence, a statement that finds the standby replayed past that LSN
-(`streams.store.standby.replayed_to`), and step 1 there is `streams.store.standby.check_standby`.
-A Python reader runs `read_proven` there (`streams.store.reader_core`), a Spark task
-`read_range` with ``proof_lsn``.
+Why the order is the proof: docs/design/probe.md ("The read sequence").
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ session holds it. Here a LOGIN with no streams role (granted only CONNECT) does 
 (d) several keys from several sessions, each in one of those ways.
 
 Each time, a reader (or, under the role model, the elected prover) ends those sessions once the
-lease plus detection has passed ("the holding argument" in `streams.store.holders`): the fact
+lease plus detection has passed ("the holding argument", docs/design/liveness.md): the fact
 behind them is delivered within `BOUND`, and the attacker's sessions are gone. Writers that
 behave are never ended, however long the stream stays held meanwhile; `streams doctor` names
 the holder (role, application, address) and ``--repair`` ends it.

@@ -6,8 +6,8 @@ backend is in the ``COPY`` and then freezes it: SIGSTOP, or a proxy between the 
 PostgreSQL that stops forwarding (a partition). The server's timers do not end such a
 transaction (a backend reading COPY data from the client ignores ``statement_timeout``), so the
 stream was held back until the process was killed. Now a reader notices the stream held back
-and, once the writer's lease has expired, ends its session ("the liveness argument" in
-`streams.store.leases`): a fact appended after the freeze by another writer is delivered within
+and, once the writer's lease has expired, ends its session (the liveness argument,
+docs/design/liveness.md): a fact appended after the freeze by another writer is delivered within
 the lease plus a few seconds, the frozen batch never appears, every fact comes exactly once, in
 order, whole, and the woken writer finds itself fenced.
 """

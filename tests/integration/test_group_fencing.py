@@ -1,7 +1,7 @@
 """Group fencing (issue 27, item 3): a reader group has one live consumer. Opening a group takes
 its next generation; a reader that opened it before (a zombie: stalled, partitioned, orphaned)
 is fenced, its commits (`commit()` and `commit(conn=...)`) raise `GroupFenced` and move nothing,
-on any of its streams (`streams.store.reader_groups`, "the fencing argument of groups"). Real
+on any of its streams (`streams.store.reader_groups`; docs/design/fencing.md). Real
 PostgreSQL, sync and asyncio; the race of an open with a commit held in its transaction.
 """
 

@@ -588,7 +588,7 @@ def test_async_link_unknown_stream_and_reader_replicate(
             try:
                 # A known stream from another process: checked, fine.
                 await publisher.publish(redis_prefix, f"POSITION {stream} w9 0 1")
-                while link.core.stats.refreshes < 1:
+                while not threads:  # the registry read (known() above)
                     assert time.monotonic() < deadline, "the registry read"
                     await asyncio.sleep(0.01)
                 assert link.foreign is None
