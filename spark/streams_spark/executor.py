@@ -67,6 +67,15 @@ from streams.connector import (
     typed_columns,
     with_client_tcp_settings,
 )
+from streams.core.fact_columns import (
+    FACT_COLUMNS,
+    INSTANCE,
+    PAYLOAD,
+    ROW_NO,
+    STREAM,
+    STREAM_ID,
+    TIMESTAMP,
+)
 from streams.errors import (
     ConnectionLost,
     FactsPruned,
@@ -75,7 +84,7 @@ from streams.errors import (
     StoreError,
 )
 
-from .options import DEFAULT_STATEMENT_TIMEOUT, RETRY_CAP
+from .options import DEFAULT_STATEMENT_TIMEOUT, EPOCH_UPPER, RETRY_CAP
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -93,16 +102,15 @@ DEFAULT_TIMEOUT_MS = round(DEFAULT_STATEMENT_TIMEOUT * 1000)
 
 #: The rows of the source. The Arrow schema the executors produce is derived from it
 #: (`arrow_schema`), so the two cannot disagree.
+_SPARK_TYPES = {
+    "string": StringType(),
+    "int64": LongType(),
+    "int32": IntegerType(),
+    "timestamp": TimestampType(),
+}
 SCHEMA = StructType(
-    [
-        StructField("stream", StringType()),
-        StructField("stream_id", LongType()),
-        StructField("row_no", IntegerType()),
-        StructField("instance", StringType()),
-        StructField("timestamp", TimestampType()),
-        StructField("payload", StringType()),
-        StructField("epoch_upper", LongType()),
-    ]
+    [StructField(c.exposed, _SPARK_TYPES[c.kind]) for c in FACT_COLUMNS]
+    + [StructField(EPOCH_UPPER, LongType())]
 )
 
 
@@ -114,7 +122,7 @@ def source_schema(typed: PayloadSchema | None = None) -> StructType:
         return SCHEMA
     from pyspark.sql.pandas.types import from_arrow_type
 
-    own = [f for f in SCHEMA.fields if f.name != "payload"]
+    own = [f for f in SCHEMA.fields if f.name != PAYLOAD.exposed]
     return StructType(own + [StructField(f.name, from_arrow_type(f.type)) for f in typed.schema])
 
 
@@ -300,7 +308,7 @@ def _convert(
     import pyarrow.compute as pc
 
     n = batch.num_rows
-    ts = batch.column(3)
+    ts = batch.column(TIMESTAMP.stored)
     if ts.type != pa.int64():
         ts = ts.cast(pa.int64())
     if part.timestamp_in == "arrow":
@@ -315,41 +323,47 @@ def _convert(
     stamps = pc.multiply(ts, pa.scalar(1000, pa.int64())).cast(pa.timestamp("us", tz="UTC"))
     if stream_col is None or len(stream_col) != n:
         stream_col = pc.fill_null(pa.nulls(n, pa.string()), part.stream)
-    row_no = batch.column(1)
+    row_no = batch.column(ROW_NO.stored)
     if row_no.type != pa.int32():
         row_no = row_no.cast(pa.int32())
-    payload = batch.column(4)
+    payload = batch.column(PAYLOAD.stored)
     if payload.type != pa.string():
         payload = payload.cast(pa.string())
-    columns = [
-        stream_col,
-        batch.column(0).cast(pa.int64()),
-        row_no,
-        batch.column(2).cast(pa.string()),
-        stamps,
-        payload,
-        pc.fill_null(pa.nulls(n, pa.int64()), part.epoch_upper),
-    ]
+    columns = {
+        STREAM.exposed: stream_col,
+        STREAM_ID.exposed: batch.column(STREAM_ID.stored).cast(pa.int64()),
+        ROW_NO.exposed: row_no,
+        INSTANCE.exposed: batch.column(INSTANCE.stored).cast(pa.string()),
+        TIMESTAMP.exposed: stamps,
+        PAYLOAD.exposed: payload,
+        EPOCH_UPPER: pc.fill_null(pa.nulls(n, pa.int64()), part.epoch_upper),
+    }
     if part.payload_schema is not None:
         return _typed(columns, part, part.payload_schema), floor
-    return pa.RecordBatch.from_arrays(columns, schema=arrow_schema()), floor
+    schema = arrow_schema()
+    return pa.RecordBatch.from_arrays(
+        [columns[name] for name in schema.names], schema=schema
+    ), floor
 
 
-def _typed(columns: list[pa.Array], part: RangePartition, spec: PayloadSchema) -> pa.RecordBatch:
+def _typed(
+    columns: dict[str, pa.Array], part: RangePartition, spec: PayloadSchema
+) -> pa.RecordBatch:
     """The rows with the payload's typed columns instead of ``payload``, bad rows as the mode
     says (`streams.core.typed_payloads`): FAILFAST fails the task, naming the row."""
     import pyarrow as pa
 
-    typed = typed_columns(columns[5], spec)
+    typed = typed_columns(columns[PAYLOAD.exposed], spec)
     if typed.bad and spec.mode == "FAILFAST":
         row = min(typed.bad)
-        stream_id, row_no = columns[1][row].as_py(), columns[2][row].as_py()
+        stream_id = columns[STREAM_ID.exposed][row].as_py()
+        row_no = columns[ROW_NO.exposed][row].as_py()
         raise MalformedPayload(
             failfast_message(part.stream, stream_id, row_no, typed.bad[row]),
             part.stream, stream_id, row_no,
         )  # fmt: skip
     schema = arrow_schema(spec)
-    own = columns[:5] + columns[6:]
+    own = [columns[f.name] for f in SCHEMA.fields if f.name != PAYLOAD.exposed]
     fields = schema.types[len(own) :]
     arrays = own + [
         a.cast(t) if a.type != t else a for a, t in zip(typed.arrays, fields, strict=True)
@@ -506,10 +520,10 @@ def _stream_rows(
             if batch.num_rows:
                 last = batch.num_rows - 1
                 progress.resume = (
-                    int(batch.column(0)[last].as_py()),
-                    int(batch.column(1)[last].as_py()),
+                    int(batch.column(STREAM_ID.stored)[last].as_py()),
+                    int(batch.column(ROW_NO.stored)[last].as_py()),
                 )
-            progress.floor, stream_col = floor, out.column(0)
+            progress.floor, stream_col = floor, out.column(STREAM.exposed)
             progress.failures = 0
             yield out
     finally:

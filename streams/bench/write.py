@@ -48,6 +48,7 @@ from psycopg import sql
 
 from ..cli_params import DATABASE_URL, FiniteFloat, common_options
 from ..config import Settings, redact_url
+from ..core.fact_columns import KEY, ROW_NO, STORED_NAMES, STREAM
 from ..core.positions import PositionTracker
 from .common import PAYLOAD, Scratch, ignore_interrupts, progress_report, scratch_streams
 from .plots import plot_option, plot_write
@@ -145,7 +146,7 @@ def _setup_raw(url: str, table: str, sequence: str) -> None:
         conn.execute(
             f"CREATE TABLE {table} (stream integer NOT NULL, stream_id bigint NOT NULL, "
             "row_no integer NOT NULL DEFAULT 0, instance text NOT NULL, ts bigint NOT NULL, "
-            "payload jsonb, PRIMARY KEY (stream, stream_id, row_no))"
+            f"payload jsonb, PRIMARY KEY ({STREAM.stored}, {', '.join(c.stored for c in KEY)}))"
         )
         conn.execute(f"CREATE INDEX ON {table} (stream, ts, stream_id)")
 
@@ -177,7 +178,7 @@ def _raw_worker(
     def single() -> int:
         (stream_id,) = conn.execute(f"SELECT nextval('{sequence}')").fetchone()  # type: ignore[misc]
         conn.execute(
-            f"INSERT INTO {table} (stream, stream_id, instance, ts, payload) "
+            f"INSERT INTO {table} ({', '.join(n for n in STORED_NAMES if n != ROW_NO.stored)}) "
             "VALUES (1, %s, %s, %s, %s::jsonb)",
             (stream_id, instance, int(time.time() * 1000), json.dumps(PAYLOAD)),
         )
@@ -191,9 +192,7 @@ def _raw_worker(
         now = int(time.time() * 1000)
         with (
             conn.cursor() as cur,
-            cur.copy(
-                f"COPY {table} (stream, stream_id, row_no, instance, ts, payload) FROM STDIN"
-            ) as copy,
+            cur.copy(f"COPY {table} ({', '.join(STORED_NAMES)}) FROM STDIN") as copy,
         ):
             for (stream_id,), payload in zip(ids, payloads, strict=True):
                 copy.write_row((1, stream_id, 0, instance, now, json.dumps(payload)))

@@ -430,7 +430,14 @@ EXAMPLE_FILES = tuple(
 )
 #: The modules of `streams` that are public besides the package itself (its errors and
 #: settings are re-exported by it), and the face connectors build on.
-CONNECTOR_ALLOWED = ("streams.errors", "streams.config", "streams.connector")
+#: (`streams.core.fact_columns`: the one definition of a fact's columns, pure, which the
+#: connector's schema is derived from.)
+CONNECTOR_ALLOWED = (
+    "streams.errors",
+    "streams.config",
+    "streams.connector",
+    "streams.core.fact_columns",
+)
 #: What a connector's benchmarks may import besides: the benchmarks' toolkit and the parameter
 #: types every command of `streams` shares (they are commands of `streams bench`).
 BENCH_ALLOWED = ("streams.bench", "streams.cli_params")
