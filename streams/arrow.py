@@ -50,7 +50,7 @@ import functools
 import json
 from collections.abc import AsyncIterator, Generator, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 from .core.epochs import Epoch
 from .core.fact_columns import (
@@ -73,7 +73,6 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
     from .core.typed_payloads import PayloadSchema
-    from .reader import AsyncReader, Reader
 
 __all__ = [
     "DEFAULT_MAX_ROWS",
@@ -412,21 +411,36 @@ def _check_max_rows(max_rows: int | None) -> int:
     return max_rows
 
 
-def _session(reader: Reader | AsyncReader) -> ArrowSessions:
-    session = reader._arrow
-    if session is None:
-        core = reader.core
-        what = "group " + repr(core.group) if core.group is not None else "reader"
-        session = reader._arrow = ArrowSessions(
-            reader._url,
-            f"{what} of {', '.join(core.names)} (Arrow)",
-            lambda: (core.incarnation, core.proof_lsn),
-        )
-    return session
+class BatchSource(Protocol):
+    """What `reader_batches` uses of a `streams.Reader` (its public face)."""
+
+    @property
+    def core(self) -> ReaderCore: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    def arrow_sessions(self) -> ArrowSessions: ...
+
+    def prove(self, timeout: float | None = ...) -> Epoch | None: ...
+
+
+class AsyncBatchSource(Protocol):
+    """What `areader_batches` uses of a `streams.AsyncReader` (its public face)."""
+
+    @property
+    def core(self) -> ReaderCore: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    def arrow_sessions(self) -> ArrowSessions: ...
+
+    async def prove(self, timeout: float | None = ...) -> Epoch | None: ...
 
 
 def reader_batches(
-    reader: Reader,
+    reader: BatchSource,
     *,
     idle_timeout: float = 0.0,
     max_rows: int | None = None,
@@ -440,7 +454,7 @@ def reader_batches(
 
 
 def _drive(
-    reader: Reader, plan: Generator[_Op, Any, None], typed: PayloadSchema | None = None
+    reader: BatchSource, plan: Generator[_Op, Any, None], typed: PayloadSchema | None = None
 ) -> Iterator[pa.RecordBatch]:
     from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -459,22 +473,22 @@ def _drive(
                 if batch.num_rows:  # DROPMALFORMED may have dropped every row
                     yield batch
             elif isinstance(op, _Read):
-                if reader._closed:
+                if reader.closed:
                     raise UsageError("reader is closed")
                 taken, pending = pending, None
                 if taken is not None and taken[0] == op:
                     answer = taken[1].result()
                 else:
                     _settle(taken)
-                    answer = _read_pages(reader.core, _session(reader), op)
+                    answer = _read_pages(reader.core, reader.arrow_sessions(), op)
             elif isinstance(op, _Prefetch):
                 _settle(pending)
                 if pool is None:
                     pool = ThreadPoolExecutor(1, thread_name_prefix="streams-arrow-prefetch")
-                future = pool.submit(_read_pages, reader.core, _session(reader), op.read)
+                future = pool.submit(_read_pages, reader.core, reader.arrow_sessions(), op.read)
                 pending = (op.read, future)
             else:
-                answer = reader._drive(reader._poll_plan(op.timeout, prove_only=True))
+                answer = reader.prove(op.timeout)
     finally:
         _settle(pending)  # never leave a read running on the session after the caller left
         if pool is not None:
@@ -490,7 +504,7 @@ def _settle(pending: tuple[_Read, Any] | None) -> None:
 
 
 async def areader_batches(
-    reader: AsyncReader,
+    reader: AsyncBatchSource,
     *,
     idle_timeout: float = 0.0,
     max_rows: int | None = None,
@@ -516,21 +530,21 @@ async def areader_batches(
                 if batch.num_rows:  # DROPMALFORMED may have dropped every row
                     yield batch
             elif isinstance(op, _Read):
-                if reader._closed:
+                if reader.closed:
                     raise UsageError("reader is closed")
                 taken, pending = pending, None
                 if taken is not None and taken[0] == op:
                     answer = await taken[1]
                 else:
                     await _asettle(taken)
-                    session = _session(reader)
+                    session = reader.arrow_sessions()
                     answer = await asyncio.to_thread(_read_pages, reader.core, session, op)
             elif isinstance(op, _Prefetch):
                 await _asettle(pending)
-                read = asyncio.to_thread(_read_pages, reader.core, _session(reader), op.read)
+                read = asyncio.to_thread(_read_pages, reader.core, reader.arrow_sessions(), op.read)
                 pending = (op.read, asyncio.ensure_future(read))
             else:
-                answer = await reader._drive(reader._poll_plan(op.timeout, prove_only=True))
+                answer = await reader.prove(op.timeout)
     finally:
         await _asettle(pending)
 
