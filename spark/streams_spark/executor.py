@@ -55,15 +55,12 @@ from streams import redact_url
 from streams.connector import (
     READER_SESSION_SETUP,
     PayloadSchema,
-    Query,
     RangeGen,
     StandbyRoute,
-    StreamRows,
     backoff_delay,
     failfast_message,
     read_range,
     statement_timeout_setup,
-    transient_sqlstate,
     typed_columns,
     with_client_tcp_settings,
 )
@@ -83,6 +80,7 @@ from streams.errors import (
     StandbyBehind,
     StoreError,
 )
+from streams.store.arrow_reads import run_on_adbc, transient
 
 from .options import DEFAULT_STATEMENT_TIMEOUT, EPOCH_UPPER, RETRY_CAP
 
@@ -205,10 +203,6 @@ class RangePartition(InputPartition):
 BATCH_BYTES = 2 << 20
 
 _frozen = False
-
-#: ADBC's PostgreSQL statement option for `BATCH_BYTES`
-#: (``adbc_driver_postgresql.StatementOptions.BATCH_SIZE_HINT_BYTES``).
-_BATCH_SIZE_OPTION = "adbc.postgresql.batch_size_hint_bytes"
 
 
 def freeze_imports() -> bool:
@@ -457,20 +451,6 @@ def with_hint(lost: FactsPruned) -> FactsPruned:
     return lost
 
 
-def _transient(exc: BaseException) -> bool:
-    """Is this failure of a read worth another try: the connection or the server failed (an
-    ``OperationalError``, a socket error, no connection), or PostgreSQL said so by its
-    SQLSTATE (a cancelled statement, a timeout, a restart)? A statement error, such as a
-    missing table, is not: no retry mends it."""
-    import adbc_driver_manager
-
-    if isinstance(exc, ConnectionLost | OSError | adbc_driver_manager.OperationalError):
-        return True
-    if isinstance(exc, adbc_driver_manager.Error):
-        return transient_sqlstate(getattr(exc, "sqlstate", None))
-    return False
-
-
 @dataclass
 class _Progress:
     """How far a partition's read got, across its tries."""
@@ -486,35 +466,18 @@ class _Progress:
 def _drive(
     cur: Any, part: RangePartition, progress: _Progress, standby: bool = False
 ) -> Iterator[pa.RecordBatch]:
-    """Drive the store's plan (`_plan`) on an ADBC cursor: each `Query` run and its rows sent
-    back, the `StreamRows` statement streamed to Spark (`_stream_rows`), a `Commit` nothing
-    (the session is in autocommit: each statement committed by itself)."""
+    """Drive the store's plan (`_plan`) on an ADBC cursor, by the store's Arrow read path
+    (`streams.store.arrow_reads.run_on_adbc`): the `StreamRows` statement's record batches
+    handed to Spark as the source's (`_convert`), ``progress`` kept with every batch."""
+
+    def rows(cur: Any) -> Iterator[pa.RecordBatch]:
+        reader = cur.fetch_record_batch()
+        return _prefetched(reader) if part.prefetch else iter(reader)
+
     plan = _plan(part, progress.floor, progress.resume, standby)
-    answer: list[Any] | None = None
-    while True:
-        try:
-            op = next(plan) if answer is None else plan.send(answer)
-        except StopIteration:  # the plan ended: the partition is read
-            return
-        answer = []
-        if isinstance(op, StreamRows):
-            yield from _stream_rows(cur, op.statement, part, progress)
-        elif isinstance(op, Query):
-            cur.execute(op.statement)
-            answer = cur.fetchall()
-
-
-def _stream_rows(
-    cur: Any, statement: str, part: RangePartition, progress: _Progress
-) -> Iterator[pa.RecordBatch]:
-    """The rows statement's results as the source's record batches, ``progress`` kept with
-    every batch handed out."""
-    cur.adbc_statement.set_options(**{_BATCH_SIZE_OPTION: str(BATCH_BYTES)})
-    cur.execute(statement)
     stream_col = None
-    reader = cur.fetch_record_batch()
-    batches = _prefetched(reader) if part.prefetch else iter(reader)
-    try:
+    # Closed when left: stops and joins the prefetch thread before the cursor closes.
+    with contextlib.closing(run_on_adbc(cur, plan, rows, batch_bytes=BATCH_BYTES)) as batches:
         for batch in batches:
             out, floor = _convert(batch, part, progress.floor, stream_col)
             if batch.num_rows:
@@ -526,10 +489,6 @@ def _stream_rows(
             progress.floor, stream_col = floor, out.column(STREAM.exposed)
             progress.failures = 0
             yield out
-    finally:
-        close = getattr(batches, "close", None)
-        if close is not None:
-            close()  # stops and joins the prefetch thread before the cursor closes
 
 
 def _wait_for_standby(route: StandbyRoute, exc: Exception, part: RangePartition) -> None:
@@ -588,15 +547,11 @@ def read_partition(part: RangePartition) -> Iterator[pa.RecordBatch]:
                 route.read_on_standby()
             return
         except Exception as exc:  # not FactsPruned, StreamWentBackwards: no outage
-            if (
-                standby
-                and route is not None
-                and (isinstance(exc, StandbyBehind) or _transient(exc))
-            ):
+            if standby and route is not None and (isinstance(exc, StandbyBehind) or transient(exc)):
                 stale_standby = not isinstance(exc, StandbyBehind)
                 _wait_for_standby(route, exc, part)
                 continue
-            if not _transient(exc):
+            if not transient(exc):
                 raise
             now = time.monotonic()
             if progress.failures == 0:

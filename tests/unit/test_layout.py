@@ -411,12 +411,14 @@ EXAMPLE_FILES = tuple(
 #: The modules of `streams` that are public besides the package itself (its errors and
 #: settings are re-exported by it), and the face connectors build on.
 #: (`streams.core.fact_columns`: the one definition of a fact's columns, pure, which the
-#: connector's schema is derived from.)
+#: connector's schema is derived from; `streams.store.arrow_reads`: the one Arrow read path,
+#: which the executors drive the store's plans by.)
 CONNECTOR_ALLOWED = (
     "streams.errors",
     "streams.config",
     "streams.connector",
     "streams.core.fact_columns",
+    "streams.store.arrow_reads",
 )
 #: What a connector's benchmarks may import besides: the benchmarks' toolkit and the parameter
 #: types every command of `streams` shares (they are commands of `streams bench`).
