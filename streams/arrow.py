@@ -50,9 +50,20 @@ import functools
 import json
 from collections.abc import AsyncIterator, Generator, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 from .core.epochs import Epoch
+from .core.fact_columns import (
+    FACT_COLUMNS,
+    INSTANCE,
+    OWN_NAMES,
+    PAYLOAD,
+    ROW_NO,
+    STREAM,
+    STREAM_ID,
+    TIMESTAMP,
+    Kind,
+)
 from .core.page_cut import cut_page
 from .errors import MalformedPayload, UsageError
 from .store.arrow_reads import ArrowSessions, require_arrow
@@ -62,7 +73,6 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
     from .core.typed_payloads import PayloadSchema
-    from .reader import AsyncReader, Reader
 
 __all__ = [
     "DEFAULT_MAX_ROWS",
@@ -83,22 +93,25 @@ DEFAULT_MAX_ROWS = 65_536
 def schema() -> pa.Schema:
     """The batches' Arrow schema (see the module doc; a function: pyarrow is imported only
     when Arrow is used)."""
+    return pa_schema([(c.exposed, c.kind) for c in FACT_COLUMNS])
+
+
+def pa_schema(columns: list[tuple[str, Kind]]) -> pa.Schema:
+    """An Arrow schema of named columns of `streams.core.fact_columns` kinds (timestamps as UTC
+    microseconds)."""
     import pyarrow as pa
 
-    return pa.schema(
-        [
-            ("stream", pa.string()),
-            ("stream_id", pa.int64()),
-            ("row_no", pa.int32()),
-            ("instance", pa.string()),
-            ("timestamp", pa.timestamp("us", tz="UTC")),
-            ("payload", pa.string()),
-        ]
-    )
+    types = {
+        "string": pa.string(),
+        "int64": pa.int64(),
+        "int32": pa.int32(),
+        "timestamp": pa.timestamp("us", tz="UTC"),
+    }
+    return pa.schema([(name, types[kind]) for name, kind in columns])
 
 
 #: The batches' columns besides ``payload``: a payload schema's field may not take their names.
-OWN_COLUMNS = ("stream", "stream_id", "row_no", "instance", "timestamp")
+OWN_COLUMNS = OWN_NAMES
 
 
 def typing_of(
@@ -134,7 +147,7 @@ def typed_schema(typed: PayloadSchema | None) -> pa.Schema:
         return schema()
     import pyarrow as pa
 
-    own = [f for f in schema() if f.name != "payload"]
+    own = [f for f in schema() if f.name != PAYLOAD.exposed]
     return pa.schema(own + list(typed.schema))
 
 
@@ -146,16 +159,17 @@ def _typed(batch: pa.RecordBatch, typed: PayloadSchema | None) -> pa.RecordBatch
 
     from .core.typed_payloads import failfast_message, typed_columns
 
-    found = typed_columns(batch.column(5), typed)
+    found = typed_columns(batch.column(PAYLOAD.exposed), typed)
     if found.bad and typed.mode == "FAILFAST":
         row = min(found.bad)
-        stream = batch.column(0)[row].as_py()
-        stream_id, row_no = batch.column(1)[row].as_py(), batch.column(2)[row].as_py()
+        stream = batch.column(STREAM.exposed)[row].as_py()
+        stream_id = batch.column(STREAM_ID.exposed)[row].as_py()
+        row_no = batch.column(ROW_NO.exposed)[row].as_py()
         raise MalformedPayload(
             failfast_message(stream, stream_id, row_no, found.bad[row]), stream, stream_id, row_no
         )
     out = pa.RecordBatch.from_arrays(
-        [batch.column(i) for i in range(5)] + found.arrays, schema=typed_schema(typed)
+        [batch.column(name) for name in OWN_NAMES] + found.arrays, schema=typed_schema(typed)
     )
     if found.bad and typed.mode == "DROPMALFORMED":
         out = out.filter(found.keep(out.num_rows))
@@ -293,7 +307,8 @@ def _read_stream(
         table = found.combine_chunks()
         core.pages += 1
         core.rows += table.num_rows
-        cut = cut_page(table.column(0).to_numpy(), after=low, through=high, limit=max_rows)
+        ids = table.column(STREAM_ID.stored).to_numpy()
+        cut = cut_page(ids, after=low, through=high, limit=max_rows)
         if cut.refetch is not None:
             # One fact has at least a page of rows: read it alone, whole.
             table = sessions.read(name, key, cut.refetch - 1, cut.refetch, None).combine_chunks()
@@ -315,26 +330,27 @@ def _deliver(core: ReaderCore, page: _Page) -> pa.RecordBatch:
     table = page.table
     n = table.num_rows
     floor = core.ts_floors[page.name]
-    ts = table.column(3)
+    ts = table.column(TIMESTAMP.stored)
     if ts.type != pa.int64():
         ts = ts.cast(pa.int64())
     if n:
         ts = pc.max_element_wise(pc.cumulative_max(ts), pa.scalar(floor, pa.int64()))
         floor = max(floor, ts[n - 1].as_py())
-    ids = table.column(0)
+    ids = table.column(STREAM_ID.stored)
     keep = core.advance_columns(
         page.name, page.position, floor, ids.to_numpy(), ts.to_numpy()
     )  # fmt: skip
     stamps = pc.multiply(ts, pa.scalar(1000, pa.int64())).cast(pa.timestamp("us", tz="UTC"))
-    columns = [
-        pa.repeat(pa.scalar(page.name, pa.string()), n),
-        ids.cast(pa.int64()),
-        table.column(1).cast(pa.int32()),
-        table.column(2).cast(pa.string()),
-        stamps,
-        _text(table.column(4)),
-    ]
-    batch = pa.RecordBatch.from_arrays([_array(c) for c in columns], schema=schema())
+    columns = {
+        STREAM.exposed: pa.repeat(pa.scalar(page.name, pa.string()), n),
+        STREAM_ID.exposed: ids.cast(pa.int64()),
+        ROW_NO.exposed: table.column(ROW_NO.stored).cast(pa.int32()),
+        INSTANCE.exposed: table.column(INSTANCE.stored).cast(pa.string()),
+        TIMESTAMP.exposed: stamps,
+        PAYLOAD.exposed: _text(table.column(PAYLOAD.stored)),
+    }
+    out = schema()
+    batch = pa.RecordBatch.from_arrays([_array(columns[name]) for name in out.names], schema=out)
     if keep is not None:
         batch = batch.filter(pa.array(keep, pa.bool_()))
     return batch
@@ -363,28 +379,27 @@ def _epoch_batches(epoch: Epoch) -> list[pa.RecordBatch]:
     """An epoch of `Fact`s (signed ranges from Redis) as batches, one per stream."""
     import pyarrow as pa
 
-    by_stream: dict[str, list[tuple[int, int, str, int, str]]] = {}
+    out = schema()
+    by_stream: dict[str, dict[str, list[Any]]] = {}
     for fact in epoch.facts:
-        rows = by_stream.setdefault(fact.stream, [])
+        rows = by_stream.setdefault(fact.stream, {name: [] for name in out.names})
         for row_no, payload in enumerate(fact.payloads):
-            text = json.dumps(payload, ensure_ascii=False)
-            rows.append((fact.stream_id, row_no, fact.instance, fact.timestamp * 1000, text))
+            rows[STREAM.exposed].append(fact.stream)
+            rows[STREAM_ID.exposed].append(fact.stream_id)
+            rows[ROW_NO.exposed].append(row_no)
+            rows[INSTANCE.exposed].append(fact.instance)
+            rows[TIMESTAMP.exposed].append(fact.timestamp * 1000)
+            rows[PAYLOAD.exposed].append(json.dumps(payload, ensure_ascii=False))
     batches = []
-    for name, rows in by_stream.items():
-        ids, row_nos, instances, stamps, payloads = zip(*rows, strict=True)
-        batches.append(
-            pa.RecordBatch.from_arrays(
-                [
-                    pa.repeat(pa.scalar(name, pa.string()), len(rows)),
-                    pa.array(ids, pa.int64()),
-                    pa.array(row_nos, pa.int32()),
-                    pa.array(instances, pa.string()),
-                    pa.array(stamps, pa.int64()).cast(pa.timestamp("us", tz="UTC")),
-                    pa.array(payloads, pa.string()),
-                ],
-                schema=schema(),
-            )
-        )
+    for rows in by_stream.values():
+        stamps = pa.array(rows[TIMESTAMP.exposed], pa.int64())
+        arrays = {
+            name: pa.array(values, out.field(name).type)
+            for name, values in rows.items()
+            if name != TIMESTAMP.exposed
+        }
+        arrays[TIMESTAMP.exposed] = stamps.cast(out.field(TIMESTAMP.exposed).type)
+        batches.append(pa.RecordBatch.from_arrays([arrays[name] for name in out.names], schema=out))
     return batches
 
 
@@ -396,21 +411,36 @@ def _check_max_rows(max_rows: int | None) -> int:
     return max_rows
 
 
-def _session(reader: Reader | AsyncReader) -> ArrowSessions:
-    session = reader._arrow
-    if session is None:
-        core = reader.core
-        what = "group " + repr(core.group) if core.group is not None else "reader"
-        session = reader._arrow = ArrowSessions(
-            reader._url,
-            f"{what} of {', '.join(core.names)} (Arrow)",
-            lambda: (core.incarnation, core.proof_lsn),
-        )
-    return session
+class BatchSource(Protocol):
+    """What `reader_batches` uses of a `streams.Reader` (its public face)."""
+
+    @property
+    def core(self) -> ReaderCore: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    def arrow_sessions(self) -> ArrowSessions: ...
+
+    def prove(self, timeout: float | None = ...) -> Epoch | None: ...
+
+
+class AsyncBatchSource(Protocol):
+    """What `areader_batches` uses of a `streams.AsyncReader` (its public face)."""
+
+    @property
+    def core(self) -> ReaderCore: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    def arrow_sessions(self) -> ArrowSessions: ...
+
+    async def prove(self, timeout: float | None = ...) -> Epoch | None: ...
 
 
 def reader_batches(
-    reader: Reader,
+    reader: BatchSource,
     *,
     idle_timeout: float = 0.0,
     max_rows: int | None = None,
@@ -424,7 +454,7 @@ def reader_batches(
 
 
 def _drive(
-    reader: Reader, plan: Generator[_Op, Any, None], typed: PayloadSchema | None = None
+    reader: BatchSource, plan: Generator[_Op, Any, None], typed: PayloadSchema | None = None
 ) -> Iterator[pa.RecordBatch]:
     from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -443,22 +473,22 @@ def _drive(
                 if batch.num_rows:  # DROPMALFORMED may have dropped every row
                     yield batch
             elif isinstance(op, _Read):
-                if reader._closed:
+                if reader.closed:
                     raise UsageError("reader is closed")
                 taken, pending = pending, None
                 if taken is not None and taken[0] == op:
                     answer = taken[1].result()
                 else:
                     _settle(taken)
-                    answer = _read_pages(reader.core, _session(reader), op)
+                    answer = _read_pages(reader.core, reader.arrow_sessions(), op)
             elif isinstance(op, _Prefetch):
                 _settle(pending)
                 if pool is None:
                     pool = ThreadPoolExecutor(1, thread_name_prefix="streams-arrow-prefetch")
-                future = pool.submit(_read_pages, reader.core, _session(reader), op.read)
+                future = pool.submit(_read_pages, reader.core, reader.arrow_sessions(), op.read)
                 pending = (op.read, future)
             else:
-                answer = reader._drive(reader._poll_plan(op.timeout, prove_only=True))
+                answer = reader.prove(op.timeout)
     finally:
         _settle(pending)  # never leave a read running on the session after the caller left
         if pool is not None:
@@ -474,7 +504,7 @@ def _settle(pending: tuple[_Read, Any] | None) -> None:
 
 
 async def areader_batches(
-    reader: AsyncReader,
+    reader: AsyncBatchSource,
     *,
     idle_timeout: float = 0.0,
     max_rows: int | None = None,
@@ -500,21 +530,21 @@ async def areader_batches(
                 if batch.num_rows:  # DROPMALFORMED may have dropped every row
                     yield batch
             elif isinstance(op, _Read):
-                if reader._closed:
+                if reader.closed:
                     raise UsageError("reader is closed")
                 taken, pending = pending, None
                 if taken is not None and taken[0] == op:
                     answer = await taken[1]
                 else:
                     await _asettle(taken)
-                    session = _session(reader)
+                    session = reader.arrow_sessions()
                     answer = await asyncio.to_thread(_read_pages, reader.core, session, op)
             elif isinstance(op, _Prefetch):
                 await _asettle(pending)
-                read = asyncio.to_thread(_read_pages, reader.core, _session(reader), op.read)
+                read = asyncio.to_thread(_read_pages, reader.core, reader.arrow_sessions(), op.read)
                 pending = (op.read, asyncio.ensure_future(read))
             else:
-                answer = await reader._drive(reader._poll_plan(op.timeout, prove_only=True))
+                answer = await reader.prove(op.timeout)
     finally:
         await _asettle(pending)
 

@@ -23,6 +23,7 @@ import psycopg
 
 from ._aio import wait_event
 from ._gc import collection_paused
+from .arrow import areader_batches, reader_batches, typing_of
 from .core.epochs import Epoch, Fact
 from .core.frontier import Antichain, FrontierProbe
 from .core.replication import Hint, backoff_delay
@@ -30,6 +31,7 @@ from .core.standby_fence import StandbyRoute
 from .errors import ConnectionLost, StandbyBehind, StoreError, UsageError, WaitTimeout
 from .orm import async_target, sync_target
 from .store import sessions
+from .store.arrow_reads import ArrowSessions
 from .store.driver import Gen, arun, run, transient_sqlstate
 from .store.probe import (
     READER_SESSION_SETUP,
@@ -42,7 +44,6 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
     from .proofs import ProofService
-    from .store.arrow_reads import ArrowSessions
 
 __all__ = ["AsyncReader", "Reader", "ReaderCore", "Start"]
 
@@ -228,6 +229,27 @@ class _ReaderBase:
     def vector_probe(self) -> FrontierProbe[tuple[int, ...]]:
         return self._core.vector_probe()
 
+    @property
+    def closed(self) -> bool:
+        """Is the reader closed (`close`)?"""
+        return self._closed
+
+    def arrow_sessions(self) -> ArrowSessions:
+        """The reader's ADBC sessions (`streams.store.arrow_reads`), made at the first call and
+        closed with the reader: where `batches` reads the rows of what `prove` proved."""
+        sessions = self._arrow
+        if sessions is None:
+            core = self._core
+            what = "group " + repr(core.group) if core.group is not None else "reader"
+            sessions = self._arrow = ArrowSessions(
+                self._url,
+                f"{what} of {', '.join(core.names)} (Arrow)",
+                lambda: (core.incarnation, core.proof_lsn),
+            )
+        return sessions
+
+    _url: str
+
     def _standby_behind(self) -> bool:
         """Proven on the primary, not delivered: with a read URL, the standby has not replayed
         it yet (the reader waits for it, up to its max wait, then reads from the primary)."""
@@ -291,11 +313,29 @@ class _ReaderBase:
     #: The ADBC session of `batches` (`streams.store.arrow_reads`), opened at its first read.
     _arrow: ArrowSessions | None = None
 
-    def _poll_plan(self, timeout: float | None, prove_only: bool = False) -> _Plan[Epoch | None]:
-        """`poll`'s plan. ``prove_only`` (`streams.arrow`, which reads the rows itself): each
-        step proves without reading rows (`ReaderCore.step` without rows), and the plan ends
-        as soon as the reader is behind what a proof proved (None), or with an epoch of signed
-        ranges from Redis."""
+    def _poll_plan(self, timeout: float | None) -> _Plan[Epoch | None]:
+        """`poll`'s plan: steps (`_step_plan`) until one delivers an epoch or the time is up."""
+        return self._waiting_plan(timeout, self._step_plan, lambda: False)
+
+    def _prove_plan(self, timeout: float | None) -> _Plan[Epoch | None]:
+        """`prove`'s plan: steps that prove without reading rows (`ReaderCore.step` without
+        rows), until the reader is behind what a proof proved (None), an epoch of signed ranges
+        arrives from Redis, or the time is up (None)."""
+        core = self._core
+
+        def step(deadline: float | None) -> _Plan[Epoch | None]:
+            return self._retried(lambda: core.step(False), deadline)
+
+        return self._waiting_plan(timeout, step, core.behind)
+
+    def _waiting_plan(
+        self,
+        timeout: float | None,
+        step: Callable[[float | None], _Plan[Epoch | None]],
+        ready: Callable[[], bool],
+    ) -> _Plan[Epoch | None]:
+        """Wait for hints (or the poll interval) and take ``step``s, until one returns an
+        epoch or ``ready()``, or ``timeout`` seconds have passed (None)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if self._closed:
@@ -324,22 +364,20 @@ class _ReaderBase:
             # The server restarted or the network failed: a step moves nothing until it has
             # read everything, so trying again (on a new connection) delivers each fact once.
             # Within the caller's timeout; for ever when there is none.
-            epoch: Epoch | None = yield from self._step_plan(deadline, prove_only)
+            epoch: Epoch | None = yield from step(deadline)
             self._sync_writer_hints()
-            if epoch is not None or (prove_only and self._core.behind()):
+            if epoch is not None or ready():
                 return epoch
             if deadline is not None and time.monotonic() >= deadline:
                 return None
 
-    def _step_plan(self, deadline: float | None, prove_only: bool = False) -> _Plan[Epoch | None]:
+    def _step_plan(self, deadline: float | None) -> _Plan[Epoch | None]:
         """One step of the reader. With a read URL (`streams.core.standby_fence`): prove on the
         primary (no rows), then read the rows on the standby behind the fence, waiting for it
         with backoff (never past the caller's ``deadline``: None is returned, nothing moved),
         or from the primary when the route says so (a fallback, logged and counted)."""
         core = self._core
         route = core.route
-        if prove_only:  # the rows are read by `streams.arrow`
-            return (yield from self._retried(lambda: core.step(False), deadline))
         if route is None:
             return (yield from self._retried(core.step, deadline))
         epoch: Epoch | None = yield from self._retried(lambda: core.step(False), deadline)
@@ -485,6 +523,13 @@ class Reader(_ReaderBase):
         """
         return self._drive(self._poll_plan(timeout))
 
+    def prove(self, timeout: float | None = 0.0) -> Epoch | None:
+        """Wait up to ``timeout`` seconds (None: for ever) for something new and prove it, without
+        reading rows: None once the reader is behind what a proof proved (its rows are read
+        elsewhere: `batches`) or the time is up, or an epoch of signed ranges from Redis
+        (delivered: the positions moved)."""
+        return self._drive(self._prove_plan(timeout))
+
     def _drive(self, plan: _Plan[T]) -> T:
         result: Any = None
         error: StoreError | None = None
@@ -585,8 +630,6 @@ class Reader(_ReaderBase):
         payload instead of ``payload``; bad rows as ``mode`` says (PERMISSIVE, DROPMALFORMED,
         FAILFAST: `streams.core.typed_payloads`), the raw payload of a bad row in the
         ``corrupt_column`` field when the schema has one."""
-        from .arrow import reader_batches, typing_of
-
         typed = typing_of(schema, mode, corrupt_column)
         return reader_batches(self, idle_timeout=idle_timeout, max_rows=max_rows, typed=typed)
 
@@ -703,6 +746,10 @@ class AsyncReader(_ReaderBase):
         """The asyncio twin of `Reader.poll`."""
         return await self._drive(self._poll_plan(timeout))
 
+    async def prove(self, timeout: float | None = 0.0) -> Epoch | None:
+        """The asyncio twin of `Reader.prove`."""
+        return await self._drive(self._prove_plan(timeout))
+
     async def _drive(self, plan: _Plan[T]) -> T:
         result: Any = None
         error: StoreError | None = None
@@ -794,8 +841,6 @@ class AsyncReader(_ReaderBase):
     ) -> AsyncIterator[pa.RecordBatch]:
         """The asyncio twin of `Reader.batches` (``async for batch in reader.batches()``; the
         ADBC reads run in a worker thread)."""
-        from .arrow import areader_batches, typing_of
-
         typed = typing_of(schema, mode, corrupt_column)
         return areader_batches(self, idle_timeout=idle_timeout, max_rows=max_rows, typed=typed)
 

@@ -55,17 +55,23 @@ from streams import redact_url
 from streams.connector import (
     READER_SESSION_SETUP,
     PayloadSchema,
-    Query,
     RangeGen,
     StandbyRoute,
-    StreamRows,
     backoff_delay,
     failfast_message,
     read_range,
     statement_timeout_setup,
-    transient_sqlstate,
     typed_columns,
     with_client_tcp_settings,
+)
+from streams.core.fact_columns import (
+    FACT_COLUMNS,
+    INSTANCE,
+    PAYLOAD,
+    ROW_NO,
+    STREAM,
+    STREAM_ID,
+    TIMESTAMP,
 )
 from streams.errors import (
     ConnectionLost,
@@ -74,8 +80,9 @@ from streams.errors import (
     StandbyBehind,
     StoreError,
 )
+from streams.store.arrow_reads import run_on_adbc, transient
 
-from .options import DEFAULT_STATEMENT_TIMEOUT, RETRY_CAP
+from .options import DEFAULT_STATEMENT_TIMEOUT, EPOCH_UPPER, RETRY_CAP
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -93,16 +100,15 @@ DEFAULT_TIMEOUT_MS = round(DEFAULT_STATEMENT_TIMEOUT * 1000)
 
 #: The rows of the source. The Arrow schema the executors produce is derived from it
 #: (`arrow_schema`), so the two cannot disagree.
+_SPARK_TYPES = {
+    "string": StringType(),
+    "int64": LongType(),
+    "int32": IntegerType(),
+    "timestamp": TimestampType(),
+}
 SCHEMA = StructType(
-    [
-        StructField("stream", StringType()),
-        StructField("stream_id", LongType()),
-        StructField("row_no", IntegerType()),
-        StructField("instance", StringType()),
-        StructField("timestamp", TimestampType()),
-        StructField("payload", StringType()),
-        StructField("epoch_upper", LongType()),
-    ]
+    [StructField(c.exposed, _SPARK_TYPES[c.kind]) for c in FACT_COLUMNS]
+    + [StructField(EPOCH_UPPER, LongType())]
 )
 
 
@@ -114,7 +120,7 @@ def source_schema(typed: PayloadSchema | None = None) -> StructType:
         return SCHEMA
     from pyspark.sql.pandas.types import from_arrow_type
 
-    own = [f for f in SCHEMA.fields if f.name != "payload"]
+    own = [f for f in SCHEMA.fields if f.name != PAYLOAD.exposed]
     return StructType(own + [StructField(f.name, from_arrow_type(f.type)) for f in typed.schema])
 
 
@@ -197,10 +203,6 @@ class RangePartition(InputPartition):
 BATCH_BYTES = 2 << 20
 
 _frozen = False
-
-#: ADBC's PostgreSQL statement option for `BATCH_BYTES`
-#: (``adbc_driver_postgresql.StatementOptions.BATCH_SIZE_HINT_BYTES``).
-_BATCH_SIZE_OPTION = "adbc.postgresql.batch_size_hint_bytes"
 
 
 def freeze_imports() -> bool:
@@ -300,7 +302,7 @@ def _convert(
     import pyarrow.compute as pc
 
     n = batch.num_rows
-    ts = batch.column(3)
+    ts = batch.column(TIMESTAMP.stored)
     if ts.type != pa.int64():
         ts = ts.cast(pa.int64())
     if part.timestamp_in == "arrow":
@@ -315,41 +317,47 @@ def _convert(
     stamps = pc.multiply(ts, pa.scalar(1000, pa.int64())).cast(pa.timestamp("us", tz="UTC"))
     if stream_col is None or len(stream_col) != n:
         stream_col = pc.fill_null(pa.nulls(n, pa.string()), part.stream)
-    row_no = batch.column(1)
+    row_no = batch.column(ROW_NO.stored)
     if row_no.type != pa.int32():
         row_no = row_no.cast(pa.int32())
-    payload = batch.column(4)
+    payload = batch.column(PAYLOAD.stored)
     if payload.type != pa.string():
         payload = payload.cast(pa.string())
-    columns = [
-        stream_col,
-        batch.column(0).cast(pa.int64()),
-        row_no,
-        batch.column(2).cast(pa.string()),
-        stamps,
-        payload,
-        pc.fill_null(pa.nulls(n, pa.int64()), part.epoch_upper),
-    ]
+    columns = {
+        STREAM.exposed: stream_col,
+        STREAM_ID.exposed: batch.column(STREAM_ID.stored).cast(pa.int64()),
+        ROW_NO.exposed: row_no,
+        INSTANCE.exposed: batch.column(INSTANCE.stored).cast(pa.string()),
+        TIMESTAMP.exposed: stamps,
+        PAYLOAD.exposed: payload,
+        EPOCH_UPPER: pc.fill_null(pa.nulls(n, pa.int64()), part.epoch_upper),
+    }
     if part.payload_schema is not None:
         return _typed(columns, part, part.payload_schema), floor
-    return pa.RecordBatch.from_arrays(columns, schema=arrow_schema()), floor
+    schema = arrow_schema()
+    return pa.RecordBatch.from_arrays(
+        [columns[name] for name in schema.names], schema=schema
+    ), floor
 
 
-def _typed(columns: list[pa.Array], part: RangePartition, spec: PayloadSchema) -> pa.RecordBatch:
+def _typed(
+    columns: dict[str, pa.Array], part: RangePartition, spec: PayloadSchema
+) -> pa.RecordBatch:
     """The rows with the payload's typed columns instead of ``payload``, bad rows as the mode
     says (`streams.core.typed_payloads`): FAILFAST fails the task, naming the row."""
     import pyarrow as pa
 
-    typed = typed_columns(columns[5], spec)
+    typed = typed_columns(columns[PAYLOAD.exposed], spec)
     if typed.bad and spec.mode == "FAILFAST":
         row = min(typed.bad)
-        stream_id, row_no = columns[1][row].as_py(), columns[2][row].as_py()
+        stream_id = columns[STREAM_ID.exposed][row].as_py()
+        row_no = columns[ROW_NO.exposed][row].as_py()
         raise MalformedPayload(
             failfast_message(part.stream, stream_id, row_no, typed.bad[row]),
             part.stream, stream_id, row_no,
         )  # fmt: skip
     schema = arrow_schema(spec)
-    own = columns[:5] + columns[6:]
+    own = [columns[f.name] for f in SCHEMA.fields if f.name != PAYLOAD.exposed]
     fields = schema.types[len(own) :]
     arrays = own + [
         a.cast(t) if a.type != t else a for a, t in zip(typed.arrays, fields, strict=True)
@@ -443,20 +451,6 @@ def with_hint(lost: FactsPruned) -> FactsPruned:
     return lost
 
 
-def _transient(exc: BaseException) -> bool:
-    """Is this failure of a read worth another try: the connection or the server failed (an
-    ``OperationalError``, a socket error, no connection), or PostgreSQL said so by its
-    SQLSTATE (a cancelled statement, a timeout, a restart)? A statement error, such as a
-    missing table, is not: no retry mends it."""
-    import adbc_driver_manager
-
-    if isinstance(exc, ConnectionLost | OSError | adbc_driver_manager.OperationalError):
-        return True
-    if isinstance(exc, adbc_driver_manager.Error):
-        return transient_sqlstate(getattr(exc, "sqlstate", None))
-    return False
-
-
 @dataclass
 class _Progress:
     """How far a partition's read got, across its tries."""
@@ -472,50 +466,29 @@ class _Progress:
 def _drive(
     cur: Any, part: RangePartition, progress: _Progress, standby: bool = False
 ) -> Iterator[pa.RecordBatch]:
-    """Drive the store's plan (`_plan`) on an ADBC cursor: each `Query` run and its rows sent
-    back, the `StreamRows` statement streamed to Spark (`_stream_rows`), a `Commit` nothing
-    (the session is in autocommit: each statement committed by itself)."""
+    """Drive the store's plan (`_plan`) on an ADBC cursor, by the store's Arrow read path
+    (`streams.store.arrow_reads.run_on_adbc`): the `StreamRows` statement's record batches
+    handed to Spark as the source's (`_convert`), ``progress`` kept with every batch."""
+
+    def rows(cur: Any) -> Iterator[pa.RecordBatch]:
+        reader = cur.fetch_record_batch()
+        return _prefetched(reader) if part.prefetch else iter(reader)
+
     plan = _plan(part, progress.floor, progress.resume, standby)
-    answer: list[Any] | None = None
-    while True:
-        try:
-            op = next(plan) if answer is None else plan.send(answer)
-        except StopIteration:  # the plan ended: the partition is read
-            return
-        answer = []
-        if isinstance(op, StreamRows):
-            yield from _stream_rows(cur, op.statement, part, progress)
-        elif isinstance(op, Query):
-            cur.execute(op.statement)
-            answer = cur.fetchall()
-
-
-def _stream_rows(
-    cur: Any, statement: str, part: RangePartition, progress: _Progress
-) -> Iterator[pa.RecordBatch]:
-    """The rows statement's results as the source's record batches, ``progress`` kept with
-    every batch handed out."""
-    cur.adbc_statement.set_options(**{_BATCH_SIZE_OPTION: str(BATCH_BYTES)})
-    cur.execute(statement)
     stream_col = None
-    reader = cur.fetch_record_batch()
-    batches = _prefetched(reader) if part.prefetch else iter(reader)
-    try:
+    # Closed when left: stops and joins the prefetch thread before the cursor closes.
+    with contextlib.closing(run_on_adbc(cur, plan, rows, batch_bytes=BATCH_BYTES)) as batches:
         for batch in batches:
             out, floor = _convert(batch, part, progress.floor, stream_col)
             if batch.num_rows:
                 last = batch.num_rows - 1
                 progress.resume = (
-                    int(batch.column(0)[last].as_py()),
-                    int(batch.column(1)[last].as_py()),
+                    int(batch.column(STREAM_ID.stored)[last].as_py()),
+                    int(batch.column(ROW_NO.stored)[last].as_py()),
                 )
-            progress.floor, stream_col = floor, out.column(0)
+            progress.floor, stream_col = floor, out.column(STREAM.exposed)
             progress.failures = 0
             yield out
-    finally:
-        close = getattr(batches, "close", None)
-        if close is not None:
-            close()  # stops and joins the prefetch thread before the cursor closes
 
 
 def _wait_for_standby(route: StandbyRoute, exc: Exception, part: RangePartition) -> None:
@@ -574,15 +547,11 @@ def read_partition(part: RangePartition) -> Iterator[pa.RecordBatch]:
                 route.read_on_standby()
             return
         except Exception as exc:  # not FactsPruned, StreamWentBackwards: no outage
-            if (
-                standby
-                and route is not None
-                and (isinstance(exc, StandbyBehind) or _transient(exc))
-            ):
+            if standby and route is not None and (isinstance(exc, StandbyBehind) or transient(exc)):
                 stale_standby = not isinstance(exc, StandbyBehind)
                 _wait_for_standby(route, exc, part)
                 continue
-            if not _transient(exc):
+            if not transient(exc):
                 raise
             now = time.monotonic()
             if progress.failures == 0:

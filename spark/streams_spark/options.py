@@ -25,6 +25,7 @@ from streams.connector import (
     parse_schema_text,
     payload_schema,
 )
+from streams.core.fact_columns import OWN_NAMES
 from streams.errors import ConfigurationError, InvalidStreamName
 
 from .offsets import frontier_from_json
@@ -309,8 +310,10 @@ def parse_options(
     )
 
 
+#: The source's column after the fact's: the batch's end position on the row's stream.
+EPOCH_UPPER = "epoch_upper"
 #: The source's own columns besides ``payload``: a schema field may not take their names.
-ROW_COLUMNS = ("stream", "stream_id", "row_no", "instance", "timestamp", "epoch_upper")
+ROW_COLUMNS = (*OWN_NAMES, EPOCH_UPPER)
 
 
 def _payload_schema(given: Mapping[str, str]) -> PayloadSchema | None:

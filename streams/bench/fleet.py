@@ -46,17 +46,16 @@ from ..config import Settings, redact_url
 from ..store import sessions
 from .common import Scratch, percentiles_ms, scratch_streams
 from .plots import plot_fleet, plot_option
+from .targets import FLEET_TARGET_CPU_VS_RAW as TARGET_CPU_VS_RAW
+from .targets import FLEET_TARGET_P99_VS_RAW as TARGET_P99_VS_RAW
+from .targets import FLEET_TARGET_STATEMENTS_VS_K1 as TARGET_STATEMENTS_VS_K1
+from .targets import FLEET_TARGET_WRITERS_VS_K0 as TARGET_WRITERS_VS_K0
 
 __all__ = ["bench_fleet_command", "parse_points", "run_fleet_bench"]
 
 DEFAULT_POINTS = "1x0,1x1,8x0,8x8,32x0,32x1,32x32"
 #: Seconds the processes of a point get to elect a prover and subscribe before measuring.
 SETTLE_SECONDS = 2.0
-#: The targets of issue 19 (see the module doc).
-TARGET_CPU_VS_RAW = 2.0
-TARGET_P99_VS_RAW = 5.0
-TARGET_WRITERS_VS_K0 = 0.5
-TARGET_STATEMENTS_VS_K1 = 1.5
 
 
 def parse_points(text: str) -> list[tuple[int, int]]:

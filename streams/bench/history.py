@@ -60,6 +60,7 @@ import psycopg
 from ..cli_params import DATABASE_URL, common_options
 from ..client import Client
 from ..config import Settings, redact_url
+from ..core.fact_columns import STORED_NAMES
 from ..store import sessions
 from ..store.driver import run
 from ..store.reader_core import DEFAULT_PAGE_SIZE
@@ -181,7 +182,7 @@ def load_facts(
     for low in range(first, last + 1, LOAD_CHUNK):
         high = min(last, low + LOAD_CHUNK - 1)
         conn.execute(
-            "INSERT INTO streams_facts (stream, stream_id, row_no, instance, ts, payload) "
+            f"INSERT INTO streams_facts ({', '.join(STORED_NAMES)}) "
             "SELECT %s, i, 0, 'bench-history', %s + i, %s::jsonb "
             "FROM generate_series(%s::bigint, %s::bigint) AS i",
             (info.id, base_ms, payload, low, high),

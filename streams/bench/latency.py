@@ -36,7 +36,6 @@ import secrets
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
@@ -56,12 +55,18 @@ from .common import (
     Scratch,
     end_children,
     ignore_interrupts,
-    percentile,
     progress_report,
     raw_catchup,
     scratch_streams,
 )
 from .plots import plot_latency, plot_option
+from .targets import (
+    TARGET_CATCHUP_VS_RAW,
+    CatchupResult,
+    LatencyBenchResult,
+    LatencyRun,
+    LatencyStats,
+)
 
 if TYPE_CHECKING:
     from ..client import Client
@@ -76,12 +81,6 @@ __all__ = [
     "bench_latency_command",
     "run_latency_bench",
 ]
-
-#: Targets the report marks as met or not.
-TARGET_P50_MS = 2.0
-TARGET_P99_MS = 10.0
-TARGET_P99_VS_RAW = 5.0
-TARGET_CATCHUP_VS_RAW = 1.0
 
 #: Share of a latency run (from its start) whose facts are not measured, capped in seconds.
 WARMUP_FRACTION = 0.1
@@ -99,140 +98,6 @@ CATCHUP_ROUNDS = 3
 SERVER_SIDE_FILL = 1_000_000
 #: The sizes of the streams caught up: a fresh consumer's backfill, and a long history.
 DEFAULT_CATCHUP_FACTS = (200_000, 10_000_000)
-
-
-# ------------------------------------------------------------------------------ results
-
-
-@dataclass(frozen=True, slots=True)
-class LatencyStats:
-    """Latency figures of one measurement, in milliseconds."""
-
-    count: int
-    p50_ms: float
-    p99_ms: float
-    max_ms: float
-    #: Measured messages or facts that were never received (within the drain time).
-    lost: int = 0
-
-    @classmethod
-    def from_seconds(cls, samples: Sequence[float], lost: int = 0) -> LatencyStats:
-        ordered = sorted(s * 1000 for s in samples)
-        return cls(
-            count=len(ordered),
-            p50_ms=percentile(ordered, 0.50),
-            p99_ms=percentile(ordered, 0.99),
-            max_ms=ordered[-1] if ordered else float("nan"),
-            lost=lost,
-        )
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "count": self.count,
-            "p50_ms": self.p50_ms,
-            "p99_ms": self.p99_ms,
-            "max_ms": self.max_ms,
-            "lost": self.lost,
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class LatencyRun:
-    """Commit-to-delivery latency with N writers, and the raw Redis baseline beside it."""
-
-    writers: int
-    rate: float
-    streams: LatencyStats
-    raw_redis: LatencyStats
-    #: Reader work over the whole run (warm-up included): probes and pages of rows.
-    probes: int = 0
-    pages: int = 0
-    epochs: int = 0
-
-    @property
-    def p99_ratio(self) -> float:
-        """p99 streams / p99 raw Redis."""
-        raw = self.raw_redis.p99_ms
-        return self.streams.p99_ms / raw if raw > 0 else float("nan")
-
-    def targets(self) -> dict[str, bool]:
-        return {
-            f"p50 <= {TARGET_P50_MS:g} ms": self.streams.p50_ms <= TARGET_P50_MS,
-            f"p99 <= {TARGET_P99_MS:g} ms": self.streams.p99_ms <= TARGET_P99_MS,
-            f"p99 <= {TARGET_P99_VS_RAW:g}x raw Redis p99": self.p99_ratio <= TARGET_P99_VS_RAW,
-        }
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "writers": self.writers,
-            "rate": self.rate,
-            "streams": self.streams.as_dict(),
-            "raw_redis": self.raw_redis.as_dict(),
-            "p99_ratio": self.p99_ratio,
-            "reader": {"probes": self.probes, "pages": self.pages, "epochs": self.epochs},
-            "targets": self.targets(),
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class CatchupResult:
-    """Catch-up throughput in facts/s: medians over alternating rounds."""
-
-    facts: int
-    page_size: int
-    raw_per_s: float
-    streams_per_s: float
-    raw_rounds: tuple[float, ...] = ()
-    streams_rounds: tuple[float, ...] = ()
-
-    @property
-    def ratio(self) -> float:
-        """streams / raw."""
-        return self.streams_per_s / self.raw_per_s if self.raw_per_s else float("nan")
-
-    def targets(self) -> dict[str, bool]:
-        return {f"catch-up >= {TARGET_CATCHUP_VS_RAW:g}x raw": self.ratio >= TARGET_CATCHUP_VS_RAW}
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "facts": self.facts,
-            "page_size": self.page_size,
-            "raw_per_s": self.raw_per_s,
-            "streams_per_s": self.streams_per_s,
-            "ratio": self.ratio,
-            "raw_rounds": list(self.raw_rounds),
-            "streams_rounds": list(self.streams_rounds),
-            "targets": self.targets(),
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class LatencyBenchResult:
-    latency: tuple[LatencyRun, ...]
-    #: One per stream size, in the order measured.
-    catchups: tuple[CatchupResult, ...]
-    seconds: float = 0.0
-
-    @property
-    def catchup(self) -> CatchupResult:
-        """The first size's catch-up (the JSON's ``catchup``, as before several sizes)."""
-        return self.catchups[0]
-
-    @property
-    def all_met(self) -> bool:
-        checks = [ok for catchup in self.catchups for ok in catchup.targets().values()]
-        for run_ in self.latency:
-            checks.extend(run_.targets().values())
-        return all(checks)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "seconds": self.seconds,
-            "latency": [r.as_dict() for r in self.latency],
-            "catchup": self.catchup.as_dict(),
-            "catchups": [catchup.as_dict() for catchup in self.catchups],
-            "all_targets_met": self.all_met,
-        }
 
 
 # ------------------------------------------------------------------------------ children

@@ -38,8 +38,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
     from .history_arrow import ArrowMeasure
-    from .latency import LatencyBenchResult
-    from .write import WriteBenchResult
+    from .targets import LatencyBenchResult, WriteBenchResult
 
 __all__ = [
     "FORMATS",
@@ -180,7 +179,9 @@ def plot_fleet(result: dict[str, Any], path: Path) -> None:
     """`streams.bench.fleet.run_fleet_bench`'s result: per point N x K, total CPU per fact,
     delivery p99 and flat-out appends/s, each beside the raw fleet (or K = 0) of the run."""
     require_matplotlib()
-    from .fleet import TARGET_CPU_VS_RAW, TARGET_P99_VS_RAW, TARGET_WRITERS_VS_K0
+    from .targets import FLEET_TARGET_CPU_VS_RAW as TARGET_CPU_VS_RAW
+    from .targets import FLEET_TARGET_P99_VS_RAW as TARGET_P99_VS_RAW
+    from .targets import FLEET_TARGET_WRITERS_VS_K0 as TARGET_WRITERS_VS_K0
 
     points = result["points"]
     labels = [f"{p['writers']}x{p['readers']}" for p in points]
@@ -226,7 +227,7 @@ def plot_write(results: Sequence[WriteBenchResult], path: Path) -> None:
     """`streams.bench.write.run_write_bench`'s results: per mode, appends/s of each
     configuration beside raw, and their ratios to raw against the number of writers."""
     require_matplotlib()
-    from .write import KEYED_TARGETS, KINDS, TARGET_VS_RAW
+    from .targets import KEYED_TARGETS, KINDS, TARGET_VS_RAW
 
     modes = list(dict.fromkeys(r.mode for r in results))
     fig, axes = _figure(
@@ -288,7 +289,7 @@ def plot_latency(result: LatencyBenchResult, path: Path) -> None:
     beside raw Redis pub/sub, catch-up facts/s per stream size beside raw paging, and the
     catch-up ratio."""
     require_matplotlib()
-    from .latency import TARGET_CATCHUP_VS_RAW, TARGET_P50_MS, TARGET_P99_MS, TARGET_P99_VS_RAW
+    from .targets import TARGET_CATCHUP_VS_RAW, TARGET_P50_MS, TARGET_P99_MS, TARGET_P99_VS_RAW
 
     fig, (lat, rate, ratio) = _figure(3, "streams bench latency: delivery and catch-up")
     runs = result.latency

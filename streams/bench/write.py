@@ -37,7 +37,6 @@ import threading
 import time
 import tracemalloc
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
 from typing import Any
@@ -48,94 +47,22 @@ from psycopg import sql
 
 from ..cli_params import DATABASE_URL, FiniteFloat, common_options
 from ..config import Settings, redact_url
+from ..core.fact_columns import KEY, ROW_NO, STORED_NAMES, STREAM
 from ..core.positions import PositionTracker
 from .common import PAYLOAD, Scratch, ignore_interrupts, progress_report, scratch_streams
 from .plots import plot_option, plot_write
+from .targets import KEYED_TARGETS, KINDS, Measurement, WriteBenchResult
 
-__all__ = ["WriteBenchResult", "bench_write_command", "run_write_bench", "tracker_memory"]
-
-#: The configurations of one round, in the order they run: raw first, then `streams` (keyed
-#: appends with Redis off, beside ``redis-off``).
-KINDS = ("raw", "redis-off", "keyed", "redis-on")
-#: Targets of the ratio to raw, per mode (docs/performance.md); the plots draw them.
-TARGET_VS_RAW = {"single": 1.0, "batch": 0.9}
-
-#: The targets of keyed appends (each fact with an idempotency key of its own) over unkeyed
-#: ones of the same run, Redis off, by mode (issue 31).
-KEYED_TARGETS = {"single": 0.9, "batch": 0.75}
-
-
-@dataclass(frozen=True, slots=True)
-class Measurement:
-    """One configuration of one (mode, writers), medians over the rounds.
-
-    ``cpu_us``: client CPU per append over all threads; ``threads_us``: per thread name
-    (``main``, ``heartbeat``, ``redis-listen``, ``other``); ``vcsw``: voluntary context switches
-    per append.
-    """
-
-    per_s: float
-    cpu_us: float
-    threads_us: dict[str, float]
-    vcsw: float
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "per_s": round(self.per_s, 1),
-            "cpu_us": round(self.cpu_us, 1),
-            "threads_us": {k: round(v, 1) for k, v in sorted(self.threads_us.items())},
-            "vcsw": round(self.vcsw, 2),
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class WriteBenchResult:
-    mode: str
-    writers: int
-    raw_per_s: float
-    streams_per_s: float
-    #: Per configuration (`KINDS`): what was measured.
-    kinds: dict[str, Measurement] = field(default_factory=dict)
-
-    @property
-    def ratio(self) -> float:
-        return self.streams_per_s / self.raw_per_s if self.raw_per_s else float("nan")
-
-    def ratio_of(self, kind: str) -> float:
-        m = self.kinds.get(kind)
-        return m.per_s / self.raw_per_s if m is not None and self.raw_per_s else float("nan")
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "mode": self.mode,
-            "writers": self.writers,
-            "kinds": {k: m.as_dict() for k, m in self.kinds.items()},
-            "ratios": {k: round(self.ratio_of(k), 3) for k in self.kinds if k != "raw"},
-            "keyed_vs_unkeyed": round(self.keyed_ratio, 3),
-            "keyed": self.keyed_summary(),
-        }
-
-    @property
-    def keyed_target(self) -> float:
-        """The target of `keyed_ratio` for this mode."""
-        return KEYED_TARGETS[self.mode]
-
-    def keyed_summary(self) -> dict[str, Any]:
-        """Keyed appends beside their baseline (unkeyed, Redis off): rates, ratio, target."""
-        keyed, plain = self.kinds.get("keyed"), self.kinds.get("redis-off")
-        return {
-            "keyed_per_s": round(keyed.per_s, 1) if keyed else None,
-            "unkeyed_per_s": round(plain.per_s, 1) if plain else None,
-            "ratio": round(self.keyed_ratio, 3),
-            "target": self.keyed_target,
-            "met": self.keyed_ratio >= self.keyed_target,
-        }
-
-    @property
-    def keyed_ratio(self) -> float:
-        """Keyed appends per second over unkeyed ones (both with Redis off)."""
-        keyed, plain = self.kinds.get("keyed"), self.kinds.get("redis-off")
-        return keyed.per_s / plain.per_s if keyed and plain and plain.per_s else float("nan")
+#: (`KEYED_TARGETS`, `Measurement` and `WriteBenchResult` live in `streams.bench.targets`, with
+#: what the plots draw.)
+__all__ = [
+    "KEYED_TARGETS",
+    "Measurement",
+    "WriteBenchResult",
+    "bench_write_command",
+    "run_write_bench",
+    "tracker_memory",
+]
 
 
 def _setup_raw(url: str, table: str, sequence: str) -> None:
@@ -145,7 +72,7 @@ def _setup_raw(url: str, table: str, sequence: str) -> None:
         conn.execute(
             f"CREATE TABLE {table} (stream integer NOT NULL, stream_id bigint NOT NULL, "
             "row_no integer NOT NULL DEFAULT 0, instance text NOT NULL, ts bigint NOT NULL, "
-            "payload jsonb, PRIMARY KEY (stream, stream_id, row_no))"
+            f"payload jsonb, PRIMARY KEY ({STREAM.stored}, {', '.join(c.stored for c in KEY)}))"
         )
         conn.execute(f"CREATE INDEX ON {table} (stream, ts, stream_id)")
 
@@ -177,7 +104,7 @@ def _raw_worker(
     def single() -> int:
         (stream_id,) = conn.execute(f"SELECT nextval('{sequence}')").fetchone()  # type: ignore[misc]
         conn.execute(
-            f"INSERT INTO {table} (stream, stream_id, instance, ts, payload) "
+            f"INSERT INTO {table} ({', '.join(n for n in STORED_NAMES if n != ROW_NO.stored)}) "
             "VALUES (1, %s, %s, %s, %s::jsonb)",
             (stream_id, instance, int(time.time() * 1000), json.dumps(PAYLOAD)),
         )
@@ -191,9 +118,7 @@ def _raw_worker(
         now = int(time.time() * 1000)
         with (
             conn.cursor() as cur,
-            cur.copy(
-                f"COPY {table} (stream, stream_id, row_no, instance, ts, payload) FROM STDIN"
-            ) as copy,
+            cur.copy(f"COPY {table} ({', '.join(STORED_NAMES)}) FROM STDIN") as copy,
         ):
             for (stream_id,), payload in zip(ids, payloads, strict=True):
                 copy.write_row((1, stream_id, 0, instance, now, json.dumps(payload)))

@@ -30,20 +30,20 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, islice, repeat
 from types import MappingProxyType
-from typing import Any, Final, NamedTuple, TypeAlias
+from typing import Any, Final, NamedTuple
+
+from .fact_columns import INSTANCE, PAYLOAD, ROW_INDEX, STREAM_ID, TIMESTAMP, Row
 
 __all__ = ["Epoch", "Fact", "PagePlan", "Row", "next_position", "plan_page"]
 
 
-#: One row as `streams.store.rows.fetch_rows` returns it: ``(stream_id, row_no, instance, ts,
-#: payload)``. Plain tuples, not objects: catching up touches every row, and building an object
-#: per row cost a fifth of the read throughput.
-Row: TypeAlias = "tuple[int, int, str, int, Any]"
-
-_ID: Final = 0
-_INSTANCE: Final = 2
-_TS: Final = 3
-_PAYLOAD: Final = 4
+# A row's columns (`Row`: `streams.core.fact_columns.ROW_COLUMNS`, as the store reads them).
+# Plain tuples, not objects: catching up touches every row, and building an object per row
+# cost a fifth of the read throughput.
+_ID: Final = ROW_INDEX[STREAM_ID.stored]
+_INSTANCE: Final = ROW_INDEX[INSTANCE.stored]
+_TS: Final = ROW_INDEX[TIMESTAMP.stored]
+_PAYLOAD: Final = ROW_INDEX[PAYLOAD.stored]
 # A row's columns, for ``map`` (C getters: no Python frame per row).
 _id_of = operator.itemgetter(_ID)
 _instance_of = operator.itemgetter(_INSTANCE)

@@ -25,7 +25,7 @@ import contextlib
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..core.replication import backoff_delay
@@ -46,9 +46,12 @@ __all__ = [
     "ArrowSession",
     "ArrowSessions",
     "require_arrow",
+    "run_on_adbc",
+    "transient",
 ]
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 #: ADBC sessions of one reader (`ArrowSessions`): reads of consecutive ranges run on them at
 #: once. Two ran 1.4-1.55x one on the 2-core development machine (1,000,000 rows; three: no
@@ -85,7 +88,11 @@ def require_arrow(what: str) -> None:
         ) from None
 
 
-def _transient(exc: BaseException) -> bool:
+def transient(exc: BaseException) -> bool:
+    """Is this failure of a read worth another try on a fresh session: the connection or the
+    server failed (an ``OperationalError``, a socket error, no connection), or PostgreSQL said
+    so by its SQLSTATE (a cancelled statement, a timeout, a restart)? A statement error, such
+    as a missing table, is not: no retry mends it."""
     import adbc_driver_manager
 
     if isinstance(exc, ConnectionLost | OSError | adbc_driver_manager.OperationalError):
@@ -95,12 +102,73 @@ def _transient(exc: BaseException) -> bool:
     return False
 
 
+def run_on_adbc(
+    cur: Any,
+    plan: Any,
+    rows: Callable[[Any], Iterator[R]],
+    *,
+    batch_bytes: int,
+    statement_errors: bool = False,
+) -> Generator[R, None, Any]:
+    """Drive a plain-statement plan of the store (`Query` without parameters, `Commit`,
+    `StreamRows`: `streams.store.reads.read_range`, `read_proven_range`, `check_history`) on
+    the ADBC cursor ``cur``, the one Arrow read path of `ArrowSession` and the Spark executor:
+    each `Query` run and its rows sent back, a `Commit` nothing (autocommit), the `StreamRows`
+    statement run with ADBC's record batch size hint ``batch_bytes`` and what ``rows(cur)``
+    makes of its result yielded (closed when done or left). Returns the plan's result.
+
+    With ``statement_errors``, a statement's ADBC error that is not `transient` is thrown into
+    the plan as a `StoreError`; otherwise every error is raised as it is."""
+    answer: list[Any] | None = None
+    error: StoreError | None = None
+    while True:
+        try:
+            if error is not None:
+                op = plan.throw(error)
+            else:
+                op = next(plan) if answer is None else plan.send(answer)
+        except StopIteration as stop:
+            return stop.value
+        answer, error = [], None
+        try:
+            if isinstance(op, StreamRows):
+                cur.adbc_statement.set_options(**{_BATCH_SIZE_OPTION: str(batch_bytes)})
+                cur.execute(op.statement)
+                produced = rows(cur)
+                try:
+                    yield from produced
+                finally:
+                    close = getattr(produced, "close", None)
+                    if close is not None:
+                        close()  # e.g. stops and joins a prefetch thread
+            elif isinstance(op, Query):
+                assert op.params is None, "a plan for any driver has no parameters"
+                text = op.statement
+                cur.execute(text.decode() if isinstance(text, bytes) else text)
+                answer = list(cur.fetchall()) if cur.description else []
+            elif not isinstance(op, Commit):  # a Commit: autocommit, nothing to do
+                raise TypeError(f"not a plain-statement operation: {op!r}")
+        except Exception as exc:
+            if not statement_errors or transient(exc):
+                raise
+            import adbc_driver_manager
+
+            if not isinstance(exc, adbc_driver_manager.Error):
+                raise
+            error = _store_error(exc)
+
+
 def _store_error(exc: BaseException) -> StoreError:
     """An ADBC error as the library's error tree has it (first line, SQLSTATE kept)."""
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     error = StoreError(f"ADBC: {text}")
     error.sqlstate = getattr(exc, "sqlstate", None)
     return error
+
+
+def _whole_table(cur: Any) -> Iterator[pa.Table]:
+    """A rows statement's result as one Arrow table (`run_on_adbc`'s ``rows``)."""
+    yield cur.fetch_arrow_table()
 
 
 class ArrowSession:
@@ -146,42 +214,17 @@ class ArrowSession:
         return conn
 
     def _drive(self, cur: Any, plan: RangeGen[T] | Any) -> tuple[T, pa.Table | None]:
-        """Run a plain-statement plan (`Query` without parameters, `Commit`, `StreamRows`) on
-        ``cur``: its result, and the Arrow table of its `StreamRows` (None: it had none). A
-        statement's error is thrown into the plan as a `StoreError`; a transient one is
-        raised as it is (the caller tries again on a fresh session)."""
-        table: pa.Table | None = None
-        answer: list[Any] | None = None
-        error: StoreError | None = None
+        """Run a plain-statement plan on ``cur`` (`run_on_adbc`, its statements' errors thrown
+        into it; a transient one is raised as it is: the caller tries again on a fresh
+        session): its result, and the Arrow table of its `StreamRows` (None: it had none)."""
+        tables: list[pa.Table] = []
+        run = run_on_adbc(cur, plan, _whole_table, batch_bytes=BATCH_BYTES, statement_errors=True)
         while True:
             try:
-                if error is not None:
-                    op = plan.throw(error)
-                else:
-                    op = next(plan) if answer is None else plan.send(answer)
+                tables.append(next(run))
             except StopIteration as stop:
-                return stop.value, table
-            answer, error = [], None
-            try:
-                if isinstance(op, StreamRows):
-                    cur.adbc_statement.set_options(**{_BATCH_SIZE_OPTION: str(BATCH_BYTES)})
-                    cur.execute(op.statement)
-                    table = cur.fetch_arrow_table()
-                elif isinstance(op, Query):
-                    assert op.params is None, "a plan for any driver has no parameters"
-                    text = op.statement
-                    cur.execute(text.decode() if isinstance(text, bytes) else text)
-                    answer = list(cur.fetchall()) if cur.description else []
-                elif not isinstance(op, Commit):  # a Commit: autocommit, nothing to do
-                    raise TypeError(f"not a plain-statement operation: {op!r}")
-            except Exception as exc:
-                if _transient(exc):
-                    raise
-                import adbc_driver_manager
-
-                if not isinstance(exc, adbc_driver_manager.Error):
-                    raise
-                error = _store_error(exc)
+                result: T = stop.value
+                return result, tables[-1] if tables else None
 
     def read(
         self, stream: str, stream_key: int, after: int, through: int, limit: int | None
@@ -213,7 +256,7 @@ class ArrowSession:
                 assert table is not None
                 return table
             except Exception as exc:
-                if not _transient(exc):
+                if not transient(exc):
                     raise
                 self._close()
                 if time.monotonic() - since >= RETRY_SECONDS:

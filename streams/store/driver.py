@@ -93,6 +93,7 @@ from psycopg.pq import ConnStatus, ExecStatus, PipelineStatus, TransactionStatus
 from psycopg.pq.abc import PGresult
 
 from .._aio import uninterrupted
+from ..core.fact_columns import Row
 from ..errors import CommitUnknown, ConnectionLost, StoreError
 
 __all__ = [
@@ -118,7 +119,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-Row: TypeAlias = tuple[Any, ...]
 Params: TypeAlias = dict[str, Any] | Sequence[Any] | None
 SqlText: TypeAlias = sql.SQL | sql.Composed | str | bytes
 

@@ -19,17 +19,42 @@ from typing import Any
 
 from psycopg import sql
 
+from ..core.fact_columns import KEY, PAYLOAD, ROW_COLUMNS, TIMESTAMP
 from ..errors import FactsPruned
 from ..types import StreamInfo
 from ._common import COMPLETE_SETTING, int_array
 from .driver import Commit, Gen, Query, Row
 
 
+def _select_list(prefix: str = "", **exprs: str) -> str:
+    """The row columns (`ROW_COLUMNS`) as a select list: each column's read expression (or
+    ``exprs[stored name]``), named by its stored name, ``prefix`` before each."""
+    parts = []
+    for column in ROW_COLUMNS:
+        expr = prefix + exprs.get(column.stored, column.read)
+        parts.append(expr if expr == column.stored else f"{expr} AS {column.stored}")
+    return ", ".join(parts)
+
+
+#: The rows' select list (derived once: these are hot paths).
+_ROWS = _select_list()
+#: The rows of the inner select, read by name from the outer one (`_proof_rows_sql`).
+_JOINED_ROWS = ", ".join(f"f.{column.stored}" for column in ROW_COLUMNS)
+#: `range_rows_sql`'s, by the payload's form (as text, or as stored) with a slot for ``ts``.
+_TS_SLOT = "{ts}"
+_RANGE_ROWS = {
+    jsonb: _select_list(**{TIMESTAMP.stored: _TS_SLOT, PAYLOAD.stored: payload})
+    for jsonb, payload in ((False, PAYLOAD.read), (True, PAYLOAD.stored))
+}
+#: A fact row's order.
+_ORDER = ", ".join(column.stored for column in KEY)
+
+
 def fetch_rows_after_proof(
     info: StreamInfo, after: int, limit: int, incarnation: str | None = None
 ) -> Query:
-    """One statement: the shared proof of ``info`` and up to ``limit`` rows ``(stream_id,
-    row_no, instance, ts, payload)`` after ``after`` and ``<=`` it, in (stream ID, row) order.
+    """One statement: the shared proof of ``info`` and up to ``limit`` rows (`ROW_COLUMNS`)
+    after ``after`` and ``<=`` it, in (stream ID, row) order.
 
     Its rows are ``(complete, age_ms, possible, *row)`` (``row`` all NULL when there is none);
     no rows at all when nobody has proven the stream yet in the database ``incarnation`` (the
@@ -53,20 +78,20 @@ def _proof_rows_sql(stream_key: int, sequence_name: str) -> bytes:
         "SELECT p.complete, "
         "(extract(epoch FROM clock_timestamp() - p.proven_at) * 1000)::bigint, "
         "p.complete <= a.allocated, "
-        "f.stream_id, f.row_no, f.instance, f.ts, f.payload "
+        f"{_JOINED_ROWS} "
         "FROM streams_proofs p CROSS JOIN LATERAL ("
         f"SELECT COALESCE(pg_sequence_last_value({sequence}::regclass), 0) AS allocated) AS a "
         "LEFT JOIN LATERAL ("
-        "SELECT stream_id, row_no, instance, ts, payload::text AS payload FROM streams_facts "
+        f"SELECT {_ROWS} FROM streams_facts "
         f"WHERE stream = {key} AND stream_id > %s AND stream_id <= p.complete "
         "AND p.complete <= a.allocated "
-        "ORDER BY stream_id, row_no LIMIT %s) AS f ON true "
+        f"ORDER BY {_ORDER} LIMIT %s) AS f ON true "
         f"WHERE p.stream = {key} AND p.incarnation = %s"
     ).encode()
 
 
 def range_query(info: StreamInfo, after: int, through: int, limit: int) -> Query:
-    """Rows ``(stream_id, row_no, instance, ts, payload)`` of facts with
+    """Rows (`ROW_COLUMNS`) of facts with
     ``after < stream_id <= through``, in (stream ID, row) order; ``payload`` as JSON text (the
     reader decodes a page's payloads in one call, cheaper than psycopg's loader per value).
 
@@ -75,13 +100,14 @@ def range_query(info: StreamInfo, after: int, through: int, limit: int) -> Query
     retention check after it). Bounds are inlined as literals: measurably faster than
     parameters for range scans, and they are ints, so nothing can be injected.
     """
-    return Query(
-        sql.SQL(
-            "SELECT stream_id, row_no, instance, ts, payload::text FROM streams_facts "
-            "WHERE stream = {stream} AND stream_id > {after} AND stream_id <= {through} "
-            "ORDER BY stream_id, row_no LIMIT {limit}"
-        ).format(**_range_literals(info, after, through, limit))
-    )
+    return Query(sql.SQL(_RANGE_QUERY).format(**_range_literals(info, after, through, limit)))
+
+
+_RANGE_QUERY = (
+    f"SELECT {_ROWS} FROM streams_facts "
+    "WHERE stream = {stream} AND stream_id > {after} AND stream_id <= {through} "
+    f"ORDER BY {_ORDER} LIMIT {{limit}}"
+)
 
 
 def fetch_rows_after_probe(info: StreamInfo, after: int, limit: int) -> Query:
@@ -102,10 +128,10 @@ def fetch_rows_after_probe(info: StreamInfo, after: int, limit: int) -> Query:
 def _probe_rows_sql(stream_key: int) -> bytes:
     key = int(stream_key)
     return (
-        "SELECT stream_id, row_no, instance, ts, payload::text FROM streams_facts "
+        f"SELECT {_ROWS} FROM streams_facts "
         f"WHERE stream = {key} AND stream_id > %s "
         f"AND stream_id <= current_setting('{COMPLETE_SETTING}{key}')::bigint "
-        "ORDER BY stream_id, row_no LIMIT %s"
+        f"ORDER BY {_ORDER} LIMIT %s"
     ).encode()
 
 
@@ -296,7 +322,7 @@ def range_rows_sql(
     jsonb: bool = False,
 ) -> str:
     """The text of a query for every row of the facts in ``(after, through]`` of the stream
-    with registry id ``stream_key``, as ``stream_id, row_no, instance, ts, payload`` in (stream
+    with registry id ``stream_key``, as `ROW_COLUMNS` in (stream
     ID, row) order, the payload as JSON text.
 
     The rows statement of `streams.store.reads.read_range`, which any driver runs (ADBC, on
@@ -319,19 +345,18 @@ def range_rows_sql(
     key, low, high = int(stream_key), int(after), int(through)
     resume = ""
     if resume_after is not None:
-        resume = f"AND (stream_id, row_no) > ({int(resume_after[0])}, {int(resume_after[1])}) "
+        resume = f"AND ({_ORDER}) > ({int(resume_after[0])}, {int(resume_after[1])}) "
     if running_ts_floor is None:
-        ts = "ts"
+        ts = TIMESTAMP.read
     else:
         ts = (
-            f"GREATEST({int(running_ts_floor)}::bigint, max(ts) OVER "
-            "(ORDER BY stream_id, row_no ROWS UNBOUNDED PRECEDING))"
+            f"GREATEST({int(running_ts_floor)}::bigint, max({TIMESTAMP.stored}) OVER "
+            f"(ORDER BY {_ORDER} ROWS UNBOUNDED PRECEDING))"
         )
     return (
-        f"SELECT stream_id, row_no, instance, {ts} AS ts, "
-        f"{'payload' if jsonb else 'payload::text AS payload'} "
+        f"SELECT {_RANGE_ROWS[jsonb].replace(_TS_SLOT, ts)} "
         f"FROM streams_facts WHERE stream = {key} AND stream_id > {low} "
-        f"AND stream_id <= {high} {resume}ORDER BY stream_id, row_no"
+        f"AND stream_id <= {high} {resume}ORDER BY {_ORDER}"
         + ("" if limit is None else f" LIMIT {int(limit)}")
     )
 

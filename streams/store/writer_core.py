@@ -62,6 +62,7 @@ from psycopg import sql
 
 from ..config import validate_instance_name
 from ..core.constants import facts_partition, reservation_lock_class
+from ..core.fact_columns import STORED_NAMES
 from ..core.incarnation import Guard
 from ..core.payloads import encode_payload
 from ..core.positions import PositionTracker, ReservationToken
@@ -173,6 +174,8 @@ UNIQUE_VIOLATION = "23505"
 #: SQLSTATE of a failed text-to-number cast: how the one-statement append refuses an ID below
 #: its floor (the message carries `_REWOUND`).
 INVALID_TEXT = "22P02"
+#: The facts' columns, in the order a written row lists them (COPY, INSERT).
+_FACT_COLUMNS = sql.SQL(", ".join(STORED_NAMES))
 _REWOUND = "streams-sequence-rewound"
 #: The text cast by which a reservation fails at once when another session holds the stream's
 #: reservation lock at its floor exclusively (no library session ever does: they share it), so
@@ -394,9 +397,7 @@ class WriterCore:
         # only (`streams.store.roles`, "streams and groups of one's own").
         facts = sql.Identifier(facts_partition(info.id))
         self._copy_facts = (
-            sql.SQL("COPY {} (stream, stream_id, row_no, instance, ts, payload) FROM STDIN")
-            .format(facts)
-            .as_string(None)
+            sql.SQL("COPY {} ({}) FROM STDIN").format(facts, _FACT_COLUMNS).as_string(None)
         )
         # One fact in one autocommit statement: nothing can run between the reservation and the
         # commit, so the checks of `_check_floor` and `PositionTracker.reserved` (ID >= L, and
@@ -407,7 +408,7 @@ class WriterCore:
         self._reserve_one = (
             sql.SQL(
                 """{prefix}, r AS (SELECT nextval({seq}) AS id, g.floor FROM g)
-            INSERT INTO {facts} (stream, stream_id, row_no, instance, ts, payload)
+            INSERT INTO {facts} ({columns})
             SELECT %(stream)s,
                    CASE WHEN r.id >= r.floor AND r.id > %(known)s THEN r.id
                         ELSE ({rewound} || r.id || ' ' || r.floor)::bigint END,
@@ -416,7 +417,13 @@ class WriterCore:
             RETURNING stream_id, (SELECT g.floor FROM g)
             """
             )
-            .format(prefix=prefix, seq=seq, facts=facts, rewound=sql.Literal(_REWOUND + " "))
+            .format(
+                prefix=prefix,
+                seq=seq,
+                facts=facts,
+                columns=_FACT_COLUMNS,
+                rewound=sql.Literal(_REWOUND + " "),
+            )
             .as_bytes(None)
         )
         many = sql.SQL(
@@ -461,7 +468,7 @@ class WriterCore:
             sql.SQL(
                 """{reserve},
                 f AS (
-                    INSERT INTO {facts} (stream, stream_id, row_no, instance, ts, payload)
+                    INSERT INTO {facts} ({columns})
                     SELECT %(stream)s, {checked}, 0, %(instance)s, %(ts)s, %(payload)s::jsonb
                     FROM r RETURNING stream_id
                 ), {record} {result}"""
@@ -472,6 +479,7 @@ class WriterCore:
                 ),
                 checked=checked,
                 facts=facts,
+                columns=_FACT_COLUMNS,
                 record=sql.SQL(record_cte("ARRAY[f.stream_id]", "f")),
                 result=sql.SQL(SINGLE_RESULT.format(extra="")),
             )

@@ -3,8 +3,8 @@ import graph, module names, and the package list of the wheel. No servers: this 
 loop's too.
 
 The layers, from the bottom (a module imports only from its own layer or below; the two I/O
-packages never import each other; there are no import cycles but the known ones, and no two
-modules share a file name):
+packages never import each other; there are no import cycles, imports inside functions
+counted; and no two modules share a file name):
 
 0. `streams.errors`, `streams.config`, `streams.redis_urls`, `streams._aio`: foundations;
 1. `streams.core`: the pure model (sans-IO);
@@ -257,32 +257,31 @@ def _layer(module: str) -> int:
 TYPING_ONLY = ("TYPE_CHECKING", "typing.TYPE_CHECKING")
 
 
-def _module_level(body: list[ast.stmt]) -> Iterator[ast.stmt]:
-    """The statements that run when a module is imported: its body, and the bodies of its
-    module-level ``if``, ``try`` and ``with`` blocks, but not those of ``if TYPE_CHECKING:``
-    (typing only) nor of functions and classes."""
-    for node in body:
-        yield node
+def _run(nodes: list[ast.stmt]) -> Iterator[ast.AST]:
+    """Every node of the code that runs, at any depth (functions and classes included), but
+    not the bodies of ``if TYPE_CHECKING:`` (typing only: their ``else`` runs)."""
+    for node in nodes:
         if isinstance(node, ast.If) and ast.unparse(node.test) in TYPING_ONLY:
-            yield from _module_level(node.orelse)
-        elif isinstance(node, ast.If):
-            yield from _module_level([*node.body, *node.orelse])
-        elif isinstance(node, ast.Try):
-            handlers = [stmt for handler in node.handlers for stmt in handler.body]
-            yield from _module_level([*node.body, *handlers, *node.orelse, *node.finalbody])
-        elif isinstance(node, ast.With):
-            yield from _module_level(node.body)
+            yield node.test
+            yield from _run(node.orelse)
+            continue
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.stmt):
+                yield from _run([child])
+            else:
+                yield from ast.walk(child)
 
 
-def _graph(*, module_level: bool) -> dict[str, set[str]]:
-    """module -> the `streams` modules it imports (at any depth, or when it is imported:
-    `_module_level`)."""
+def _graph(*, typing: bool) -> dict[str, set[str]]:
+    """module -> the `streams` modules it imports, at any depth (functions included); with
+    ``typing``, also those under ``if TYPE_CHECKING:`` (else: `_run`)."""
     graph: dict[str, set[str]] = {}
     for path in sorted(PACKAGE_DIR.rglob("*.py")):
         name = _module_name(path)
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         tree = ast.parse(path.read_text(encoding="utf-8"))
-        nodes = list(_module_level(tree.body)) if module_level else list(ast.walk(tree))
+        nodes = list(ast.walk(tree)) if typing else list(_run(tree.body))
         found: set[str] = set()
         for node in nodes:
             if isinstance(node, ast.ImportFrom):
@@ -310,7 +309,7 @@ def _graph(*, module_level: bool) -> dict[str, set[str]]:
 
 def test_every_module_is_in_a_layer_below_what_imports_it() -> None:
     wrong = []
-    for module, imported in _graph(module_level=False).items():
+    for module, imported in _graph(typing=True).items():
         for target in imported:
             if target == "streams" and module != "streams":
                 continue  # `from streams import __version__`: a constant, not a layer
@@ -331,24 +330,6 @@ def test_the_library_never_imports_the_connector() -> None:
         if level == 0 and (name == "streams_spark" or name.startswith("streams_spark."))
     ]
     assert wrong == []
-
-
-#: The import cycles that exist today, each as the modules it runs through: allowed until they
-#: are gone (to remove: issue 39 item 2). Both close through imports inside functions (and
-#: `streams.arrow` imports `streams.reader` under ``TYPE_CHECKING``), which the module-level
-#: graph does not follow: they are listed so that one made module-level stays allowed.
-KNOWN_CYCLES = (
-    frozenset({"streams.arrow", "streams.reader"}),
-    frozenset(
-        {
-            "streams.bench.plots",
-            "streams.bench.fleet",
-            "streams.bench.history",
-            "streams.bench.latency",
-            "streams.bench.write",
-        }
-    ),
-)
 
 
 def _cycles(graph: dict[str, set[str]]) -> set[frozenset[str]]:
@@ -372,10 +353,9 @@ def _cycles(graph: dict[str, set[str]]) -> set[frozenset[str]]:
 
 
 def test_no_import_cycles() -> None:
-    """No cycle among the imports a module runs when it is imported (relative ones resolved;
-    those under ``if TYPE_CHECKING:`` left out), but the known ones."""
-    new = [sorted(c) for c in _cycles(_graph(module_level=True)) if c not in KNOWN_CYCLES]
-    assert new == []
+    """No cycle among the imports of the modules (relative ones resolved; those inside
+    functions counted, those under ``if TYPE_CHECKING:`` left out)."""
+    assert sorted(sorted(c) for c in _cycles(_graph(typing=False))) == []
 
 
 def test_cycle_check_catches_cycles() -> None:
@@ -386,11 +366,11 @@ def test_cycle_check_catches_cycles() -> None:
     )
     found = [
         alias.name
-        for node in _module_level(ast.parse(code).body)
+        for node in _run(ast.parse(code).body)
         if isinstance(node, ast.Import)
         for alias in node.names
     ]
-    assert found == ["b", "c"]
+    assert found == ["b", "c", "d"]
     graph = {"a": {"b"}, "b": {"c", "a"}, "c": set(), "d": {"d", "e"}}
     assert _cycles(graph) == {frozenset({"a", "b"}), frozenset({"d"})}
 
@@ -430,7 +410,16 @@ EXAMPLE_FILES = tuple(
 )
 #: The modules of `streams` that are public besides the package itself (its errors and
 #: settings are re-exported by it), and the face connectors build on.
-CONNECTOR_ALLOWED = ("streams.errors", "streams.config", "streams.connector")
+#: (`streams.core.fact_columns`: the one definition of a fact's columns, pure, which the
+#: connector's schema is derived from; `streams.store.arrow_reads`: the one Arrow read path,
+#: which the executors drive the store's plans by.)
+CONNECTOR_ALLOWED = (
+    "streams.errors",
+    "streams.config",
+    "streams.connector",
+    "streams.core.fact_columns",
+    "streams.store.arrow_reads",
+)
 #: What a connector's benchmarks may import besides: the benchmarks' toolkit and the parameter
 #: types every command of `streams` shares (they are commands of `streams bench`).
 BENCH_ALLOWED = ("streams.bench", "streams.cli_params")
