@@ -59,11 +59,16 @@ def test_a_writer_holds_one_session_and_beats_on_it(
 
 
 def test_a_busy_writer_still_beats_on_its_own_session(
-    client: Client, stream: str, streams_url: str
+    client: Client, stream: str, streams_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Appends from several threads back to back: heartbeats still get their turn on the
-    writer's session (the spare stays closed) and the lease holds."""
-    with streams.connect(streams_url, lease_seconds=1.0) as short:
+    writer's session (the spare stays closed) and the lease holds.
+
+    The property is that the lock lets the heartbeat in between appends, not how fast: on a
+    starved machine a thread may not run within the 0.25 s of `BORROW_WAIT` and the spare
+    rightly takes the beat. So the wait is long here, and the lease longer than it."""
+    monkeypatch.setattr(writer_module, "BORROW_WAIT", 3.0)
+    with streams.connect(streams_url, lease_seconds=8.0) as short:
         writer = short.writer(stream, instance="busy")
         stop = threading.Event()
         errors: list[BaseException] = []
@@ -79,9 +84,9 @@ def test_a_busy_writer_still_beats_on_its_own_session(
         for thread in threads:
             thread.start()
         try:
-            # Several leases of scheduled beats (lease/4) and flushes (every 0.1 s).
+            # Scheduled beats (lease/4) and flushes (every 0.1 s), several of each.
             first = beat_count(client, stream, "busy")
-            time.sleep(3.0)
+            time.sleep(5.0)
             assert beat_count(client, stream, "busy") > first
             assert writer._spare is None
             assert not writer.core.fenced
@@ -153,9 +158,14 @@ def test_the_spare_is_reopened_after_the_server_ends_it(
         assert not writer.core.fenced
 
 
-def test_async_writer_holds_one_session(stream: str, streams_url: str) -> None:
+def test_async_writer_holds_one_session(
+    stream: str, streams_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As above: the lock's turn, not its speed (asyncio's lock is first come, first served).
+    monkeypatch.setattr(writer_module, "BORROW_WAIT", 3.0)
+
     async def main() -> None:
-        async with await streams.aconnect(streams_url, lease_seconds=1.0) as client:
+        async with await streams.aconnect(streams_url, lease_seconds=8.0) as client:
             await client.positions(stream)
             before = sessions(streams_url)
             async with await client.writer(stream, instance="aone") as writer:
@@ -167,7 +177,7 @@ def test_async_writer_holds_one_session(stream: str, streams_url: str) -> None:
 
                 tasks = [asyncio.create_task(hammer()) for _ in range(8)]
                 first = (await client.positions(stream)).writers["aone"].position
-                await asyncio.sleep(2.0)
+                await asyncio.sleep(5.0)
                 stop.set()
                 await asyncio.gather(*tasks)
                 assert (await client.positions(stream)).writers["aone"].position > first
