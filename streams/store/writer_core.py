@@ -1,49 +1,10 @@
 """What a writer does, written once as generators (run by `streams.store.driver.run` / `arun`).
 
-Terms are those of `streams.core.positions` (reserve, pending, in flight, per-writer position) and
-`streams.store` (writer rows, generations, leases, fencing). A `WriterCore` is one writer
-instance on one stream: it owns the `PositionTracker` of its process and produces the SQL of
-each step; the sync `Writer` and the asyncio `AsyncWriter` only drive these generators.
-
-Life of an append
------------------
-1. Validate and encode the payloads and resolve timestamps (pure; raises before any I/O).
-2. ``begin_reservation`` in the tracker (the reservation is now *in flight*).
-3. One statement checks the writer's lease (``FOR KEY SHARE`` on its row, current generation,
-   not retired), takes the stream's shared *reservation lock* (which tells readers an ID at or
-   above its key may still complete; see `streams.core.constants`), reserves the IDs with
-   ``nextval`` and, for one fact, inserts the row. No row back means this writer was fenced.
-
-   * One fact: that statement runs in autocommit (`streams.store.driver.Autocommit`): it *is* the
-     transaction, one round trip, and commits by itself. The fencing and probe arguments of
-     `streams.store` hold unchanged, because both locks they rest on are transaction-scoped:
-     the ``FOR KEY SHARE`` row lock and the reservation lock are taken by the statement and
-     released only when its (implicit) transaction has committed or rolled back, exactly as
-     for an explicit ``BEGIN ... COMMIT`` (retirement's ``FOR UPDATE`` waits for it; readers
-     see the reservation lock in ``pg_locks`` until the fact is visible). What `_check_floor`
-     and `PositionTracker.reserved` check before a commit (every ID ``>= L``, and above the
-     max allocated this process knew) is checked *inside* the statement, which fails (and
-     writes nothing) otherwise: nothing can run between that statement and its commit.
-   * A batch: ``BEGIN`` and that statement in one pipeline (one round trip), then ``COPY`` of
-     its rows and ``COMMIT``.
-   * With idempotency keys (`streams.store.idempotency`, "the claim argument"): the same
-     statement first claims the keys, and its lease check is gated (by data dependency) on the
-     claim having ended and holding a key; it records the reserved IDs in the claim's row. One
-     fact: that one statement in autocommit (one round trip; a duplicate reads its original
-     with a second). A batch: as above, then ``COPY`` of the rows of the keys it holds.
-4. Whatever happens (commit, error, rollback, cancellation), the IDs complete in the tracker in
-   a ``finally``: a failure is a permanent gap, never a leaked pending ID. A connection lost
-   while the one-fact statement (or a ``COMMIT``) runs leaves its outcome unknown to us; the
-   reservation counts as ended here, and if the server still commits it, readers learn the
-   fact from PostgreSQL like any other (its reservation lock is held until then): only this
-   writer's announced or persisted position may briefly pass it, and readers trust neither.
-5. Positions are persisted by `heartbeat` (forward-only), one autocommit statement on the
-   writer's connection between two appends (or its spare while an append is slow: see
-   `streams.heartbeat`), outside any append's transaction, so appends never wait on
-   the writer's row and the position written is always one that is true. It runs on schedule
-   and, coalesced, after appends (`streams.heartbeat.FLUSH_INTERVAL`), so the persisted position
-   trails the real one: it is informational (``persisted_linear``) and seeds new writers;
-   readers never rely on it (PostgreSQL proves what is complete, `streams.store.probe.probe`).
+A `WriterCore` is one writer instance on one stream: it owns the `PositionTracker` of its
+process and produces the SQL of each step (registration, appends, keyed appends, joined facts,
+heartbeats, retiring); the sync `Writer` and the asyncio `AsyncWriter` only drive these
+generators. The life of an append (reservation, commit, completion) and why no ID is lost or
+handed out twice: docs/design/durability.md; fencing: docs/design/fencing.md.
 """
 
 from __future__ import annotations
@@ -309,7 +270,7 @@ class WriterCore:
         else:
             # A new writer is seeded at the linear position: never above any pending ID. Its
             # heartbeat_at is set with its lease, as every heartbeat does: ``lease_expires_at -
-            # heartbeat_at`` is its lease ("the holding argument" in streams.store.holders).
+            # heartbeat_at`` is its lease (docs/design/liveness.md, "holding").
             recovered = max_allocated if others_min is None else min(others_min, max_allocated)
             rows = yield Query(
                 """
@@ -344,17 +305,16 @@ class WriterCore:
         self._prepare_statements(info)
 
     def _prepare_statements(self, info: StreamInfo) -> None:
-        # w: the lease check (see streams.store); k: L = last value + 1, read once; g: the shared
-        # reservation lock on L, taken before nextval, so every ID this transaction reserves is
-        # >= L and readers see in pg_locks that it may still complete (streams.core.constants,
-        # "the probe argument" in streams.store). r scans g and returns L beside each ID: the
-        # lock is taken before nextval by data dependency, and `_check_floor` verifies ID >= L
-        # before anything commits, rather than trusting the order of evaluation.
-        # w also bounds the transaction by the lease ("the liveness argument" in
-        # streams.store.leases): the server aborts it if it sits idle or runs a statement for
-        # longer, and it holds the writer's own lock, by which the sessions of an expired writer
-        # are found and ended. A caller's connection (``fact()``) also gets, for this
-        # transaction, the TCP settings our own connections have for their whole session.
+        # w: the lease check (docs/design/fencing.md); k: L = last value + 1, read once; g: the
+        # shared reservation lock on L, taken before nextval, so every ID this transaction
+        # reserves is >= L and readers see in pg_locks that it may still complete
+        # (docs/design/probe.md). r scans g and returns L beside each ID: the lock is taken
+        # before nextval by data dependency, and `_check_floor` verifies ID >= L before anything
+        # commits, rather than trusting the order of evaluation. w also bounds the transaction
+        # by the lease (docs/design/liveness.md): the server aborts it if it sits idle or runs a
+        # statement for longer, and it holds the writer's own lock, by which the sessions of an
+        # expired writer are found and ended. A caller's connection (``fact()``) also gets, for
+        # this transaction, the TCP settings our own connections have for their whole session.
         def prefix_with(guards: sql.Composable, head: str = "", gate: str = "") -> sql.Composed:
             # head: CTEs before w; gate: a further condition of the lease check (keyed appends
             # reserve only where they hold the key's claim: streams.store.idempotency).
@@ -453,11 +413,11 @@ class WriterCore:
         seq: sql.Literal,
         facts: sql.Identifier,
     ) -> None:
-        """The statements of keyed appends ("the claim argument" in
-        `streams.store.idempotency`): each claims its keys, then (gated on holding one) checks
-        the lease, reserves and records the IDs in the claim's row, in one statement. The checks
-        of ``_reserve_one`` (ID >= L, above what this process knew) are made in the statement,
-        which fails otherwise; a batch's are made by the client before its COPY and COMMIT."""
+        """The statements of keyed appends (docs/design/claim.md): each claims its keys, then
+        (gated on holding one) checks the lease, reserves and records the IDs in the claim's
+        row, in one statement. The checks of ``_reserve_one`` (ID >= L, above what this process
+        knew) are made in the statement, which fails otherwise; a batch's are made by the
+        client before its COPY and COMMIT."""
         checked = sql.SQL(
             "CASE WHEN r.id >= r.floor AND r.id > %(known)s THEN r.id "
             "ELSE ({rewound} || r.id || ' ' || r.floor)::bigint END"
@@ -534,7 +494,7 @@ class WriterCore:
         """Server-side settings that find a client that is gone or cut off within about the
         lease: TCP keepalives (idle lease/2, then 4 probes lease/8 apart) and a limit on
         unacknowledged data. They do not find a frozen process (its kernel still answers):
-        ending an expired writer's sessions does ("the liveness argument")."""
+        ending an expired writer's sessions does (docs/design/liveness.md)."""
         lease = self.lease_seconds
         return {
             "tcp_keepalives_idle": str(max(1, int(lease / 2))),
@@ -723,7 +683,7 @@ class WriterCore:
 
         Each statement is bounded by the lease, as an append's is, and so must the transaction
         as a whole be, from its first reservation to its commit: readers end a session that
-        holds a reservation longer ("the holding argument" in `streams.store.holders`; the
+        holds a reservation longer (docs/design/liveness.md, "holding"; the
         writer's heartbeats renew its lease meanwhile, which only keeps it from being
         retired). Returns None when nothing was written (``first`` said no, or no facts).
         """
@@ -847,7 +807,7 @@ class WriterCore:
         self, payloads: Sequence[Any], timestamps: Sequence[int | None], keys: Sequence[str]
     ) -> Gen[Ack]:
         """An idempotent append: one statement claims the keys and, for the keys it holds,
-        reserves IDs and records them ("the claim argument" in `streams.store.idempotency`);
+        reserves IDs and records them (docs/design/claim.md);
         duplicates come back with the original facts."""
         found_keys = check_keys(keys, len(payloads))
         info, tracker, limit = self.info, self.tracker, self.max_payload_bytes
@@ -1005,7 +965,7 @@ class WriterCore:
         """Reserve one ID inside the caller's transaction (open, or begun by this statement).
 
         With ``key``: claim it first, then reserve and record the ID only if this transaction
-        holds the claim (two statements: "the claim argument" in `streams.store.idempotency`);
+        holds the claim (two statements: docs/design/claim.md);
         otherwise the handle is a duplicate carrying the original fact's ID and timestamp.
 
         ``fence``: the caller's session is new to this writer, and may be the first on a new
