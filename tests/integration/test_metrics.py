@@ -18,7 +18,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from servers import free_port
 
 import streams
-from streams import Client
 from streams.config import Settings
 from streams.metrics import ClientCollector, DatabaseCollector
 
@@ -56,12 +55,16 @@ def test_client_collector_reports_writers_readers_and_link(
             assert got[("streams_link_connected", (("prefix", redis_prefix),))] in (0.0, 1.0)
 
 
-def test_database_collector_shows_a_stalled_stream(
-    streams_url: str, client: Client, stream: str
-) -> None:
+def test_database_collector_shows_a_stalled_stream(streams_url: str, stream: str) -> None:
     registry = prometheus_client.CollectorRegistry()
     registry.register(DatabaseCollector(Settings.resolve(streams_url)))
-    with client.writer(stream, instance="w") as writer, psycopg.connect(streams_url) as conn:
+    # The held fact must outlive the scrape: the suite's usual 2 s lease ends its transaction
+    # (idle in transaction) when a scrape of the shared database is slow on a loaded machine.
+    with (
+        streams.connect(streams_url, lease_seconds=60.0) as client,
+        client.writer(stream, instance="w") as writer,
+        psycopg.connect(streams_url) as conn,
+    ):
         writer.append({"n": 1})
         with client.reader(stream, group="g") as reader:
             list(reader.facts())
