@@ -305,7 +305,7 @@ class AsyncClusterPublisher:
         if client is None:
             url = self._slots.topology.node_url(*node, db=0)
             client = self._nodes[node] = redis.asyncio.Redis.from_url(
-                url, client_name=self._name, **client_options()
+                url, client_name=self._name, **client_options(aio=True)
             )
         return client
 

@@ -26,6 +26,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
 import redis.asyncio
+from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -64,7 +65,7 @@ INLINE_RECONNECT_INTERVAL = 1.0
 Message: TypeAlias = tuple[bytes, bytes, Any]
 
 
-def client_options(socket_timeout: float | None = None) -> dict[str, Any]:
+def client_options(socket_timeout: float | None = None, *, aio: bool = False) -> dict[str, Any]:
     # No hidden retries inside redis-py: the link owns reconnection (it must re-run the
     # connect step, which redis-py's silent resubscribe would skip). The subscriber blocks in
     # reads on purpose (the keep-alive finds a dead server); the publisher must not hang on a
@@ -72,7 +73,8 @@ def client_options(socket_timeout: float | None = None) -> dict[str, Any]:
     return {
         "socket_connect_timeout": 5,
         "socket_timeout": socket_timeout,
-        "retry": Retry(NoBackoff(), 0),
+        # Each world's own Retry: redis.asyncio converts a synchronous one, with a warning.
+        "retry": (AsyncRetry if aio else Retry)(NoBackoff(), 0),
     }
 
 
@@ -119,7 +121,8 @@ def subscriber_pool(pool_class: Any, url: str, client_name: str) -> Any:
     if any(key == "protocol" for key, _ in options):
         query = urlencode([(key, value) for key, value in options if key != "protocol"])
         url = urlunsplit(parts._replace(query=query))
-    return pool_class.from_url(url, protocol=2, client_name=client_name, **client_options())
+    aio = pool_class is redis.asyncio.ConnectionPool
+    return pool_class.from_url(url, protocol=2, client_name=client_name, **client_options(aio=aio))
 
 
 class Inbox:

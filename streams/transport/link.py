@@ -879,7 +879,9 @@ class AsyncRedisLink(_LinkBase):
                     client, client_url = None, self._target
                     if client_url is not None:
                         client = redis.asyncio.Redis.from_url(
-                            client_url, client_name=self.client_name("pub"), **client_options()
+                            client_url,
+                            client_name=self.client_name("pub"),
+                            **client_options(aio=True),
                         )
                 target = cluster or client
                 if target is None:  # the master is not known yet: best effort, dropped

@@ -230,7 +230,7 @@ def _as_without_hiredis(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(
         connections,
         "client_options",
-        lambda *a: {**options(*a), "parser_class": redis._parsers._RESP2Parser},
+        lambda *a, **k: {**options(*a, **k), "parser_class": redis._parsers._RESP2Parser},
     )
 
 
