@@ -29,8 +29,9 @@ from psycopg.pq import TransactionStatus
 
 from .core.positions import ReservationToken
 from .errors import StoreError, UsageError
-from .plans import Call, FailJoined, Flag, Plan, Run, Settle
+from .plans import Call, Flag, Plan
 from .store.driver import arun, commit_unknown, run
+from .store.steps import FailJoined, Run, Settle
 from .store.writer_core import FactHandle, WriterCore
 from .types import Ack
 

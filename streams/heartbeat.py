@@ -39,8 +39,9 @@ from typing import Any, Generic, TypeVar
 
 import psycopg
 
-from .plans import Acquire, Call, Connect, Flag, Io, Lock, Plan, Run, Wait
-from .store.driver import Gen, gone
+from .plans import Acquire, Call, Flag, Lock, Plan, Wait
+from .store.driver import gone
+from .store.steps import Connect, Run
 from .store.writer_core import WriterCore
 from .transport.faces import AttachedWriter
 
@@ -93,11 +94,6 @@ def _log_beat(writer: object, failing: bool, exc: Exception | None) -> None:
         log.log(level, "heartbeat of %r failed: %s", writer, exc)
     elif failing:
         log.info("heartbeat of %r succeeded again", writer)
-
-
-def _on(conn: C | None, gen: Gen[T]) -> Io | Gen[T]:
-    """``gen`` as a step: on ``conn``, or (None) on the writer's own connection."""
-    return gen if conn is None else Run(conn, gen)
 
 
 class HeartbeatPlans(Generic[C]):
@@ -170,23 +166,23 @@ class HeartbeatPlans(Generic[C]):
             if woken:
                 yield Wait(self._stopped, FLUSH_INTERVAL)
 
-    def _beat_work(self, woken: bool, conn: C | None) -> Plan[None]:
+    def _beat_work(self, woken: bool, conn: C) -> Plan[None]:
         """One heartbeat of the loop: complete the joined facts whose transactions ended,
         then persist the position (woken by an append: nothing else) or beat."""
         core = self._core
         if core.joined_pending:
-            for stream_id, ts in (yield _on(conn, core.resolve_joined())):
+            for stream_id, ts in (yield Run(conn, core.resolve_joined())):
                 if self._attached is not None:
                     self._attached.completed((stream_id,), ts)
-        yield _on(conn, core.heartbeat() if woken else core.beat())
+        yield Run(conn, core.heartbeat() if woken else core.beat())
 
-    def _persist_work(self, conn: C | None) -> Plan[None]:
+    def _persist_work(self, conn: C) -> Plan[None]:
         """The heartbeat a caller asks for (``writer.heartbeat()``)."""
-        yield _on(conn, self._core.heartbeat())
+        yield Run(conn, self._core.heartbeat())
 
-    def _on_beat_connection(self, work: Callable[[C | None], Plan[T]]) -> Plan[T]:
+    def _on_beat_connection(self, work: Callable[[C], Plan[T]]) -> Plan[T]:
         """``work`` on the connection for one heartbeat, one heartbeat at a time: the writer's
-        own, borrowed between two appends (``work(None)``), or the spare while an append holds
+        own, borrowed between two appends, or the spare while an append holds
         it for longer than `BORROW_WAIT`. Either is reopened if the server or an interruption
         closed it."""
         yield Acquire(self._beat_lock, None)
@@ -195,7 +191,7 @@ class HeartbeatPlans(Generic[C]):
                 try:
                     if gone(self._conn):
                         yield from self._reopen_plan()
-                    result = yield from work(None)
+                    result = yield from work(self._conn)
                 finally:
                     self._lock.release()
                 if self._spare is not None and self._clock() - self._spare_used > SPARE_IDLE:

@@ -1,47 +1,50 @@
-"""Logic written once for threads and asyncio: *plans*, and the operations they yield.
+"""The kernel: logic written once for threads and asyncio as *plans*, and its two drivers.
 
-A plan is a generator, like the store's (`streams.store.driver`) one level up: it decides what
-to do and yields each step that needs I/O or waiting, and a driver performs the step and sends
-back its result (or throws its exception in, where the plan's ``try`` sees it). The writers
-(`streams.writer`, with `streams.heartbeat` and `streams.fact_blocks`) are written so: one
-plan, and two small drivers, a synchronous one and an asyncio one.
+A plan is a generator: it decides what to do and yields each step that needs I/O or waiting
+(an `Io`); a driver performs the step and sends back its result, or throws its exception into
+the plan, where the plan's ``try`` sees it. Every component that does I/O in both worlds (the
+client, writers, readers, Arrow batches, the Redis link, the Spark executor) is written as
+plans over this one vocabulary, and run by exactly two drivers: `drive` (the calling thread)
+and `adrive` (the running event loop). psycopg is built the same way (``generators.py`` and
+``waiting.py``); the store's statement generators (`streams.store.driver`) are the level below,
+run on a session by one step, `streams.store.steps.Run`.
 
-A plan yields one of two things:
+The error policy, written once here: every exception a step raises is thrown into the plan, a
+cancellation or a ``KeyboardInterrupt`` included, so the plan's ``finally`` (closing what it
+opened, settling a connection) runs before the error goes on. The plan decides what to catch:
+try again, fall back, or let it propagate out of the driver.
 
-* a store generator (`streams.store.driver.Gen`): run on the writer's own connection (an
-  append's work; nothing is allocated for it on the way);
-* an `Io`: a step with its twin in each world. The synchronous driver calls ``op.call()``,
-  the asyncio driver awaits ``op.acall()``. The subclasses below name the common ones, so that
-  a test driving a plan by hand can tell them apart (``tests/unit/test_writer_plans.py``).
-
-What is synchronous in both worlds stays in the plan: setting and clearing an event, releasing
-a lock (``release`` never waits, in threading or asyncio), reading a connection's state.
+A step is an `Io`: a pair of twins, one per world. The synchronous driver calls
+``op.call()``, the asyncio driver awaits ``op.acall()``. The subclasses name the common ones,
+so that a test driving a plan by hand can tell them apart (``tests/unit/test_writer_plans.py``,
+``tests/unit/test_plans.py``). What is synchronous in both worlds stays in the plan: setting an
+event, releasing a lock, reading a connection's state. A method each world's class implements
+with the same name (sync in one, ``async def`` in the other) is one step: `Call`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Awaitable, Callable, Generator
 from typing import Any, Protocol, TypeAlias, TypeVar
 
 from . import _aio
-from .store import sessions
-from .store.driver import Gen, afail_joined, arun, asettle, fail_joined, run, settle
 
 __all__ = [
     "Acquire",
+    "Blocking",
     "Call",
-    "Connect",
-    "FailJoined",
     "Flag",
     "Io",
     "Lock",
+    "Locked",
     "Plan",
-    "Run",
-    "Settle",
+    "Sleep",
     "Wait",
-    "resume",
+    "adrive",
+    "drive",
 ]
 
 T = TypeVar("T")
@@ -86,25 +89,75 @@ class Io:
         return f"{type(self).__name__}{self.args!r}"
 
 
-Op: TypeAlias = "Io | Gen[Any]"
-#: A plan returning ``T``: it yields `Op` and is sent each one's result.
-Plan: TypeAlias = Generator[Op, Any, T]
+#: A plan returning ``T``: it yields `Io` steps and is sent each one's result.
+Plan: TypeAlias = Generator[Io, Any, T]
 
 
-def resume(plan: Plan[Any], value: Any, error: BaseException | None) -> Any:
-    """The plan's next step after it is sent ``value`` (or ``error`` is thrown into it); the
-    `StopIteration` that carries its result once it returns (the drivers check for it)."""
-    try:
-        return plan.throw(error) if error is not None else plan.send(value)
-    except StopIteration as stop:
-        return stop
+# --------------------------------------------------------------------------------------------
+# The two drivers
+
+
+def drive(plan: Plan[T]) -> T:
+    """Run ``plan`` to its end in this thread; return what it returns, or raise what it
+    raises. Each step's exception is thrown into the plan (see the module docstring)."""
+    value: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            op = plan.send(value) if error is None else plan.throw(error)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        try:
+            value, error = op.call(), None
+        except BaseException as exc:  # the plan's to handle (its finally, at the least)
+            value, error = None, exc
+
+
+async def adrive(plan: Plan[T]) -> T:
+    """The asyncio twin of `drive`: each step awaited on the running loop. A cancellation is
+    thrown into the plan like any other exception: the plan cleans up, then it goes on."""
+    value: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            op = plan.send(value) if error is None else plan.throw(error)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        try:
+            value, error = await op.acall(), None
+        except BaseException as exc:
+            value, error = None, exc
+
+
+# --------------------------------------------------------------------------------------------
+# The common steps
 
 
 class Call(Io):
-    """A method of a connection of either world (``conn.commit``, ``conn.close``, ...)."""
+    """A method that is synchronous in one world and a coroutine in the other under one name
+    (``conn.commit``, ``conn.close``, a shell's ``_connection``): called, or awaited."""
 
     def __init__(self, method: Callable[..., Any], *args: Any) -> None:
         super().__init__(method, method, *args)
+
+
+async def _athread(function: Callable[..., T], *args: Any) -> T:
+    return await asyncio.to_thread(function, *args)
+
+
+class Blocking(Io):
+    """A blocking function of no world (asking the Sentinels, a user's callback): called in
+    this thread, or in a worker thread under asyncio, so the loop goes on meanwhile."""
+
+    def __init__(self, function: Callable[..., Any], *args: Any) -> None:
+        super().__init__(function, _athread, function, *args)
+
+
+class Sleep(Io):
+    """Sleep ``seconds``."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(time.sleep, asyncio.sleep, max(0.0, seconds))
 
 
 def _wait(flag: threading.Event, seconds: float) -> bool:
@@ -112,10 +165,11 @@ def _wait(flag: threading.Event, seconds: float) -> bool:
 
 
 class Wait(Io):
-    """Wait up to ``seconds`` for ``flag`` (an event); the result: whether it is set."""
+    """Wait up to ``seconds`` for ``flag`` (an event); the result: whether it is set. Also
+    a sleep that a closing object cuts short (``Wait(stopped, seconds)``)."""
 
     def __init__(self, flag: Flag, seconds: float) -> None:
-        super().__init__(_wait, _aio.wait_event, flag, seconds)
+        super().__init__(_wait, _aio.wait_event, flag, max(0.0, seconds))
 
 
 def _acquire(lock: threading.Lock, timeout: float | None) -> bool:
@@ -142,45 +196,19 @@ class Acquire(Io):
         super().__init__(_acquire, _aacquire, lock, timeout)
 
 
-class Run(Io):
-    """Run a store generator on a connection other than the writer's own (the spare, the
-    caller's); ``joined``: in a transaction of the caller's (`streams.store.driver.run`)."""
-
-    def __init__(self, conn: Any, gen: Gen[Any], *, joined: bool = False) -> None:
-        super().__init__(run, arun, conn, gen, joined=joined)
+def _locked(lock: threading.Lock, plan: Plan[T]) -> T:
+    with lock:
+        return drive(plan)
 
 
-class Connect(Io):
-    """A new connection, not in autocommit, checked by ``opening``
-    (`streams.store.sessions.connect`)."""
-
-    def __init__(
-        self,
-        url: str,
-        connect_timeout: float | None,
-        purpose: str,
-        opening: sessions.Opening | None = None,
-    ) -> None:
-        super().__init__(
-            sessions.connect,
-            sessions.aconnect,
-            url,
-            autocommit=False,
-            connect_timeout=connect_timeout,
-            purpose=purpose,
-            opening=opening,
-        )
+async def _alocked(lock: asyncio.Lock, plan: Plan[T]) -> T:
+    async with lock:
+        return await adrive(plan)
 
 
-class Settle(Io):
-    """Leave a connection clean or closed (`streams.store.driver.settle`)."""
+class Locked(Io):
+    """Run ``plan`` (by the same world's driver) while holding ``lock``: the part of a call
+    that uses a connection shared by the object's callers (a client's)."""
 
-    def __init__(self, conn: Any, autocommit: bool) -> None:
-        super().__init__(settle, asettle, conn, autocommit)
-
-
-class FailJoined(Io):
-    """Leave a caller's transaction able only to roll back (`streams.store.driver.fail_joined`)."""
-
-    def __init__(self, conn: Any) -> None:
-        super().__init__(fail_joined, afail_joined, conn)
+    def __init__(self, lock: Lock, plan: Plan[Any]) -> None:
+        super().__init__(_locked, _alocked, lock, plan)

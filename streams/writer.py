@@ -37,8 +37,9 @@ from .errors import CommitUnknown, ConnectionLost, StoreError, UsageError, Write
 from .fact_blocks import AsyncOpenFact, FactPlans, OpenFact
 from .heartbeat import C, HeartbeatPlans
 from .orm import async_target, sync_target
-from .plans import Call, Flag, Io, Lock, Plan
-from .store.driver import Gen, arun, gone, run
+from .plans import Call, Flag, Lock, Plan, adrive, drive
+from .store.driver import Gen, gone
+from .store.steps import Run
 from .store.writer_core import WriterCore
 from .transport.faces import Link
 from .types import Ack, FactChunk, StreamInfo
@@ -177,7 +178,7 @@ class _WriterShell(HeartbeatPlans[C], FactPlans):
                 # append broke it: carry on with a new connection (`_reopen_plan`).
                 yield from self._reopen_plan()
             try:
-                ack: Ack = yield self._core.append(payloads, stamps, keys)
+                ack: Ack = yield Run(self._conn, self._core.append(payloads, stamps, keys))
                 return ack
             except CommitUnknown:
                 raise  # it may have committed: never written twice by us
@@ -211,7 +212,7 @@ class _WriterShell(HeartbeatPlans[C], FactPlans):
         """``work()`` on the writer's connection, reopened first if the server ended it."""
         if gone(self._conn):
             yield from self._reopen_plan()
-        result: T = yield work()
+        result: T = yield Run(self._conn, work())
         return result
 
     def _stop(self) -> None:
@@ -256,29 +257,14 @@ class Writer(_WriterShell[psycopg.Connection[Any]]):
         connect_timeout: float | None = None,
     ) -> None:
         super().__init__(database_url, core, threading.Lock(), threading.Lock(), threading.Event)
-        self._drive(self._open_plan(link, connect_timeout))
+        drive(self._open_plan(link, connect_timeout))
         self._thread = threading.Thread(
-            target=self._drive,
+            target=drive,
             args=(self._beat_loop_plan(),),
             name=f"streams-heartbeat-{core.instance}",
             daemon=True,
         )
         self._thread.start()
-
-    def _drive(self, plan: Plan[T]) -> T:
-        """Perform what ``plan`` yields until it returns: a store generator on the writer's
-        connection, an `Io` step in this thread; an exception is thrown into the plan."""
-        step: Callable[[Any], Any] = plan.send
-        value: Any = None
-        while True:
-            try:
-                op = step(value)
-            except StopIteration as stop:
-                return stop.value  # type: ignore[no-any-return]
-            try:
-                step, value = plan.send, op.call() if isinstance(op, Io) else run(self._conn, op)
-            except BaseException as exc:  # the plan's to handle (its finally, at the least)
-                step, value = plan.throw, exc
 
     # ------------------------------------------------------------------ writing
 
@@ -291,7 +277,7 @@ class Writer(_WriterShell[psycopg.Connection[Any]]):
         an append that raised `CommitUnknown` with the same key: it writes the fact at most once.
         """
         plan = self._append_plan([payload], [timestamp], None if key is None else [key])
-        return self._drive(plan)
+        return drive(plan)
 
     def append_batch(
         self,
@@ -306,7 +292,7 @@ class Writer(_WriterShell[psycopg.Connection[Any]]):
         already are not written again: their positions are in ``ack.duplicates`` and their
         IDs in ``ack.ids`` are the original facts' (see `Ack`); the others are written.
         """
-        return self._drive(self._batch_plan(payloads, timestamps, keys))
+        return drive(self._batch_plan(payloads, timestamps, keys))
 
     def append_facts(
         self, chunks: Iterable[FactChunk], *, first: Gen[bool] | None = None
@@ -316,7 +302,7 @@ class Writer(_WriterShell[psycopg.Connection[Any]]):
         `WriterCore.append_facts`, which the Spark sink uses). ``chunks`` may be lazy, so
         nothing is retried here: a broken connection raises (`ConnectionLost`: nothing was
         written; `CommitUnknown`: it may have committed)."""
-        return self._drive(self._append_facts_plan(chunks, first))
+        return drive(self._append_facts_plan(chunks, first))
 
     @contextlib.contextmanager
     def fact(
@@ -345,19 +331,19 @@ class Writer(_WriterShell[psycopg.Connection[Any]]):
         the server aborts it if it is idle (no statement running) for longer than the lease.
         """
         target = sync_target(conn)
-        fact = self._drive(self._enter_fact(target.conn, target.joined, OpenFact, timestamp, key))
+        fact = drive(self._enter_fact(target.conn, target.joined, OpenFact, timestamp, key))
         raised = True
         try:
             yield fact
             raised = False
         finally:  # the block's exception, if any, propagates once the fact has ended
-            self._drive(self._exit_fact(fact, raised))
+            drive(self._exit_fact(fact, raised))
 
     # ------------------------------------------------------------------ heartbeat, closing
 
     def heartbeat(self) -> None:
         """Run one heartbeat now (the background thread also runs them)."""
-        self._drive(self._on_beat_connection(self._persist_work))
+        drive(self._on_beat_connection(self._persist_work))
 
     def close(self) -> None:
         """Persist the position and retire this writer (it no longer holds anything back)."""
@@ -365,7 +351,7 @@ class Writer(_WriterShell[psycopg.Connection[Any]]):
             return
         self._stop()
         self._thread.join()
-        self._drive(self._close_plan())
+        drive(self._close_plan())
 
     def __enter__(self) -> Writer:
         return self
@@ -397,33 +383,18 @@ class AsyncWriter(_WriterShell[psycopg.AsyncConnection[Any]]):
         connect_timeout: float | None = None,
     ) -> AsyncWriter:
         self = cls(database_url, core)
-        await self._drive(self._open_plan(link, connect_timeout))
+        await adrive(self._open_plan(link, connect_timeout))
         self._task = asyncio.create_task(
-            self._drive(self._beat_loop_plan()), name=f"streams-heartbeat-{core.instance}"
+            adrive(self._beat_loop_plan()), name=f"streams-heartbeat-{core.instance}"
         )
         return self
-
-    async def _drive(self, plan: Plan[T]) -> T:
-        """The asyncio twin of `Writer._drive` (an `Io` step is awaited on the loop)."""
-        step: Callable[[Any], Any] = plan.send
-        value: Any = None
-        while True:
-            try:
-                op = step(value)
-            except StopIteration as stop:
-                return stop.value  # type: ignore[no-any-return]
-            try:
-                value = await (op.acall() if isinstance(op, Io) else arun(self._conn, op))
-                step = plan.send
-            except BaseException as exc:  # a cancellation too: the plan settles first
-                step, value = plan.throw, exc
 
     async def append(
         self, payload: Any, *, timestamp: int | None = None, key: str | None = None
     ) -> Ack:
         """The asyncio twin of `Writer.append`."""
         plan = self._append_plan([payload], [timestamp], None if key is None else [key])
-        return await self._drive(plan)
+        return await adrive(plan)
 
     async def append_batch(
         self,
@@ -433,13 +404,13 @@ class AsyncWriter(_WriterShell[psycopg.AsyncConnection[Any]]):
         keys: Sequence[str] | None = None,
     ) -> Ack:
         """The asyncio twin of `Writer.append_batch`."""
-        return await self._drive(self._batch_plan(payloads, timestamps, keys))
+        return await adrive(self._batch_plan(payloads, timestamps, keys))
 
     async def append_facts(
         self, chunks: Iterable[FactChunk], *, first: Gen[bool] | None = None
     ) -> Ack | None:
         """The asyncio twin of `Writer.append_facts`."""
-        return await self._drive(self._append_facts_plan(chunks, first))
+        return await adrive(self._append_facts_plan(chunks, first))
 
     @contextlib.asynccontextmanager
     async def fact(
@@ -457,17 +428,17 @@ class AsyncWriter(_WriterShell[psycopg.AsyncConnection[Any]]):
         """
         target = await async_target(conn)
         enter = self._enter_fact(target.conn, target.joined, AsyncOpenFact, timestamp, key)
-        fact = await self._drive(enter)
+        fact = await adrive(enter)
         raised = True
         try:
             yield fact
             raised = False
         finally:
-            await self._drive(self._exit_fact(fact, raised))
+            await adrive(self._exit_fact(fact, raised))
 
     async def heartbeat(self) -> None:
         """The asyncio twin of `Writer.heartbeat`."""
-        await self._drive(self._on_beat_connection(self._persist_work))
+        await adrive(self._on_beat_connection(self._persist_work))
 
     async def aclose(self) -> None:
         """Persist the position and retire this writer (see `Writer.close`).
@@ -483,7 +454,7 @@ class AsyncWriter(_WriterShell[psycopg.AsyncConnection[Any]]):
         self._stop()
         if self._task is not None:
             await self._task
-        await self._drive(self._close_plan())
+        await adrive(self._close_plan())
 
     async def __aenter__(self) -> AsyncWriter:
         return self

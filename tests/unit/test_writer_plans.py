@@ -26,7 +26,8 @@ from streams.heartbeat import (
     SPARE_IDLE,
     HeartbeatPlans,
 )
-from streams.plans import Acquire, Call, Connect, FailJoined, Io, Plan, Run, Settle, Wait
+from streams.plans import Acquire, Call, Plan, Wait
+from streams.store.steps import Connect, FailJoined, Run, Settle
 from streams.store.writer_core import FactHandle
 from streams.types import Ack
 from streams.writer import _WriterShell
@@ -173,7 +174,7 @@ def describe(op: Any, writer: Any) -> tuple[Any, ...]:
         return ("acquire", lock.name, timeout)
     if isinstance(op, Run):
         conn, gen = op.args
-        return ("run", conn.name, gen.__name__)
+        return ("run", "own" if conn is getattr(writer, "_conn", None) else conn.name, gen.__name__)
     if isinstance(op, Connect):
         return ("connect",)
     if isinstance(op, Settle | FailJoined):
@@ -181,8 +182,7 @@ def describe(op: Any, writer: Any) -> tuple[Any, ...]:
     if isinstance(op, Call):
         method: Any = op.sync
         return ("call", method.__self__.name, method.__name__)
-    assert not isinstance(op, Io), op
-    return ("run", "own", op.__name__)  # a store generator: on the writer's own connection
+    raise AssertionError(f"not a step of the kernel: {op!r}")
 
 
 class Driver:
