@@ -5,28 +5,17 @@ reading positions and groups) and, when a Redis URL is configured, the process's
 started on first use and shared by all its writers and readers (`streams.transport.link`). Every
 writer and reader opens its own PostgreSQL connections.
 
-Plans and drivers
------------------
-Every call of a client that uses its connection is written **once**, as a *plan*: a generator
-that yields *steps* and receives their results, as the store's generators yield operations
-(`streams.store.driver`) and the reader's plans yield waits (`streams.reader`). `Client` and
-`AsyncClient` only *drive* plans: each of their calls hands its plan (``_plan_<call>``) to the
-class's driver, ``_drive``, and returns what the plan returns. The steps:
-
-* `_Run`: run a store generator on the client's connection. The driver takes the client's
-  lock and drives the *session* plan (`_ClientBase._session`, the connection handling, written
-  once): the connection is opened on first use and reused; one the server ended meanwhile
-  (`streams.store.driver.gone`) is closed and a new one opened, waiting for a starting server up
-  to ``connect_timeout`` but not past the step's deadline (`_open_within`), and checked against
-  the database history the client belongs to (`Client.guard`, `streams.store.identity`) before
-  its first use. The lock lets one call at a time use the connection.
-* `_Connect`, `_Close`, `_On`: open a connection, close one, run a store generator on one
-  (`streams.store.driver.run` / `arun`): the session plan's steps, the only I/O of a call.
-* `_Pause`: sleep (between two tries of a read-only call: below).
-
-A step's result is sent back into the plan; its exception is thrown in, and the plan decides:
-try again, close the connection it was opening, or let it propagate. The two drivers (``_drive``
-and ``_do`` of each class) are small enough to check by eye that they do the same thing;
+Plans
+-----
+Every call of a client that uses its connection is written **once**, as a plan of the kernel
+(`streams.plans`): ``_plan_<call>`` builds it, and `Client` drives it with `streams.plans.drive`,
+`AsyncClient` with `streams.plans.adrive`. A plan runs its store generator on the client's
+connection through one step, `_ClientBase.on_connection`: under the client's lock (one call at a
+time uses the connection), the *session* plan (`_ClientBase._session`) opens the connection on
+first use and reuses it; one the server ended meanwhile (`streams.store.driver.gone`) is closed
+and a new one opened, waiting for a starting server up to ``connect_timeout`` but not past the
+step's deadline (`_open_within`), and checked against the database history the client belongs to
+(`Client.guard`, `streams.store.identity`) before its first use.
 ``tests/integration/test_client_twins.py`` runs one scenario through both clients and compares
 every result and exception. What stays twice is what really differs: a `Client` checks the
 schema on a connection it then closes (it holds no idle connection until a call needs one),
@@ -63,8 +52,8 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable, Generator, Sequence
-from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeAlias, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Generic, TypeAlias, TypeVar
 
 import psycopg
 
@@ -77,10 +66,11 @@ from .core.staleness import STALE_AFTER_MS
 from .core.standby_fence import StandbyRoute
 from .core.timestamps import TimestampMode
 from .errors import ConnectionLost, StoreError
+from .plans import Call, Locked, Plan, Sleep, adrive, drive
 from .proofs import ProofService
 from .reader import AsyncReader, Reader
 from .store import sessions
-from .store.driver import Gen, arun, gone, run, transient_sqlstate
+from .store.driver import Gen, gone, run, transient_sqlstate
 from .store.identity import verify
 from .store.keys import describe_keys, rotate_keys
 from .store.leases import prune_writers
@@ -96,6 +86,7 @@ from .store.registry import (
     set_retention,
 )
 from .store.retention import PRUNE_BATCH, prune
+from .store.steps import Connect, Run
 from .store.writer_core import WriterCore
 from .transport.connections import publish_now
 from .transport.link import AsyncRedisLink, RedisLink
@@ -131,50 +122,17 @@ L = TypeVar("L", RedisLink, AsyncRedisLink)
 # Steps (see "Plans and drivers")
 
 
-class _Run(NamedTuple):
-    """Run ``gen`` on the client's connection, opening one if needed, by ``deadline`` if given
-    (`time.monotonic`); the driver sends back its result or throws in its exception."""
-
-    gen: Gen[Any]
-    deadline: float | None
-
-
-class _Connect(NamedTuple):
-    """Open a connection of the client to ``url`` and check it (``opening``), waiting up to
-    ``timeout`` seconds for a starting server; the driver sends it back."""
-
-    url: str
-    timeout: float
-    opening: sessions.Opening
-
-
-class _Close(NamedTuple):
-    conn: Any
-
-
-class _On(NamedTuple):
-    """Run ``gen`` on ``conn`` (`streams.store.driver.run` / `arun`)."""
-
-    conn: Any
-    gen: Gen[Any]
-
-
-class _Pause(NamedTuple):
-    seconds: float
-
-
-_Step: TypeAlias = _Run | _Connect | _Close | _On | _Pause
-_Plan: TypeAlias = Generator[_Step, Any, T]
+_Plan: TypeAlias = Plan[T]
 
 
 # --------------------------------------------------------------------------------------------
 # The two ways to run a store generator: once (a call that writes), or tried again (a read)
 
 
-def _once(gen: Gen[T]) -> _Plan[T]:
+def _once(client: _ClientBase[Any], gen: Gen[T]) -> _Plan[T]:
     """``gen`` run once on the client's connection: a call that writes is never sent twice (its
     outcome may be unknown when the connection breaks under it)."""
-    result: T = yield _Run(gen, None)
+    result: T = yield client.on_connection(gen, None)
     return result
 
 
@@ -184,7 +142,7 @@ def _retryable(error: StoreError) -> bool:
     return isinstance(error, ConnectionLost) or transient_sqlstate(error.sqlstate)
 
 
-def _read_plan(what: str, operation: Callable[[], Gen[T]]) -> _Plan[T]:
+def _read_plan(client: _ClientBase[Any], what: str, operation: Callable[[], Gen[T]]) -> _Plan[T]:
     """``operation()`` (a read-only store generator), run again from the start with backoff
     while it fails transiently, for up to `READ_RETRY_SECONDS`; the drivers send back its
     result or throw in its `StoreError`. A connection that cannot be opened (the client waited
@@ -193,7 +151,7 @@ def _read_plan(what: str, operation: Callable[[], Gen[T]]) -> _Plan[T]:
     attempt = 0
     while True:
         try:
-            result: T = yield _Run(operation(), deadline)
+            result: T = yield client.on_connection(operation(), deadline)
         except StoreError as error:
             remaining = deadline - time.monotonic()
             if not _retryable(error) or remaining <= 0:
@@ -206,7 +164,7 @@ def _read_plan(what: str, operation: Callable[[], Gen[T]]) -> _Plan[T]:
             if attempt:
                 log.warning("%s: PostgreSQL answered again", what)
             return result
-        yield _Pause(pause)  # outside the handler: what interrupts the pause is not chained
+        yield Sleep(pause)  # outside the handler: what interrupts the pause is not chained
 
 
 def _of_stream(stream: str, operation: Callable[[StreamInfo], Gen[T]]) -> Gen[T]:
@@ -227,6 +185,7 @@ def _checked(guard: Guard) -> Gen[None]:
 
 
 def _plan_create_stream(
+    client: _ClientBase[Any],
     name: str,
     timestamping: TimestampMode | str,
     uncapped: bool,
@@ -235,6 +194,7 @@ def _plan_create_stream(
     key_window_ms: int | None,
 ) -> _Plan[StreamInfo]:
     return _once(
+        client,
         create_stream(
             name,
             timestamping=timestamping,
@@ -242,24 +202,29 @@ def _plan_create_stream(
             retention_ms=retention_ms,
             fact_tables=fact_tables,
             key_window_ms=key_window_ms,
-        )
+        ),
     )
 
 
-def _plan_set_fact_tables(name: str, fact_tables: Sequence[FactTableSpec]) -> _Plan[StreamInfo]:
-    return _once(set_fact_tables(name, fact_tables))
+def _plan_set_fact_tables(
+    client: _ClientBase[Any], name: str, fact_tables: Sequence[FactTableSpec]
+) -> _Plan[StreamInfo]:
+    return _once(client, set_fact_tables(name, fact_tables))
 
 
-def _plan_stream(name: str) -> _Plan[StreamInfo]:
-    return _read_plan("stream", lambda: load_stream(name))
+def _plan_stream(client: _ClientBase[Any], name: str) -> _Plan[StreamInfo]:
+    return _read_plan(client, "stream", lambda: load_stream(name))
 
 
-def _plan_streams() -> _Plan[list[StreamInfo]]:
-    return _read_plan("streams", list_streams)
+def _plan_streams(client: _ClientBase[Any]) -> _Plan[list[StreamInfo]]:
+    return _read_plan(client, "streams", list_streams)
 
 
-def _plan_positions(stream: str, stale_after_ms: int) -> _Plan[StreamPositions]:
+def _plan_positions(
+    client: _ClientBase[Any], stream: str, stale_after_ms: int
+) -> _Plan[StreamPositions]:
     return _read_plan(
+        client,
         "positions",
         lambda: _of_stream(
             stream, lambda info: stream_positions(info, stale_after_ms=stale_after_ms)
@@ -267,31 +232,36 @@ def _plan_positions(stream: str, stale_after_ms: int) -> _Plan[StreamPositions]:
     )
 
 
-def _plan_groups(stream: str, stale_after_ms: int) -> _Plan[list[GroupRow]]:
+def _plan_groups(
+    client: _ClientBase[Any], stream: str, stale_after_ms: int
+) -> _Plan[list[GroupRow]]:
     return _read_plan(
+        client,
         "groups",
         lambda: _of_stream(stream, lambda info: list_groups(info, stale_after_ms=stale_after_ms)),
     )
 
 
-def _plan_group_streams(group: str) -> _Plan[list[str]]:
-    return _read_plan("group_streams", lambda: streams_of_group(group))
+def _plan_group_streams(client: _ClientBase[Any], group: str) -> _Plan[list[str]]:
+    return _read_plan(client, "group_streams", lambda: streams_of_group(group))
 
 
-def _plan_delete_group(stream: str, group: str) -> _Plan[bool]:
-    return _once(_of_stream(stream, lambda info: delete_group(info, group)))
+def _plan_delete_group(client: _ClientBase[Any], stream: str, group: str) -> _Plan[bool]:
+    return _once(client, _of_stream(stream, lambda info: delete_group(info, group)))
 
 
-def _plan_prune_writers(stream: str, older_than_ms: int) -> _Plan[list[str]]:
-    return _once(_of_stream(stream, lambda info: prune_writers(info, older_than_ms)))
+def _plan_prune_writers(
+    client: _ClientBase[Any], stream: str, older_than_ms: int
+) -> _Plan[list[str]]:
+    return _once(client, _of_stream(stream, lambda info: prune_writers(info, older_than_ms)))
 
 
-def _plan_replication_keys() -> _Plan[list[dict[str, object]]]:
-    return _read_plan("replication_keys", describe_keys)
+def _plan_replication_keys(client: _ClientBase[Any]) -> _Plan[list[dict[str, object]]]:
+    return _read_plan(client, "replication_keys", describe_keys)
 
 
-def _plan_rotate_replication_keys() -> _Plan[int]:
-    return _once(rotate_keys())
+def _plan_rotate_replication_keys(client: _ClientBase[Any]) -> _Plan[int]:
+    return _once(client, rotate_keys())
 
 
 def _announce_keys(redis_url: str, prefix: str, key_id: int) -> None:
@@ -300,16 +270,20 @@ def _announce_keys(redis_url: str, prefix: str, key_id: int) -> None:
     publish_now(redis_url, replication_channel(prefix), serialize(KeysCommand(key_id)))
 
 
-def _plan_set_retention(stream: str, retention_ms: int | None) -> _Plan[StreamInfo]:
-    return _once(set_retention(stream, retention_ms))
+def _plan_set_retention(
+    client: _ClientBase[Any], stream: str, retention_ms: int | None
+) -> _Plan[StreamInfo]:
+    return _once(client, set_retention(stream, retention_ms))
 
 
-def _plan_set_key_window(stream: str, key_window_ms: int) -> _Plan[StreamInfo]:
-    return _once(set_key_window(stream, key_window_ms))
+def _plan_set_key_window(
+    client: _ClientBase[Any], stream: str, key_window_ms: int
+) -> _Plan[StreamInfo]:
+    return _once(client, set_key_window(stream, key_window_ms))
 
 
-def _plan_prune(stream: str, batch: int) -> _Plan[PruneResult]:
-    return _once(_of_stream(stream, lambda info: prune(info, batch=batch)))
+def _plan_prune(client: _ClientBase[Any], stream: str, batch: int) -> _Plan[PruneResult]:
+    return _once(client, _of_stream(stream, lambda info: prune(info, batch=batch)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -356,18 +330,28 @@ class _ClientBase(Generic[C]):
         # re-opened when broken (see `_session`).
         self._conn: C | None = conn
 
-    def _session(self, step: _Run) -> _Plan[Any]:
-        """``step.gen`` on the client's connection, (re)opened if needed: see "Plans and
-        drivers". The driver holds the client's lock meanwhile."""
+    #: One call at a time uses the connection: threading's lock or asyncio's.
+    _conn_lock: Any
+
+    def on_connection(self, gen: Gen[T], deadline: float | None) -> Locked:
+        """The step that runs ``gen`` on the client's connection, (re)opened if needed, by
+        ``deadline`` if given (`time.monotonic`): `_session`, holding the client's lock."""
+        return Locked(self._conn_lock, self._session(gen, deadline))
+
+    def _session(self, gen: Gen[T], deadline: float | None) -> _Plan[T]:
+        """See "Plans and drivers"."""
         conn = self._conn
         if conn is None or gone(conn):
             if conn is not None:
-                yield _Close(conn)
+                yield Call(conn.close)
             self._conn = None
-            timeout = _open_within(self.settings.connect_timeout, step.deadline)
+            timeout = _open_within(self.settings.connect_timeout, deadline)
             opening = functools.partial(verify, self.guard, "client")
-            self._conn = conn = yield _Connect(self.settings.database_url, timeout, opening)
-        return (yield _On(conn, step.gen))
+            self._conn = conn = yield Connect(
+                self.settings.database_url, timeout, "client", opening
+            )
+        result: T = yield Run(conn, gen)
+        return result
 
     def _new_link(self, kind: type[L], url: str) -> L:
         """The client's Redis link (`streams.transport.link`), of ``kind``."""
@@ -475,9 +459,9 @@ class Client(_ClientBase[psycopg.Connection[Any]]):
         None: whatever is set already).
         """
         plan = _plan_create_stream(
-            name, timestamping, uncapped, retention_ms, fact_tables, key_window_ms
+            self, name, timestamping, uncapped, retention_ms, fact_tables, key_window_ms
         )
-        return self._drive(plan)
+        return drive(plan)
 
     def set_fact_tables(self, name: str, fact_tables: Sequence[FactTableSpec]) -> StreamInfo:
         """Declare (replace) the user tables that hold facts of stream ``name``.
@@ -497,18 +481,18 @@ class Client(_ClientBase[psycopg.Connection[Any]]):
         one's sequence. That column must exist and compare with the value; index ``(stream,
         stream_id)``. A bad form is `InvalidFactTables`, naming the accepted ones.
         """
-        return self._drive(_plan_set_fact_tables(name, fact_tables))
+        return drive(_plan_set_fact_tables(self, name, fact_tables))
 
     def stream(self, name: str) -> StreamInfo:
-        return self._drive(_plan_stream(name))
+        return drive(_plan_stream(self, name))
 
     def streams(self) -> list[StreamInfo]:
-        return self._drive(_plan_streams())
+        return drive(_plan_streams(self))
 
     def positions(self, stream: str, *, stale_after_ms: int = STALE_AFTER_MS) -> StreamPositions:
         """Everything ``streams positions`` shows of ``stream``; a group idle ``stale_after_ms``
         or longer while holding retention back is marked stale."""
-        return self._drive(_plan_positions(stream, stale_after_ms))
+        return drive(_plan_positions(self, stream, stale_after_ms))
 
     def writer(self, stream: str, *, instance: str | None = None) -> Writer:
         writer = Writer(
@@ -607,25 +591,25 @@ class Client(_ClientBase[psycopg.Connection[Any]]):
     def groups(self, stream: str, *, stale_after_ms: int = STALE_AFTER_MS) -> list[GroupRow]:
         """Every reader group of ``stream`` with its committed position, lag, idle time and
         whether it is stale (idle ``stale_after_ms`` or longer while holding retention back)."""
-        return self._drive(_plan_groups(stream, stale_after_ms))
+        return drive(_plan_groups(self, stream, stale_after_ms))
 
     def group_streams(self, group: str) -> list[str]:
         """The streams ``group`` has committed on (sorted; empty for an unknown group)."""
-        return self._drive(_plan_group_streams(group))
+        return drive(_plan_group_streams(self, group))
 
     def delete_group(self, stream: str, group: str) -> bool:
         """Forget ``group`` on ``stream`` (its readers start over from their own start
         position); True if it existed. A group holds retention back until deleted."""
-        return self._drive(_plan_delete_group(stream, group))
+        return drive(_plan_delete_group(self, stream, group))
 
     def prune_writers(self, stream: str, older_than_ms: int) -> list[str]:
         """Delete rows of writers of ``stream`` retired longer ago than ``older_than_ms``."""
-        return self._drive(_plan_prune_writers(stream, older_than_ms))
+        return drive(_plan_prune_writers(self, stream, older_than_ms))
 
     def replication_keys(self) -> list[dict[str, object]]:
         """The keys that sign the ranges readers take from Redis, newest first (never their
         secrets): ``id``, ``created_at``, ``retired_at``, ``live``."""
-        return self._drive(_plan_replication_keys())
+        return drive(_plan_replication_keys(self))
 
     def rotate_replication_keys(self) -> int:
         """Add a replication key and retire every other one (after a seed may have leaked:
@@ -633,19 +617,19 @@ class Client(_ClientBase[psycopg.Connection[Any]]):
         then tells every reader and prover to read the keys again at once (the others pick it
         up within `streams.core.signing.KEY_REFRESH` seconds). Needs the right to write the
         key tables (the owner's, or the prover role's)."""
-        new = self._drive(_plan_rotate_replication_keys())
+        new = drive(_plan_rotate_replication_keys(self))
         if self.settings.redis_url is not None:
             _announce_keys(self.settings.redis_url, self.settings.prefix, new)
         return new
 
     def set_retention(self, stream: str, retention_ms: int | None) -> StreamInfo:
         """Keep the facts of ``stream`` for ``retention_ms`` (None: forever); see `prune`."""
-        return self._drive(_plan_set_retention(stream, retention_ms))
+        return drive(_plan_set_retention(self, stream, retention_ms))
 
     def set_key_window(self, stream: str, key_window_ms: int) -> StreamInfo:
         """Name appends of ``stream`` by their idempotency keys for ``key_window_ms`` (for
         every key, at once: `streams.store.idempotency`)."""
-        return self._drive(_plan_set_key_window(stream, key_window_ms))
+        return drive(_plan_set_key_window(self, stream, key_window_ms))
 
     def prune(self, stream: str, *, batch: int = PRUNE_BATCH) -> PruneResult:
         """Apply the retention of ``stream``: remove facts older than its ``retention_ms``, in
@@ -653,7 +637,7 @@ class Client(_ClientBase[psycopg.Connection[Any]]):
         reader group's committed position (``streams prune``; run it on a schedule, or
         ``streams prune --every``). A reader that needs removed facts gets `FactsPruned`.
         Idempotency keys older than the stream's key window are removed too."""
-        return self._drive(_plan_prune(stream, batch))
+        return drive(_plan_prune(self, stream, batch))
 
     def close(self) -> None:
         if self._proofs is not None:
@@ -666,42 +650,6 @@ class Client(_ClientBase[psycopg.Connection[Any]]):
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
-
-    # The driver (see "Plans and drivers"): `_drive` runs a plan, `_do` takes one step.
-
-    def _drive(self, plan: _Plan[T]) -> T:
-        """Run ``plan`` to its end; return what it returns, or raise what it raises."""
-        reply: Any = None
-        error: BaseException | None = None
-        while True:
-            try:
-                step = plan.throw(error) if error is not None else plan.send(reply)
-            except StopIteration as stop:
-                return stop.value  # type: ignore[no-any-return]
-            try:
-                reply, error = self._do(step), None
-            except BaseException as exc:  # the plan decides: try again, clean up, or raise
-                reply, error = None, exc
-
-    def _do(self, step: _Step) -> Any:
-        if isinstance(step, _On):
-            return run(step.conn, step.gen)
-        if isinstance(step, _Run):
-            with self._conn_lock:
-                return self._drive(self._session(step))
-        if isinstance(step, _Connect):
-            return sessions.connect(
-                step.url,
-                autocommit=False,
-                connect_timeout=step.timeout,
-                purpose="client",
-                opening=step.opening,
-            )
-        if isinstance(step, _Close):
-            step.conn.close()
-        else:
-            time.sleep(step.seconds)
-        return None
 
     def __enter__(self) -> Client:
         return self
@@ -763,25 +711,25 @@ class AsyncClient(_ClientBase[psycopg.AsyncConnection[Any]]):
     ) -> StreamInfo:
         """The asyncio twin of `Client.create_stream`."""
         plan = _plan_create_stream(
-            name, timestamping, uncapped, retention_ms, fact_tables, key_window_ms
+            self, name, timestamping, uncapped, retention_ms, fact_tables, key_window_ms
         )
-        return await self._drive(plan)
+        return await adrive(plan)
 
     async def set_fact_tables(self, name: str, fact_tables: Sequence[FactTableSpec]) -> StreamInfo:
         """The asyncio twin of `Client.set_fact_tables`."""
-        return await self._drive(_plan_set_fact_tables(name, fact_tables))
+        return await adrive(_plan_set_fact_tables(self, name, fact_tables))
 
     async def stream(self, name: str) -> StreamInfo:
-        return await self._drive(_plan_stream(name))
+        return await adrive(_plan_stream(self, name))
 
     async def streams(self) -> list[StreamInfo]:
-        return await self._drive(_plan_streams())
+        return await adrive(_plan_streams(self))
 
     async def positions(
         self, stream: str, *, stale_after_ms: int = STALE_AFTER_MS
     ) -> StreamPositions:
         """See `Client.positions`."""
-        return await self._drive(_plan_positions(stream, stale_after_ms))
+        return await adrive(_plan_positions(self, stream, stale_after_ms))
 
     async def writer(self, stream: str, *, instance: str | None = None) -> AsyncWriter:
         writer = await AsyncWriter.open(
@@ -850,22 +798,22 @@ class AsyncClient(_ClientBase[psycopg.AsyncConnection[Any]]):
 
     async def groups(self, stream: str, *, stale_after_ms: int = STALE_AFTER_MS) -> list[GroupRow]:
         """See `Client.groups`."""
-        return await self._drive(_plan_groups(stream, stale_after_ms))
+        return await adrive(_plan_groups(self, stream, stale_after_ms))
 
     async def group_streams(self, group: str) -> list[str]:
         """See `Client.group_streams`."""
-        return await self._drive(_plan_group_streams(group))
+        return await adrive(_plan_group_streams(self, group))
 
     async def delete_group(self, stream: str, group: str) -> bool:
-        return await self._drive(_plan_delete_group(stream, group))
+        return await adrive(_plan_delete_group(self, stream, group))
 
     async def replication_keys(self) -> list[dict[str, object]]:
         """See `Client.replication_keys`."""
-        return await self._drive(_plan_replication_keys())
+        return await adrive(_plan_replication_keys(self))
 
     async def rotate_replication_keys(self) -> int:
         """See `Client.rotate_replication_keys`."""
-        new = await self._drive(_plan_rotate_replication_keys())
+        new = await adrive(_plan_rotate_replication_keys(self))
         if self.settings.redis_url is not None:
             await asyncio.to_thread(
                 _announce_keys, self.settings.redis_url, self.settings.prefix, new
@@ -874,18 +822,18 @@ class AsyncClient(_ClientBase[psycopg.AsyncConnection[Any]]):
 
     async def set_retention(self, stream: str, retention_ms: int | None) -> StreamInfo:
         """See `Client.set_retention`."""
-        return await self._drive(_plan_set_retention(stream, retention_ms))
+        return await adrive(_plan_set_retention(self, stream, retention_ms))
 
     async def set_key_window(self, stream: str, key_window_ms: int) -> StreamInfo:
         """See `Client.set_key_window`."""
-        return await self._drive(_plan_set_key_window(stream, key_window_ms))
+        return await adrive(_plan_set_key_window(self, stream, key_window_ms))
 
     async def prune(self, stream: str, *, batch: int = PRUNE_BATCH) -> PruneResult:
         """See `Client.prune`."""
-        return await self._drive(_plan_prune(stream, batch))
+        return await adrive(_plan_prune(self, stream, batch))
 
     async def prune_writers(self, stream: str, older_than_ms: int) -> list[str]:
-        return await self._drive(_plan_prune_writers(stream, older_than_ms))
+        return await adrive(_plan_prune_writers(self, stream, older_than_ms))
 
     async def aclose(self) -> None:
         if self._link is not None:
@@ -895,41 +843,6 @@ class AsyncClient(_ClientBase[psycopg.AsyncConnection[Any]]):
             if self._conn is not None:
                 await self._conn.close()
                 self._conn = None
-
-    # The driver: the asyncio twin of `Client._drive` and `Client._do`.
-
-    async def _drive(self, plan: _Plan[T]) -> T:
-        reply: Any = None
-        error: BaseException | None = None
-        while True:
-            try:
-                step = plan.throw(error) if error is not None else plan.send(reply)
-            except StopIteration as stop:
-                return stop.value  # type: ignore[no-any-return]
-            try:
-                reply, error = await self._do(step), None
-            except BaseException as exc:  # includes a cancellation: the plan cleans up
-                reply, error = None, exc
-
-    async def _do(self, step: _Step) -> Any:
-        if isinstance(step, _On):
-            return await arun(step.conn, step.gen)
-        if isinstance(step, _Run):
-            async with self._conn_lock:
-                return await self._drive(self._session(step))
-        if isinstance(step, _Connect):
-            return await sessions.aconnect(
-                step.url,
-                autocommit=False,
-                connect_timeout=step.timeout,
-                purpose="client",
-                opening=step.opening,
-            )
-        if isinstance(step, _Close):
-            await step.conn.close()
-        else:
-            await asyncio.sleep(step.seconds)
-        return None
 
     async def __aenter__(self) -> AsyncClient:
         return self

@@ -16,12 +16,11 @@ import logging
 import random
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Generator, Iterator
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeAlias, TypeVar
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 import psycopg
 
-from ._aio import wait_event
 from ._gc import collection_paused
 from .arrow import areader_batches, reader_batches, typing_of
 from .core.epochs import Epoch, Fact
@@ -30,6 +29,7 @@ from .core.replication import Hint, backoff_delay
 from .core.standby_fence import StandbyRoute
 from .errors import ConnectionLost, StandbyBehind, StoreError, UsageError, WaitTimeout
 from .orm import async_target, sync_target
+from .plans import Call, Flag, Plan, Sleep, Wait, adrive, drive
 from .store import sessions
 from .store.arrow_reads import ArrowSessions
 from .store.driver import Gen, arun, run, transient_sqlstate
@@ -38,6 +38,7 @@ from .store.probe import (
 )
 from .store.reader_core import ReaderCore, Start
 from .store.standby import check_standby
+from .store.steps import Run
 from .transport.faces import Link
 
 if TYPE_CHECKING:
@@ -73,34 +74,8 @@ def _paused_while_behind(core: ReaderCore) -> contextlib.AbstractContextManager[
     return collection_paused() if core.behind() else contextlib.nullcontext()
 
 
-class _Flag(Protocol):
-    """What the plans need of the wake-up event (threading's and asyncio's both have it)."""
-
-    def is_set(self) -> bool: ...
-    def clear(self) -> None: ...
-    def set(self) -> None: ...
-
-
-class _WaitWake(NamedTuple):
-    """Wait up to ``seconds`` for a hint; the driver sends back whether one came."""
-
-    seconds: float
-
-
-class _Pause(NamedTuple):
-    seconds: float
-
-
-class _OnStandby(NamedTuple):
-    """Run this store generator on the read URL's session (`streams.core.standby_fence`); the driver
-    sends back its result, or throws in what made the standby fail (`StandbyBehind`,
-    `ConnectionLost`, a `StoreError` the standby may mend by itself)."""
-
-    plan: Gen[Any]
-
-
 T = TypeVar("T")
-_Plan: TypeAlias = Generator["_WaitWake | _Pause | _OnStandby | Gen[Any]", Any, T]
+_Plan: TypeAlias = Plan[T]
 
 
 def _standby_failure(exc: BaseException) -> bool:
@@ -305,7 +280,7 @@ class _ReaderBase:
     # `ReaderCore`'s): they yield `_WaitWake` (wait for a hint, up to some seconds; the driver
     # sends back whether one came), `_Pause` (sleep), or a `ReaderCore` generator to run on the
     # connection (the driver sends back its result). `Reader` and `AsyncReader` only drive them.
-    _wake: _Flag
+    _wake: Flag
     _hinted = False  # a hint (not a moved deadline) set `_wake`
     _closed: bool
     _poll: float | None
@@ -346,7 +321,7 @@ class _ReaderBase:
                 if proof_due is not None:
                     due = min(due, proof_due)
                 until = due if deadline is None else min(due, deadline)
-                hinted = yield _WaitWake(max(0.0, until - time.monotonic()))
+                hinted = yield Wait(self._wake, until - time.monotonic())
                 if hinted and self._core.deadline_moved and not self._hinted:
                     self._core.deadline_moved = False
                     self._wake.clear()
@@ -356,7 +331,7 @@ class _ReaderBase:
             if self._core.caught_up:  # this step probes: at most one probe per MIN_HINT_GAP
                 gap = self._last_probe + MIN_HINT_GAP - time.monotonic()
                 if gap > 0:
-                    yield _Pause(gap)
+                    yield Sleep(gap)
             self._wake.clear()
             self._hinted = False
             self._core.deadline_moved = False
@@ -387,8 +362,10 @@ class _ReaderBase:
             return (yield from self._retried(core.step, deadline))
         while True:
             try:
-                epoch = yield _OnStandby(core.standby_step())
+                epoch = yield from self._on_standby(core.standby_step())
             except StoreError as exc:
+                if not _standby_failure(exc):
+                    raise  # a reader's error (`FactsPruned`, `DatabaseChanged`...)
                 now = time.monotonic()
                 pause: float | None = None
                 if isinstance(exc, StandbyBehind) and exc.timeline:
@@ -404,7 +381,7 @@ class _ReaderBase:
                     return (yield from self._retried(core.step, deadline))
                 if deadline is not None and time.monotonic() + pause >= deadline:
                     return None
-                yield _Pause(pause)
+                yield Sleep(pause)
                 continue
             route.read_on_standby()
             return epoch
@@ -422,15 +399,42 @@ class _ReaderBase:
         ``deadline`` (None: for ever). Only for operations that are safe to repeat."""
         while True:
             try:
-                result: T = yield operation()
+                result: T = yield from self._on_session(operation())
             except ConnectionLost as lost:
                 delay = self._lost(lost)
                 if deadline is not None and time.monotonic() + delay >= deadline:
                     raise
-                yield _Pause(delay)
+                yield Sleep(delay)
                 continue
             self._found()
             return result
+
+    def _connection(self) -> Any:
+        """The reader's session (a `Call` step: a coroutine in `AsyncReader`)."""
+        raise NotImplementedError
+
+    def _standby_connection(self) -> Any:
+        """The read URL's session (a `Call` step: a coroutine in `AsyncReader`)."""
+        raise NotImplementedError
+
+    def _on_session(self, gen: Gen[T]) -> _Plan[T]:
+        """``gen`` on the reader's session, reopened if the server or an interruption closed
+        it (`ConnectionLost` while it cannot be reached); first the pages read ahead, which
+        the session is busy with. The garbage collector is paused meanwhile while behind."""
+        conn = yield Call(self._connection)
+        with _paused_while_behind(self._core):
+            if self._core.reading_ahead:
+                yield Run(conn, self._core.receive_ahead())
+            result: T = yield Run(conn, gen)
+        return result
+
+    def _on_standby(self, gen: Gen[T]) -> _Plan[T]:
+        """``gen`` on the read URL's session (`streams.core.standby_fence`), reopened when
+        needed; what made the standby fail (`StandbyBehind`, `ConnectionLost`, a `StoreError`
+        the standby may mend by itself) is the caller's to handle (`_standby_failure`)."""
+        conn = yield Call(self._standby_connection)
+        result: T = yield Run(conn, gen)
+        return result
 
     _lost_attempts = 0
 
@@ -462,7 +466,7 @@ class _ReaderBase:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise WaitTimeout(f"stream {stream!r} did not reach {token} within {timeout}s")
-            yield _WaitWake(min(remaining, self._poll_interval(self._poll)))
+            yield Wait(self._wake, min(remaining, self._poll_interval(self._poll)))
 
 
 class Reader(_ReaderBase):
@@ -521,45 +525,14 @@ class Reader(_ReaderBase):
         has passed since its last probe, so a quiet stream costs one probe per interval, not
         one per call.
         """
-        return self._drive(self._poll_plan(timeout))
+        return drive(self._poll_plan(timeout))
 
     def prove(self, timeout: float | None = 0.0) -> Epoch | None:
         """Wait up to ``timeout`` seconds (None: for ever) for something new and prove it, without
         reading rows: None once the reader is behind what a proof proved (its rows are read
         elsewhere: `batches`) or the time is up, or an epoch of signed ranges from Redis
         (delivered: the positions moved)."""
-        return self._drive(self._prove_plan(timeout))
-
-    def _drive(self, plan: _Plan[T]) -> T:
-        result: Any = None
-        error: StoreError | None = None
-        while True:
-            try:
-                op = plan.throw(error) if error is not None else plan.send(result)
-            except StopIteration as stop:
-                return stop.value  # type: ignore[no-any-return]
-            error = None
-            if isinstance(op, _WaitWake):
-                result = self._wake.wait(op.seconds)
-            elif isinstance(op, _Pause):
-                time.sleep(op.seconds)
-                result = None
-            elif isinstance(op, _OnStandby):
-                try:
-                    result = run(self._standby_connection(), op.plan)
-                except StoreError as exc:  # the plan decides: wait, or read from the primary
-                    if not _standby_failure(exc):
-                        raise
-                    result, error = None, exc
-            else:
-                try:
-                    conn = self._connection()
-                    with _paused_while_behind(self._core):
-                        if self._core.reading_ahead:  # the session is busy with the next pages
-                            run(conn, self._core.receive_ahead())
-                        result = run(conn, op)
-                except ConnectionLost as lost:  # the plan decides: try again, or give up
-                    result, error = None, lost
+        return drive(self._prove_plan(timeout))
 
     def _standby_connection(self) -> psycopg.Connection[Any]:
         """The session on the read URL's standby, opened (again) when needed."""
@@ -642,7 +615,7 @@ class Reader(_ReaderBase):
         This is about what is *visible*, not what this reader has delivered yet: compare
         `position` for that.
         """
-        self._drive(self._wait_plan(stream, token, instance, timeout))
+        drive(self._wait_plan(stream, token, instance, timeout))
 
     def commit(self, through: Fact | None = None, *, conn: Any = None) -> dict[str, int]:
         """Commit this reader's positions for its group; a restart of the group resumes here.
@@ -661,7 +634,7 @@ class Reader(_ReaderBase):
         stream's max allocated ID, which no reader reaches by itself.
         """
         if conn is None:
-            return self._drive(self._commit_plan(through))
+            return drive(self._commit_plan(through))
         target = sync_target(conn)
         return run(target.conn, self._core.commit_in(through), joined=True)
 
@@ -739,47 +712,13 @@ class AsyncReader(_ReaderBase):
     def _wakeup(self) -> None:
         self._wake.set()
 
-    async def _wait(self, timeout: float) -> bool:
-        return await wait_event(self._wake, timeout)
-
     async def poll(self, timeout: float | None = 0.0) -> Epoch | None:
         """The asyncio twin of `Reader.poll`."""
-        return await self._drive(self._poll_plan(timeout))
+        return await adrive(self._poll_plan(timeout))
 
     async def prove(self, timeout: float | None = 0.0) -> Epoch | None:
         """The asyncio twin of `Reader.prove`."""
-        return await self._drive(self._prove_plan(timeout))
-
-    async def _drive(self, plan: _Plan[T]) -> T:
-        result: Any = None
-        error: StoreError | None = None
-        while True:
-            try:
-                op = plan.throw(error) if error is not None else plan.send(result)
-            except StopIteration as stop:
-                return stop.value  # type: ignore[no-any-return]
-            error = None
-            if isinstance(op, _WaitWake):
-                result = await self._wait(op.seconds)
-            elif isinstance(op, _Pause):
-                await asyncio.sleep(op.seconds)
-                result = None
-            elif isinstance(op, _OnStandby):
-                try:
-                    result = await arun(await self._standby_connection(), op.plan)
-                except StoreError as exc:
-                    if not _standby_failure(exc):
-                        raise
-                    result, error = None, exc
-            else:
-                try:
-                    conn = await self._connection()
-                    with _paused_while_behind(self._core):  # as in `Reader._drive`
-                        if self._core.reading_ahead:
-                            await arun(conn, self._core.receive_ahead())
-                        result = await arun(conn, op)
-                except ConnectionLost as lost:
-                    result, error = None, lost
+        return await adrive(self._prove_plan(timeout))
 
     async def _standby_connection(self) -> psycopg.AsyncConnection[Any]:
         """The asyncio twin of `Reader._standby_connection`."""
@@ -847,13 +786,13 @@ class AsyncReader(_ReaderBase):
     async def wait_for_position(
         self, stream: str, token: int, instance: str | None = None, *, timeout: float = 10.0
     ) -> None:
-        await self._drive(self._wait_plan(stream, token, instance, timeout))
+        await adrive(self._wait_plan(stream, token, instance, timeout))
 
     async def commit(self, through: Fact | None = None, *, conn: Any = None) -> dict[str, int]:
         """The asyncio twin of `Reader.commit` (``conn``: a psycopg ``AsyncConnection``, or a
         SQLAlchemy ``AsyncConnection`` or ``AsyncSession``)."""
         if conn is None:
-            return await self._drive(self._commit_plan(through))
+            return await adrive(self._commit_plan(through))
         target = await async_target(conn)
         return await arun(target.conn, self._core.commit_in(through), joined=True)
 
