@@ -366,14 +366,7 @@ class _ReaderBase:
             except StoreError as exc:
                 if not _standby_failure(exc):
                     raise  # a reader's error (`FactsPruned`, `DatabaseChanged`...)
-                now = time.monotonic()
-                pause: float | None = None
-                if isinstance(exc, StandbyBehind) and exc.timeline:
-                    route.other_timeline(now)
-                elif isinstance(exc, StandbyBehind):
-                    pause = route.behind(now, exc.proof_lsn, exc.replayed)
-                else:
-                    pause = route.unreachable(now)
+                pause = route.failed(time.monotonic(), exc)
                 if pause is None:
                     log.warning(
                         "%r reads from the primary for %gs: %s", self, route.retry_after, exc

@@ -538,7 +538,7 @@ class Attacker(threading.Thread):
         self._subscribe()
 
     def _subscribe(self) -> None:
-        self.pubsub = self.client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+        self.pubsub = self.client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call,unused-ignore]
         self.pubsub.psubscribe(proof_channel(self.prefix, "*"))
         if self.every_channel:
             self.pubsub.psubscribe(data_channel(self.prefix, "*"))

@@ -494,14 +494,7 @@ def _drive(
 def _wait_for_standby(route: StandbyRoute, exc: Exception, part: RangePartition) -> None:
     """The standby could not serve the read (behind the proof, another timeline, down): pause
     and look again, or (after ``standby_max_wait``) read from the primary from now on."""
-    now = time.monotonic()
-    if isinstance(exc, StandbyBehind) and exc.timeline:
-        route.other_timeline(now)
-        pause = None
-    elif isinstance(exc, StandbyBehind):
-        pause = route.behind(now, exc.proof_lsn, exc.replayed)
-    else:
-        pause = route.unreachable(now)
+    pause = route.failed(time.monotonic(), exc)
     if pause is None:
         log.warning(
             "reading stream %s (%d, %d] on the primary: %s",

@@ -106,7 +106,7 @@ def writer(url: str, redis_url: str, prefix: str, stream: str, seconds: str, rat
 
 def subscriber(redis_url: str, channel: str) -> None:
     r = open_client(redis_url)
-    pubsub = r.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+    pubsub = r.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call,unused-ignore]
     pubsub.subscribe(channel)
     stop = _stopper()
     lat: list[float] = []

@@ -224,7 +224,7 @@ def reader(url: str, redis_url: str, prefix: str, stream: str) -> None:
 
 def raw_reader(redis_url: str, channel: str) -> None:
     r = open_client(redis_url)
-    pubsub: Any = r.pubsub()  # type: ignore[no-untyped-call]
+    pubsub: Any = r.pubsub()  # type: ignore[no-untyped-call,unused-ignore]
     pubsub.subscribe(channel)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:  # confirmed: nothing published later is missed

@@ -207,7 +207,7 @@ def _measure_raw_redis(
     barrier = ctx.Barrier(2)
     start_at = ctx.Value("d", 0.0)
     client = open_client(redis_url)
-    pubsub = client.pubsub()  # type: ignore[no-untyped-call]
+    pubsub = client.pubsub()  # type: ignore[no-untyped-call,unused-ignore]
     proc = scratch.watch(
         ctx.Process(
             target=_redis_child, args=(redis_url, channel, rate, seconds, barrier, start_at)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, StandbyBehind
 from .incarnation import Incarnation, changes
 
 __all__ = [
@@ -150,6 +150,18 @@ class StandbyRoute:
     def other_timeline(self, now: float) -> None:
         """The standby is on another timeline than the primary: fall back now."""
         self._fall_back(now, "fallback_timeline")
+
+    def failed(self, now: float, error: BaseException) -> float | None:
+        """The standby could not serve a read, for ``error``: the seconds to pause before
+        looking again, or None (read from the primary). The one decision of every reader
+        (Python and Spark): another timeline falls back at once, behind or unreachable waits
+        up to ``max_wait``."""
+        if isinstance(error, StandbyBehind) and error.timeline:
+            self.other_timeline(now)
+            return None
+        if isinstance(error, StandbyBehind):
+            return self.behind(now, error.proof_lsn, error.replayed)
+        return self.unreachable(now)
 
     def _wait(self, now: float, outcome: str) -> float | None:
         if self.waiting_since is None:

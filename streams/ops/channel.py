@@ -235,7 +235,7 @@ def _observe(
     client = open_client(redis_url, socket_connect_timeout=5, socket_timeout=max(5.0, cap + 1))
     pubsub: Any = None
     try:
-        pubsub = client.pubsub()  # type: ignore[no-untyped-call]
+        pubsub = client.pubsub()  # type: ignore[no-untyped-call,unused-ignore]
         pubsub.subscribe(channel)
         deadline = time.monotonic() + SUBSCRIBE_TIMEOUT
         while True:

@@ -138,7 +138,7 @@ def test_doctor_warns_when_another_deployment_shares_the_channel(
 
     def fake_synapse() -> None:
         r = redis.Redis.from_url(redis_url)
-        pubsub = r.pubsub()  # type: ignore[no-untyped-call]
+        pubsub = r.pubsub()  # type: ignore[no-untyped-call,unused-ignore]
         pubsub.subscribe(redis_prefix)
         ready.set()
         while not stop.is_set():

@@ -84,7 +84,7 @@ def test_forged_and_malformed_commands_move_nothing(
         link = link_of(rc)
         pub = redis.Redis.from_url(redis_url)
         stack.callback(pub.close)
-        watch = pub.pubsub()  # type: ignore[no-untyped-call]
+        watch = pub.pubsub()  # type: ignore[no-untyped-call,unused-ignore]
         stack.callback(watch.close)
         watch.subscribe(redis_prefix)
         reader = stack.enter_context(rc.reader(stream, poll_interval=0.05))

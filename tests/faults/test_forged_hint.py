@@ -192,7 +192,7 @@ def test_the_asyncio_link_ends_its_quarantine_too(
             return await drain(pubsub)
         finally:
             await link.aclose()
-            await pubsub.aclose()  # type: ignore[no-untyped-call]
+            await pubsub.aclose()  # type: ignore[no-untyped-call,unused-ignore]
             await watch.aclose()
 
     async def drain(pubsub: Any) -> list[bytes]:

@@ -86,7 +86,7 @@ class Capture(threading.Thread):
     def __init__(self, redis_url: str, channels: list[str]) -> None:
         super().__init__(daemon=True)
         self.client = redis.Redis.from_url(redis_url)
-        self.pubsub = self.client.pubsub()  # type: ignore[no-untyped-call]
+        self.pubsub = self.client.pubsub()  # type: ignore[no-untyped-call,unused-ignore]
         self.pubsub.subscribe(*channels)
         self.messages: list[tuple[str, bytes]] = []
         self.stop = threading.Event()

@@ -445,7 +445,7 @@ async def _link_works(link: AsyncRedisLink, redis_url: str, prefix: str, token: 
 
             await asyncio.wait_for(hear(), 10)
         finally:
-            await pubsub.aclose()  # type: ignore[no-untyped-call]
+            await pubsub.aclose()  # type: ignore[no-untyped-call,unused-ignore]
             await outside.aclose()
     finally:
         link.remove_listener(listener)
@@ -494,7 +494,7 @@ def test_link_tasks_cancelled_at_every_await_point(
             await _link_works(link, redis_url, redis_prefix, 1000 + n)
         finally:
             await link.aclose()
-            await busy.aclose()  # type: ignore[no-untyped-call]
+            await busy.aclose()  # type: ignore[no-untyped-call,unused-ignore]
             await outside.aclose()
         assert _link_connections(redis_url, link) == {"sub": 0, "pub": 0}
 

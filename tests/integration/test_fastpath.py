@@ -163,7 +163,7 @@ def test_link_core_skips_data_lines_without_readers() -> None:
 
 def test_inline_publish_reaches_subscribers(redis_url: str, redis_prefix: str) -> None:
     link = RedisLink(redis_url, redis_prefix, "fastpath-test")
-    sub = redis.Redis.from_url(redis_url).pubsub()  # type: ignore[no-untyped-call]
+    sub = redis.Redis.from_url(redis_url).pubsub()  # type: ignore[no-untyped-call,unused-ignore]
     try:
         # RDATA goes on the stream's data channel, the REPLICATE answer on the main channel.
         sub.subscribe(link.core.channel, data_channel(redis_prefix, "s"))
@@ -196,7 +196,7 @@ def test_inline_publish_reaches_subscribers(redis_url: str, redis_prefix: str) -
 def test_lines_within_the_publish_window_all_arrive(redis_url: str, redis_prefix: str) -> None:
     """Lines sent faster than the window are batched; the flusher sends the tail."""
     link = RedisLink(redis_url, redis_prefix, "fastpath-window", publish_window=0.05)
-    sub = redis.Redis.from_url(redis_url).pubsub()  # type: ignore[no-untyped-call]
+    sub = redis.Redis.from_url(redis_url).pubsub()  # type: ignore[no-untyped-call,unused-ignore]
     try:
         sub.subscribe(data_channel(redis_prefix, "s"))
         wait_until(lambda: link.connected, 15, "the link to subscribe")
@@ -401,7 +401,7 @@ def test_writer_lines_go_out_only_while_someone_listens(redis_url: str, redis_pr
     """Nobody on the data channel: after one check the link stops publishing writers' lines;
     a subscriber appears: within about LISTENERS_INTERVAL they flow again."""
     link = RedisLink(redis_url, redis_prefix, "fleet-unheard", publish_window=0)
-    sub = redis.Redis.from_url(redis_url).pubsub()  # type: ignore[no-untyped-call]
+    sub = redis.Redis.from_url(redis_url).pubsub()  # type: ignore[no-untyped-call,unused-ignore]
     try:
         wait_until(lambda: link.connected, 15, "the link to subscribe")
         announcer = Announcer("s", "w", 0)

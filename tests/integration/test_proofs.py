@@ -316,7 +316,7 @@ def test_proofs_are_spaced_by_the_number_of_followers(
     readers = [c.reader(unique_name, poll_interval=30.0) for c in reading]
     # 60 more subscribers of the proof channel, standing in for 60 more follower processes.
     extra = redis.Redis.from_url(redis_url)
-    listeners = [extra.pubsub() for _ in range(60)]  # type: ignore[no-untyped-call]
+    listeners = [extra.pubsub() for _ in range(60)]  # type: ignore[no-untyped-call,unused-ignore]
     try:
         for listener in listeners:
             listener.subscribe(proof_channel(redis_prefix, unique_name))

@@ -180,7 +180,7 @@ class Watch:
 
     def __init__(self, redis_url: str, channel: str) -> None:
         self.client = redis.Redis.from_url(redis_url)
-        self.pubsub: Any = self.client.pubsub()  # type: ignore[no-untyped-call]
+        self.pubsub: Any = self.client.pubsub()  # type: ignore[no-untyped-call,unused-ignore]
         self.pubsub.psubscribe(data_channel(channel, "*"))
         wait_until(self._confirmed, 10, "the watch's data subscription")
         self.pubsub.subscribe(channel)
@@ -226,7 +226,7 @@ class FakeSynapse:
 
     def __init__(self, redis_url: str, channel: str, lines: list[bytes]) -> None:
         self.client = redis.Redis.from_url(redis_url)
-        self.pubsub: Any = self.client.pubsub()  # type: ignore[no-untyped-call]
+        self.pubsub: Any = self.client.pubsub()  # type: ignore[no-untyped-call,unused-ignore]
         self.pubsub.subscribe(channel)
         self.channel = channel
         self.lines = lines
