@@ -1,47 +1,11 @@
 """The database's incarnation: which history of which database a process is talking to.
 
-Terms. A *position* (a reader's, a group's, a Spark offset) names stream IDs of one database's
-history. A URL does not name that history: the same URL can reach a database that was dropped
-and recreated, restored from a dump or a base backup, or a standby promoted after a failover,
-and positions learned before then may name facts that database never had (a reader would skip
-the facts written there since under the same IDs) or lack facts it delivered. The
-*incarnation* names the history, from what PostgreSQL itself keeps:
-
-* ``system_identifier``: the cluster's, from ``initdb`` (a restore into another cluster, or
-  ``pg_upgrade``, changes it; a streaming standby shares its primary's);
-* ``database_oid``: the database's OID (a dropped and recreated database, or a dump restored
-  into another database, gets a new one);
-* ``table_oid``: the OID of the incarnation table (``pg_restore --clean`` into the same
-  database recreates it);
-* ``id``: the random id `streams migrate` writes into that table once (two databases that
-  happen to share the other numbers still differ);
-* ``timeline``: the WAL timeline (a promotion after a failover, or a point-in-time recovery,
-  starts a new one; the standby may lack what the old primary acknowledged).
-
-A `Guard` holds the first incarnation a process (a client and everything it opened, a Spark
-query) saw and compares every later one with it: on connect and on every reconnect, so a
-process never goes on silently in another history. Group rows and Spark offsets carry the
-`Incarnation.token` they were written under, checked the same way when they are read back.
-
-A *rewind* changes nothing of that: a file-system snapshot of the data directory restored in
-place keeps the identifiers and the timeline, and takes the WAL back. So the guard also keeps
-the highest *durable* WAL position the process saw on its timeline (`Guard.observed`: the
-flushed position read on every connect, a probe's proven position, a writer's heartbeat).
-Crash recovery replays at least everything that was flushed, so on an intact server that
-position never goes down on one timeline; a connect that finds it lower than one seen
-before its reading was taken is a rewind, and `DatabaseChanged` names both positions
-(`Guard.check`). A rewind restarts the server, so every session of the process connects
-again and is checked. A snapshot restored and then written
-past the position seen is not noticed: what no identifier and no position records, nothing
-here can tell.
-
-A *failover* changes the timeline only (`same_history`): the new primary holds a prefix of
-the old history (`streams.core.sightings`). The guard takes a higher timeline as the process's
-own from then on, and each role checks what it saw against the new primary before it goes on
-(`streams.store.identity.verify` with a `streams.core.sightings.Sighting`). A *lower* timeline
-than one already seen is another branch of the history (a former primary writable again after
-a failover: split brain) and stops the process like any other change.
-This module is pure: `streams.store.identity` reads the numbers.
+An `Incarnation` names a history by what PostgreSQL keeps (system identifier, database and
+table OIDs, the id `streams migrate` writes, the WAL timeline); a `Guard` holds the first one
+a process saw and checks every later session against it, including a rewind (the durable WAL
+position going down on one timeline) and a failover (a higher timeline: `same_history`). The
+argument: docs/design/history.md. This module is pure: `streams.store.identity` reads the
+numbers.
 """
 
 from __future__ import annotations

@@ -14,29 +14,10 @@ from .idempotency import prune_keys
 from .probe import probe
 from .rows import position_before_time
 
-# --- retention --------------------------------------------------------------------------------
-#
-# A stream with ``retention_ms`` keeps its facts for that long; `prune` removes older ones in
-# short transactions of about `PRUNE_BATCH` rows (row locks only, no table lock: appends and
-# reads go on). Each transaction moves the stream's ``pruned_through`` (every fact <= it may be
-# gone) forward together with the rows it deletes, so a statement sees both or neither. A read
-# of the rows after ``p`` followed, in a *later* statement, by ``pruned_through <= p`` lost
-# nothing: any prune that deleted from that range had committed a watermark above ``p`` before
-# the read's snapshot, hence before the later statement's (`retention_query`, `check_retained`;
-# step 4 of the read sequence every reader runs, `streams.store.reads`).
-#
-# Retention never passes: the stream's complete position (a pending ID below it could still
-# commit, into a range readers would never read again), nor any reader group's committed
-# position (Materialize's AllowCompaction: a group's frontier holds the stream's "since" back).
-# A group already below ``pruned_through`` lost facts and holds nothing back. Readers without a
-# group are not waited for: one that falls behind retention gets `FactsPruned`, as a Kafka
-# consumer gets OffsetOutOfRange. Rows are deleted, in short transactions, rather than dropped
-# as time partitions: each stream has its own partition of streams_facts (revision 0006), whose
-# indexes it appends to at the right edge, so the pages a prune empties are recycled by the
-# appends that follow (``streams bench history``: the indexes stop growing after the first
-# prune-and-refill cycle; in one table shared by all streams they grew every cycle, because
-# every stream but the last-created one appended in the middle of the shared indexes). Time
-# partitions within a stream would need DDL as the stream grows.
+# Retention removes facts older than a stream's retention in short transactions, moving
+# ``pruned_through`` with the rows it deletes; never past the complete position or a group's
+# committed position. The argument (why a read followed by `check_retained` lost nothing, and
+# why rows are deleted rather than partitions dropped): docs/design/retention.md.
 
 #: Rows removed per transaction by `prune_step`.
 PRUNE_BATCH = 10_000

@@ -1,62 +1,8 @@
 """Sink commits: how a Spark write appends each row exactly once (revision ``0008_sink_commits``).
 
-Terms
------
-* A **sink query** is one Spark write into one stream, named by a **query id**: a streaming
-  query's id (Spark keeps it in the checkpoint, so a restarted query has the same one) or a
-  random id for one batch write job. Its row in ``streams_sink_queries`` holds
-  ``committed_batch``: the last micro-batch whose write Spark committed on the driver (-1 before
-  the first; a batch job is micro-batch 0).
-* A **task** is one Spark task writing one partition of one micro-batch; its **key** is
-  (stream, query id, batch id, partition id). Spark may run a task more than once: a retry after
-  a failure, a speculative copy, a zombie attempt still running after its stage ended, and, after
-  a driver restart, the whole last micro-batch again from the checkpoint (a *replay*: the same
-  offsets, hence the same rows in the same partitions, for a deterministic query).
-* A **task commit** is the row ``streams_sink_commits`` holds for a task key.
-
-The exactly-once argument
--------------------------
-Each attempt of a task writes in **one transaction** that begins with `claim_task` and then
-reserves IDs and copies the facts (`streams.store.writer_core.WriterCore.append_facts`), and commits
-them together. `claim_task` is one statement that locks the query's row ``FOR SHARE``, then
-inserts the task commit unless the batch is at or below ``committed_batch``, ``ON CONFLICT DO
-NOTHING``. So an attempt writes facts only if it inserted the task commit, and:
-
-1. *Two attempts of one task never both write.* The task commit's primary key admits one row per
-   key. An attempt whose insert meets a row of a transaction still open waits for it (the unique
-   index's rule); if that transaction commits, the insert does nothing and the attempt writes
-   nothing; if it rolls back (its facts with it: their IDs are gaps), the insert goes ahead. A
-   committed task commit is never deleted while an attempt of its batch could still insert one
-   again (3).
-2. *A replayed batch writes nothing twice.* A replay of batch B after some of its tasks committed
-   meets their task commits (1) and writes only the partitions that had not committed. If Spark
-   had committed B on the driver (`commit_batch`) before the restart, every task of B had
-   committed, ``committed_batch >= B``, and no attempt of B writes at all.
-3. *Deleting task commits is safe.* `commit_batch` raises ``committed_batch`` to B and deletes the
-   query's task commits of batches ``<= B`` in one transaction, whose ``UPDATE`` of the query row
-   waits for every attempt holding it ``FOR SHARE`` (an attempt of any batch, open since before).
-   An attempt that locks the row later sees ``committed_batch >= B`` and writes nothing for a
-   batch ``<= B``; one that locked it earlier has ended, with (1) deciding it, before the task
-   commits are gone. Spark commits B only once every task of B succeeded, so nothing of B is
-   still to write, and batch ids of a query only grow.
-4. *An attempt that fails writes nothing.* Its transaction rolls back: no facts, no task commit,
-   and its reserved IDs complete as gaps (`streams.store.writer_core`); a process killed mid-write
-   loses its connection, and the server rolls back the same way.
-
-What it rests on: Spark replays a batch with the same rows in the same partitions (true for a
-query whose source replays its offsets, as ``streams`` and Kafka do, with Spark's fixed number
-of shuffle partitions in the checkpoint); rows of a task that differ between attempts would be
-written as the first committed attempt had them. A batch job's tasks are one micro-batch (0)
-whose query id is new for every job, so a task retried within a job writes once, and the same
-DataFrame written twice is written twice.
-
-Retention of task commits: `commit_batch` deletes a query's task commits as soon as Spark
-committed their batch (3), so the table holds at most the batches in flight. Query rows stay
-while their query may still restart: `commit_batch` also deletes (with their task commits) the
-rows of queries that committed nothing for ``retention_seconds`` (default 7 days). A checkpoint
-restarted after that is exact, except in one case: its driver died after Spark committed the
-last batch to the sink and before Spark wrote that to the checkpoint; that batch is then
-written again.
+A task's attempt writes in one transaction that starts with `claim_task`; `commit_batch`
+records a batch Spark committed and drops its task commits. Why no row is written twice or
+lost, for retries, speculative and zombie attempts and replays: docs/design/sink.md.
 """
 
 from __future__ import annotations
