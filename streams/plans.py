@@ -25,6 +25,7 @@ with the same name (sync in one, ``async def`` in the other) is one step: `Call`
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 from collections.abc import Awaitable, Callable, Generator
@@ -141,16 +142,13 @@ class Call(Io):
         super().__init__(method, method, *args)
 
 
-async def _athread(function: Callable[..., T], *args: Any) -> T:
-    return await asyncio.to_thread(function, *args)
-
-
 class Blocking(Io):
     """A blocking function of no world (asking the Sentinels, a user's callback): called in
     this thread, or in a worker thread under asyncio, so the loop goes on meanwhile."""
 
     def __init__(self, function: Callable[..., Any], *args: Any) -> None:
-        super().__init__(function, _athread, function, *args)
+        # Both twins get the same arguments: the function itself is bound into the aio one.
+        super().__init__(function, functools.partial(asyncio.to_thread, function), *args)
 
 
 class Sleep(Io):
