@@ -5,7 +5,7 @@
 * `connections`: the subscriber read in bulk and the fire-and-forget publisher.
 * `discovery`: where a URL leads: a Sentinel set's master, a Cluster's slot map.
 * `cluster`: the link on a Redis Cluster, as plans: sharded channels, routing.
-* `cluster_io`: the drivers of `cluster`'s plans, threads and asyncio.
+* `cluster_io`: the cluster subscriber's connections and publishers, threads and asyncio.
 * `redis_errors`: Redis failures as errors that say what failed, where and what to do.
 
 What a message means is decided in `streams.core.replication`; here is only I/O. Nothing read

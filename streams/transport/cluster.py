@@ -9,16 +9,15 @@ connection to any node.
 
 `ClusterPlans` is the subscriber's logic, with no I/O: it keeps which sharded channel is
 subscribed on which master and which wait for one, and turns the link's ``SUBSCRIBE`` /
-``UNSUBSCRIBE`` / receive into generator plans that yield the I/O ops below (`ControlSend`,
-`ShardSend`, `DropShard`, `RefreshMap`, `Wait`); `streams.transport.cluster_io` drives them on
-sockets (`ClusterSubscriber`, threads) and on asyncio streams (`AsyncClusterSubscriber`), as
-`streams.transport.link` drives the link's plans. A shard that fails (its connection ends, it
-answers ``MOVED``, or it pushes a ``sunsubscribe``: its slot moved or it failed over) costs
-only its channels: the slot map is read again and they are subscribed again, at most once per
-`RETRY_INTERVAL` while their owner is unreachable (or the map has slots without a master);
-when they are all back the plans report a ``subscribe`` of the control channel, so the link
-runs its connect step again (``REPLICATE``; writers re-announce their positions). Only the
-control connection failing fails the link.
+``UNSUBSCRIBE`` / receive into plans (`streams.plans`) over the subscriber's `Connections`:
+`streams.transport.cluster_io` implements those on sockets (`ClusterSubscriber`, threads) and on
+asyncio streams (`AsyncClusterSubscriber`), each running the plans with the kernel's driver.
+A shard that fails (its connection ends, it answers ``MOVED``, or it pushes a ``sunsubscribe``:
+its slot moved or it failed over) costs only its channels: the slot map is read again and
+they are subscribed again, at most once per `RETRY_INTERVAL` while their owner is unreachable
+(or the map has slots without a master); when they are all back the plans report a
+``subscribe`` of the control channel, so the link runs its connect step again (``REPLICATE``;
+writers re-announce their positions). Only the control connection failing fails the link.
 
 The slot map is shared with the process's publisher (`route`). It is read again every
 `MAP_REFRESH_INTERVAL`, at once when a ``REPLICATE`` is heard (a reader that just resubscribed
@@ -34,11 +33,11 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable, Generator, Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any, TypeAlias
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol, TypeAlias
 
 from ..core.replication import LinkStats
+from ..plans import Blocking, Call, Plan
 from .connections import REDIS_ERRORS, Message
 from .discovery import ClusterMap
 
@@ -46,13 +45,9 @@ __all__ = [
     "MAP_REFRESH_INTERVAL",
     "RETRY_INTERVAL",
     "ClusterPlans",
-    "ControlSend",
-    "DropShard",
+    "Connections",
     "Node",
-    "RefreshMap",
-    "ShardSend",
     "StaleCounter",
-    "Wait",
     "numsub_groups",
     "route",
 ]
@@ -68,42 +63,22 @@ Node: TypeAlias = tuple[str, int]
 Received: TypeAlias = list[tuple[Node | None, Message | BaseException]]
 
 
-@dataclass(frozen=True, slots=True)
-class ControlSend:
-    """Send a command on the control connection (a failure fails the link)."""
+class Connections(Protocol):
+    """A cluster subscriber's connections, as its plans use them: each method is synchronous
+    in `ClusterSubscriber` and a coroutine in `AsyncClusterSubscriber`, so one `Call` step."""
 
-    args: tuple[str, ...]
+    def control_send(self, *args: str) -> Any:
+        """Send a command on the control connection (a failure fails the link)."""
 
+    def shard_send(self, node: Node, *args: str) -> Any:
+        """Send a command on ``node``'s connection, opened first if there is none."""
 
-@dataclass(frozen=True, slots=True)
-class ShardSend:
-    """Send a command on ``node``'s connection, opened first if there is none."""
+    def drop_shard(self, node: Node) -> Any:
+        """Close ``node``'s connection (there may be none)."""
 
-    node: Node
-    args: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class DropShard:
-    """Close ``node``'s connection (there may be none)."""
-
-    node: Node
-
-
-@dataclass(frozen=True, slots=True)
-class RefreshMap:
-    """Read the slot map again (`ClusterMap.refresh`, blocking)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Wait:
-    """Wait up to ``timeout`` seconds for any connection to have data (or the link's wake-up);
-    the result is everything read then (`Received`)."""
-
-    timeout: float
-
-
-Op: TypeAlias = ControlSend | ShardSend | DropShard | RefreshMap | Wait
+    def wait_any(self, timeout: float) -> Any:
+        """Wait up to ``timeout`` seconds for any connection to have data (or the link's
+        wake-up); the result is everything read then (`Received`)."""
 
 
 def _name(channel: str | bytes) -> str:
@@ -115,9 +90,14 @@ class ClusterPlans:
     ``sharded``: whether a channel is a stream's."""
 
     def __init__(
-        self, slots: ClusterMap, control_channel: str, sharded: Callable[[str], bool]
+        self,
+        slots: ClusterMap,
+        control_channel: str,
+        sharded: Callable[[str], bool],
+        connections: Connections,
     ) -> None:
         self.slots = slots
+        self._io = connections
         self._control_channel = control_channel.encode()
         self._sharded = sharded
         self._where: dict[str, Node] = {}  # sharded channel -> the node it is subscribed on
@@ -127,14 +107,14 @@ class ClusterPlans:
         self._map_due = time.monotonic() + MAP_REFRESH_INTERVAL
         self._queue: collections.deque[Message] = collections.deque()
 
-    def send_plan(self, command: str, channels: Iterable[str | bytes]) -> Generator[Op, Any, None]:
+    def send_plan(self, command: str, channels: Iterable[str | bytes]) -> Plan[None]:
         """The link's ``send(command, *channels)``: control channels on the control
         connection, sharded ones as ``SSUBSCRIBE``/``SUNSUBSCRIBE`` on their owners."""
         names = [_name(c) for c in channels]
         control = tuple(c for c in names if not self._sharded(c))
         sharded = [c for c in names if self._sharded(c)]
         if command == "PING" or control or not sharded:
-            yield ControlSend((command, *control))
+            yield Call(self._io.control_send, command, *control)
         if command == "SUBSCRIBE":
             self._pending.update(sharded)
             yield from self._subscribe_pending()
@@ -145,7 +125,7 @@ class ClusterPlans:
                 if node is not None:
                     yield from self._shard_send(node, "SUNSUBSCRIBE", channel)
 
-    def receive_plan(self, timeout: float) -> Generator[Op, Any, Message | None]:
+    def receive_plan(self, timeout: float) -> Plan[Message | None]:
         """The link's ``receive(timeout)``: the next message of any connection, or None."""
         if self._queue:
             return self._queue.popleft()
@@ -156,7 +136,7 @@ class ClusterPlans:
         if incomplete:
             timeout = min(timeout, max(0.0, self._retry_at - now))
         timeout = min(timeout, max(0.0, self._map_due - now))
-        received: Received = yield Wait(timeout)
+        received: Received = yield Call(self._io.wait_any, timeout)
         for node, item in received:
             if not isinstance(item, BaseException):
                 self._take(item, node)
@@ -166,12 +146,12 @@ class ClusterPlans:
                 yield from self._lose(node)
         return self._queue.popleft() if self._queue else None
 
-    def _refresh(self) -> Generator[Op, Any, None]:
+    def _refresh(self) -> Plan[None]:
         now = time.monotonic()
         self._retry_at = now + RETRY_INTERVAL
         self._map_due = now + MAP_REFRESH_INTERVAL
         try:
-            yield RefreshMap()
+            yield Blocking(self.slots.refresh)  # asks a node: a thread under asyncio
         except REDIS_ERRORS:  # no node answers: keep the map, retry later
             return
         # A channel whose slot moved without a ``sunsubscribe`` reaching us: move it.
@@ -184,25 +164,25 @@ class ClusterPlans:
                 yield from self._shard_send(node, "SUNSUBSCRIBE", channel)
         yield from self._subscribe_pending()
 
-    def _subscribe_pending(self) -> Generator[Op, Any, None]:
+    def _subscribe_pending(self) -> Plan[None]:
         for channel in sorted(self._pending):
             owner = self.slots.owner(channel)
             if owner is not None and (yield from self._shard_send(owner, "SSUBSCRIBE", channel)):
                 self._where[channel] = owner
                 self._pending.discard(channel)
 
-    def _shard_send(self, node: Node, *args: str) -> Generator[Op, Any, bool]:
+    def _shard_send(self, node: Node, *args: str) -> Plan[bool]:
         """Send on ``node``'s connection; False if it failed (its channels are lost)."""
         try:
-            yield ShardSend(node, args)
+            yield Call(self._io.shard_send, node, *args)
             return True
         except REDIS_ERRORS:
             yield from self._lose(node)
             return False
 
-    def _lose(self, node: Node) -> Generator[Op, Any, None]:
+    def _lose(self, node: Node) -> Plan[None]:
         """``node``'s connection failed: its channels wait for the slot map to say where."""
-        yield DropShard(node)
+        yield Call(self._io.drop_shard, node)
         for channel, where in list(self._where.items()):
             if where == node:
                 del self._where[channel]

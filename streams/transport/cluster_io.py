@@ -1,11 +1,12 @@
-"""The drivers of `streams.transport.cluster`'s plans: threads and asyncio.
+"""`streams.transport.cluster`'s connections, on threads and on asyncio.
 
 `ClusterSubscriber` and `AsyncClusterSubscriber` have the faces of `Subscriber` and
-`AsyncSubscriber` (``send``, ``receive``, ``close``), so the link's listen plan drives them
-unchanged; each only performs the ops `ClusterPlans` yields, on a control connection and one
-connection per master it needs. `ClusterPublisher` (the threaded link's, fire-and-forget like
-`InlinePublisher`) and `AsyncClusterPublisher` (the asyncio link's publisher task's) publish
-each line on the master `route` names and ask ``PUBSUB SHARDNUMSUB`` / ``NUMSUB`` where
+`AsyncSubscriber` (``send``, ``receive``, ``close``), so the link's listen plan uses them
+unchanged; each implements the `Connections` that `ClusterPlans` steps on (a control connection
+and one connection per master it needs) and runs the plans with the kernel's driver
+(`streams.plans.drive`, `adrive`). `ClusterPublisher` (the threaded link's, fire-and-forget
+like `InlinePublisher`) and `AsyncClusterPublisher` (the asyncio link's publisher task's)
+publish each line on the master `route` names and ask ``PUBSUB SHARDNUMSUB`` / ``NUMSUB`` where
 `numsub_groups` says.
 """
 
@@ -15,22 +16,18 @@ import asyncio
 import contextlib
 import os
 import select
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis.asyncio
 
 from ..core.replication import LinkStats
+from ..plans import adrive, drive
 from .cluster import (
     ClusterPlans,
-    ControlSend,
-    DropShard,
     Node,
     Received,
-    RefreshMap,
-    ShardSend,
     StaleCounter,
-    Wait,
     numsub_groups,
     route,
     sum_counts,
@@ -53,12 +50,8 @@ __all__ = [
 ]
 
 
-def _step(plan: Generator[Any, Any, Any], result: Any, error: BaseException | None) -> Any:
-    return plan.throw(error) if error is not None else plan.send(result)
-
-
 class ClusterSubscriber:
-    """`Subscriber`'s face on a cluster (threads): drives `ClusterPlans` (blocking I/O)."""
+    """`Subscriber`'s face on a cluster (threads): `ClusterPlans` on blocking sockets."""
 
     def __init__(
         self,
@@ -73,48 +66,34 @@ class ClusterSubscriber:
         host, port = slots.any_node()
         self._control = Subscriber(slots.topology.node_url(host, port, db=0), client_name)
         self._shards: dict[Node, Subscriber] = {}
-        self._plans = ClusterPlans(slots, control_channel, sharded)
+        self._plans = ClusterPlans(slots, control_channel, sharded, self)
         self._wake: int | None = None
 
     def send(self, command: str, *channels: str | bytes) -> None:
-        self._run(self._plans.send_plan(command, channels))
+        drive(self._plans.send_plan(command, channels))
 
     def receive(self, timeout: float, wake: int | None = None) -> Message | None:
         self._wake = wake
-        result: Message | None = self._run(self._plans.receive_plan(timeout))
-        return result
+        return drive(self._plans.receive_plan(timeout))
 
-    def _run(self, plan: Generator[Any, Any, Any]) -> Any:
-        result: Any = None
-        error: BaseException | None = None
-        while True:
-            try:
-                op = _step(plan, result, error)
-            except StopIteration as done:
-                return done.value
-            result, error = None, None
-            try:
-                match op:
-                    case ControlSend(args=args):
-                        self._control.send(*args)
-                    case ShardSend(node=node, args=args):
-                        conn = self._shards.get(node)
-                        if conn is None:
-                            url = self._slots.topology.node_url(*node, db=0)
-                            conn = self._shards[node] = Subscriber(url, self._name)
-                        conn.send(*args)
-                    case DropShard(node=node):
-                        dropped = self._shards.pop(node, None)
-                        if dropped is not None:
-                            dropped.close()
-                    case RefreshMap():
-                        self._slots.refresh()
-                    case Wait(timeout=timeout):
-                        result = self._wait(timeout)
-            except REDIS_ERRORS as exc:
-                error = exc
+    # `Connections`, the plans' steps
 
-    def _wait(self, timeout: float) -> Received:
+    def control_send(self, *args: str) -> None:
+        self._control.send(*args)
+
+    def shard_send(self, node: Node, *args: str) -> None:
+        conn = self._shards.get(node)
+        if conn is None:
+            url = self._slots.topology.node_url(*node, db=0)
+            conn = self._shards[node] = Subscriber(url, self._name)
+        conn.send(*args)
+
+    def drop_shard(self, node: Node) -> None:
+        dropped = self._shards.pop(node, None)
+        if dropped is not None:
+            dropped.close()
+
+    def wait_any(self, timeout: float) -> Received:
         conns: dict[Subscriber, Node | None] = {self._control: None}
         conns.update({c: n for n, c in self._shards.items()})
         watched: list[Any] = [c.fileno() for c in conns]
@@ -141,16 +120,21 @@ class ClusterSubscriber:
 
 
 class AsyncClusterSubscriber:
-    """`AsyncSubscriber`'s face on a cluster: drives the same `ClusterPlans` on asyncio."""
+    """`AsyncSubscriber`'s face on a cluster: the same `ClusterPlans` on asyncio streams."""
 
     def __init__(
-        self, slots: ClusterMap, client_name: str, control: AsyncSubscriber, plans: ClusterPlans
+        self,
+        slots: ClusterMap,
+        client_name: str,
+        control: AsyncSubscriber,
+        control_channel: str,
+        sharded: Callable[[str], bool],
     ) -> None:
         self._slots = slots
         self._name = client_name
         self._control = control
         self._shards: dict[Node, AsyncSubscriber] = {}
-        self._plans = plans
+        self._plans = ClusterPlans(slots, control_channel, sharded, self)
         self._wake: asyncio.Event | None = None
 
     @classmethod
@@ -164,45 +148,31 @@ class AsyncClusterSubscriber:
         await asyncio.to_thread(slots.refresh)
         host, port = await asyncio.to_thread(slots.any_node)
         control = await AsyncSubscriber.open(slots.topology.node_url(host, port, db=0), client_name)
-        return cls(slots, client_name, control, ClusterPlans(slots, control_channel, sharded))
+        return cls(slots, client_name, control, control_channel, sharded)
 
     async def send(self, command: str, *channels: str | bytes) -> None:
-        await self._run(self._plans.send_plan(command, channels))
+        await adrive(self._plans.send_plan(command, channels))
 
     async def receive(self, timeout: float, wake: asyncio.Event | None = None) -> Message | None:
         self._wake = wake
-        result: Message | None = await self._run(self._plans.receive_plan(timeout))
-        return result
+        return await adrive(self._plans.receive_plan(timeout))
 
-    async def _run(self, plan: Generator[Any, Any, Any]) -> Any:
-        result: Any = None
-        error: BaseException | None = None
-        while True:
-            try:
-                op = _step(plan, result, error)
-            except StopIteration as done:
-                return done.value
-            result, error = None, None
-            try:
-                match op:
-                    case ControlSend(args=args):
-                        await self._control.send(*args)
-                    case ShardSend(node=node, args=args):
-                        conn = self._shards.get(node)
-                        if conn is None:
-                            url = self._slots.topology.node_url(*node, db=0)
-                            conn = self._shards[node] = await AsyncSubscriber.open(url, self._name)
-                        await conn.send(*args)
-                    case DropShard(node=node):
-                        dropped = self._shards.pop(node, None)
-                        if dropped is not None:
-                            await dropped.close()
-                    case RefreshMap():
-                        await asyncio.to_thread(self._slots.refresh)
-                    case Wait(timeout=timeout):
-                        result = await self._wait(timeout)
-            except REDIS_ERRORS as exc:
-                error = exc
+    # `Connections`, the plans' steps
+
+    async def control_send(self, *args: str) -> None:
+        await self._control.send(*args)
+
+    async def shard_send(self, node: Node, *args: str) -> None:
+        conn = self._shards.get(node)
+        if conn is None:
+            url = self._slots.topology.node_url(*node, db=0)
+            conn = self._shards[node] = await AsyncSubscriber.open(url, self._name)
+        await conn.send(*args)
+
+    async def drop_shard(self, node: Node) -> None:
+        dropped = self._shards.pop(node, None)
+        if dropped is not None:
+            await dropped.close()
 
     def _collect(self) -> Received:
         received: Received = []
@@ -213,7 +183,7 @@ class AsyncClusterSubscriber:
                 received.append((node, exc))
         return received
 
-    async def _wait(self, timeout: float) -> Received:
+    async def wait_any(self, timeout: float) -> Received:
         received = self._collect()
         if received or timeout <= 0:
             return received

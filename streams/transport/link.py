@@ -67,14 +67,12 @@ import random
 import re
 import threading
 import time
-from collections.abc import Callable, Collection, Generator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, TypeAlias
 
 import redis
 import redis.asyncio
 
-from .._aio import wait_event
 from ..config import redact_url
 from ..core.constants import sharded_channel
 from ..core.protocol import Command, serialize
@@ -87,6 +85,7 @@ from ..core.replication import (
     Quarantine,
     backoff_delay,
 )
+from ..plans import Blocking, Call, Plan, Wait, adrive, drive
 from ..redis_urls import parse_redis_url
 from .cluster_io import (
     AsyncClusterPublisher,
@@ -301,80 +300,112 @@ class _LinkBase:
             return lines
         return []
 
-    # The connection discipline, written once as generators (psycopg style): the listen plan
-    # yields `_Open`, `_Subscribe`, `_Receive`, `_Ping` and `_Sleep`, the send plan `_Publish`;
-    # a driver performs each on redis-py (threads) or redis.asyncio (tasks) and sends back the
-    # result, or throws the Redis error into the plan.
-    _stopped: Any  # threading.Event or asyncio.Event: only is_set() is used here
+    # The connection discipline, written once as plans (`streams.plans`): each class
+    # implements the steps under the same names (``_open_subscriber``; the subscriber's
+    # ``send``, ``receive``, ``close``), synchronous in `RedisLink` and coroutines in
+    # `AsyncRedisLink`, and runs the plan with `drive` or `adrive`.
+    _stopped: Any  # threading.Event or asyncio.Event
     _resubscribe: Any
+    #: What interrupts the subscriber's wait for a message (`_request_resubscribe`): a pipe's
+    #: read end (threads) or the ``_resubscribe`` event (asyncio).
+    _wake: Any
 
-    def _listen_plan(self) -> Generator[_ListenOp, Any, None]:
+    def _listen_plan(self) -> Plan[None]:
         attempt = 0
-        while not self._stopped.is_set():
-            try:
-                yield _Open()
-                channels = self.core.channels()
-                yield _Subscribe(tuple(channels))
-                last_pong = last_ping = time.monotonic()
-                draining = False
-                while not self._stopped.is_set():
-                    if self._resubscribe.is_set():
-                        self._resubscribe.clear()
-                        wanted = self.core.channels()
-                        new = [c for c in wanted if c not in channels]
-                        gone = [c for c in channels if c not in wanted]
-                        if new:
-                            yield _Subscribe(tuple(new))
-                        if gone:
-                            yield _Unsubscribe(tuple(gone))
-                        channels = wanted
-                    message = yield _Receive(0.0 if draining else 0.5)
-                    now = time.monotonic()
-                    if message is not None:
-                        attempt = 0
-                        if message[0] == b"pong":
-                            last_pong = now
-                        self._enqueue_control(self._handle(message, now))
-                        # No reader here: drain what has arrived, then let more pile up.
-                        draining = self._idle_read_interval > 0 and not self.core.readers
-                    elif draining:
-                        draining = False
-                        yield _Sleep(self._idle_read_interval)
-                    yield from self._periodic_plan(now)
-                    if now - last_ping >= KEEPALIVE:
-                        if now - last_pong > 2 * KEEPALIVE + 1:
-                            raise redis.ConnectionError("no reply to keep-alive PING")
-                        yield from self._keepalive_plan()
-                        last_ping = now
-            except REDIS_ERRORS as exc:
-                if self._stopped.is_set():
-                    break
-                self.core.on_disconnected()
-                self._set_connected(False)
-                self.core.stats.reconnects += 1
-                # Under Sentinel the next attempt asks for the master again, on a cluster
-                # another node: retry at least once a second, so the link is live soon after
-                # the promotion or the shard's restart.
-                cap = 5.0 if self._topology.kind == "single" else 1.0
-                delay = backoff_delay(attempt, cap=cap, jitter=random.random())
-                attempt += 1
-                log.warning(
-                    "Redis link %s lost (%s); reconnecting in %.2fs",
-                    redact_url(self._url),
-                    type(exc).__name__,
-                    delay,
-                )
-                yield _Sleep(delay)
+        subscriber: Any = None  # a `Subscriber`, `AsyncSubscriber` or their cluster faces
+        try:
+            while not self._stopped.is_set():
+                try:
+                    if subscriber is not None:  # the connection of the previous attempt
+                        subscriber, previous = None, subscriber
+                        yield Call(previous.close)
+                    target = self._url
+                    if self._topology.kind == "sentinel":
+                        target = yield Blocking(self._resolve)
+                    subscriber = yield Call(self._open_subscriber, target)
+                    channels = self.core.channels()
+                    yield Call(subscriber.send, "SUBSCRIBE", *channels)
+                    last_pong = last_ping = time.monotonic()
+                    draining = False
+                    while not self._stopped.is_set():
+                        if self._resubscribe.is_set():
+                            channels = yield from self._resubscribe_plan(subscriber, channels)
+                        timeout = 0.0 if draining else 0.5
+                        message = yield Call(subscriber.receive, timeout, self._wake)
+                        now = time.monotonic()
+                        if message is not None:
+                            attempt = 0
+                            if message[0] == b"pong":
+                                last_pong = now
+                            self._enqueue_control(self._handle(message, now))
+                            # No reader here: drain what has arrived, then let more pile up.
+                            draining = self._idle_read_interval > 0 and not self.core.readers
+                        elif draining:
+                            draining = False
+                            yield Wait(self._stopped, self._idle_read_interval)
+                        yield from self._periodic_plan(now)
+                        if now - last_ping >= KEEPALIVE:
+                            if now - last_pong > 2 * KEEPALIVE + 1:
+                                raise redis.ConnectionError("no reply to keep-alive PING")
+                            yield from self._keepalive_plan(subscriber)
+                            last_ping = now
+                except REDIS_ERRORS as exc:
+                    if self._stopped.is_set():
+                        break
+                    delay = self._lost(exc, attempt)
+                    attempt += 1
+                    yield Wait(self._stopped, delay)
+            self.core.on_disconnected()
+            self._set_connected(False)
+        finally:
+            # However the plan ends: the link closed, the task cancelled, an error it does not
+            # handle (it propagates once the connection is closed).
+            if subscriber is not None:
+                yield Call(subscriber.close)
+
+    def _open_subscriber(self, target: str) -> Any:
+        """Open the subscriber on ``target`` (each class's, in its world)."""
+        raise NotImplementedError
+
+    def _resubscribe_plan(self, subscriber: Any, channels: list[str]) -> Plan[list[str]]:
+        """The channels to hear changed (`_request_resubscribe`): subscribe to the new ones,
+        unsubscribe from the others; return the channels now subscribed."""
+        self._resubscribe.clear()
+        wanted = self.core.channels()
+        new = [c for c in wanted if c not in channels]
+        gone = [c for c in channels if c not in wanted]
+        if new:
+            yield Call(subscriber.send, "SUBSCRIBE", *new)
+        if gone:
+            yield Call(subscriber.send, "UNSUBSCRIBE", *gone)
+        return wanted
+
+    def _keepalive_plan(self, subscriber: Any) -> Plan[None]:
+        yield Call(subscriber.send, "PING")
+        if self._topology.kind == "sentinel":
+            # Still the master? (A demoted one still relays the new one's lines.)
+            yield Blocking(self._verify)
+
+    def _lost(self, exc: BaseException, attempt: int) -> float:
+        """The subscription failed: tell the readers; the seconds to wait before reconnecting."""
         self.core.on_disconnected()
         self._set_connected(False)
+        self.core.stats.reconnects += 1
+        # Under Sentinel the next attempt asks for the master again, on a cluster another
+        # node: retry at least once a second, so the link is live soon after the promotion or
+        # the shard's restart.
+        cap = 5.0 if self._topology.kind == "single" else 1.0
+        delay = backoff_delay(attempt, cap=cap, jitter=random.random())
+        log.warning(
+            "Redis link %s lost (%s); reconnecting in %.2fs",
+            redact_url(self._url),
+            type(exc).__name__,
+            delay,
+        )
+        return delay
 
     def _sharded(self, channel: str) -> bool:
         return sharded_channel(self.core.prefix, channel)
-
-    def _keepalive_plan(self) -> Generator[_ListenOp, Any, None]:
-        yield _Ping()
-        if self._topology.kind == "sentinel":
-            yield _Verify()  # still the master? (a demoted one still relays the new one's)
 
     def _resolve(self) -> str:
         """The URL to open the subscriber on (blocking: asks the Sentinels, if any)."""
@@ -393,38 +424,24 @@ class _LinkBase:
         if self._target is not None and now != self._target:
             raise NotMaster("the Sentinels name a new master")
 
-    def _periodic_plan(self, now: float) -> Generator[_ListenOp, Any, None]:
+    def _periodic_plan(self, now: float) -> Plan[None]:
         """After each wait for a message (at most half a second): read the registry if the
         core asks (rule (b)), and end a quarantine that is over."""
         if self._known_streams is not None and self.core.refresh_due(now):
             yield from self._refresh_plan()
         self._tick(now)
 
-    def _refresh_plan(self) -> Generator[_ListenOp, Any, None]:
+    def _refresh_plan(self) -> Plan[None]:
         # Read after every suspect name was heard: the listen plan is the only consumer of
         # messages, and it waits here.
-        names = yield _Refresh()
-        done = time.monotonic()
-        if isinstance(names, BaseException):
-            self.core.on_refresh_failed(done, names)
+        assert self._known_streams is not None
+        try:
+            names = frozenset((yield Blocking(self._known_streams)))
+        except Exception as exc:  # the client's function: a database error, most likely
+            self.core.on_refresh_failed(time.monotonic(), exc)
         else:
-            self.core.on_known_streams(names, done)
+            self.core.on_known_streams(names, time.monotonic())
             self._update_liveness()
-
-    def _send_plan(self, batch: list[_Out]) -> Generator[_Publish, Any, None]:
-        # Lines queued before the channel was found foreign are dropped here, at the last step.
-        batch = self.core.outgoing(batch)
-        if not batch:
-            return
-        for attempt in range(2):  # one retry (redis-py reconnects), then drop: best effort
-            try:
-                yield _Publish(tuple(batch))
-                self.core.stats.published += len(batch)
-                return
-            except REDIS_ERRORS as exc:
-                if attempt:
-                    self.dropped += len(batch)
-                    log.debug("dropped %d replication messages: %s", len(batch), exc)
 
     def _enqueue_control(self, lines: Sequence[bytes]) -> None:
         """Publish lines the core decided on, all on the replication channel."""
@@ -446,65 +463,6 @@ class _LinkBase:
         """The channels to hear changed: the listener subscribes at once (it is woken if it
         waits for a message), so a new reader hears its streams within a round trip."""
         self._resubscribe.set()
-
-
-@dataclass(frozen=True, slots=True)
-class _Open:
-    """(Re)connect the subscriber: close the previous connection, open a new one."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Subscribe:
-    channels: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class _Unsubscribe:
-    channels: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class _Receive:
-    """The next message or None after ``timeout`` seconds."""
-
-    timeout: float
-
-
-@dataclass(frozen=True, slots=True)
-class _Ping:
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class _Sleep:
-    """Sleep, but wake up early when the link is closed."""
-
-    seconds: float
-
-
-@dataclass(frozen=True, slots=True)
-class _Verify:
-    """Sentinel only: check that the master the link is on is still the master (`_verify`)."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Refresh:
-    """Call ``known_streams``; the result is its names as a frozenset, or the exception."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Publish:
-    lines: tuple[_Out, ...]
-
-
-_ListenOp: TypeAlias = (
-    _Open | _Subscribe | _Unsubscribe | _Receive | _Ping | _Sleep | _Refresh | _Verify
-)
-
-
-def _step(plan: Generator[Any, Any, None], result: Any, error: BaseException | None) -> Any:
-    """Advance a plan; raises StopIteration when it is done."""
-    return plan.throw(error) if error is not None else plan.send(result)
 
 
 def _text(value: object) -> str:
@@ -550,8 +508,8 @@ class RedisLink(_LinkBase):
         self._stopped = threading.Event()
         self._resubscribe = threading.Event()
         # Written to wake the listener from its wait for a message (`_request_resubscribe`).
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
+        self._wake, self._wake_w = os.pipe()
+        os.set_blocking(self._wake, False)
         os.set_blocking(self._wake_w, False)
         self._listen_thread = threading.Thread(
             target=self._listen_loop, name="streams-redis-listen", daemon=True
@@ -638,69 +596,21 @@ class RedisLink(_LinkBase):
         super()._set_connected(subscribed)
 
     def _listen_loop(self) -> None:
-        plan = self._listen_plan()
-        subscriber: Subscriber | ClusterSubscriber | None = None
-        result: Any = None
-        error: BaseException | None = None
-        try:
-            while True:
-                try:
-                    op = _step(plan, result, error)
-                except StopIteration:
-                    return
-                result, error = None, None
-                try:
-                    match op:
-                        case _Open():
-                            if subscriber is not None:
-                                subscriber.close()
-                                subscriber = None
-                            if self._slots is not None:
-                                subscriber = ClusterSubscriber(
-                                    self._slots,
-                                    self.client_name("sub"),
-                                    self.core.channel,
-                                    self._sharded,
-                                )
-                                continue
-                            target = self._resolve()
-                            subscriber = Subscriber(
-                                target,
-                                self.client_name("sub"),
-                                expect_master=self._topology.kind == "sentinel",
-                            )
-                            self._target = target
-                            self._publisher.retarget(target)
-                        case _Subscribe(channels=channels):
-                            assert subscriber is not None
-                            subscriber.send("SUBSCRIBE", *channels)
-                        case _Unsubscribe(channels=channels):
-                            assert subscriber is not None
-                            subscriber.send("UNSUBSCRIBE", *channels)
-                        case _Receive(timeout=timeout):
-                            assert subscriber is not None
-                            result = subscriber.receive(timeout, self._wake_r)
-                        case _Ping():
-                            assert subscriber is not None
-                            subscriber.send("PING")
-                        case _Sleep(seconds=seconds):
-                            self._stopped.wait(seconds)
-                        case _Refresh():
-                            result = self._read_known_streams()
-                        case _Verify():
-                            self._verify()
-                except REDIS_ERRORS as exc:
-                    error = exc
-        finally:
-            if subscriber is not None:
-                subscriber.close()
+        drive(self._listen_plan())
 
-    def _read_known_streams(self) -> frozenset[str] | Exception:
-        assert self._known_streams is not None
-        try:
-            return frozenset(self._known_streams())
-        except Exception as exc:  # the client's function: a database error, most likely
-            return exc
+    def _open_subscriber(self, target: str) -> Subscriber | ClusterSubscriber:
+        """The listen plan's (re)connect: a subscriber on ``target`` (the URL, or the master
+        the Sentinels named); on a cluster, the cluster's subscriber."""
+        if self._slots is not None:
+            return ClusterSubscriber(
+                self._slots, self.client_name("sub"), self.core.channel, self._sharded
+            )
+        subscriber = Subscriber(
+            target, self.client_name("sub"), expect_master=self._topology.kind == "sentinel"
+        )
+        self._target = target
+        self._publisher.retarget(target)
+        return subscriber
 
     def close(self) -> None:
         if self._stopped.is_set():
@@ -715,7 +625,7 @@ class RedisLink(_LinkBase):
         self._request_resubscribe()  # wakes the listener: it sees the link stopped
         self._listen_thread.join(timeout=5)
         self._publisher.close()
-        for fd in (self._wake_r, self._wake_w):
+        for fd in (self._wake, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
 
@@ -733,6 +643,7 @@ class AsyncRedisLink(_LinkBase):
         self._queue: asyncio.Queue[_Out | None] = asyncio.Queue(PUBLISH_QUEUE_LIMIT)
         self._stopped = asyncio.Event()
         self._resubscribe = asyncio.Event()
+        self._wake = self._resubscribe
         self._closing: asyncio.Future[None] | None = None
         self._listen_task = asyncio.create_task(self._listen_loop(), name="streams-redis-listen")
         self._publish_task = asyncio.create_task(self._publish_loop(), name="streams-redis-publish")
@@ -785,70 +696,19 @@ class AsyncRedisLink(_LinkBase):
                 self.dropped += 1
 
     async def _listen_loop(self) -> None:
-        plan = self._listen_plan()
-        subscriber: AsyncSubscriber | AsyncClusterSubscriber | None = None
-        result: Any = None
-        error: BaseException | None = None
-        try:
-            while True:
-                try:
-                    op = _step(plan, result, error)
-                except StopIteration:
-                    return
-                result, error = None, None
-                try:
-                    match op:
-                        case _Open():
-                            if subscriber is not None:
-                                await subscriber.close()
-                                subscriber = None
-                            if self._slots is not None:
-                                subscriber = await AsyncClusterSubscriber.open(
-                                    self._slots,
-                                    self.client_name("sub"),
-                                    self.core.channel,
-                                    self._sharded,
-                                )
-                                continue
-                            target = self._url
-                            if self._topology.kind != "single":
-                                target = await asyncio.to_thread(self._resolve)
-                            subscriber = await AsyncSubscriber.open(
-                                target,
-                                self.client_name("sub"),
-                                expect_master=self._topology.kind == "sentinel",
-                            )
-                            self._target = target
-                        case _Subscribe(channels=channels):
-                            assert subscriber is not None
-                            await subscriber.send("SUBSCRIBE", *channels)
-                        case _Unsubscribe(channels=channels):
-                            assert subscriber is not None
-                            await subscriber.send("UNSUBSCRIBE", *channels)
-                        case _Receive(timeout=timeout):
-                            assert subscriber is not None
-                            result = await subscriber.receive(timeout, self._resubscribe)
-                        case _Ping():
-                            assert subscriber is not None
-                            await subscriber.send("PING")
-                        case _Sleep(seconds=seconds):
-                            await wait_event(self._stopped, seconds)
-                        case _Refresh():
-                            result = await self._read_known_streams()
-                        case _Verify():
-                            await asyncio.to_thread(self._verify)
-                except REDIS_ERRORS as exc:
-                    error = exc
-        finally:
-            if subscriber is not None:
-                await subscriber.close()
+        await adrive(self._listen_plan())
 
-    async def _read_known_streams(self) -> frozenset[str] | Exception:
-        assert self._known_streams is not None
-        try:
-            return frozenset(await asyncio.to_thread(self._known_streams))
-        except Exception as exc:  # the client's function: a database error, most likely
-            return exc
+    async def _open_subscriber(self, target: str) -> AsyncSubscriber | AsyncClusterSubscriber:
+        """`RedisLink._open_subscriber` on asyncio (the publisher task follows ``_target``)."""
+        if self._slots is not None:
+            return await AsyncClusterSubscriber.open(
+                self._slots, self.client_name("sub"), self.core.channel, self._sharded
+            )
+        subscriber = await AsyncSubscriber.open(
+            target, self.client_name("sub"), expect_master=self._topology.kind == "sentinel"
+        )
+        self._target = target
+        return subscriber
 
     async def _publish_loop(self) -> None:
         # No socket timeout inside redis-py: it would bound each send with asyncio.wait_for,
@@ -919,27 +779,39 @@ class AsyncRedisLink(_LinkBase):
     async def _send(
         self, target: redis.asyncio.Redis | AsyncClusterPublisher, batch: list[_Out]
     ) -> None:
-        plan = self._send_plan(batch)
-        error: BaseException | None = None
-        while True:
+        await adrive(self._send_plan(target, batch))
+
+    def _send_plan(
+        self, target: redis.asyncio.Redis | AsyncClusterPublisher, batch: list[_Out]
+    ) -> Plan[None]:
+        # Lines queued before the channel was found foreign are dropped here, at the last step.
+        batch = self.core.outgoing(batch)
+        if not batch:
+            return
+        for attempt in range(2):  # one retry (redis-py reconnects), then drop: best effort
             try:
-                op = _step(plan, None, error)
-            except StopIteration:
+                yield Call(self._publish_batch, target, batch)
+                self.core.stats.published += len(batch)
                 return
-            error = None
-            try:
-                async with asyncio.timeout(PUBLISH_TIMEOUT):  # TimeoutError is an OSError
-                    if isinstance(target, AsyncClusterPublisher):
-                        await target.publish(op.lines)
-                    elif len(op.lines) == 1:
-                        await target.publish(*op.lines[0])
-                    else:
-                        pipe = target.pipeline(transaction=False)
-                        for channel, line in op.lines:
-                            pipe.publish(channel, line)
-                        await pipe.execute()
             except REDIS_ERRORS as exc:
-                error = exc
+                if attempt:
+                    self.dropped += len(batch)
+                    log.debug("dropped %d replication messages: %s", len(batch), exc)
+
+    @staticmethod
+    async def _publish_batch(
+        target: redis.asyncio.Redis | AsyncClusterPublisher, batch: list[_Out]
+    ) -> None:
+        async with asyncio.timeout(PUBLISH_TIMEOUT):  # TimeoutError is an OSError
+            if isinstance(target, AsyncClusterPublisher):
+                await target.publish(batch)
+            elif len(batch) == 1:
+                await target.publish(*batch[0])
+            else:
+                pipe = target.pipeline(transaction=False)
+                for channel, line in batch:
+                    pipe.publish(channel, line)
+                await pipe.execute()
 
     async def aclose(self) -> None:
         """Stop both tasks and close both connections.

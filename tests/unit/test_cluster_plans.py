@@ -3,13 +3,13 @@ no server (a fake slot map, ops recorded and answered here)."""
 
 from __future__ import annotations
 
-from collections.abc import Generator
 from typing import Any
 
 import pytest
 import redis
 
 from streams.core.replication import LinkStats
+from streams.plans import Plan, drive
 from streams.redis_urls import parse_redis_url
 from streams.transport import cluster as c
 from streams.transport.discovery import ClusterMap
@@ -36,7 +36,8 @@ def _channel(slots: ClusterMap, node: tuple[str, int]) -> str:
 
 
 class Driver:
-    """Runs a plan: records each op, answers `Wait` with ``received``, fails ``failing``."""
+    """The plans' `Connections`, faked: records each step, answers ``wait_any`` with
+    ``received``, fails ``failing``; plans run on it with the kernel's own `drive`."""
 
     def __init__(self, slots: ClusterMap) -> None:
         self.slots = slots
@@ -44,23 +45,50 @@ class Driver:
         self.received: list[Any] = []
         self.failing: set[tuple[str, int]] = set()
         self.next_map: list[dict[str, Any]] | None = None
+        slots.refresh = self.refresh  # type: ignore[method-assign]
 
-    def run(self, plan: Generator[Any, Any, Any]) -> Any:
-        result: Any = None
-        error: BaseException | None = None
-        while True:
-            try:
-                op = plan.throw(error) if error is not None else plan.send(result)
-            except StopIteration as done:
-                return done.value
-            self.ops.append(op)
-            result, error = None, None
-            if isinstance(op, c.ShardSend) and op.node in self.failing:
-                error = redis.ConnectionError("refused")
-            elif isinstance(op, c.RefreshMap) and self.next_map is not None:
-                self.slots._apply(self.next_map, "10.0.0.1")
-            elif isinstance(op, c.Wait):
-                result, self.received = self.received, []
+    def run(self, plan: Plan[Any]) -> Any:
+        return drive(plan)
+
+    def control_send(self, *args: str) -> None:
+        self.ops.append(_control_send(args))
+
+    def shard_send(self, node: tuple[str, int], *args: str) -> None:
+        self.ops.append(_shard_send(node, args))
+        if node in self.failing:
+            raise redis.ConnectionError("refused")
+
+    def drop_shard(self, node: tuple[str, int]) -> None:
+        self.ops.append(_drop_shard(node))
+
+    def refresh(self) -> None:
+        self.ops.append(_REFRESH_MAP)
+        if self.next_map is not None:
+            self.slots._apply(self.next_map, "10.0.0.1")
+
+    def wait_any(self, timeout: float) -> Any:
+        self.ops.append(_wait(timeout))
+        received, self.received = self.received, []
+        return received
+
+
+def _control_send(args: tuple[str, ...]) -> tuple[Any, ...]:
+    return ("control_send", args)
+
+
+def _shard_send(node: tuple[str, int], args: tuple[str, ...]) -> tuple[Any, ...]:
+    return ("shard_send", node, args)
+
+
+def _drop_shard(node: tuple[str, int]) -> tuple[Any, ...]:
+    return ("drop_shard", node)
+
+
+def _wait(timeout: float) -> tuple[Any, ...]:
+    return ("wait_any", timeout)
+
+
+_REFRESH_MAP = ("refresh_map",)
 
 
 def _sharded(channel: str) -> bool:
@@ -70,32 +98,34 @@ def _sharded(channel: str) -> bool:
 def test_subscribe_routes_control_and_sharded_channels() -> None:
     slots = _map()
     a, b = _channel(slots, A), _channel(slots, B)
-    plans, driver = c.ClusterPlans(slots, CONTROL, _sharded), Driver(slots)
+    driver = Driver(slots)
+    plans = c.ClusterPlans(slots, CONTROL, _sharded, driver)
     driver.run(plans.send_plan("SUBSCRIBE", [CONTROL, a, b]))
     assert set(driver.ops) == {
-        c.ControlSend(("SUBSCRIBE", CONTROL)),
-        c.ShardSend(A, ("SSUBSCRIBE", a)),
-        c.ShardSend(B, ("SSUBSCRIBE", b)),
+        _control_send(("SUBSCRIBE", CONTROL)),
+        _shard_send(A, ("SSUBSCRIBE", a)),
+        _shard_send(B, ("SSUBSCRIBE", b)),
     }
     driver.ops.clear()
     driver.received = [(A, (b"smessage", a.encode(), b"RDATA x")), (None, (b"pong", b"", b""))]
     assert driver.run(plans.receive_plan(0.5)) == (b"message", a.encode(), b"RDATA x")
     assert driver.run(plans.receive_plan(0.5)) == (b"pong", b"", b"")
     driver.run(plans.send_plan("UNSUBSCRIBE", [b]))
-    assert c.ShardSend(B, ("SUNSUBSCRIBE", b)) in driver.ops
+    assert _shard_send(B, ("SUNSUBSCRIBE", b)) in driver.ops
 
 
 def test_a_pushed_sunsubscribe_resubscribes_and_reports_the_connect_step() -> None:
     slots = _map()
     a = _channel(slots, A)
-    plans, driver = c.ClusterPlans(slots, CONTROL, _sharded), Driver(slots)
+    driver = Driver(slots)
+    plans = c.ClusterPlans(slots, CONTROL, _sharded, driver)
     driver.run(plans.send_plan("SUBSCRIBE", [a]))
     driver.received = [(A, (b"sunsubscribe", a.encode(), 0))]  # its slot moved to B
     driver.next_map = _shards((B, 0, 16383))
     assert driver.run(plans.receive_plan(0.5)) is None
     driver.ops.clear()
     assert driver.run(plans.receive_plan(0.5)) is None  # retried at once: read the map, B
-    assert driver.ops[:2] == [c.RefreshMap(), c.ShardSend(B, ("SSUBSCRIBE", a))]
+    assert driver.ops[:2] == [_REFRESH_MAP, _shard_send(B, ("SSUBSCRIBE", a))]
     driver.received = [(B, (b"ssubscribe", a.encode(), 1))]
     assert driver.run(plans.receive_plan(0.5)) == (b"subscribe", CONTROL.encode(), 1)
 
@@ -103,18 +133,19 @@ def test_a_pushed_sunsubscribe_resubscribes_and_reports_the_connect_step() -> No
 def test_a_failed_shard_costs_only_its_channels_and_the_control_one_fails_the_link() -> None:
     slots = _map()
     a, b = _channel(slots, A), _channel(slots, B)
-    plans, driver = c.ClusterPlans(slots, CONTROL, _sharded), Driver(slots)
+    driver = Driver(slots)
+    plans = c.ClusterPlans(slots, CONTROL, _sharded, driver)
     driver.failing = {A}
     driver.run(plans.send_plan("SUBSCRIBE", [a, b]))
-    assert c.DropShard(A) in driver.ops and c.ShardSend(B, ("SSUBSCRIBE", b)) in driver.ops
+    assert _drop_shard(A) in driver.ops and _shard_send(B, ("SSUBSCRIBE", b)) in driver.ops
     driver.failing.clear()
     driver.ops.clear()
     driver.run(plans.receive_plan(0.5))
-    assert c.ShardSend(A, ("SSUBSCRIBE", a)) in driver.ops
+    assert _shard_send(A, ("SSUBSCRIBE", a)) in driver.ops
     driver.received = [(B, redis.ConnectionError("gone"))]
     driver.ops.clear()
     driver.run(plans.receive_plan(0.5))
-    assert driver.ops[-1] == c.DropShard(B)
+    assert driver.ops[-1] == _drop_shard(B)
     driver.received = [(None, redis.ConnectionError("gone"))]
     with pytest.raises(redis.ConnectionError):
         driver.run(plans.receive_plan(0.5))
@@ -123,7 +154,8 @@ def test_a_failed_shard_costs_only_its_channels_and_the_control_one_fails_the_li
 def test_replicate_and_a_moved_slot_read_the_map_and_move_the_channel() -> None:
     slots = _map()
     a = _channel(slots, A)
-    plans, driver = c.ClusterPlans(slots, CONTROL, _sharded), Driver(slots)
+    driver = Driver(slots)
+    plans = c.ClusterPlans(slots, CONTROL, _sharded, driver)
     driver.run(plans.send_plan("SUBSCRIBE", [a]))
     driver.received = [(None, (b"message", CONTROL.encode(), b"REPLICATE"))]
     assert driver.run(plans.receive_plan(0.5)) == (b"message", CONTROL.encode(), b"REPLICATE")
@@ -131,10 +163,10 @@ def test_replicate_and_a_moved_slot_read_the_map_and_move_the_channel() -> None:
     driver.ops.clear()
     driver.run(plans.receive_plan(0.5))
     assert driver.ops[:4] == [
-        c.RefreshMap(),
-        c.ShardSend(A, ("SUNSUBSCRIBE", a)),
-        c.ShardSend(B, ("SSUBSCRIBE", a)),
-        c.Wait(0.5),
+        _REFRESH_MAP,
+        _shard_send(A, ("SUNSUBSCRIBE", a)),
+        _shard_send(B, ("SSUBSCRIBE", a)),
+        _wait(0.5),
     ]
 
 
