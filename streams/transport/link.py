@@ -110,6 +110,9 @@ log = logging.getLogger("streams.redis")
 
 #: Seconds between keep-alive PINGs on the subscriber connection.
 KEEPALIVE = 5.0
+#: Most seconds the listener waits for a message before its periodic work (the registry
+#: refresh, a quarantine's end, the keep-alive).
+RECEIVE_WAIT = 0.5
 #: Most messages waiting to be published; beyond that new ones are dropped.
 PUBLISH_QUEUE_LIMIT = 100_000
 #: Seconds a publish may wait on Redis before the batch is given up.
@@ -330,7 +333,7 @@ class _LinkBase:
                     while not self._stopped.is_set():
                         if self._resubscribe.is_set():
                             channels = yield from self._resubscribe_plan(subscriber, channels)
-                        timeout = 0.0 if draining else 0.5
+                        timeout = 0.0 if draining else RECEIVE_WAIT
                         message = yield Call(subscriber.receive, timeout, self._wake)
                         now = time.monotonic()
                         if message is not None:
