@@ -79,6 +79,31 @@ class RedisTopology:
     #: ``rediss+``: every server (the Sentinels too) is reached over TLS.
     tls: bool = False
 
+    # What each kind means for a connection, named once: callers ask these, not the kind.
+
+    @property
+    def follows_master(self) -> bool:
+        """Sentinel: the master is asked of the Sentinels, checked with ``ROLE``, and checked
+        again on every keep-alive (it may be demoted while it stays reachable)."""
+        return self.kind == "sentinel"
+
+    @property
+    def sharded(self) -> bool:
+        """Cluster: channels live on shards found from the slot map."""
+        return self.kind == "cluster"
+
+    @property
+    def fixed_url(self) -> str | None:
+        """The one server to connect to, known without asking anyone (a single server)."""
+        return self.url if self.kind == "single" else None
+
+    @property
+    def reconnect_cap(self) -> float:
+        """Most seconds between two reconnection attempts: under Sentinel the next attempt asks
+        for the master again, on a cluster another node, so they are tried at least once a
+        second (live soon after a promotion or a shard's restart); one server is waited for."""
+        return 5.0 if self.kind == "single" else 1.0
+
     def node_url(self, host: str, port: int, *, db: int | None = None) -> str:
         """A plain ``redis://`` URL of one server of this topology (a master, a cluster node),
         with the URL's user, password and options."""

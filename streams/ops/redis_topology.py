@@ -34,9 +34,9 @@ def redis_topology(url: str) -> tuple[bool, str]:
     """``(ok, what was seen)`` for the Redis ``url`` (see the module docstring)."""
     topology = parse_redis_url(url)
     try:
-        if topology.kind == "sentinel":
+        if topology.follows_master:
             return _sentinel(topology)
-        if topology.kind == "cluster":
+        if topology.sharded:
             return _cluster(topology)
         return _single(url)
     except Exception as exc:  # only the class name: a parser's message may quote the password

@@ -73,7 +73,7 @@ def _node_client(topology: RedisTopology, host: str, port: int, *, sentinel: boo
 def master_address(topology: RedisTopology) -> tuple[str, int]:
     """The master's ``(host, port)`` as the first Sentinel that knows says; raises
     ``redis.ConnectionError`` if none answers or none knows the service."""
-    assert topology.kind == "sentinel" and topology.service is not None
+    assert topology.follows_master and topology.service is not None
     reasons = []
     for host, port in topology.nodes:
         client = _node_client(topology, host, port, sentinel=True)
@@ -105,9 +105,9 @@ def resolve_url(url: str) -> str:
     """The URL to connect to now: a Sentinel URL's current master, a cluster URL's first node
     that answers; any other URL as it is (no I/O)."""
     topology = parse_redis_url(url)
-    if topology.kind == "sentinel":
+    if topology.follows_master:
         return master_url(topology)
-    if topology.kind == "cluster":
+    if topology.sharded:
         host, port = ClusterMap(topology).any_node()
         return topology.node_url(host, port)
     return url
@@ -127,7 +127,7 @@ def open_client(url: str, **options: Any) -> redis.Redis:
     master is checked with ``ROLE`` first."""
     target = resolve_url(url)
     client = redis.Redis.from_url(target, **options)
-    if parse_redis_url(url).kind == "sentinel":
+    if parse_redis_url(url).follows_master:
         try:
             role: Any = client.execute_command(  # type: ignore[no-untyped-call]
                 "ROLE"
@@ -149,7 +149,7 @@ class ClusterMap:
     """
 
     def __init__(self, topology: RedisTopology) -> None:
-        assert topology.kind == "cluster"
+        assert topology.sharded
         self.topology = topology
         self._lock = threading.Lock()
         self._owners: list[tuple[str, int] | None] = [None] * SLOTS

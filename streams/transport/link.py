@@ -155,9 +155,9 @@ class _LinkBase:
         self._topology = parse_redis_url(url)
         #: The server the subscriber reached last (a Sentinel set's master, `_resolve`); the
         #: publisher follows it. None until the first connect for a Sentinel URL.
-        self._target: str | None = url if self._topology.kind == "single" else None
+        self._target: str | None = self._topology.fixed_url
         #: A cluster's slot map, shared by the subscriber and the publisher (`cluster`).
-        self._slots = ClusterMap(self._topology) if self._topology.kind == "cluster" else None
+        self._slots = ClusterMap(self._topology) if self._topology.sharded else None
         self._known_streams = known_streams
         self._listeners: list[LinkListener] = []
         self._listeners_lock = threading.Lock()
@@ -323,7 +323,7 @@ class _LinkBase:
                         subscriber, previous = None, subscriber
                         yield Call(previous.close)
                     target = self._url
-                    if self._topology.kind == "sentinel":
+                    if self._topology.follows_master:
                         target = yield Blocking(self._resolve)
                     subscriber = yield Call(self._open_subscriber, target)
                     channels = self.core.channels()
@@ -385,7 +385,7 @@ class _LinkBase:
 
     def _keepalive_plan(self, subscriber: Any) -> Plan[None]:
         yield Call(subscriber.send, "PING")
-        if self._topology.kind == "sentinel":
+        if self._topology.follows_master:
             # Still the master? (A demoted one still relays the new one's lines.)
             yield Blocking(self._verify)
 
@@ -394,11 +394,7 @@ class _LinkBase:
         self.core.on_disconnected()
         self._set_connected(False)
         self.core.stats.reconnects += 1
-        # Under Sentinel the next attempt asks for the master again, on a cluster another
-        # node: retry at least once a second, so the link is live soon after the promotion or
-        # the shard's restart.
-        cap = 5.0 if self._topology.kind == "single" else 1.0
-        delay = backoff_delay(attempt, cap=cap, jitter=random.random())
+        delay = backoff_delay(attempt, cap=self._topology.reconnect_cap, jitter=random.random())
         log.warning(
             "Redis link %s lost (%s); reconnecting in %.2fs",
             redact_url(self._url),
@@ -412,7 +408,7 @@ class _LinkBase:
 
     def _resolve(self) -> str:
         """The URL to open the subscriber on (blocking: asks the Sentinels, if any)."""
-        if self._topology.kind == "sentinel":
+        if self._topology.follows_master:
             return master_url(self._topology)
         return self._url
 
@@ -609,7 +605,7 @@ class RedisLink(_LinkBase):
                 self._slots, self.client_name("sub"), self.core.channel, self._sharded
             )
         subscriber = Subscriber(
-            target, self.client_name("sub"), expect_master=self._topology.kind == "sentinel"
+            target, self.client_name("sub"), expect_master=self._topology.follows_master
         )
         self._target = target
         self._publisher.retarget(target)
@@ -708,7 +704,7 @@ class AsyncRedisLink(_LinkBase):
                 self._slots, self.client_name("sub"), self.core.channel, self._sharded
             )
         subscriber = await AsyncSubscriber.open(
-            target, self.client_name("sub"), expect_master=self._topology.kind == "sentinel"
+            target, self.client_name("sub"), expect_master=self._topology.follows_master
         )
         self._target = target
         return subscriber

@@ -389,6 +389,48 @@ def test_no_two_modules_share_a_file_name() -> None:
     assert sorted({name for name in names if names.count(name) > 1}) == []
 
 
+#: The modules that advance generators by hand: the kernel's two drivers, and the store's
+#: statement level below them (a session's statements: psycopg's and ADBC's drivers, and the
+#: adapter that runs a range plan as plain queries).
+GENERATOR_DRIVERS = {
+    "streams/plans.py",
+    "streams/store/driver.py",
+    "streams/store/arrow_reads.py",
+    "streams/store/reads.py",
+}
+
+
+def _drives_by_hand(source: str) -> list[int]:
+    """Lines that resume a generator: ``x.throw(...)``, or ``plan.send(...)``/``gen.send(...)``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            attr, owner = node.func.attr, node.func.value
+            name = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", "")
+            if attr == "throw" or (attr == "send" and ("plan" in name or "gen" in name)):
+                found.append(node.lineno)
+    return found
+
+
+def test_only_the_kernel_drives_plans() -> None:
+    """Every I/O component is plans run by `streams.plans.drive`/`adrive` (issue 39): a new
+    hand-written driver loop here is a second copy of the error and cancellation policy."""
+    roots = (PACKAGE_DIR, SPARK_DIR)
+    found = [
+        f"{path.relative_to(REPO_ROOT if root is SPARK_DIR else PACKAGE_DIR.parent)}:{line}"
+        for root in roots
+        for path in sorted(root.rglob("*.py"))
+        for line in _drives_by_hand(path.read_text())
+    ]
+    assert [f for f in found if f.split(":")[0] not in GENERATOR_DRIVERS] == []
+
+
+def test_the_driver_check_catches_a_loop() -> None:
+    loop = "def f(plan):\n    while True:\n        op = plan.send(None)\n        plan.throw(E)\n"
+    assert _drives_by_hand(loop) == [3, 4]
+    assert _drives_by_hand("sock.send(b'x')\n") == []
+
+
 def test_the_wheel_lists_every_package() -> None:
     """`pyproject.toml` names each package (setuptools ships only those): a new package
     directory without its line would be missing from the wheel."""

@@ -20,6 +20,8 @@ def test_sentinel_url_parts() -> None:
         "?sentinel_password=spw&socket_timeout=2"
     )
     assert topology.kind == "sentinel"
+    assert topology.follows_master and not topology.sharded and topology.fixed_url is None
+    assert topology.reconnect_cap == 1.0
     assert topology.nodes == (("10.0.0.1", 26379), ("sentinel-b", 26379), ("::1", 26380))
     assert topology.service == "mymaster"
     assert topology.db == 3
@@ -35,6 +37,7 @@ def test_sentinel_url_parts() -> None:
 def test_cluster_url_parts() -> None:
     topology = parse_redis_url("redis+cluster://u:p@h1:7000,h2")
     assert topology.kind == "cluster"
+    assert topology.sharded and not topology.follows_master and topology.fixed_url is None
     assert topology.nodes == (("h1", 7000), ("h2", 6379))
     assert (topology.username, topology.password) == ("u", "p")
     assert topology.node_url("h3", 7001) == "redis://u:p@h3:7001/0"
@@ -64,6 +67,9 @@ def test_tls_topology_urls() -> None:
 def test_plain_urls_are_single() -> None:
     for url in ("redis://localhost:6379/0", "rediss://h", "unix:///tmp/r.sock"):
         assert parse_redis_url(url) == RedisTopology("single", url)
+        single = parse_redis_url(url)
+        assert single.fixed_url == url and single.reconnect_cap == 5.0
+        assert not single.follows_master and not single.sharded
         assert not is_topology_url(url)
     assert is_topology_url("REDIS+SENTINEL://h/s")
 
