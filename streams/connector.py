@@ -16,6 +16,8 @@ retention, and why its order is the proof; a connector runs these plans, never i
   positions without reading rows (the Spark source's offsets); a `Probe` carries its proof's
   LSN (``wal_lsn``), which `read_range` with ``proof_lsn`` waits for on a hot standby (a read
   URL), and `StandbyRoute` says how long to wait before reading from the primary;
+* `deliverable` (`streams.core.delivery`): what may be delivered after a position, given a
+  proof and the read's bound: the one decision of every reader;
 * `READER_SESSION_SETUP`, `set_up_reader_session`, `statement_timeout_setup`: the settings of a
   reading session;
 * `ReaderCore`: the Python reader's own start logic (a group's position, earliest, latest, an
@@ -55,6 +57,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .client import default_instance_name
+from .core.delivery import deliverable
 from .core.incarnation import Guard, Incarnation, rewound, written_elsewhere
 from .core.payloads import encode_payload
 from .core.replication import Hint, backoff_delay
@@ -153,6 +156,7 @@ __all__ = [
     "commit_group",
     "count_facts",
     "default_instance_name",
+    "deliverable",
     "encode_payload",
     "failfast_message",
     "fetch_all",

@@ -91,6 +91,7 @@ from streams.connector import (
     commit_group,
     count_facts,
     default_instance_name,
+    deliverable,
     first_fact_since,
     group_position,
     holds_across_failover,
@@ -781,9 +782,7 @@ class StreamsStreamReader(_Driver, DataSourceStreamReader, SupportsTriggerAvaila
         if self.probes != had_probes:
             self.backwards(lost_streams(lower, complete, waiting), lower, complete)
             self.retained(lower)  # retention passed this query (its group was deleted)
-        upper = {n: max(lower[n], complete[n]) for n in names}
-        if self._target is not None:
-            upper = {n: max(lower[n], min(upper[n], self._target[n])) for n in names}
+        upper = deliverable(lower, complete, self._target)  # as every reader decides it
         use_options = not (
             isinstance(limit, ReadAllAvailable)
             and not isinstance(self.getDefaultReadLimit(), ReadAllAvailable)
