@@ -442,9 +442,9 @@ def _opened_while_ended(url: str, call: Callable[[], Any], ends: int = 2) -> Any
 
 def _spark_driver_session(url: str, stream: str) -> Any:
     from streams_spark.options import parse_options
-    from streams_spark.source import _Driver
+    from streams_spark.query_driver import QueryDriver
 
-    driver = _Driver(parse_options({"streams": stream, "databaseUrl": url}, environ={}))
+    driver = QueryDriver(parse_options({"streams": stream, "databaseUrl": url}, environ={}))
     return driver._connection()
 
 

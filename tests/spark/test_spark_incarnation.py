@@ -3,7 +3,7 @@
 A query's checkpoint holds offsets (stream positions) logged in one database's history; when
 the database behind the same URL is recreated (or restored, or failed over), a restarted query
 stops with `streams.DatabaseChanged` naming what changed, instead of skipping the new database's
-facts up to its old positions (`streams_spark.source._Driver.check_offset`); with
+facts up to its old positions (`streams_spark.query_driver.QueryDriver.check_offset`); with
 ``failOnDataLoss=false`` it warns and goes on from them. Executors check the same on their own
 sessions (`streams_spark.executor._check_incarnation`).
 """

@@ -4,7 +4,8 @@ while a writer appends.
 
 A streaming query (trigger ``0 seconds``, small micro-batches, two partitions) collects every
 micro-batch in this process. The query must not fail: the driver runs its statements again on a
-new connection (`streams_spark.source._Driver.run`), and an executor's read goes on from the row
+new connection (`QueryDriver.run` in `streams_spark.query_driver`), and an executor's read goes on
+from the row
 after the last one it handed to Spark (`streams_spark.source.read_partition`). At the end, every
 acknowledged fact is in exactly one micro-batch, whole, and the batches hold exactly the stored
 facts, in stream-ID order across batches.
