@@ -6,11 +6,12 @@ The layers, from the bottom (a module imports only from its own layer or below; 
 packages never import each other; there are no import cycles, imports inside functions
 counted; and no two modules share a file name):
 
-0. `streams.errors`, `streams.config`, `streams.redis_urls`, `streams._aio`: foundations;
+0. `streams.errors`, `streams.config`, `streams.redis_urls`, `streams._aio`, `streams.plans`
+   (the kernel: plans and their two drivers, which the store's steps are made of): foundations;
 1. `streams.core`: the pure model (sans-IO);
 2. `streams.types`: the data types callers see, made and read by the store;
 3. `streams.store` (PostgreSQL) and `streams.transport` (Redis): the I/O;
-4. `streams.writer` (with `streams.heartbeat`, `streams.fact_blocks`, `streams.plans`),
+4. `streams.writer` (with `streams.heartbeat`, `streams.fact_blocks`),
    `streams.reader`, `streams.proofs`, `streams.migrate`: the shells that drive them;
 5. `streams.client`, `streams.metrics`, `streams.connector`, `streams` itself: the entry points;
 6. `streams.cli_params`, `streams.devservers`, `streams.plugins`: what every command shares;
@@ -210,7 +211,14 @@ def test_version() -> None:
 # Layers and cycles
 
 LAYERS = (
-    ("streams.errors", "streams.config", "streams.redis_urls", "streams._aio", "streams._gc"),
+    (
+        "streams.errors",
+        "streams.config",
+        "streams.redis_urls",
+        "streams._aio",
+        "streams._gc",
+        "streams.plans",
+    ),
     ("streams.core",),
     ("streams.types",),
     ("streams.store", "streams.transport"),
@@ -218,7 +226,6 @@ LAYERS = (
         "streams.writer",
         "streams.heartbeat",
         "streams.fact_blocks",
-        "streams.plans",
         "streams.reader",
         "streams.arrow",
         "streams.proofs",
