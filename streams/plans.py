@@ -141,6 +141,10 @@ class Call(Io):
         super().__init__(method, method, *args)
 
 
+def _here(function: Callable[..., T], *args: Any) -> T:
+    return function(*args)
+
+
 async def _athread(function: Callable[..., T], *args: Any) -> T:
     return await asyncio.to_thread(function, *args)
 
@@ -150,7 +154,8 @@ class Blocking(Io):
     this thread, or in a worker thread under asyncio, so the loop goes on meanwhile."""
 
     def __init__(self, function: Callable[..., Any], *args: Any) -> None:
-        super().__init__(function, _athread, function, *args)
+        # Both twins take the function as their first argument (the args are shared).
+        super().__init__(_here, _athread, function, *args)
 
 
 class Sleep(Io):
