@@ -248,7 +248,7 @@ def _result(future: Future[list[_Page]]) -> list[_Page]:
 
 
 async def _aresult(future: asyncio.Future[list[_Page]]) -> list[_Page]:
-    return await future
+    return await asyncio.shield(future)  # a cancelled caller settles it (`_settle`)
 
 
 class _Take(Io):
@@ -334,12 +334,13 @@ def _read(state: _Batches, read: _Read) -> Plan[list[_Page]]:
     """The pages of ``read``: the prefetch's if it is the same read, else read now."""
     if state.reader.closed:
         raise UsageError("reader is closed")
-    taken, state.pending = state.pending, None
+    taken = state.pending
     if taken is not None and taken[0] == read:
+        # Pending until taken: a caller who leaves meanwhile still waits for it (`_settle`).
         pages: list[_Page] = yield _Take(taken[1])
+        state.pending = None
         return pages
-    if taken is not None:
-        yield _Settle(taken[1])
+    yield from _settle(state)
     core, sessions = state.reader.core, state.reader.arrow_sessions()
     pages = yield Blocking(_read_pages, core, sessions, read)
     return pages
