@@ -29,7 +29,8 @@ sessions, over ADBC, as Arrow columns (`streams.store.arrow_reads`: steps 3-4 of
 sequence, `streams.store.reads`); where a page is cut into whole facts is decided on the
 stream-ID column (`streams.core.page_cut`). A step reads consecutive spans of stream IDs at once
 on the reader's ADBC sessions (`_read_stream`), and the next step's spans while the caller takes
-this one's batches (`_Prefetch`); a page is delivered only if the reader is where it starts.
+this one's batches (a prefetch: `_Start`); a page is delivered only if the reader is where it
+starts.
 So the guarantees are the ones of `epochs`: each fact once, none beyond a proof, retention
 checked after every page (`FactsPruned`), each session checked on the reader's database history
 (`DatabaseChanged`), and a start by ``live`` or by time filtered as there
@@ -37,9 +38,11 @@ checked after every page (`FactsPruned`), each session checked on the reader's d
 built as objects) become batches too (`_epoch_batches`). The rows are read on the primary, also
 for a client with a read URL (a standby is not used here yet).
 
-The plan is written once (`_batch_plan`, a generator of `_Prove`, `_Read`, `_Prefetch` and
-`_Deliver` operations); `reader_batches` and `areader_batches` drive it (the asyncio one runs
-the ADBC reads in worker threads: ADBC blocks, and releases the GIL while it reads).
+The plan is written once over the kernel's steps (`streams.plans`): `_next_batch` returns the
+next batch to deliver (None: done), its state between two (pages read, the prefetch) in a
+`_Batches`; `reader_batches` and `areader_batches` run it once per batch with `drive` and
+`adrive` (the asyncio one runs the ADBC reads in worker threads: ADBC blocks, and releases the
+GIL while it reads).
 """
 
 from __future__ import annotations
@@ -48,9 +51,11 @@ import asyncio
 import contextlib
 import functools
 import json
-from collections.abc import AsyncIterator, Generator, Iterator, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
+from collections import deque
+from collections.abc import AsyncIterator, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .core.epochs import Epoch
 from .core.fact_columns import (
@@ -66,6 +71,7 @@ from .core.fact_columns import (
 )
 from .core.page_cut import cut_page
 from .errors import MalformedPayload, UsageError
+from .plans import Blocking, Call, Io, Plan, adrive, drive
 from .store.arrow_reads import ArrowSessions, require_arrow
 from .store.reader_core import ReaderCore
 
@@ -188,39 +194,88 @@ class _Page:
 
 
 @dataclass(frozen=True, slots=True)
-class _Prove:
-    """Prove on the reader's session (waiting up to ``timeout`` seconds for something new);
-    the plan receives an epoch of signed ranges, or None."""
-
-    timeout: float
-
-
-@dataclass(frozen=True, slots=True)
 class _Read:
-    """Read a page of every stream behind its target, after ``positions`` (`_read_pages`); the
-    plan receives them. Two reads are the same read when their fields are equal."""
+    """A read of a page of every stream behind its target, after ``positions``
+    (`_read_pages`). Two reads are the same read when their fields are equal: a prefetch is
+    used only by the read it was started for."""
 
     positions: Mapping[str, int]
     until: Mapping[str, int] | None
     max_rows: int
 
 
-@dataclass(frozen=True, slots=True)
-class _Prefetch:
-    """Start ``read`` in the background now (the plan receives None): the next `_Read`, if it
-    is the same read, takes its pages (or its error) instead of reading again."""
+@dataclass(slots=True)
+class _Batches:
+    """A reader's batches between two deliveries: the plan's state (`_next_batch`)."""
 
-    read: _Read
+    reader: BatchSource | AsyncBatchSource
+    idle_timeout: float
+    until: Mapping[str, int] | None
+    max_rows: int
+    typed: PayloadSchema | None
+    #: Pages read, each delivered (a batch) only while the reader is where it starts.
+    pages: deque[_Page] = field(default_factory=deque)
+    #: Batches of an epoch of signed ranges from Redis (facts already built as objects).
+    ready: deque[pa.RecordBatch] = field(default_factory=deque)
+    #: The read started ahead (`_Start`) and its future, until taken or settled.
+    pending: tuple[_Read, Any] | None = None
+    #: The prefetches' thread, synchronous world only (made by the first one).
+    pool: ThreadPoolExecutor | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class _Deliver:
-    """Hand this batch to the caller."""
+def _start(state: _Batches, sessions: ArrowSessions, read: _Read) -> Future[list[_Page]]:
+    if state.pool is None:
+        state.pool = ThreadPoolExecutor(1, thread_name_prefix="streams-arrow-prefetch")
+    return state.pool.submit(_read_pages, state.reader.core, sessions, read)
 
-    batch: pa.RecordBatch
+
+async def _astart(
+    state: _Batches, sessions: ArrowSessions, read: _Read
+) -> asyncio.Future[list[_Page]]:
+    return asyncio.ensure_future(asyncio.to_thread(_read_pages, state.reader.core, sessions, read))
 
 
-_Op: TypeAlias = _Prove | _Read | _Prefetch | _Deliver
+class _Start(Io):
+    """Start ``read`` in the background (the state's thread, or a worker thread under
+    asyncio); the result: its future, for `_Take` or `_Settle`."""
+
+    def __init__(self, state: _Batches, sessions: ArrowSessions, read: _Read) -> None:
+        super().__init__(_start, _astart, state, sessions, read)
+
+
+def _result(future: Future[list[_Page]]) -> list[_Page]:
+    return future.result()
+
+
+async def _aresult(future: asyncio.Future[list[_Page]]) -> list[_Page]:
+    return await asyncio.shield(future)  # a cancelled caller settles it (`_settle`)
+
+
+class _Take(Io):
+    """The pages a started read returns (or its error)."""
+
+    def __init__(self, future: Any) -> None:
+        super().__init__(_result, _aresult, future)
+
+
+def _settled(future: Future[list[_Page]]) -> None:
+    with contextlib.suppress(Exception):  # discarded with the pages
+        future.result()
+
+
+async def _asettled(future: asyncio.Future[list[_Page]]) -> None:
+    # A cancelled caller still waits for the thread's read: it cannot be stopped, and the
+    # session must not be closed under it.
+    with contextlib.suppress(BaseException):
+        await asyncio.shield(future)
+
+
+class _Settle(Io):
+    """Wait for a started read nobody will use, its error swallowed (the read that replaces
+    it, if any, reports its own): a read is never left running on the sessions."""
+
+    def __init__(self, future: Any) -> None:
+        super().__init__(_settled, _asettled, future)
 
 
 def _target(core: ReaderCore, name: str, until: Mapping[str, int] | None) -> int:
@@ -235,35 +290,67 @@ def _behind(
     return any(at[n] < _target(core, n, until) for n in core.names)
 
 
-def _batch_plan(
-    core: ReaderCore, idle_timeout: float, until: Mapping[str, int] | None, max_rows: int
-) -> Generator[_Op, Any, None]:
-    """The batches of a reader until none arrives within ``idle_timeout`` seconds, or (with
-    ``until``) its positions reach ``until`` (or what is complete, if less)."""
+def _next_batch(state: _Batches) -> Plan[pa.RecordBatch | None]:
+    """The reader's next batch, or None when there is none: no batch arrived within
+    ``idle_timeout`` seconds, or (with ``until``) its positions reached ``until`` (or what is
+    complete, if less). The reader's position is the batch's end when it is returned."""
+    core, until = state.reader.core, state.until
     while True:
+        while state.ready:
+            batch = _typed(state.ready.popleft(), state.typed)
+            if batch.num_rows:  # DROPMALFORMED may have dropped every row
+                return batch
+        while state.pages:
+            page = state.pages.popleft()
+            if core.positions[page.name] != page.after:
+                state.pages.clear()  # the reader moved meanwhile (an epoch by `poll`): read again
+                break
+            batch = _deliver(core, page)
+            if batch.num_rows and (batch := _typed(batch, state.typed)).num_rows:
+                return batch
         if _behind(core, until):
-            pages: list[_Page] = yield _Read(dict(core.positions), until, max_rows)
+            pages = yield from _read(state, _Read(dict(core.positions), until, state.max_rows))
             # Read the next pages while the caller takes these: a read moves nothing, and the
-            # next step uses them only if it starts where these end (`_Read` equality).
+            # next read uses them only if it starts where these end (`_Read` equality).
             ahead = {**core.positions, **{page.name: page.position for page in pages}}
             if _behind(core, until, ahead):
-                yield _Prefetch(_Read(ahead, until, max_rows))
+                yield from _settle(state)
+                read = _Read(ahead, until, state.max_rows)
+                future = yield _Start(state, state.reader.arrow_sessions(), read)
+                state.pending = (read, future)
             # Every read of this step is done: from here on positions move, batch by batch.
-            for page in pages:
-                if core.positions[page.name] != page.after:
-                    break  # the reader moved meanwhile (an epoch by `poll`): read again
-                batch = _deliver(core, page)
-                if batch.num_rows:
-                    yield _Deliver(batch)
+            state.pages.extend(pages)
             continue
         if until is not None and all(core.positions[n] >= until[n] for n in core.names):
-            return
-        epoch: Epoch | None = yield _Prove(idle_timeout)
-        if epoch is not None:  # signed ranges from Redis: already delivered as objects
-            for batch in _epoch_batches(epoch):
-                yield _Deliver(batch)
+            return None
+        epoch: Epoch | None = yield Call(state.reader.prove, state.idle_timeout)
+        if epoch is not None:
+            state.ready.extend(_epoch_batches(epoch))
         elif not _behind(core, until):
-            return
+            return None
+
+
+def _read(state: _Batches, read: _Read) -> Plan[list[_Page]]:
+    """The pages of ``read``: the prefetch's if it is the same read, else read now."""
+    if state.reader.closed:
+        raise UsageError("reader is closed")
+    taken = state.pending
+    if taken is not None and taken[0] == read:
+        # Pending until taken: a caller who leaves meanwhile still waits for it (`_settle`).
+        pages: list[_Page] = yield _Take(taken[1])
+        state.pending = None
+        return pages
+    yield from _settle(state)
+    core, sessions = state.reader.core, state.reader.arrow_sessions()
+    pages = yield Blocking(_read_pages, core, sessions, read)
+    return pages
+
+
+def _settle(state: _Batches) -> Plan[None]:
+    """Wait for the prefetch, if any (`_Settle`)."""
+    taken, state.pending = state.pending, None
+    if taken is not None:
+        yield _Settle(taken[1])
 
 
 def _read_pages(core: ReaderCore, sessions: ArrowSessions, read: _Read) -> list[_Page]:
@@ -450,57 +537,17 @@ def reader_batches(
     """`Reader.batches` (``until``: `Client.read_arrow`'s bound; ``typed``: `typing_of`)."""
     require_arrow("Reader.batches()")
     limit = _check_max_rows(max_rows)
-    return _drive(reader, _batch_plan(reader.core, idle_timeout, until, limit), typed)
+    return _batches(_Batches(reader, idle_timeout, until, limit, typed))
 
 
-def _drive(
-    reader: BatchSource, plan: Generator[_Op, Any, None], typed: PayloadSchema | None = None
-) -> Iterator[pa.RecordBatch]:
-    from concurrent.futures import Future, ThreadPoolExecutor
-
-    pool: ThreadPoolExecutor | None = None
-    pending: tuple[_Read, Future[list[_Page]]] | None = None
-    answer: Any = None
+def _batches(state: _Batches) -> Iterator[pa.RecordBatch]:
     try:
-        while True:
-            try:
-                op = plan.send(answer)
-            except StopIteration:
-                return
-            answer = None
-            if isinstance(op, _Deliver):
-                batch = _typed(op.batch, typed)
-                if batch.num_rows:  # DROPMALFORMED may have dropped every row
-                    yield batch
-            elif isinstance(op, _Read):
-                if reader.closed:
-                    raise UsageError("reader is closed")
-                taken, pending = pending, None
-                if taken is not None and taken[0] == op:
-                    answer = taken[1].result()
-                else:
-                    _settle(taken)
-                    answer = _read_pages(reader.core, reader.arrow_sessions(), op)
-            elif isinstance(op, _Prefetch):
-                _settle(pending)
-                if pool is None:
-                    pool = ThreadPoolExecutor(1, thread_name_prefix="streams-arrow-prefetch")
-                future = pool.submit(_read_pages, reader.core, reader.arrow_sessions(), op.read)
-                pending = (op.read, future)
-            else:
-                answer = reader.prove(op.timeout)
+        while (batch := drive(_next_batch(state))) is not None:
+            yield batch
     finally:
-        _settle(pending)  # never leave a read running on the session after the caller left
-        if pool is not None:
-            pool.shutdown()
-
-
-def _settle(pending: tuple[_Read, Any] | None) -> None:
-    """Wait for a prefetch nobody will use (its error too: the read that replaces it, if any,
-    reports its own)."""
-    if pending is not None:
-        with contextlib.suppress(Exception):  # discarded with the pages
-            pending[1].result()
+        drive(_settle(state))  # never leave a read running on the sessions after the caller left
+        if state.pool is not None:
+            state.pool.shutdown()
 
 
 async def areader_batches(
@@ -514,47 +561,12 @@ async def areader_batches(
     """`AsyncReader.batches` (``until``: `AsyncClient.read_arrow`'s bound; ``typed``:
     `typing_of`)."""
     require_arrow("AsyncReader.batches()")
-    limit = _check_max_rows(max_rows)
-    plan = _batch_plan(reader.core, idle_timeout, until, limit)
-    pending: tuple[_Read, asyncio.Future[list[_Page]]] | None = None
-    answer: Any = None
+    state = _Batches(reader, idle_timeout, until, _check_max_rows(max_rows), typed)
     try:
-        while True:
-            try:
-                op = plan.send(answer)
-            except StopIteration:
-                return
-            answer = None
-            if isinstance(op, _Deliver):
-                batch = _typed(op.batch, typed)
-                if batch.num_rows:  # DROPMALFORMED may have dropped every row
-                    yield batch
-            elif isinstance(op, _Read):
-                if reader.closed:
-                    raise UsageError("reader is closed")
-                taken, pending = pending, None
-                if taken is not None and taken[0] == op:
-                    answer = await taken[1]
-                else:
-                    await _asettle(taken)
-                    session = reader.arrow_sessions()
-                    answer = await asyncio.to_thread(_read_pages, reader.core, session, op)
-            elif isinstance(op, _Prefetch):
-                await _asettle(pending)
-                read = asyncio.to_thread(_read_pages, reader.core, reader.arrow_sessions(), op.read)
-                pending = (op.read, asyncio.ensure_future(read))
-            else:
-                answer = await reader.prove(op.timeout)
+        while (batch := await adrive(_next_batch(state))) is not None:
+            yield batch
     finally:
-        await _asettle(pending)
-
-
-async def _asettle(pending: tuple[_Read, asyncio.Future[list[_Page]]] | None) -> None:
-    """The asyncio twin of `_settle` (a cancelled caller still waits for the thread's read:
-    it cannot be stopped, and the session must not be closed under it)."""
-    if pending is not None:
-        with contextlib.suppress(BaseException):
-            await asyncio.shield(pending[1])
+        await adrive(_settle(state))
 
 
 def bounds(stream: str, end: int | None) -> dict[str, int] | None:

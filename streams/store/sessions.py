@@ -19,7 +19,7 @@ attempt never waits longer than `ATTEMPT_TIMEOUT` (libpq's own ``connect_timeout
 that does not answer at all) nor past the total. ``connect_timeout=0`` makes a single attempt
 of up to `ATTEMPT_TIMEOUT`, as before this wait existed: what readers and writers do when they
 reopen a connection, since they retry at their own pace (opening them waits).
-The retry logic is one generator (`_attempts`) that both drivers run.
+The retry logic is one plan (`_open`, `streams.plans`) that both drivers run.
 
 Opening checks
 --------------
@@ -34,15 +34,13 @@ for good (`DatabaseChanged`, an unmigrated schema, a refused privilege) fails at
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import os
 import random
 import re
 import time
-from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, TypeAlias
 
 import psycopg
@@ -60,6 +58,7 @@ from ..config import (
 from ..core.payloads import decode_payload
 from ..core.replication import backoff_delay
 from ..errors import ConfigurationError, ConnectionLost, StoreError
+from ..plans import Call, Io, Plan, Sleep, adrive, drive
 from .driver import Gen, arun, run, transient_sqlstate
 
 __all__ = [
@@ -211,32 +210,69 @@ def transient_connect_error(error: BaseException) -> bool:
     return bool(_TRANSIENT_REASONS.search(str(error).lower()))
 
 
-@dataclass(frozen=True, slots=True)
-class _Attempt:
-    """Try to connect, with this libpq ``connect_timeout``; the driver sends back the error."""
+class _Connect(Io):
+    """One attempt: a new connection (psycopg's, or its asyncio twin), libpq waiting at most
+    ``timeout`` seconds for the server to answer."""
 
-    timeout: int
+    def __init__(self, conninfo: str, autocommit: bool, timeout: int) -> None:
+        super().__init__(
+            psycopg.Connection.connect,
+            psycopg.AsyncConnection.connect,
+            conninfo,
+            autocommit=autocommit,
+            connect_timeout=timeout,
+        )
 
 
-@dataclass(frozen=True, slots=True)
-class _Wait:
-    seconds: float
+class _Check(Io):
+    """Run the opening checks on the new connection (`streams.store.steps.Run`, which this
+    module cannot import: ``steps`` imports it)."""
+
+    def __init__(self, conn: Any, gen: Gen[Any]) -> None:
+        super().__init__(run, arun, conn, gen)
 
 
-def _attempts(
-    url: str, params: dict[str, Any], connect_timeout: float, purpose: str
-) -> Generator[_Attempt | _Wait, BaseException | None, None]:
-    """The attempts of one `connect`/`aconnect` (both drivers run it): yields `_Attempt` (the
-    driver returns the connection if it succeeds, else sends back its error) and `_Wait`;
-    raises the `StoreError` when a failure is not transient or ``connect_timeout`` is over."""
+def _open(
+    url: str,
+    *,
+    autocommit: bool,
+    connect_timeout: float | None,
+    purpose: str,
+    opening: Opening | None,
+    decode_payloads: bool,
+) -> Plan[Any]:
+    """The plan of `connect` and `aconnect`: attempts until one connects and passes its
+    opening checks (the connection is returned), waiting between transient failures; raises
+    the `StoreError` when a failure is not transient or ``connect_timeout`` is over."""
+    params = parse_database_url(url)
+    conninfo = make_conninfo(url, **_tcp_options(params))
+    total = default_connect_timeout() if connect_timeout is None else connect_timeout
     started = time.monotonic()
-    deadline = started + connect_timeout
+    deadline = started + total
     attempt = 0
     while True:
         # One attempt (0) may take libpq's usual limit; several share the total.
-        limit = ATTEMPT_TIMEOUT if connect_timeout <= 0 else deadline - time.monotonic()
-        error = yield _Attempt(_timeout(min(ATTEMPT_TIMEOUT, limit)))
-        assert error is not None
+        limit = ATTEMPT_TIMEOUT if total <= 0 else deadline - time.monotonic()
+        error: psycopg.Error | StoreError
+        try:
+            conn = yield _Connect(conninfo, autocommit, _timeout(min(ATTEMPT_TIMEOUT, limit)))
+        except psycopg.Error as exc:
+            error = exc
+        else:
+            if decode_payloads:
+                use_payload_decoder(conn)
+            if opening is None:
+                return conn
+            try:
+                yield _Check(conn, opening())
+                return conn
+            except StoreError as exc:
+                yield Call(conn.close)
+                error = exc
+            except BaseException:  # a cancellation too: no half-open connection is left
+                yield Call(conn.close)
+                raise
+        # Decided outside the except blocks: no chained driver message.
         attempt += 1
         remaining = deadline - time.monotonic()
         if isinstance(error, StoreError) and (not transient_connect_error(error) or remaining <= 0):
@@ -253,10 +289,10 @@ def _attempts(
                 f"opening a session ({purpose}): {error}"
                 if isinstance(error, StoreError)
                 else connection_error(url, error, purpose=purpose, secrets=secrets_of(url, params)),
-                connect_timeout,
+                total,
             )
         # The last attempt comes at the deadline, not a backoff step before it.
-        yield _Wait(
+        yield Sleep(
             min(remaining, backoff_delay(attempt - 1, cap=RETRY_CAP, jitter=random.random()))
         )
 
@@ -294,36 +330,17 @@ def connect(
     Raises `ConfigurationError` for a URL libpq cannot parse and `StoreError` when the server
     cannot be reached or refuses the connection.
     """
-    params = parse_database_url(url)
-    conninfo = make_conninfo(url, **_tcp_options(params))
-    total = default_connect_timeout() if connect_timeout is None else connect_timeout
-    plan = _attempts(url, params, total, purpose)
-    step = next(plan)
-    while True:
-        if isinstance(step, _Wait):
-            time.sleep(step.seconds)
-            step = next(plan)
-            continue
-        error: psycopg.Error | StoreError | None = None
-        try:
-            conn = psycopg.connect(conninfo, autocommit=autocommit, connect_timeout=step.timeout)
-        except psycopg.Error as exc:
-            error = exc
-        else:
-            if decode_payloads:
-                use_payload_decoder(conn)
-            if opening is None:
-                return conn
-            try:
-                run(conn, opening())
-                return conn
-            except StoreError as exc:
-                conn.close()
-                error = exc
-            except BaseException:
-                conn.close()
-                raise
-        step = plan.send(error)  # outside the except block: no chained driver message
+    conn: psycopg.Connection[Any] = drive(
+        _open(
+            url,
+            autocommit=autocommit,
+            connect_timeout=connect_timeout,
+            purpose=purpose,
+            opening=opening,
+            decode_payloads=decode_payloads,
+        )
+    )
+    return conn
 
 
 async def aconnect(
@@ -336,38 +353,17 @@ async def aconnect(
     decode_payloads: bool = False,
 ) -> psycopg.AsyncConnection[Any]:
     """The asyncio twin of `connect`."""
-    params = parse_database_url(url)
-    conninfo = make_conninfo(url, **_tcp_options(params))
-    total = default_connect_timeout() if connect_timeout is None else connect_timeout
-    plan = _attempts(url, params, total, purpose)
-    step = next(plan)
-    while True:
-        if isinstance(step, _Wait):
-            await asyncio.sleep(step.seconds)
-            step = next(plan)
-            continue
-        error: psycopg.Error | StoreError | None = None
-        try:
-            conn = await psycopg.AsyncConnection.connect(
-                conninfo, autocommit=autocommit, connect_timeout=step.timeout
-            )
-        except psycopg.Error as exc:
-            error = exc
-        else:
-            if decode_payloads:
-                use_payload_decoder(conn)
-            if opening is None:
-                return conn
-            try:
-                await arun(conn, opening())
-                return conn
-            except StoreError as exc:
-                await conn.close()
-                error = exc
-            except BaseException:
-                await conn.close()
-                raise
-        step = plan.send(error)
+    conn: psycopg.AsyncConnection[Any] = await adrive(
+        _open(
+            url,
+            autocommit=autocommit,
+            connect_timeout=connect_timeout,
+            purpose=purpose,
+            opening=opening,
+            decode_payloads=decode_payloads,
+        )
+    )
+    return conn
 
 
 def _timeout(seconds: float) -> int:

@@ -288,3 +288,59 @@ def test_the_adbc_session_is_checked_on_the_readers_history(client: Client, stre
         with pytest.raises(streams.DatabaseChanged):
             next(reader.batches())
         assert reader.position() == 0
+
+
+def test_a_caller_who_leaves_waits_for_the_prefetch(
+    client: Client, streams_url: str, stream: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefetch nobody will use is waited for when the caller leaves (the generator closed,
+    the task cancelled while it takes the prefetch): no read is left running on the sessions,
+    and the prefetch thread is gone."""
+    from streams import arrow
+
+    read_pages = arrow._read_pages
+    calls: list[int] = []
+    running: list[int] = []
+
+    def slow(*args: Any) -> Any:  # the first read at once, then slow ones (the prefetches)
+        calls.append(1)
+        running.append(1)
+        try:
+            if len(calls) > 1:
+                time.sleep(0.5)
+            return read_pages(*args)
+        finally:
+            running.pop()
+
+    monkeypatch.setattr(arrow, "_read_pages", slow)
+    with client.writer(stream, instance="w") as writer:
+        writer.append_batch([{"n": n} for n in range(200)])  # more than one read's pages
+    with client.reader(stream) as reader:
+        batches = reader.batches(max_rows=6)
+        next(batches)
+        assert running  # the next pages are being read
+        batches.close()
+        assert not running
+    assert not [t for t in threading.enumerate() if t.name.startswith("streams-arrow-prefetch")]
+
+    async def main() -> None:
+        async with (
+            await streams.aconnect(streams_url) as aclient,
+            await aclient.reader(stream) as areader,
+        ):
+
+            async def consume() -> None:
+                async for _ in areader.batches(max_rows=6):
+                    pass
+
+            task = asyncio.ensure_future(consume())
+            while len(calls) < 2:  # the prefetch runs once the task waits to take it
+                await asyncio.sleep(0.01)
+            assert running
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert not running
+
+    calls.clear()
+    asyncio.run(main())
