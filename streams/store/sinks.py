@@ -40,7 +40,7 @@ NOTHING``. So an attempt writes facts only if it inserted the task commit, and:
    commits are gone. Spark commits B only once every task of B succeeded, so nothing of B is
    still to write, and batch ids of a query only grow.
 4. *An attempt that fails writes nothing.* Its transaction rolls back: no facts, no task commit,
-   and its reserved IDs complete as gaps (`streams.store.writer_core`); a process killed mid-write
+   and its reserved IDs complete as gaps (`streams.store.writer_state`); a process killed mid-write
    loses its connection, and the server rolls back the same way.
 
 What it rests on: Spark replays a batch with the same rows in the same partitions (true for a
