@@ -31,8 +31,9 @@ from .core.positions import ReservationToken
 from .errors import StoreError, UsageError
 from .plans import Call, Flag, Plan
 from .store.driver import arun, commit_unknown, run
+from .store.joined_facts import FactHandle
 from .store.steps import FailJoined, Run, Settle
-from .store.writer_core import FactHandle, WriterCore
+from .store.writer_core import WriterCore
 from .types import Ack
 
 __all__ = ["AsyncOpenFact", "FactPlans", "OpenFact"]

@@ -13,7 +13,7 @@ writer costs the server one session while its appends are short.
 The heartbeat runs every ``lease / 4`` seconds; an append that moved the position also wakes
 it, coalesced to at most one such early heartbeat per `FLUSH_INTERVAL` (each is one
 autocommit statement, without the retirement of expired peers that every
-`streams.store.writer_core.RETIRE_EVERY`-th scheduled one does), so the persisted position trails
+`streams.store.writer_beats.RETIRE_EVERY`-th scheduled one does), so the persisted position trails
 the real one by at most about `FLUSH_INTERVAL` while a writer is busy. It is informational
 (``persisted_linear``): readers ask PostgreSQL what is complete. While heartbeats fail (a
 restart, a partition) they are tried every `BEAT_RETRY_INTERVAL`; a fenced writer stops beating.

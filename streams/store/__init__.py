@@ -29,7 +29,10 @@ other internal they need.
 * `retention`: pruning facts older than a stream's retention (the retention argument).
 * `sinks`: the Spark sink's task commits (the exactly-once argument).
 * `idempotency`: idempotency keys: a keyed append is written once (docs/design/claim.md).
-* `writer_core`: `WriterCore`, one writer instance: registration, appends, heartbeats.
+* `writer_core`: `WriterCore`, one writer instance: registration, appends; the face of
+  `writer_state` (its state, the steps every reservation shares), `writer_sql` (its
+  statements), `keyed_appends`, `joined_facts` (facts in a caller's transaction) and
+  `writer_beats` (heartbeats, retiring).
 * `reader_core`: `ReaderCore`, one reader: starts, steps (epochs), group commits.
 
 The data types callers see (`StreamInfo`, `StreamPositions`, `GroupRow`, `Ack`, ...) are

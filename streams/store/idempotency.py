@@ -1,7 +1,7 @@
 """Idempotency keys: an append named by a key is written once per stream and key window.
 
 A keyed append claims its keys, reserves its IDs and records them in one statement
-(`claim_ctes`, `GATE`, `record_cte`, assembled by `streams.store.writer_core`); a duplicate
+(`claim_ctes`, `GATE`, `record_cte`, assembled by `streams.store.writer_sql`); a duplicate
 writes nothing and returns the original `Ack` (`ORIGINALS`); `prune_keys` deletes expired
 keys. Tables ``streams_idempotency_keys`` and ``streams_idempotency_claims`` (revisions 0010,
 0014).

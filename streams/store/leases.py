@@ -3,7 +3,7 @@
 ``streams_writers`` has one row per (stream, writer instance): its generation, its persisted
 position (forward-only) and its lease. This module reads and retires those rows, repairs a
 sequence set back by a restore, and ends the sessions of writers whose lease expired. A
-writer's own statements are in `streams.store.writer_core`.
+writer's own statements are in `streams.store.writer_sql` and `streams.store.writer_core`.
 
 The arguments: docs/design/fencing.md (a retired writer completes no ID) and
 docs/design/liveness.md (no stream stalls past a writer's lease).

@@ -17,7 +17,7 @@ object, and would silently not apply to a stream created by anyone else. A role 
 streams gets a new stream only when it is granted it.
 
 Why a role granted one stream writes no other (the argument): every statement of a writer
-that writes a stream's facts names that stream's partition (`streams.store.writer_core`), and
+that writes a stream's facts names that stream's partition (`streams.store.writer_sql`), and
 PostgreSQL checks the privileges of the table a statement names: a grant on the parent
 ``streams_facts`` (which would reach every partition through routing) is given to nobody but
 its owner. IDs come from the stream's sequence, on which only ``USAGE`` (``nextval``) is

@@ -91,7 +91,7 @@ RETRY_CAP = 1.0
 #: limit on unacknowledged data while sending, instead of the operating system's two hours
 #: and more. A connection to a live server is never ended by them, however long a statement
 #: runs: its kernel answers the probes. The writers' server-side settings are in
-#: `streams.store.writer_core` (``WriterCore._tcp_settings``).
+#: `streams.store.writer_sql` (``tcp_settings``).
 CLIENT_TCP_SETTINGS = {
     "keepalives": "1",
     "keepalives_idle": "20",

@@ -10,7 +10,7 @@ import json
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Generator, Iterable
 from typing import Any
 
 import pandas as pd
@@ -317,6 +317,7 @@ def test_a_caller_who_leaves_waits_for_the_prefetch(
         writer.append_batch([{"n": n} for n in range(200)])  # more than one read's pages
     with client.reader(stream) as reader:
         batches = reader.batches(max_rows=6)
+        assert isinstance(batches, Generator)  # closed as the caller leaving early does
         next(batches)
         assert running  # the next pages are being read
         batches.close()

@@ -27,8 +27,8 @@ from streams.heartbeat import (
     HeartbeatPlans,
 )
 from streams.plans import Acquire, Call, Plan, Wait
+from streams.store.joined_facts import FactHandle
 from streams.store.steps import Connect, FailJoined, Run, Settle
-from streams.store.writer_core import FactHandle
 from streams.types import Ack
 from streams.writer import _WriterShell
 
