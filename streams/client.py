@@ -8,19 +8,20 @@ writer and reader opens its own PostgreSQL connections.
 Plans
 -----
 Every call of a client that uses its connection is written **once**, as a plan of the kernel
-(`streams.plans`): ``_plan_<call>`` builds it, and `Client` drives it with `streams.plans.drive`,
-`AsyncClient` with `streams.plans.adrive`. A plan runs its store generator on the client's
-connection through one step, `_ClientBase.on_connection`: under the client's lock (one call at a
-time uses the connection), the *session* plan (`_ClientBase._session`) opens the connection on
-first use and reuses it; one the server ended meanwhile (`streams.store.driver.gone`) is closed
-and a new one opened, waiting for a starting server up to ``connect_timeout`` but not past the
-step's deadline (`_open_within`), and checked against the database history the client belongs to
-(`Client.guard`, `streams.store.identity`) before its first use.
-``tests/integration/test_client_twins.py`` runs one scenario through both clients and compares
-every result and exception. What stays twice is what really differs: a `Client` checks the
-schema on a connection it then closes (it holds no idle connection until a call needs one),
-while an `AsyncClient` keeps the one `AsyncClient.open` checked; only `Client.reader` can follow
-shared proofs (`streams.proofs`); and the classes of the writers, readers and Redis link.
+(`streams.plans`): ``plan_<call>`` (`streams.client_plans`) builds it, and `Client` drives it
+with `streams.plans.drive`, `AsyncClient` with `streams.plans.adrive`. A plan runs its store
+generator on the client's connection through one step, `_ClientBase.on_connection`: under the
+client's lock (one call at a time uses the connection), the *session* plan
+(`_ClientBase._session`) opens the connection on first use and reuses it; one the server ended
+meanwhile (`streams.store.driver.gone`) is closed and a new one opened, waiting for a starting
+server up to ``connect_timeout`` but not past the step's deadline (`_open_within`), and checked
+against the database history the client belongs to (`Client.guard`, `streams.store.identity`)
+before its first use. ``tests/integration/test_client_twins.py`` runs one scenario through both
+clients and compares every result and exception. What stays twice is what really differs: a
+`Client` checks the schema on a connection it then closes (it holds no idle connection until a
+call needs one), while an `AsyncClient` keeps the one `AsyncClient.open` checked; only
+`Client.reader` can follow shared proofs (`streams.proofs`); and the classes of the writers,
+readers and Redis link.
 
 Riding out a restart
 --------------------
@@ -32,11 +33,11 @@ again from the start on a new connection, with backoff, for up to `READ_RETRY_SE
 as the failure is transient (`ConnectionLost`, or a SQLSTATE that
 `streams.store.driver.transient_sqlstate` accepts). Its ``COMMIT`` only ends a snapshot, so
 even a `CommitUnknown` there is harmless. The other calls write (`create_stream`, `prune`,
-`rotate_replication_keys`...): they are never sent twice here (`_once`), since a broken
+`rotate_replication_keys`...): they are never sent twice here (`client_plans._once`), since a broken
 connection may leave their outcome unknown. Every call (reads and writes) first checks that the
 client's idle connection was not ended by the server meanwhile (the session plan), and opening
 one waits for a starting server (`streams.store.sessions`, ``connect_timeout``). The retry is
-one plan, `_read_plan`.
+one plan, `client_plans._read_plan`.
 """
 
 from __future__ import annotations
@@ -45,50 +46,54 @@ import asyncio
 import functools
 import logging
 import os
-import random
 import re
 import secrets
 import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Generic, TypeAlias, TypeVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import psycopg
 
+from .client_plans import (
+    READ_RETRY_SECONDS,
+    announce_keys,
+    checked,
+    plan_create_stream,
+    plan_delete_group,
+    plan_group_streams,
+    plan_groups,
+    plan_positions,
+    plan_prune,
+    plan_prune_writers,
+    plan_replication_keys,
+    plan_rotate_replication_keys,
+    plan_set_fact_tables,
+    plan_set_key_window,
+    plan_set_retention,
+    plan_stream,
+    plan_streams,
+)
 from .config import Settings
-from .core.constants import replication_channel
 from .core.incarnation import Guard
-from .core.protocol import KeysCommand, serialize
-from .core.replication import backoff_delay
 from .core.staleness import STALE_AFTER_MS
 from .core.standby_fence import StandbyRoute
 from .core.timestamps import TimestampMode
-from .errors import ConnectionLost, StoreError
-from .plans import Call, Locked, Plan, Sleep, adrive, drive
+from .plans import Call, Locked, Plan, adrive, drive
 from .proofs import ProofService
 from .reader import AsyncReader, Reader
 from .store import sessions
-from .store.driver import Gen, gone, run, transient_sqlstate
+from .store.driver import Gen, gone, run
 from .store.identity import verify
-from .store.keys import describe_keys, rotate_keys
-from .store.leases import prune_writers
 from .store.reader_core import ReaderCore, Start
-from .store.reader_groups import delete_group, list_groups, stream_positions, streams_of_group
 from .store.registry import (
-    check_schema,
-    create_stream,
     list_streams,
-    load_stream,
-    set_fact_tables,
-    set_key_window,
-    set_retention,
 )
-from .store.retention import PRUNE_BATCH, prune
+from .store.retention import PRUNE_BATCH
 from .store.steps import Connect, Run
 from .store.writer_core import WriterCore
-from .transport.connections import publish_now
 from .transport.link import AsyncRedisLink, RedisLink
 from .types import FactTableSpec, GroupRow, PruneResult, StreamInfo, StreamPositions
 from .writer import AsyncWriter, Writer
@@ -107,183 +112,11 @@ __all__ = [
 
 log = logging.getLogger("streams.client")
 
-#: Seconds a read-only call of a client keeps trying while PostgreSQL is restarting or the
-#: connection broke (see "Riding out a restart"): as long as a reader's group commit is tried
-#: again (`streams.reader.COMMIT_RETRY_SECONDS`), enough for a restart with a short recovery.
-READ_RETRY_SECONDS = 30.0
 
 T = TypeVar("T")
 #: The client's connection: psycopg's synchronous one (`Client`) or its asyncio one.
 C = TypeVar("C", psycopg.Connection[Any], psycopg.AsyncConnection[Any])
 L = TypeVar("L", RedisLink, AsyncRedisLink)
-
-
-# --------------------------------------------------------------------------------------------
-# Steps (see "Plans and drivers")
-
-
-_Plan: TypeAlias = Plan[T]
-
-
-# --------------------------------------------------------------------------------------------
-# The two ways to run a store generator: once (a call that writes), or tried again (a read)
-
-
-def _once(client: _ClientBase[Any], gen: Gen[T]) -> _Plan[T]:
-    """``gen`` run once on the client's connection: a call that writes is never sent twice (its
-    outcome may be unknown when the connection breaks under it)."""
-    result: T = yield client.on_connection(gen, None)
-    return result
-
-
-def _retryable(error: StoreError) -> bool:
-    """Worth running a read-only call again: the connection broke (a read's ``COMMIT``
-    included: it only ends a snapshot), or the server's error is transient."""
-    return isinstance(error, ConnectionLost) or transient_sqlstate(error.sqlstate)
-
-
-def _read_plan(client: _ClientBase[Any], what: str, operation: Callable[[], Gen[T]]) -> _Plan[T]:
-    """``operation()`` (a read-only store generator), run again from the start with backoff
-    while it fails transiently, for up to `READ_RETRY_SECONDS`; the drivers send back its
-    result or throw in its `StoreError`. A connection that cannot be opened (the client waited
-    for it until the deadline, or the failure is not transient) ends the call."""
-    deadline = time.monotonic() + READ_RETRY_SECONDS
-    attempt = 0
-    while True:
-        try:
-            result: T = yield client.on_connection(operation(), deadline)
-        except StoreError as error:
-            remaining = deadline - time.monotonic()
-            if not _retryable(error) or remaining <= 0:
-                raise
-            if attempt == 0:
-                log.warning("%s: PostgreSQL failed (%s); trying again", what, error)
-            attempt += 1
-            pause = min(remaining, backoff_delay(attempt - 1, jitter=random.random()))
-        else:
-            if attempt:
-                log.warning("%s: PostgreSQL answered again", what)
-            return result
-        yield Sleep(pause)  # outside the handler: what interrupts the pause is not chained
-
-
-def _of_stream(stream: str, operation: Callable[[StreamInfo], Gen[T]]) -> Gen[T]:
-    """``operation`` on the registry row of ``stream`` (`UnknownStream` if there is none)."""
-    info = yield from load_stream(stream)
-    return (yield from operation(info))
-
-
-def _checked(guard: Guard) -> Gen[None]:
-    """What a client checks when it opens: the schema is migrated, and the database is the one
-    ``guard`` knows (the first check teaches it: `streams.store.identity`)."""
-    yield from check_schema()
-    yield from verify(guard, "client")
-
-
-# --------------------------------------------------------------------------------------------
-# The calls, written once: what each runs, and how (`_once` or `_read_plan`)
-
-
-def _plan_create_stream(
-    client: _ClientBase[Any],
-    name: str,
-    timestamping: TimestampMode | str,
-    uncapped: bool,
-    retention_ms: int | None,
-    fact_tables: Sequence[FactTableSpec] | None,
-    key_window_ms: int | None,
-) -> _Plan[StreamInfo]:
-    return _once(
-        client,
-        create_stream(
-            name,
-            timestamping=timestamping,
-            uncapped=uncapped,
-            retention_ms=retention_ms,
-            fact_tables=fact_tables,
-            key_window_ms=key_window_ms,
-        ),
-    )
-
-
-def _plan_set_fact_tables(
-    client: _ClientBase[Any], name: str, fact_tables: Sequence[FactTableSpec]
-) -> _Plan[StreamInfo]:
-    return _once(client, set_fact_tables(name, fact_tables))
-
-
-def _plan_stream(client: _ClientBase[Any], name: str) -> _Plan[StreamInfo]:
-    return _read_plan(client, "stream", lambda: load_stream(name))
-
-
-def _plan_streams(client: _ClientBase[Any]) -> _Plan[list[StreamInfo]]:
-    return _read_plan(client, "streams", list_streams)
-
-
-def _plan_positions(
-    client: _ClientBase[Any], stream: str, stale_after_ms: int
-) -> _Plan[StreamPositions]:
-    return _read_plan(
-        client,
-        "positions",
-        lambda: _of_stream(
-            stream, lambda info: stream_positions(info, stale_after_ms=stale_after_ms)
-        ),
-    )
-
-
-def _plan_groups(
-    client: _ClientBase[Any], stream: str, stale_after_ms: int
-) -> _Plan[list[GroupRow]]:
-    return _read_plan(
-        client,
-        "groups",
-        lambda: _of_stream(stream, lambda info: list_groups(info, stale_after_ms=stale_after_ms)),
-    )
-
-
-def _plan_group_streams(client: _ClientBase[Any], group: str) -> _Plan[list[str]]:
-    return _read_plan(client, "group_streams", lambda: streams_of_group(group))
-
-
-def _plan_delete_group(client: _ClientBase[Any], stream: str, group: str) -> _Plan[bool]:
-    return _once(client, _of_stream(stream, lambda info: delete_group(info, group)))
-
-
-def _plan_prune_writers(
-    client: _ClientBase[Any], stream: str, older_than_ms: int
-) -> _Plan[list[str]]:
-    return _once(client, _of_stream(stream, lambda info: prune_writers(info, older_than_ms)))
-
-
-def _plan_replication_keys(client: _ClientBase[Any]) -> _Plan[list[dict[str, object]]]:
-    return _read_plan(client, "replication_keys", describe_keys)
-
-
-def _plan_rotate_replication_keys(client: _ClientBase[Any]) -> _Plan[int]:
-    return _once(client, rotate_keys())
-
-
-def _announce_keys(redis_url: str, prefix: str, key_id: int) -> None:
-    """``KEYS <key_id>`` on the replication channel, before the rotation returns: readers and
-    provers that hear it read the keys again at once (a retired key stops verifying)."""
-    publish_now(redis_url, replication_channel(prefix), serialize(KeysCommand(key_id)))
-
-
-def _plan_set_retention(
-    client: _ClientBase[Any], stream: str, retention_ms: int | None
-) -> _Plan[StreamInfo]:
-    return _once(client, set_retention(stream, retention_ms))
-
-
-def _plan_set_key_window(
-    client: _ClientBase[Any], stream: str, key_window_ms: int
-) -> _Plan[StreamInfo]:
-    return _once(client, set_key_window(stream, key_window_ms))
-
-
-def _plan_prune(client: _ClientBase[Any], stream: str, batch: int) -> _Plan[PruneResult]:
-    return _once(client, _of_stream(stream, lambda info: prune(info, batch=batch)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -338,8 +171,8 @@ class _ClientBase(Generic[C]):
         ``deadline`` if given (`time.monotonic`): `_session`, holding the client's lock."""
         return Locked(self._conn_lock, self._session(gen, deadline))
 
-    def _session(self, gen: Gen[T], deadline: float | None) -> _Plan[T]:
-        """See "Plans and drivers"."""
+    def _session(self, gen: Gen[T], deadline: float | None) -> Plan[T]:
+        """See "Plans" above."""
         conn = self._conn
         if conn is None or gone(conn):
             if conn is not None:
@@ -414,7 +247,7 @@ class Client(_ClientBase[psycopg.Connection[Any]]):
             autocommit=False,
             connect_timeout=settings.connect_timeout,
             purpose="client",
-            opening=functools.partial(_checked, self.guard),
+            opening=functools.partial(checked, self.guard),
         ).close()
         self._link: RedisLink | None = None
         self._link_lock = threading.Lock()
@@ -458,7 +291,7 @@ class Client(_ClientBase[psycopg.Connection[Any]]):
         ``key_window_ms``: how long an append's idempotency key names it (default 24 hours;
         None: whatever is set already).
         """
-        plan = _plan_create_stream(
+        plan = plan_create_stream(
             self, name, timestamping, uncapped, retention_ms, fact_tables, key_window_ms
         )
         return drive(plan)
@@ -481,18 +314,18 @@ class Client(_ClientBase[psycopg.Connection[Any]]):
         one's sequence. That column must exist and compare with the value; index ``(stream,
         stream_id)``. A bad form is `InvalidFactTables`, naming the accepted ones.
         """
-        return drive(_plan_set_fact_tables(self, name, fact_tables))
+        return drive(plan_set_fact_tables(self, name, fact_tables))
 
     def stream(self, name: str) -> StreamInfo:
-        return drive(_plan_stream(self, name))
+        return drive(plan_stream(self, name))
 
     def streams(self) -> list[StreamInfo]:
-        return drive(_plan_streams(self))
+        return drive(plan_streams(self))
 
     def positions(self, stream: str, *, stale_after_ms: int = STALE_AFTER_MS) -> StreamPositions:
         """Everything ``streams positions`` shows of ``stream``; a group idle ``stale_after_ms``
         or longer while holding retention back is marked stale."""
-        return drive(_plan_positions(self, stream, stale_after_ms))
+        return drive(plan_positions(self, stream, stale_after_ms))
 
     def writer(self, stream: str, *, instance: str | None = None) -> Writer:
         writer = Writer(
@@ -591,25 +424,25 @@ class Client(_ClientBase[psycopg.Connection[Any]]):
     def groups(self, stream: str, *, stale_after_ms: int = STALE_AFTER_MS) -> list[GroupRow]:
         """Every reader group of ``stream`` with its committed position, lag, idle time and
         whether it is stale (idle ``stale_after_ms`` or longer while holding retention back)."""
-        return drive(_plan_groups(self, stream, stale_after_ms))
+        return drive(plan_groups(self, stream, stale_after_ms))
 
     def group_streams(self, group: str) -> list[str]:
         """The streams ``group`` has committed on (sorted; empty for an unknown group)."""
-        return drive(_plan_group_streams(self, group))
+        return drive(plan_group_streams(self, group))
 
     def delete_group(self, stream: str, group: str) -> bool:
         """Forget ``group`` on ``stream`` (its readers start over from their own start
         position); True if it existed. A group holds retention back until deleted."""
-        return drive(_plan_delete_group(self, stream, group))
+        return drive(plan_delete_group(self, stream, group))
 
     def prune_writers(self, stream: str, older_than_ms: int) -> list[str]:
         """Delete rows of writers of ``stream`` retired longer ago than ``older_than_ms``."""
-        return drive(_plan_prune_writers(self, stream, older_than_ms))
+        return drive(plan_prune_writers(self, stream, older_than_ms))
 
     def replication_keys(self) -> list[dict[str, object]]:
         """The keys that sign the ranges readers take from Redis, newest first (never their
         secrets): ``id``, ``created_at``, ``retired_at``, ``live``."""
-        return drive(_plan_replication_keys(self))
+        return drive(plan_replication_keys(self))
 
     def rotate_replication_keys(self) -> int:
         """Add a replication key and retire every other one (after a seed may have leaked:
@@ -617,19 +450,19 @@ class Client(_ClientBase[psycopg.Connection[Any]]):
         then tells every reader and prover to read the keys again at once (the others pick it
         up within `streams.core.signing.KEY_REFRESH` seconds). Needs the right to write the
         key tables (the owner's, or the prover role's)."""
-        new = drive(_plan_rotate_replication_keys(self))
+        new = drive(plan_rotate_replication_keys(self))
         if self.settings.redis_url is not None:
-            _announce_keys(self.settings.redis_url, self.settings.prefix, new)
+            announce_keys(self.settings.redis_url, self.settings.prefix, new)
         return new
 
     def set_retention(self, stream: str, retention_ms: int | None) -> StreamInfo:
         """Keep the facts of ``stream`` for ``retention_ms`` (None: forever); see `prune`."""
-        return drive(_plan_set_retention(self, stream, retention_ms))
+        return drive(plan_set_retention(self, stream, retention_ms))
 
     def set_key_window(self, stream: str, key_window_ms: int) -> StreamInfo:
         """Name appends of ``stream`` by their idempotency keys for ``key_window_ms`` (for
         every key, at once: `streams.store.idempotency`)."""
-        return drive(_plan_set_key_window(self, stream, key_window_ms))
+        return drive(plan_set_key_window(self, stream, key_window_ms))
 
     def prune(self, stream: str, *, batch: int = PRUNE_BATCH) -> PruneResult:
         """Apply the retention of ``stream``: remove facts older than its ``retention_ms``, in
@@ -637,7 +470,7 @@ class Client(_ClientBase[psycopg.Connection[Any]]):
         reader group's committed position (``streams prune``; run it on a schedule, or
         ``streams prune --every``). A reader that needs removed facts gets `FactsPruned`.
         Idempotency keys older than the stream's key window are removed too."""
-        return drive(_plan_prune(self, stream, batch))
+        return drive(plan_prune(self, stream, batch))
 
     def close(self) -> None:
         if self._proofs is not None:
@@ -692,7 +525,7 @@ class AsyncClient(_ClientBase[psycopg.AsyncConnection[Any]]):
             autocommit=False,
             connect_timeout=settings.connect_timeout,
             purpose="client",
-            opening=functools.partial(_checked, guard),
+            opening=functools.partial(checked, guard),
         )
         return cls(settings, conn, guard)
 
@@ -710,26 +543,26 @@ class AsyncClient(_ClientBase[psycopg.AsyncConnection[Any]]):
         key_window_ms: int | None = None,
     ) -> StreamInfo:
         """The asyncio twin of `Client.create_stream`."""
-        plan = _plan_create_stream(
+        plan = plan_create_stream(
             self, name, timestamping, uncapped, retention_ms, fact_tables, key_window_ms
         )
         return await adrive(plan)
 
     async def set_fact_tables(self, name: str, fact_tables: Sequence[FactTableSpec]) -> StreamInfo:
         """The asyncio twin of `Client.set_fact_tables`."""
-        return await adrive(_plan_set_fact_tables(self, name, fact_tables))
+        return await adrive(plan_set_fact_tables(self, name, fact_tables))
 
     async def stream(self, name: str) -> StreamInfo:
-        return await adrive(_plan_stream(self, name))
+        return await adrive(plan_stream(self, name))
 
     async def streams(self) -> list[StreamInfo]:
-        return await adrive(_plan_streams(self))
+        return await adrive(plan_streams(self))
 
     async def positions(
         self, stream: str, *, stale_after_ms: int = STALE_AFTER_MS
     ) -> StreamPositions:
         """See `Client.positions`."""
-        return await adrive(_plan_positions(self, stream, stale_after_ms))
+        return await adrive(plan_positions(self, stream, stale_after_ms))
 
     async def writer(self, stream: str, *, instance: str | None = None) -> AsyncWriter:
         writer = await AsyncWriter.open(
@@ -798,42 +631,42 @@ class AsyncClient(_ClientBase[psycopg.AsyncConnection[Any]]):
 
     async def groups(self, stream: str, *, stale_after_ms: int = STALE_AFTER_MS) -> list[GroupRow]:
         """See `Client.groups`."""
-        return await adrive(_plan_groups(self, stream, stale_after_ms))
+        return await adrive(plan_groups(self, stream, stale_after_ms))
 
     async def group_streams(self, group: str) -> list[str]:
         """See `Client.group_streams`."""
-        return await adrive(_plan_group_streams(self, group))
+        return await adrive(plan_group_streams(self, group))
 
     async def delete_group(self, stream: str, group: str) -> bool:
-        return await adrive(_plan_delete_group(self, stream, group))
+        return await adrive(plan_delete_group(self, stream, group))
 
     async def replication_keys(self) -> list[dict[str, object]]:
         """See `Client.replication_keys`."""
-        return await adrive(_plan_replication_keys(self))
+        return await adrive(plan_replication_keys(self))
 
     async def rotate_replication_keys(self) -> int:
         """See `Client.rotate_replication_keys`."""
-        new = await adrive(_plan_rotate_replication_keys(self))
+        new = await adrive(plan_rotate_replication_keys(self))
         if self.settings.redis_url is not None:
             await asyncio.to_thread(
-                _announce_keys, self.settings.redis_url, self.settings.prefix, new
+                announce_keys, self.settings.redis_url, self.settings.prefix, new
             )
         return new
 
     async def set_retention(self, stream: str, retention_ms: int | None) -> StreamInfo:
         """See `Client.set_retention`."""
-        return await adrive(_plan_set_retention(self, stream, retention_ms))
+        return await adrive(plan_set_retention(self, stream, retention_ms))
 
     async def set_key_window(self, stream: str, key_window_ms: int) -> StreamInfo:
         """See `Client.set_key_window`."""
-        return await adrive(_plan_set_key_window(self, stream, key_window_ms))
+        return await adrive(plan_set_key_window(self, stream, key_window_ms))
 
     async def prune(self, stream: str, *, batch: int = PRUNE_BATCH) -> PruneResult:
         """See `Client.prune`."""
-        return await adrive(_plan_prune(self, stream, batch))
+        return await adrive(plan_prune(self, stream, batch))
 
     async def prune_writers(self, stream: str, older_than_ms: int) -> list[str]:
-        return await adrive(_plan_prune_writers(self, stream, older_than_ms))
+        return await adrive(plan_prune_writers(self, stream, older_than_ms))
 
     async def aclose(self) -> None:
         if self._link is not None:

@@ -14,7 +14,8 @@ counted; and no two modules share a file name):
 3. `streams.store` (PostgreSQL) and `streams.transport` (Redis): the I/O;
 4. `streams.writer` (with `streams.heartbeat`, `streams.fact_blocks`),
    `streams.reader`, `streams.proofs`, `streams.migrate`: the shells that drive them;
-5. `streams.client`, `streams.metrics`, `streams.connector`, `streams` itself: the entry points;
+5. `streams.client` (with `streams.client_plans`), `streams.metrics`, `streams.connector`,
+   `streams` itself: the entry points;
 6. `streams.cli_params`, `streams.devservers`, `streams.plugins`: what every command shares;
 7. `streams.ops`, `streams.bench`: the operator's commands and the benchmarks, kept apart;
 8. `streams.command`, `streams.__main__`: the `streams` command, composed of both.
@@ -233,7 +234,7 @@ LAYERS = (
         "streams.migrate",
         "streams.orm",
     ),
-    ("streams.client", "streams.metrics", "streams.connector", "streams"),
+    ("streams.client", "streams.client_plans", "streams.metrics", "streams.connector", "streams"),
     ("streams.cli_params", "streams.devservers", "streams.plugins"),
     ("streams.ops", "streams.bench"),
     ("streams.command", "streams.__main__"),
