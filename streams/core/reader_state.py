@@ -305,10 +305,9 @@ class SignedRangeInbox:
         return signed
 
     def on_incarnation(self, previous: str | None, token: str) -> None:
-        """The reader's session is in incarnation ``token`` (``previous``: the one it read in
-        before, None at first). Another one (a failover): what was verified in the old history
-        (maybe while this process was frozen) may describe facts the new primary lacks, and
-        was not part of the check of the sightings. Drop it; read the keys again."""
+        """The reader's session is in incarnation ``token`` (after ``previous``, None at
+        first). A failover: what was verified in the old history (maybe while this process
+        was frozen) may describe facts the new primary lacks. Drop it; read the keys again."""
         if previous is None or token == previous:
             return
         self.verified.clear()
