@@ -321,13 +321,9 @@ class ReaderCore:
     # ---------------------------------------------------------------- computation
 
     def _note_probe(self, probes: Mapping[str, Probe], *, shared: bool = False) -> None:
-        """Record what a probe proved. A stream whose sequence is now below what an earlier
-        probe of this reader saw allocated went back in time under it (a physical restore in
-        place, a failover to a standby that lagged: the database's incarnation may not show
-        it): the IDs above are handed out again, and this reader would skip the facts written
-        under them as delivered. Nothing is delivered: `DatabaseChanged` names the stream and
-        the range that may differ. ``shared``: proofs of the prober, which say what is
-        complete, not what is allocated."""
+        """Record what a probe proved (`Proven.note`: `DatabaseChanged`, nothing delivered,
+        for a sequence that went back under this reader). ``shared``: proofs of the prober,
+        which say what is complete, not what is allocated."""
         self.counters.probes += 1
         for name, found in probes.items():
             self.proven.note_lsn(found.wal_lsn)
