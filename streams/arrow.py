@@ -392,14 +392,14 @@ def _read_stream(
                 raise found
             break
         table = found.combine_chunks()
-        core.pages += 1
-        core.rows += table.num_rows
+        core.counters.pages += 1
+        core.counters.rows += table.num_rows
         ids = table.column(STREAM_ID.stored).to_numpy()
         cut = cut_page(ids, after=low, through=high, limit=max_rows)
         if cut.refetch is not None:
             # One fact has at least a page of rows: read it alone, whole.
             table = sessions.read(name, key, cut.refetch - 1, cut.refetch, None).combine_chunks()
-            core.rows += table.num_rows
+            core.counters.rows += table.num_rows
             pages.append(_Page(name, table, low, cut.refetch))
         else:
             pages.append(_Page(name, table.slice(0, cut.rows), low, cut.position))

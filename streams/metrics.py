@@ -156,21 +156,21 @@ class ClientCollector:
             for name, value in rcore.positions.items():
                 reader_position.add_metric([name, group], value)
             key = [",".join(rcore.names), group]
-            probes.add_metric(key, rcore.probes)
-            pages.add_metric(key, rcore.pages)
-            rows.add_metric(key, rcore.rows)
-            signed.add_metric([*key, "verified"], rcore.verified_ranges)
-            signed.add_metric([*key, "applied"], rcore.signed_ranges)
+            probes.add_metric(key, rcore.counters.probes)
+            pages.add_metric(key, rcore.counters.pages)
+            rows.add_metric(key, rcore.counters.rows)
+            signed.add_metric([*key, "verified"], rcore.counters.verified_ranges)
+            signed.add_metric([*key, "applied"], rcore.counters.signed_ranges)
             # A copy: the link's thread adds reasons as lines come (one C call, under the GIL).
-            for reason, value in sorted(dict(rcore.rejected_ranges).items()):
+            for reason, value in sorted(dict(rcore.counters.rejected_ranges).items()):
                 rejected.add_metric([*key, reason], value)
-            refused.add_metric(key, rcore.refused_proofs)
+            refused.add_metric(key, rcore.counters.refused_proofs)
             route = rcore.route
             if route is not None:
                 for outcome, value in route.outcomes.items():
                     standby.add_metric([*key, outcome], value)
                 standby_lag.add_metric(key, route.lag_bytes)
-                standby_rows.add_metric(key, rcore.standby_rows)
+                standby_rows.add_metric(key, rcore.counters.standby_rows)
         yield from (reader_position, probes, pages, rows, signed, rejected, refused)
         yield from (standby, standby_lag, standby_rows)
 

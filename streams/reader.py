@@ -219,7 +219,7 @@ class _ReaderBase:
             sessions = self._arrow = ArrowSessions(
                 self._url,
                 f"{what} of {', '.join(core.names)} (Arrow)",
-                lambda: (core.incarnation, core.proof_lsn),
+                lambda: (core.incarnation, core.proven.proof_lsn),
             )
         return sessions
 
@@ -270,7 +270,7 @@ class _ReaderBase:
         if self._core.wants(hint):
             self._hinted = True
             self._wakeup()
-        elif self._core.deadline_moved:
+        elif self._core.following.deadline_moved:
             self._wakeup()  # not a hint: the wait only recomputes its deadline
 
     def _wakeup(self) -> None:
@@ -322,8 +322,8 @@ class _ReaderBase:
                     due = min(due, proof_due)
                 until = due if deadline is None else min(due, deadline)
                 hinted = yield Wait(self._wake, until - time.monotonic())
-                if hinted and self._core.deadline_moved and not self._hinted:
-                    self._core.deadline_moved = False
+                if hinted and self._core.following.deadline_moved and not self._hinted:
+                    self._core.following.deadline_moved = False
                     self._wake.clear()
                     continue  # a writer's hint started the proof grace: wait up to it
                 if not hinted and time.monotonic() < due:
@@ -334,7 +334,7 @@ class _ReaderBase:
                     yield Sleep(gap)
             self._wake.clear()
             self._hinted = False
-            self._core.deadline_moved = False
+            self._core.following.deadline_moved = False
             self._last_probe = time.monotonic()
             # The server restarted or the network failed: a step moves nothing until it has
             # read everything, so trying again (on a new connection) delivers each fact once.
@@ -501,7 +501,7 @@ class Reader(_ReaderBase):
         # ``proofs``: the process's `streams.proofs.ProofService` (None: probe every time).
         self._proofs = proofs
         if proofs is not None:
-            core.shared_proofs = True
+            core.following.shared_proofs = True
             proofs.follow(core.names)
 
     def __repr__(self) -> str:

@@ -74,7 +74,14 @@ def reader(url: str, redis_url: str, prefix: str, stream: str, shared: str) -> N
                     lat.append(now - sent)
     core = follower.core
     proofs = client._proofs.proofs if client._proofs is not None else 0
-    _done({"n": n, "lat": lat, "own": core.probes - core.proof_reads, "proofs": proofs})
+    _done(
+        {
+            "n": n,
+            "lat": lat,
+            "own": core.counters.probes - core.counters.proof_reads,
+            "proofs": proofs,
+        }
+    )
 
 
 def writer(url: str, redis_url: str, prefix: str, stream: str, seconds: str, rate: str) -> None:

@@ -332,7 +332,7 @@ def _measure_streams(
         measured = {i: t for i, t in committed.items() if t >= cutoff}
         samples = [delivered[i] - t for i, t in measured.items() if i in delivered]
         stats = LatencyStats.from_seconds(samples, lost=len(measured) - len(samples))
-        return stats, (reader.core.probes, reader.core.pages, epochs)
+        return stats, (reader.core.counters.probes, reader.core.counters.pages, epochs)
     except BaseException:
         end_children(procs)  # failed or interrupted: do not wait for the writers' schedules
         raise

@@ -43,23 +43,26 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import operator
-import os
-import socket
 import time
-from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple, TypeAlias
 
 from .._gc import collection_paused
 from ..config import DEFAULT_LEASE_SECONDS
-from ..core.constants import PROOF_GRACE, STALE_AFTER
+from ..core.constants import STALE_AFTER
 from ..core.epochs import Epoch, Fact, Row, next_position, plan_page
-from ..core.frontier import Antichain, FrontierProbe, FrontierSnapshot, LiveFilter, UpperAntichain
+from ..core.frontier import Antichain, FrontierProbe
 from ..core.incarnation import Guard, Incarnation, written_elsewhere
 from ..core.payloads import decode_payloads
+from ..core.reader_state import (
+    ProofFollowing,
+    Proven,
+    ReaderCounters,
+    SignedRangeInbox,
+    StartFilters,
+)
 from ..core.replication import Hint, is_keys_hint, is_proof_hint
 from ..core.sightings import RECENT_IDS, Sighting
-from ..core.signing import KEY_REFRESH, PublicKeys, SignedRange, verify_range
 from ..core.stalls import HeldStreams
 from ..core.standby_fence import StandbyRoute
 from ..errors import (
@@ -76,17 +79,17 @@ from .holders import retire_where_held
 from .identity import verify
 from .keys import live_keys
 from .leases import persisted_writer_position
+from .membership import GroupMembership
 from .probe import set_up_reader_session
+from .read_ahead import ReadAhead
 from .reader_groups import (
     GROUP_MOVED,
-    Generation,
     commit_group,
     commit_group_in,
     group_position,
     take_generations,
 )
 from .reads import (
-    PagesAhead,
     Probe,
     probe,
     probe_and_read,
@@ -113,12 +116,6 @@ log = logging.getLogger("streams.reader")
 
 #: Rows per page when catching up.
 DEFAULT_PAGE_SIZE = 5000
-#: Most verified ranges waiting for the reader to reach them, per reader and per stream (a
-#: flood of replayed lines costs memory up to this, no more). A line under a key the reader
-#: does not know is not kept at all (`ReaderCore._offer`).
-MAX_WAITING_RANGES = 256
-#: Least seconds between two reads of the key table asked for by a line naming an unknown key.
-KEY_RETRY = 1.0
 
 
 class _Planned(NamedTuple):
@@ -156,27 +153,6 @@ def _check_start(start: object) -> Start:
     raise UsageError(f"invalid start {start!r}")
 
 
-class _Received(NamedTuple):
-    """A page read ahead: the range it was read for, its rows, and the stream's
-    ``pruned_through`` read after them."""
-
-    after: int
-    through: int
-    rows: list[Row]
-    pruned: int
-
-
-def _take(received: _Received | None, name: str, after: int, through: int) -> list[Row] | None:
-    """The rows of a page read ahead, if it was read for exactly ``(after, through]`` (a target
-    that moved since, or a position that did not, asks for another range: None, read it
-    anew), with its retention check (`FactsPruned`, as `read_proven` would raise)."""
-    if received is None or received.after != after or received.through != through:
-        return None
-    if received.pruned > after:
-        raise FactsPruned(name, after, received.pruned)
-    return received.rows
-
-
 #: A fact's stream ID (`Fact` is a named tuple: a C getter, no Python call per fact).
 _STREAM_ID = operator.itemgetter(1)
 
@@ -212,87 +188,35 @@ class ReaderCore:
         self.infos: dict[str, StreamInfo] = {}
         self.positions: dict[str, int] = {}
         self.ts_floors: dict[str, int] = {}
-        #: The group's position on each stream as this reader last knew it (when it opened the
-        #: group, or its last commit; None: no row): where `commit_in` expects to find it.
-        self.committed: dict[str, int | None] = {}
-        #: The generation of the group this reader took on each stream when it opened it
-        #: (`streams.store.reader_groups.take_generations`): its commits are fenced by it.
-        self.generations: dict[str, Generation] = {}
-        #: Who this reader is, in the group's generation rows (``streams positions`` shows it).
-        self.owner = f"{socket.gethostname()}:{os.getpid()}"
-        #: The database incarnation written into the group's rows at each commit (None: not
-        #: known; set by the shells).
+        self.membership = GroupMembership()  # the group, as this reader holds it
+        #: The database incarnation the reader reads (None: not known; set by the shells);
+        #: written into the group's rows at each commit.
         self.incarnation: str | None = None
-        self._targets: dict[str, int] = {}
-        #: The highest max allocated ID a probe of this reader saw, by stream: a sequence never
-        #: goes back within one history (`_note_probe`).
-        self._allocated: dict[str, int] = {}
-        self._filters: dict[str, LiveFilter[int]] = {}
-        self._start_ts: dict[str, int] = {}
-        self._link_up = False
-        self._reconcile = True
-        #: Follow the elected prober's proofs (`streams.proofs`) instead of probing each time.
-        self.shared_proofs = False
-        self._proof_fresh = False
-        # Writers' tokens heard while following proofs, not yet covered by one (link thread
-        # writes, the reader's thread reads; single dict operations under the GIL).
-        self._awaited: dict[str, int] = {}
-        self._awaited_since: float | None = None
-        self.deadline_moved = False
-        #: When a stream held back is checked, and who has held it too long (`retire_where_held`,
-        #: with ``lease_seconds`` as this reader's own lease: docs/design/liveness.md).
-        self._held = HeldStreams(lease=lease_seconds)
-        #: Probes run, shared proofs read, pages of rows read, and of those the pages read
-        #: ahead while the previous one was planned (`_read_pages`), for metrics.
-        self.probes = self.proof_reads = self.pages = self.pages_ahead = 0
-        # Signed ranges from Redis (`streams.core.signing`): verified by the link thread
-        # (deque appends and pops are atomic), then by `after`, and the keys.
-        self._verified: deque[SignedRange] = deque(maxlen=MAX_WAITING_RANGES)
-        self._ranges: dict[str, dict[int, SignedRange]] = {}
-        self._keys: dict[int, PublicKeys] = {}
-        self._keys_at = -KEY_REFRESH
-        self._keys_wanted = False
-        # A ``KEYS`` line said the keys changed: no line verifies until they are read again.
-        self._keys_stale = False
-        #: Signed ranges delivered from Redis, lines that verified, and lines rejected by
-        #: reason (what `verify_range` returned, and ``no-keys``), for metrics.
-        self.signed_ranges = 0
-        self.verified_ranges = 0
-        self.rejected_ranges: dict[str, int] = {}
-        #: Shared proofs refused (above their stream's max allocated ID), for metrics.
-        self.refused_proofs = 0
-        #: Rows read from PostgreSQL (catch-up and live), for metrics; of them, from a standby.
-        self.rows = self.standby_rows = 0
-        #: Read rows on a hot standby (a read URL; set by the shells), and how long to wait
-        #: for it: the shells then `step` without rows on the primary (it only proves) and
-        #: read the rows by `standby_step` behind the fence (`streams.core.standby_fence`).
-        self.route: StandbyRoute | None = None
-        #: The highest LSN of a proof this reader noted ("the standby fence" in
-        #: `streams.store.probe`): a standby replayed past it shows every fact up to the
-        #: targets (taking the highest is safe: replay passes the lower ones first).
-        self.proof_lsn = 0
         #: The database history this reader's positions belong to: the first session records
         #: it (or the client's, which shares its guard), every reconnect checks it.
         self.guard = Guard()
         #: The facts delivered lately, checked after a failover (`streams.core.sightings`);
         #: a loss stops the reader (its consumer holds facts the database no longer has).
         self.sighting = Sighting(sticky=True)
-        # Reading ahead (`_read_pages`): the pages sent on the session, not yet received;
-        # then, received, by stream, for the next step.
-        self._ahead: PagesAhead | None = None
-        self._received: dict[str, _Received] = {}
+        self.proven = Proven()  # what probes and proofs proved, and whether it still stands
+        self.filters = StartFilters()  # what a ``live`` or time start still drops
+        self.following = ProofFollowing()  # the elected prober's proofs (`streams.proofs`)
+        self.counters = ReaderCounters()  # for metrics
+        self.inbox = SignedRangeInbox(self.counters)  # signed ranges from Redis, and the keys
+        #: When a stream held back is checked, and who has held it too long (`retire_where_held`,
+        #: with ``lease_seconds`` as this reader's own lease: docs/design/liveness.md).
+        self._held = HeldStreams(lease=lease_seconds)
+        #: Read rows on a hot standby (a read URL; set by the shells), and how long to wait
+        #: for it: the shells then `step` without rows on the primary (it only proves) and
+        #: read the rows by `standby_step` behind the fence (`streams.core.standby_fence`).
+        self.route: StandbyRoute | None = None
+        self.ahead = ReadAhead()  # the pages `_read_pages` read ahead
 
     def verify_incarnation(self) -> Gen[Incarnation]:
         """On a new session, before anything else: is it the database history this reader
         started on (`streams.store.identity`)? `DatabaseChanged` otherwise."""
         found = yield from verify(self.guard, self._where(), self.sighting, "facts delivered")
-        if self.incarnation is not None and found.token != self.incarnation:
-            # A failover: what was verified in the old history (signed ranges heard, maybe
-            # while this process was frozen) may describe facts the new primary lacks, and
-            # they were not part of the check just made. Drop it; read the keys again.
-            self._verified.clear()
-            self._ranges.clear()
-            self._keys_stale = self._keys_wanted = True
+        self.inbox.on_incarnation(self.incarnation, found.token)
         self.incarnation, self.timeline = found.token, found.timeline
         return found
 
@@ -320,7 +244,9 @@ class ReaderCore:
         infos = yield from load_streams(list(self.names))
         self.infos = {info.name: info for info in infos}
         if self.group is not None:
-            self.generations = yield from take_generations(self.group, infos, self.owner)
+            self.membership.generations = yield from take_generations(
+                self.group, infos, self.membership.owner
+            )
         probes = yield from probe(infos)
         self._note_probe(probes)
         pruned = yield from pruned_positions(infos)
@@ -337,7 +263,7 @@ class ReaderCore:
             committed = None
             if self.group is not None:
                 committed = yield from group_position(info, self.group)
-                self.committed[info.name] = None if committed is None else committed.position
+                self.membership.took({info.name: None if committed is None else committed.position})
             if committed is not None:
                 self._check_group_incarnation(info.name, committed.incarnation, committed.position)
                 if committed.position > found.max_allocated:
@@ -367,14 +293,9 @@ class ReaderCore:
                 # Capped at what is complete: a pending fact below the first committed match
                 # may still commit with a timestamp >= start (the filter drops earlier ones).
                 position = found.complete if before is None else min(before, found.complete)
-                self._start_ts[info.name] = start_ms
-            if start == "live" and found.max_allocated > position:
-                # Strymon's late subscriber: epochs active at join (IDs up to max allocated) may
-                # be partly gone for a subscriber without backfill; drop them all.
-                snapshot = FrontierSnapshot(
-                    Antichain([position + 1]), UpperAntichain([found.max_allocated])
-                )
-                self._filters[info.name] = LiveFilter(snapshot)
+                self.filters.start_ms[info.name] = start_ms
+            if start == "live":
+                self.filters.join_live(info.name, position, found.max_allocated)
             self.positions[info.name] = position
             self.ts_floors[info.name] = yield from ts_floor_at(info, position)
         yield from self.read_keys()
@@ -400,131 +321,76 @@ class ReaderCore:
     # ---------------------------------------------------------------- computation
 
     def _note_probe(self, probes: Mapping[str, Probe], *, shared: bool = False) -> None:
-        """Record what a probe proved. A stream whose sequence is now below what an earlier
-        probe of this reader saw allocated went back in time under it (a physical restore in
-        place, a failover to a standby that lagged: the database's incarnation may not show
-        it): the IDs above are handed out again, and this reader would skip the facts written
-        under them as delivered. Nothing is delivered: `DatabaseChanged` names the stream and
-        the range that may differ. ``shared``: proofs of the prober, which say what is
-        complete, not what is allocated."""
-        self.probes += 1
+        """Record what a probe proved (`Proven.note`: `DatabaseChanged`, nothing delivered,
+        for a sequence that went back under this reader). ``shared``: proofs of the prober,
+        which say what is complete, not what is allocated."""
+        self.counters.probes += 1
         for name, found in probes.items():
-            self.proof_lsn = max(self.proof_lsn, found.wal_lsn)
+            self.proven.note_lsn(found.wal_lsn)
             if found.flushed_lsn and self.timeline:
                 # On disk: what a rewind would take back (`Guard`, "A rewind").
                 self.guard.observed(self.timeline, found.flushed_lsn)
-            if shared:
-                self._targets[name] = max(self._targets.get(name, 0), found.complete)
-                continue
-            seen = self._allocated.get(name, 0)
-            if found.max_allocated < seen:
-                through = max(seen, self.positions.get(name, 0))
-                raise DatabaseChanged(
-                    f"reader of {name!r}",
-                    f"stream {name!r}: its sequence went back from {seen} to "
-                    f"{found.max_allocated}, so this history restarted at or below "
-                    f"{found.max_allocated}: the facts this reader saw with IDs up to {through} "
-                    "may differ from the ones the database now has",
-                )
-            self._allocated[name] = found.max_allocated
-            self._targets[name] = max(self._targets.get(name, 0), found.complete)
-        self._reconcile = False
+            max_allocated = None if shared else found.max_allocated
+            self.proven.note(name, found.complete, max_allocated, self.positions.get(name, 0))
+        self.proven.reconcile = False
 
     def start_times(self) -> dict[str, int]:
         """For a start by time: the start (ms), by stream, still filtering what comes next
         (facts whose running-maximum timestamp is earlier are dropped until the first one at
         or after it, so a fact that was pending at the start cannot sneak in late)."""
-        return dict(self._start_ts)
+        return dict(self.filters.start_ms)
 
     def set_link_state(self, connected: bool) -> None:
         """The Redis link went up or down: disconnected until the next probe re-establishes."""
-        self._link_up = connected
-        self._reconcile = True
+        self.proven.set_link_state(connected)
 
     @property
     def needs_writer_hints(self) -> bool:
         """Does this reader need writers' hints? Not while it follows fresh shared proofs over
         a live link: the prover's lines then say all there is to say, and `step` looks at
         the proof record at least every `streams.reader.FOLLOWER_CHECK_INTERVAL`."""
-        return not (self.shared_proofs and self._proof_fresh and self.live)
+        return not self.following.following(self.live)
 
     @property
     def live(self) -> bool:
         """The Redis link is up and a probe has re-established the position since."""
-        return self._link_up and not self._reconcile
+        return self.proven.live
 
     def wants(self, hint: Hint) -> bool:
         """Could this hint mean something new for this reader? Following fresh shared proofs,
         only a prober's line can: a writer's commit is not readable before it is proven."""
         if is_keys_hint(hint):
-            # The keys changed (a rotation, a retirement): verify nothing more with the keys
-            # held now; the next step reads them again (at most every KEY_RETRY).
-            self._keys_stale = True
-            self._keys_wanted = True
-            return time.monotonic() - self._keys_at >= KEY_RETRY
+            # The keys changed (a rotation, a retirement): the next step reads them again.
+            return self.inbox.keys_changed(time.monotonic())
         position = self.positions.get(hint.stream)
         if position is None or hint.token <= position:
             return False
         if hint.proof is not None:
-            return self._offer(hint)
-        if self.shared_proofs and self._proof_fresh and self.live:
+            return self.inbox.offer(hint, self.incarnation, time.monotonic())
+        if self.following.following(self.live):
             if is_proof_hint(hint):
                 return True
-            # A writer committed: the prober should announce it within PROOF_GRACE.
-            if hint.token > self._awaited.get(hint.stream, 0):
-                self._awaited[hint.stream] = hint.token
-            if self._awaited_since is None:
-                self._awaited_since = time.monotonic()
-                self.deadline_moved = True  # the driver's wait must end sooner now
+            self.following.await_token(hint.stream, hint.token, time.monotonic())
             return False
         return True
-
-    def _offer(self, hint: Hint) -> bool:
-        """A signed range arrived (on the link's thread): verify it now, so that a line that
-        does not verify costs no wake-up (and no PostgreSQL read) at all.
-
-        A line under a key this reader does not know is dropped, and asks for a read of the
-        keys (at most every `KEY_RETRY`: a flood of lines under unknown keys costs that, no
-        more); so is every line after a ``KEYS`` line, until the keys are read again. Keeping
-        such a line until then would keep what anyone with Redis may send: parsed, a 1 MiB line
-        of ``[],`` is 350k lists, 20 times its size, and 52 of them took a reader to 1.2 GB.
-        Dropping it costs only after a rotation, until this reader has read the new key (a
-        line it did not take is read from PostgreSQL, as for a line Redis lost)."""
-        if self._keys_stale:
-            self.rejected_ranges["keys-changed"] = self.rejected_ranges.get("keys-changed", 0) + 1
-            self._keys_wanted = True
-            return time.monotonic() - self._keys_at >= KEY_RETRY
-        found = verify_range(
-            hint.stream, hint.instance, hint.token, hint.proof, self._keys, self.incarnation
-        )
-        if isinstance(found, SignedRange):
-            self.verified_ranges += 1
-            self._verified.append(found)
-            return True
-        self.rejected_ranges[found] = self.rejected_ranges.get(found, 0) + 1
-        if found == "unknown-key":
-            self._keys_wanted = True
-            return time.monotonic() - self._keys_at >= KEY_RETRY
-        return False
 
     def proof_deadline(self) -> float | None:
         """When (monotonic) to look even without a proof line: `PROOF_GRACE` after the first
         writer's hint no proof has covered yet (None: no such hint)."""
-        since = self._awaited_since
-        return None if since is None else since + PROOF_GRACE
+        return self.following.deadline()
 
     def target(self, stream: str) -> int:
         """The complete position the last probe proved for ``stream`` (what catching up aims
         at; progress bars use it)."""
-        return self._targets.get(stream, 0)
+        return self.proven.target(stream)
 
     def behind(self) -> bool:
-        return any(self.positions[n] < self._targets.get(n, 0) for n in self.names)
+        return self.proven.behind(self.names, self.positions)
 
     @property
     def caught_up(self) -> bool:
         """Everything the last probe proved complete is delivered (and no reconnect since)."""
-        return not self._reconcile and not self.behind()
+        return not self.proven.reconcile and not self.behind()
 
     def step(self, with_rows: bool = True) -> Gen[Epoch | None]:
         """The next epoch, or None if PostgreSQL has nothing complete beyond the positions.
@@ -541,15 +407,11 @@ class ReaderCore:
         next step reads the same facts again; none is skipped.
         """
         lower = dict(self.positions)
-        if self._ahead is not None:
+        if self.ahead.sent is not None:
             yield from self.receive_ahead()
         if self.keys_due():
             yield from self.read_keys()
-        if (
-            self._link_up
-            and not self._reconcile
-            and (self._verified or self._keys_wanted or any(self._ranges.values()))
-        ):
+        if self.proven.live and self.inbox.pending:
             planned = yield from self._step_on_signed_ranges()
             if planned:
                 facts = self._advance(planned)
@@ -558,12 +420,17 @@ class ReaderCore:
         shared = None
         # Proofs only while the Redis link is live: without it nobody hears writers' commits
         # in time to prove them, and this reader polls PostgreSQL itself.
-        if self.shared_proofs and self._link_up and (not self.behind() or self._reconcile):
+        proven = self.proven
+        if (
+            self.following.shared_proofs
+            and proven.link_up
+            and (not self.behind() or proven.reconcile)
+        ):
             shared = yield from self._step_on_proofs(lower, with_rows)
         if shared is not None:
             planned = shared
         elif not with_rows:
-            if not self.behind() or self._reconcile:  # prove only: the rows are the standby's
+            if not self.behind() or proven.reconcile:  # prove only: the rows are the standby's
                 infos = [self.infos[n] for n in self.names]
                 probes = yield from probe(infos)
                 self._note_probe(probes)
@@ -573,7 +440,7 @@ class ReaderCore:
                     time.monotonic(),
                     ((name, p.complete, p.max_allocated) for name, p in probes.items()),
                 )
-        elif not self.behind() or self._reconcile:
+        elif not self.behind() or proven.reconcile:
             # Probe, rows and retention in one round trip (`streams.store.reads`).
             infos = [self.infos[n] for n in self.names]
             probes, pages, _ = yield from probe_and_read(infos, lower, self.page_size)
@@ -607,16 +474,17 @@ class ReaderCore:
         ranges, and reads them anew otherwise. Sending reads nothing into the reader's state
         and moves no position, so a step that ends early, fails or is never followed loses
         nothing (the pages are read again)."""
-        if self._ahead is not None:
+        if self.ahead.sent is not None:
             yield from self.receive_ahead()
-        received, self._received = self._received, {}
+        received = self.ahead.take_received()
         pages: list[tuple[str, list[Row], int]] = []
         for name in self.names:
-            target = self._targets.get(name, 0)
+            target = self.proven.target(name)
             if lower[name] < target:
-                page = _take(received.get(name), name, lower[name], target)
+                found = received.get(name)
+                page = None if found is None else found.rows_for(name, lower[name], target)
                 if page is not None:
-                    self.pages_ahead += 1
+                    self.counters.pages_ahead += 1
                 else:
                     info = self.infos[name]
                     page = yield from read_proven(info, lower[name], target, self.page_size)
@@ -631,7 +499,7 @@ class ReaderCore:
                 if position < target:
                     following.append((self.infos[name], position, target))
             if following:
-                self._ahead = yield from send_proven(following, self.page_size)
+                self.ahead.sent = yield from send_proven(following, self.page_size)
         planned: list[_Planned] = []
         for name, page, target in pages:
             planned.append((yield from self._plan(name, page, target)))
@@ -641,27 +509,23 @@ class ReaderCore:
     def reading_ahead(self) -> bool:
         """Pages were sent ahead and not received yet: the session is busy with them, and
         `receive_ahead` must run on it before anything else."""
-        return self._ahead is not None
+        return self.ahead.sent is not None
 
     def receive_ahead(self) -> Gen[None]:
         """Take in the pages `_read_pages` sent ahead (kept for the next step); the shells run
         it before any other plan on the session."""
-        ahead, self._ahead = self._ahead, None
+        ahead, self.ahead.sent = self.ahead.sent, None
         if ahead is None:
             return
         received = yield from receive_proven(ahead)
-        if received is None:
-            return
-        pages, pruned = received
-        for (name, after, through), rows in zip(ahead.ranges, pages, strict=True):
-            self._received[name] = _Received(after, through, rows, pruned.get(name, 0))
+        if received is not None:
+            self.ahead.took_in(ahead, *received)
 
     def forget_ahead(self) -> None:
         """The session closed: pages sent ahead on it are gone, and pages received on it are
         dropped too (the shells, on reconnect: the next session may be on a new primary, whose
         history the sighting check compares first)."""
-        self._ahead = None
-        self._received = {}
+        self.ahead.forget()
 
     def standby_step(self) -> Gen[Epoch | None]:
         """`step`'s pages, on a hot standby's session (a read URL): the fence first (one
@@ -673,11 +537,11 @@ class ReaderCore:
         lower = dict(self.positions)
         if not self.behind():
             return None
-        yield from standby_fence(self.proof_lsn, f"reader of {', '.join(self.names)}")
-        rows_before = self.rows
+        yield from standby_fence(self.proven.proof_lsn, f"reader of {', '.join(self.names)}")
+        rows_before = self.counters.rows
         planned = yield from self._read_pages(lower, ahead=False)  # not on the standby's session
         facts = self._advance(planned)  # nothing may be yielded from here on
-        self.standby_rows += self.rows - rows_before
+        self.counters.standby_rows += self.counters.rows - rows_before
         if self.positions == lower:
             return None
         return Epoch(lower, dict(self.positions), tuple(facts))
@@ -699,24 +563,13 @@ class ReaderCore:
         }
         if refused:
             self._refuse_proofs(refused)
-        self._proof_fresh = not refused and all(
-            rows and int(rows[0][1]) <= STALE_AFTER for rows in results
-        )
-        if not self._proof_fresh:
-            self._awaited.clear()
-            self._awaited_since = None
+        fresh = not refused and all(rows and int(rows[0][1]) <= STALE_AFTER for rows in results)
+        if not self.following.read(fresh):
             return None
-        self.proof_reads += 1
+        self.counters.proof_reads += 1
         proven = {i.name: int(rows[0][0]) for i, rows in zip(infos, results, strict=True)}
-        since = self._awaited_since
-        if since is not None:
-            behind = any(self._awaited.get(n, 0) > proven[n] for n in proven)
-            overdue = time.monotonic() >= since + PROOF_GRACE
-            if not behind or overdue:
-                self._awaited.clear()
-                self._awaited_since = None
-            if behind and overdue:
-                return None  # the prober is late: probe for ourselves this once
+        if self.following.late(proven, time.monotonic()):
+            return None  # the prober is late: probe for ourselves this once
         self._note_probe({n: Probe(n, c, c, lsn) for n, c in proven.items()}, shared=True)
         planned: list[_Planned] = []
         if not with_rows:
@@ -731,8 +584,8 @@ class ReaderCore:
         """Shared proofs above their stream's max allocated ID (``stream -> complete``, as
         `read_after_proof` finds them): no prober wrote them, so this reader probes for
         itself. Counted, and logged the first time."""
-        first = not self.refused_proofs
-        self.refused_proofs += len(refused)
+        first = not self.counters.refused_proofs
+        self.counters.refused_proofs += len(refused)
         if first:
             log.warning(
                 "refused the shared proof of %s: beyond the stream's max allocated ID, so no "
@@ -745,50 +598,18 @@ class ReaderCore:
         """`step` from the signed ranges Redis brought (`streams.core.signing`): every stream
         a verified range fits (``after <= position < through``) moves, without PostgreSQL
         (except to read the key table now and then). Nothing moves here (`_advance` does)."""
-        now = time.monotonic()
-        if self._keys_wanted and now - self._keys_at >= KEY_RETRY:
+        inbox = self.inbox
+        if inbox.keys_retry_due(time.monotonic()):
             yield from self.read_keys()
-        if self._keys_stale:  # told the keys changed, not read since: apply nothing
+        if inbox.keys_stale:  # told the keys changed, not read since: apply nothing
             return []
-        keys = self._keys
-        while self._verified:
-            found = self._verified.popleft()
-            if found.key not in keys:  # verified before the key table said it was retired
-                self.rejected_ranges["retired-key"] = self.rejected_ranges.get("retired-key", 0) + 1
-                continue
-            if keys[found.key].incarnation != self.incarnation:
-                # Verified (on the link's thread) just before a failover moved this reader to
-                # another timeline: not proven in the history it reads now.
-                self.rejected_ranges["other-history"] = (
-                    self.rejected_ranges.get("other-history", 0) + 1
-                )
-                continue
-            waiting = self._ranges.setdefault(found.stream, {})
-            known = waiting.get(found.after)
-            if known is None or known.through < found.through:
-                if len(waiting) >= MAX_WAITING_RANGES:
-                    waiting.pop(min(waiting))
-                waiting[found.after] = found
+        inbox.accept(self.incarnation)
         planned: list[_Planned] = []
         for name in self.names:
-            ranges = self._ranges.get(name)
-            if not ranges:
-                continue
             start = self.positions[name]
             position, floor = start, self.ts_floors[name]
             facts: list[Fact] = []
-            while True:
-                fits = [
-                    r for r in ranges.values() if r.after <= position < r.through and r.key in keys
-                ]
-                for stale in [
-                    a for a, r in ranges.items() if r.through <= position or r.key not in keys
-                ]:
-                    del ranges[stale]
-                if not fits:
-                    break
-                signed = max(fits, key=lambda r: r.through)
-                ranges.pop(signed.after, None)
+            while (signed := inbox.take(name, position)) is not None:
                 rows = [row for row in signed.rows if row[0] > position]
                 plan = plan_page(
                     name, rows, after=position, through=signed.through, limit=len(rows) + 1,
@@ -796,34 +617,27 @@ class ReaderCore:
                 )  # fmt: skip
                 facts += plan.facts
                 position, floor = plan.position, plan.ts_floor
-                self.signed_ranges += 1
+                self.counters.signed_ranges += 1
             if position > start:
-                self._targets[name] = max(self._targets.get(name, 0), position)
+                self.proven.raise_target(name, position)
                 planned.append(_Planned(name, tuple(facts), position, floor))
-        if planned and self._awaited_since is not None:
-            moved = {p.name: p.position for p in planned}
-            if all(self._awaited[n] <= moved.get(n, self.positions[n]) for n in self._awaited):
-                self._awaited.clear()
-                self._awaited_since = None
+        if planned:
+            self.following.covered({**self.positions, **{p.name: p.position for p in planned}})
         return planned
 
     def keys_due(self) -> bool:
         """Time to read the keys again (`KEY_REFRESH`: retired keys are dropped then)."""
-        return time.monotonic() - self._keys_at >= KEY_REFRESH
+        return self.inbox.keys_due(time.monotonic())
 
     def read_keys(self) -> Gen[None]:
         """Read the live keys; a reader that may not read them takes nothing from Redis."""
-        self._keys_at = time.monotonic()
-        self._keys_wanted = False
-        self._keys_stale = False  # a KEYS line heard from here on asks for another read
+        self.inbox.reading_keys(time.monotonic())
         try:
-            self._keys = yield from live_keys()
+            self.inbox.keys_read((yield from live_keys()))
         except ConnectionLost:
             raise
         except StoreError as exc:
-            self._keys = {}
-            self.rejected_ranges["no-keys"] = self.rejected_ranges.get("no-keys", 0) + 1
-            if self.rejected_ranges["no-keys"] == 1:
+            if self.inbox.keys_unreadable() == 1:
                 log.warning("cannot read the replication keys (%s): reading PostgreSQL only", exc)
 
     def _plan(self, name: str, rows: list[Row], target: int) -> Gen[_Planned]:
@@ -831,8 +645,7 @@ class ReaderCore:
         more rows than a page); changes no position (`_advance` does)."""
         info = self.infos[name]
         after = self.positions[name]
-        self.pages += 1
-        self.rows += len(rows)
+        self.counters.page(len(rows))
         with collection_paused():  # streams._gc: a page's objects all live, no cycles
             plan = plan_page(
                 name, rows, after=after, through=target, limit=self.page_size,
@@ -854,18 +667,7 @@ class ReaderCore:
         for name, planned_facts, position, ts_floor in planned:
             self.positions[name] = position
             self.ts_floors[name] = ts_floor
-            facts = list(planned_facts)
-            live = self._filters.get(name)
-            if live is not None:
-                facts = [f for f in facts if live.admit(f.stream_id)]
-                live.advance_lower(Antichain([position + 1]))
-                if not live.active:
-                    del self._filters[name]
-            start_ms = self._start_ts.get(name)
-            if start_ms is not None:
-                facts = [f for f in facts if f.timestamp >= start_ms]
-                if facts:
-                    del self._start_ts[name]
+            facts = self.filters.admit(name, position, list(planned_facts))
             if facts:
                 recent = map(_STREAM_ID, facts[-RECENT_IDS:])
                 self.sighting.note(name, self.infos[name].id, recent)
@@ -887,19 +689,7 @@ class ReaderCore:
         keep: None when they keep all (the usual case: no per-row work then)."""
         self.positions[name] = position
         self.ts_floors[name] = ts_floor
-        keep: list[bool] | None = None
-        live = self._filters.get(name)
-        if live is not None:
-            keep = [live.admit(int(i)) for i in ids]
-            live.advance_lower(Antichain([position + 1]))
-            if not live.active:
-                del self._filters[name]
-        start_ms = self._start_ts.get(name)
-        if start_ms is not None:
-            late = [int(t) >= start_ms for t in timestamps]
-            keep = late if keep is None else [a and b for a, b in zip(keep, late, strict=True)]
-            if any(keep):
-                del self._start_ts[name]
+        keep = self.filters.admit_columns(name, position, ids, timestamps)
         tail = (
             ids[-RECENT_IDS:] if keep is None else [i for i, k in zip(ids, keep, strict=True) if k]
         )
@@ -937,9 +727,9 @@ class ReaderCore:
         commits = self._commits(through)
         assert self.group is not None
         committed = yield from commit_group(
-            self.group, commits, self.generations, incarnation=self.incarnation
+            self.group, commits, self.membership.generations, incarnation=self.incarnation
         )
-        self.committed.update(committed)
+        self.membership.took(committed)
         return committed
 
     def _commits(self, through: Fact | None) -> list[tuple[StreamInfo, int, int]]:
@@ -968,18 +758,13 @@ class ReaderCore:
         commits = self._commits(through)
         assert self.group is not None
         group = self.group
-        for info, position, _ in commits:
-            base = self.committed.get(info.name)
-            if base is not None and position < base:
-                raise UsageError(
-                    f"group {group!r} is at {base} on {info.name!r}: a commit "
-                    f"through {position} would move it back"
-                )
+        membership = self.membership
+        membership.check_forward(group, [(info.name, position) for info, position, _ in commits])
         try:
             committed = yield from commit_group_in(
                 group,
-                [(i, p, f, self.committed.get(i.name)) for i, p, f in commits],
-                self.generations,
+                [(i, p, f, membership.committed.get(i.name)) for i, p, f in commits],
+                membership.generations,
                 incarnation=self.incarnation,
             )
         except StoreError as exc:
@@ -989,8 +774,8 @@ class ReaderCore:
                 (i.name for i, _, _ in commits if f"{GROUP_MOVED} {i.id} " in str(exc)),
                 commits[0][0].name,
             )
-            raise GroupMoved(group, moved, self.committed.get(moved)) from None
-        self.committed.update(committed)
+            raise GroupMoved(group, moved, membership.committed.get(moved)) from None
+        membership.took(committed)
         return committed
 
     def _info(self, stream: str) -> StreamInfo:

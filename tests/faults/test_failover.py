@@ -474,7 +474,7 @@ def test_signed_ranges_of_the_old_timeline_are_not_delivered_after_the_check(
     `FailoverLoss`. Either it never delivers them, or it stops with `FailoverLoss`."""
     # Every step reads the keys first: the reader's session reaches the new primary (and
     # checks what it delivered) before it looks at the signed ranges it holds.
-    monkeypatch.setattr("streams.store.reader_core.KEY_REFRESH", 0.0)
+    monkeypatch.setattr("streams.core.reader_state.KEY_REFRESH", 0.0)
     with _pair(synchronous=False) as pair:
         url = pair.multi_host_url
         options: dict[str, Any] = {"connect_timeout": 20, "shared_proofs": True}
@@ -497,16 +497,16 @@ def test_signed_ranges_of_the_old_timeline_are_not_delivered_after_the_check(
                 assert time.monotonic() < deadline, delivered
                 epoch = reader.poll(timeout=1.0)
                 delivered += [f.stream_id for f in epoch.facts] if epoch is not None else []
-            assert reader.core.signed_ranges > 0 or reader.core.proof_reads > 0
+            assert reader.core.counters.signed_ranges > 0 or reader.core.counters.proof_reads > 0
             pair.wait_replayed()
             pair.cut_off()
-            before = reader.core.verified_ranges
+            before = reader.core.counters.verified_ranges
             lost = [writer.append({"n": n}).ids[0] for n in range(5, 25)]
             # The follower verifies the prover's ranges of the lost facts without polling.
             wait_until(
                 lambda: (
-                    reader.core.verified_ranges > before
-                    and any(r.through >= lost[-1] for r in reader.core._verified)
+                    reader.core.counters.verified_ranges > before
+                    and any(r.through >= lost[-1] for r in reader.core.inbox.verified)
                 ),
                 30,
                 "the follower to hold a verified range of the lost facts",

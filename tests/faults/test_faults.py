@@ -532,9 +532,9 @@ def test_reader_with_the_link_down_polls_postgres(
             assert [fact.stream_id for fact in epoch.facts] == [committed_at[0][0]]
             latencies.append(seen_at - committed_at[0][1])
         assert sum(latencies) / len(latencies) < 0.3, latencies
-        probes = reader.core.probes
+        probes = reader.core.counters.probes
         assert reader.poll(timeout=1.0) is None
-        assert reader.core.probes - probes >= 4, "not polling at the fallback interval"
+        assert reader.core.counters.probes - probes >= 4, "not polling at the fallback interval"
         assert not reader.live and not link.connected
         assert not any(follower.live_seen)
         assert follower.delivered == follower.all_stored()

@@ -109,24 +109,33 @@ def test_a_forged_position_turns_signed_ranges_off_for_a_while_only(
         got: list[Fact] = []
         ids: list[int] = []
         core = follower.core
-        append_until(writer, follower, got, ids, lambda: core.signed_ranges > 0, "signed ranges")
+        append_until(
+            writer, follower, got, ids, lambda: core.counters.signed_ranges > 0, "signed ranges"
+        )
 
         raw = redis.Redis.from_url(redis_url)
         stack.callback(raw.close)
         assert raw.publish(redis_prefix, f"POSITION {name}_not_here x 0 5") >= 3
         wait_until(lambda: link.foreign is not None, 15, "the conviction")
         wait_until(lambda: not follower.live, 5, "the follower told the link is not live")
-        applied = core.signed_ranges
+        applied = core.counters.signed_ranges
         for n in range(10):
             ids.append(writer.append({"quarantined": n}).last_id)
         deliver(follower, ids[-1], got)  # from PostgreSQL
         during = samples(registry)
         assert link.foreign is not None, "the quarantine ended before the reads: too slow here?"
-        assert core.signed_ranges == applied, "a signed range was applied while quarantined"
+        assert core.counters.signed_ranges == applied, (
+            "a signed range was applied while quarantined"
+        )
 
         wait_until(lambda: link.connected, QUARANTINE + 10, "the fast path to come back")
         append_until(
-            writer, follower, got, ids, lambda: core.signed_ranges > applied, "signed ranges again"
+            writer,
+            follower,
+            got,
+            ids,
+            lambda: core.counters.signed_ranges > applied,
+            "signed ranges again",
         )
         after = samples(registry)
 

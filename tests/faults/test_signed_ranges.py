@@ -120,7 +120,7 @@ def test_no_attack_by_a_redis_client_changes_what_readers_deliver(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Keys are read again every half second, so a rotation takes effect within the test.
-    monkeypatch.setattr("streams.store.reader_core.KEY_REFRESH", 0.5)
+    monkeypatch.setattr("streams.core.reader_state.KEY_REFRESH", 0.5)
     monkeypatch.setattr("streams.proofs.KEY_REFRESH", 0.5)
     *reading, dropping_side, writing = clients
     for name in names:
@@ -161,13 +161,13 @@ def test_no_attack_by_a_redis_client_changes_what_readers_deliver(
                 assert [f.stream_id for f in mine] == [f.stream_id for f in want]
                 assert mine == want  # payloads, rows, timestamps, writers
         for reader in readers:
-            assert reader.core.signed_ranges > 0, "the fast path was never used"
+            assert reader.core.counters.signed_ranges > 0, "the fast path was never used"
         rejected = {
-            why: sum(r.core.rejected_ranges.get(why, 0) for r in readers)
+            why: sum(r.core.counters.rejected_ranges.get(why, 0) for r in readers)
             for why in ("bad-signature", "unknown-key")
         }
         assert rejected.get("bad-signature", 0) > 0 and rejected.get("unknown-key", 0) > 0, rejected
-        assert dropping.core.proof_reads > 0
+        assert dropping.core.counters.proof_reads > 0
         assert set(attacker.sent) >= {"replay", "truncate", "alter", "forge", "other-stream"}
     finally:
         attacker.close()
@@ -217,7 +217,9 @@ def test_a_forged_live_prover_only_makes_readers_probe_for_themselves(
             got = _facts_of(reader, {unique_name: ids[-1]}, timeout=30)
             assert [f.stream_id for f in got] == ids
             assert not second._proofs.proving, "forged lines kept it from taking over"
-            assert reader.core.probes > reader.core.proof_reads, "it probed for itself"
+            assert reader.core.counters.probes > reader.core.counters.proof_reads, (
+                "it probed for itself"
+            )
             reader.close()
         finally:
             stop.set()

@@ -90,7 +90,7 @@ def test_a_paused_standby_delays_delivery_and_skips_nothing(
         rest = _drain(reader, 20)
         assert _numbers(rest) == list(range(10, 30))
         assert reader.poll(0.3) is None  # nothing twice
-        assert reader.core.standby_rows >= 30
+        assert reader.core.counters.standby_rows >= 30
         wait_until(lambda: rows_returned(pair.standby_url) >= before + 20, 5.0, "stats")
         reader.close()
     finally:
@@ -120,7 +120,7 @@ def test_a_lagging_standby_delays_delivery_complete_and_in_order(
             assert route is not None
             assert route.outcomes["standby"] >= 1
             assert route.outcomes["fallback_lag"] == 0
-            assert reader.core.standby_rows == 15
+            assert reader.core.counters.standby_rows == 15
             del started
             registry = prometheus_client.CollectorRegistry()
             registry.register(ClientCollector(client))
@@ -155,7 +155,7 @@ def test_a_standby_restarted_mid_read_loses_and_repeats_nothing(
             _write(pair.primary_url, unique_name, 40, 0)
             reader = client.reader(unique_name, page_size=10)
             first = _drain(reader, 10)
-            assert reader.core.standby_rows > 0
+            assert reader.core.counters.standby_rows > 0
             pair.restart_standby(down_for=1.5)
             proxy.retarget("127.0.0.1", pair.standby.port)
             _write(pair.primary_url, unique_name, 20, 40)
@@ -191,7 +191,7 @@ def test_a_group_reader_commits_on_the_primary_exactly_once(
         rest = _drain(again, 5)
         again.commit()
         assert _numbers(got + rest) == list(range(12))
-        assert again.core.standby_rows >= 5
+        assert again.core.counters.standby_rows >= 5
         assert client.groups(unique_name)[0].position == 12
 
 
@@ -242,7 +242,7 @@ def test_an_async_reader_reads_on_the_standby_and_waits_for_it(
                 pair.resume_replay()
             # `facts()` (idle timeout 0) waits for what is proven but not yet replayed.
             got = [int(f.payload["n"]) async for f in reader.facts()]
-            assert reader.core.standby_rows == 8
+            assert reader.core.counters.standby_rows == 8
             await reader.aclose()
             return got
 

@@ -216,7 +216,7 @@ def test_a_role_that_reads_every_public_table_cannot_make_a_reader_deliver_a_gho
         assert follower.position() <= allocated
         (group,) = following.groups(name)
         assert group.position <= allocated
-        rejected = follower.core.rejected_ranges
+        rejected = follower.core.counters.rejected_ranges
         assert rejected.get("bad-signature", 0) > 0, rejected
         # And the stream still takes appends (the 2**63-1 range bricked it before).
         with proving.writer(name, instance="w") as writer:
@@ -303,7 +303,7 @@ def _replay_then_write(
         assert [f.stream_id for f in later] == now
         # Heard and rejected: under a key of the other history, or one this reader no longer
         # knows, or (arriving right after the prover's KEYS line) while its keys were stale.
-        rejected = reader.core.rejected_ranges
+        rejected = reader.core.counters.rejected_ranges
         reasons = ("other-history", "unknown-key", "keys-changed")
         assert sum(rejected.get(reason, 0) for reason in reasons) > 0, rejected
         keys = client.replication_keys()
@@ -407,7 +407,7 @@ def test_a_rotation_retires_the_old_key_at_once_for_running_readers(
             got += _quiet(reader, 0.3)
         got += _quiet(reader, 1.5)
         assert [f.stream_id for f in got] == ids, "a ghost signed with the retired key"
-        rejected = reader.core.rejected_ranges
+        rejected = reader.core.counters.rejected_ranges
         assert rejected.get("unknown-key", 0) + rejected.get("retired-key", 0) > 0, rejected
         with client.writer(name, instance="w") as writer:
             more = writer.append({"n": 3}).last_id
@@ -466,7 +466,7 @@ def test_redis_sees_no_payload_in_clear_text(
                 f.join(10)
             for r in readers:
                 _drain(r, last)
-            assert sum(r.core.signed_ranges for r in readers) > 0
+            assert sum(r.core.counters.signed_ranges for r in readers) > 0
             time.sleep(0.3)
     finally:
         capture.close()

@@ -241,7 +241,7 @@ def live_scrape(
 
             def rejected() -> bool:
                 raw.publish(proof_channel(redis_prefix, stream), line)
-                return sum(reader.core.rejected_ranges.values()) > 0
+                return sum(reader.core.counters.rejected_ranges.values()) > 0
 
             wait_until(rejected, timeout=20, what="the reader to reject a forged line")
             with writer.fact(conn) as held:  # a stall, and who holds it

@@ -57,7 +57,7 @@ def clients(streams_url: str, redis_url: str, redis_prefix: str) -> Iterator[lis
 
 
 def self_probes(reader: Reader) -> int:
-    return reader.core.probes - reader.core.proof_reads
+    return reader.core.counters.probes - reader.core.counters.proof_reads
 
 
 def test_one_prober_serves_every_reader(clients: list[Client], unique_name: str) -> None:
@@ -85,7 +85,7 @@ def test_one_prober_serves_every_reader(clients: list[Client], unique_name: str)
         prober = next(i for i, s in enumerate(services) if s and unique_name in s.proving)
         for i, r in enumerate(readers):
             if i != prober:
-                assert r.core.proof_reads > 0
+                assert r.core.counters.proof_reads > 0
                 assert self_probes(r) <= 3, "a follower probes for itself only to start"
     finally:
         for r in readers:
@@ -154,7 +154,7 @@ def test_a_stopped_then_killed_prober(
             return time.monotonic() - started
 
         running = [latency() for _ in range(5)]
-        assert reader.core.proof_reads > 0
+        assert reader.core.counters.proof_reads > 0
         os.kill(child.pid, signal.SIGSTOP)
         stopped = [latency() for _ in range(5)]
         # A follower of fresh proofs hears no writer's hint: it notices the stopped prover
@@ -166,10 +166,10 @@ def test_a_stopped_then_killed_prober(
         os.kill(child.pid, signal.SIGKILL)
         child.wait(10)
         wait_until(lambda: unique_name in service.proving, 10, "a new prober")
-        reads = reader.core.proof_reads
+        reads = reader.core.counters.proof_reads
         killed = [latency() for _ in range(5)]
         assert max(killed) < 1.5, killed
-        assert reader.core.proof_reads > reads, "the new prober's proofs are followed"
+        assert reader.core.counters.proof_reads > reads, "the new prober's proofs are followed"
         print(f"latency s: running {running}, stopped {stopped}, after kill {killed}")
         writer.close()
         reader.close()
@@ -214,14 +214,14 @@ def test_a_proof_row_is_forward_only_and_a_stale_one_is_ignored(
             (info.id,),
         )
         reader = client.reader(stream)
-        reader.core.shared_proofs = True
-        reader.core._link_up = True  # as if the Redis link were live
-        reader.core._reconcile = True
+        reader.core.following.shared_proofs = True
+        reader.core.proven.link_up = True  # as if the Redis link were live
+        reader.core.proven.reconcile = True
         got: list[int] = []
         while (epoch := reader.poll()) is not None:
             got += [f.stream_id for f in epoch.facts]
         assert got == list(ids), "a stale proof is not followed"
-        assert reader.core.proof_reads == 0
+        assert reader.core.counters.proof_reads == 0
         run(conn, prove([info]))
         row: Any = conn.execute(
             "SELECT complete FROM streams_proofs WHERE stream = %s", (info.id,)

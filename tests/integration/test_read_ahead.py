@@ -51,8 +51,8 @@ def test_catching_up_reads_ahead_and_delivers_each_fact_once(
                 if fact.stream == first and fact.payload["n"] % 7 == 0:
                     assert [p["row"] for p in fact.payloads] == [0, 1, 2]  # whole
         assert seen == ids
-        assert reader.core.pages_ahead > 10  # most pages were read ahead
-        assert reader.core.pages_ahead < reader.core.pages
+        assert reader.core.counters.pages_ahead > 10  # most pages were read ahead
+        assert reader.core.counters.pages_ahead < reader.core.counters.pages
 
 
 def test_a_group_commit_between_pages_read_ahead(client: Client, stream: str) -> None:
@@ -69,7 +69,7 @@ def test_a_group_commit_between_pages_read_ahead(client: Client, stream: str) ->
         epoch = reader.poll()
         assert epoch is not None
         delivered.extend(f.stream_id for f in epoch)
-        assert reader.core.pages_ahead >= 3
+        assert reader.core.counters.pages_ahead >= 3
     with client.reader(stream, group="g", page_size=10) as again:
         rest = [f.stream_id for e in again.epochs() for f in e]
     assert delivered[:committed] + rest == ids  # the page after the commit comes again
@@ -136,7 +136,7 @@ def test_the_async_reader_reads_ahead(streams_url: str, unique_name: str) -> Non
                     delivered.extend(f.stream_id for f in epoch)
                     if len(delivered) == 12:
                         await reader.commit()  # with the next page in flight
-                return ids, delivered, reader.core.pages_ahead
+                return ids, delivered, reader.core.counters.pages_ahead
 
     ids, delivered, ahead = asyncio.run(scenario())
     assert delivered == ids

@@ -97,7 +97,7 @@ def test_a_follower_refuses_a_raised_proof_and_probes_for_itself(
     first = writer.append_batch([{"n": n} for n in range(3)])
     info = client.stream(stream)
     core = ReaderCore([stream])
-    core.shared_proofs = True
+    core.following.shared_proofs = True
     with psycopg.connect(streams_url, autocommit=True) as conn:
         for statement in READER_SESSION_SETUP:
             conn.execute(statement)
@@ -112,7 +112,7 @@ def test_a_follower_refuses_a_raised_proof_and_probes_for_itself(
         )
         epoch = run(conn, core.step())
         assert epoch is not None and [f.stream_id for f in epoch.facts] == list(first.ids)
-        assert (core.proof_reads, core.refused_proofs) == (1, 0)
+        assert (core.counters.proof_reads, core.counters.refused_proofs) == (1, 0)
         conn.execute(
             "UPDATE streams_proofs SET complete = %s, proven_at = now() WHERE stream = %s",
             (BIGINT_MAX, info.id),
@@ -122,7 +122,7 @@ def test_a_follower_refuses_a_raised_proof_and_probes_for_itself(
         more = writer.append_batch([{"n": n} for n in range(3, 7)])
         epoch = run(conn, core.step())
         assert epoch is not None and [f.stream_id for f in epoch.facts] == list(more.ids)
-        assert core.refused_proofs == 2 and core.proof_reads == 1
+        assert core.counters.refused_proofs == 2 and core.counters.proof_reads == 1
     writer.close()
 
 
@@ -217,7 +217,7 @@ def test_a_proof_raised_beyond_max_allocated_makes_followers_skip_nothing(
             written += writer.append({"n": "last"}).ids
         for f in follows:
             assert f.finish(written[-1]) == written
-        assert sum(r.core.refused_proofs for r in readers) > 0, "no raised proof was read"
+        assert sum(r.core.counters.refused_proofs for r in readers) > 0, "no raised proof was read"
         with psycopg.connect(streams_url, autocommit=True) as conn:
             wait_until(
                 lambda: (
@@ -375,7 +375,7 @@ def test_a_flood_of_lines_under_an_unknown_key_costs_no_memory(
                 core: Any = reader.core
 
                 def heard() -> int:  # dropped now; kept, before (until the keys were read)
-                    return int(core.rejected_ranges.get("unknown-key", 0)) + len(
+                    return int(core.counters.rejected_ranges.get("unknown-key", 0)) + len(
                         getattr(core, "_offered", ())
                     )
 
@@ -435,8 +435,8 @@ def test_rejected_lines_refused_proofs_and_signed_ranges_are_counted(
                 }
                 deadline = time.monotonic() + 10
                 # Again until heard: the link may still be subscribing to the proof channel.
-                while not all(reader.core.rejected_ranges.get(why) for why in forged):
-                    assert time.monotonic() < deadline, reader.core.rejected_ranges
+                while not all(reader.core.counters.rejected_ranges.get(why) for why in forged):
+                    assert time.monotonic() < deadline, reader.core.counters.rejected_ranges
                     for line in forged.values():
                         raw.publish(channel, line)
                     time.sleep(0.1)
@@ -456,7 +456,7 @@ def test_rejected_lines_refused_proofs_and_signed_ranges_are_counted(
                 labels = tuple(sorted((*key, ("outcome", outcome))))
                 assert ("streams_reader_signed_ranges_total", labels) in got
             assert got[("streams_reader_refused_proofs_total", key)] == float(
-                reader.core.refused_proofs
+                reader.core.counters.refused_proofs
             )
         finally:
             reader.close()
