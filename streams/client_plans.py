@@ -44,7 +44,7 @@ log = logging.getLogger("streams.client")
 
 #: Seconds a read-only call of a client keeps trying while PostgreSQL is restarting or the
 #: connection broke (see "Riding out a restart" in `streams.client`): as long as a reader's
-#: group commit is tried again (`streams.reader.COMMIT_RETRY_SECONDS`), enough for a restart
+#: group commit is tried again (`streams.reader_plans.COMMIT_RETRY_SECONDS`), enough for a restart
 #: with a short recovery.
 READ_RETRY_SECONDS = 30.0
 

@@ -1,44 +1,36 @@
 """`Reader` and `AsyncReader`: thin shells that drive `ReaderCore` on psycopg connections.
 
 The model, the stages of a reader session and the reads themselves are in
-`streams.store.reader_core` (`ReaderCore`, written once as generators). What is here: a connection
-per reader (reopened if the server or an interruption closed it), waiting for hints from the
-process's Redis link (`streams.transport.link`) or for the poll interval, and the waiting logic
-of `poll` and `wait_for_position`, also written once as generators that both shells drive.
+`streams.store.reader_core` (`ReaderCore`, written once as store generators); the waiting, the
+retries and the standby routing are plans in `streams.reader_plans`, which both shells drive
+with the kernel (`streams.plans`). What is here: each world's sessions (reopened if the server
+or an interruption closed them), and the iteration and commit faces.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
-import logging
-import random
 import threading
-import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
+from collections.abc import AsyncIterator, Iterator
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from ._gc import collection_paused
 from .arrow import areader_batches, reader_batches, typing_of
 from .core.epochs import Epoch, Fact
-from .core.frontier import Antichain, FrontierProbe
-from .core.replication import Hint, backoff_delay
 from .core.standby_fence import StandbyRoute
-from .errors import ConnectionLost, StandbyBehind, StoreError, UsageError, WaitTimeout
+from .errors import ConnectionLost, StoreError, UsageError
 from .orm import async_target, sync_target
-from .plans import Call, Flag, Plan, Sleep, Wait, adrive, drive
-from .store import sessions
-from .store.arrow_reads import ArrowSessions
-from .store.driver import Gen, arun, run, transient_sqlstate
-from .store.probe import (
-    READER_SESSION_SETUP,
+from .plans import adrive, drive
+from .reader_plans import (
+    ReaderBase,
+    aconnect_reader,
+    aconnect_standby,
+    connect_reader,
+    connect_standby,
 )
+from .store.driver import arun, run
 from .store.reader_core import ReaderCore, Start
-from .store.standby import check_standby
-from .store.steps import Run
 from .transport.faces import Link
 
 if TYPE_CHECKING:
@@ -48,421 +40,8 @@ if TYPE_CHECKING:
 
 __all__ = ["AsyncReader", "Reader", "ReaderCore", "Start"]
 
-log = logging.getLogger("streams.reader")
 
-#: Seconds a group commit is tried again while the connection to PostgreSQL is broken.
-COMMIT_RETRY_SECONDS = 30.0
-#: Seconds between probes while the Redis fast path is up (a safety net for lost messages).
-LIVE_POLL_INTERVAL = 1.0
-#: Seconds between probes without Redis, or while it is reconnecting.
-FALLBACK_POLL_INTERVAL = 0.1
-#: Least time between two probes of a caught-up reader (bounds the load a flood of forged or
-#: stale messages can cause: a probe costs about as much anyway).
-MIN_HINT_GAP = 0.0005
-#: Most seconds between two looks at the shared proof record by a reader that follows fresh
-#: proofs and so hears no writer's hint: how soon it notices a prober that stopped proving
-#: (after `streams.core.constants.STALE_AFTER`), whatever the configured poll interval.
-FOLLOWER_CHECK_INTERVAL = 1.0
-
-
-def _paused_while_behind(core: ReaderCore) -> contextlib.AbstractContextManager[None]:
-    """The garbage collector paused (`streams._gc`) while a reader catching up runs a plan:
-    the rows it receives and the facts it builds from them all live until the caller has
-    consumed the epoch, and each collection they would trigger finds nothing to free. Not
-    while caught up: a caught-up reader's plan may wait on the network for a while, and
-    allocates little. (Reading ahead keeps the waits of a reader behind short.)"""
-    return collection_paused() if core.behind() else contextlib.nullcontext()
-
-
-T = TypeVar("T")
-_Plan: TypeAlias = Plan[T]
-
-
-def _standby_failure(exc: BaseException) -> bool:
-    """Is this failure on the standby's session one to wait out or fall back from (behind,
-    another timeline, unreachable, a statement cancelled by a conflict with recovery or a
-    timeout), rather than a reader's error (`FactsPruned`, `DatabaseChanged`, ...)?"""
-    if isinstance(exc, StandbyBehind | ConnectionLost):
-        return True
-    return isinstance(exc, StoreError) and transient_sqlstate(exc.sqlstate)
-
-
-def _connect(
-    url: str, core: ReaderCore, connect_timeout: float | None = 0, *, first: bool = False
-) -> psycopg.Connection[Any]:
-    """A reader session on the database history the reader started on (else
-    `streams.errors.DatabaseChanged`: `streams.store.identity`); ``first``: the reader's
-    first, which opens it (`ReaderCore.opening`). ``connect_timeout``: see
-    `streams.store.sessions`; 0 (one attempt) when reopening: the plans try again with
-    backoff, within the caller's timeout."""
-    return sessions.connect(
-        url,
-        autocommit=True,
-        connect_timeout=connect_timeout,
-        purpose="reader",
-        opening=functools.partial(core.opening, first=first),
-        decode_payloads=True,
-    )
-
-
-def _standby_where(core: ReaderCore) -> str:
-    return f"reader of {', '.join(core.names)}"
-
-
-def _standby_unusable(exc: psycopg.Error | StoreError) -> StoreError:
-    """What opening a standby session raises: `StandbyBehind` as it is (the reader waits or
-    falls back), anything else as `ConnectionLost` (the driver's name only, for psycopg's)."""
-    if isinstance(exc, StandbyBehind):
-        return exc
-    reason = type(exc).__name__ if isinstance(exc, psycopg.Error) else str(exc)
-    return ConnectionLost(f"cannot connect to the standby: {reason}")
-
-
-def _connect_standby(url: str, core: ReaderCore) -> psycopg.Connection[Any]:
-    """A session on the read URL's standby, checked against the reader's incarnation
-    (`streams.store.standby.check_standby`); one attempt (the plans wait and fall back)."""
-    try:
-        conn = sessions.connect(url, autocommit=True, connect_timeout=0, purpose="standby reader")
-        try:
-            for statement in READER_SESSION_SETUP:
-                conn.execute(statement)
-            assert core.guard.expected is not None  # the primary's session checked first
-            run(conn, check_standby(core.guard.expected, _standby_where(core)))
-        except BaseException:
-            conn.close()
-            raise
-        sessions.use_payload_decoder(conn)
-        return conn
-    except (psycopg.Error, StoreError) as exc:
-        raise _standby_unusable(exc) from None
-
-
-async def _aconnect_standby(url: str, core: ReaderCore) -> psycopg.AsyncConnection[Any]:
-    try:
-        conn = await sessions.aconnect(
-            url, autocommit=True, connect_timeout=0, purpose="standby reader"
-        )
-        try:
-            for statement in READER_SESSION_SETUP:
-                await conn.execute(statement)
-            assert core.guard.expected is not None
-            await arun(conn, check_standby(core.guard.expected, _standby_where(core)))
-        except BaseException:
-            await conn.close()
-            raise
-        sessions.use_payload_decoder(conn)
-        return conn
-    except (psycopg.Error, StoreError) as exc:
-        raise _standby_unusable(exc) from None
-
-
-async def _aconnect(
-    url: str, core: ReaderCore, connect_timeout: float | None = 0, *, first: bool = False
-) -> psycopg.AsyncConnection[Any]:
-    return await sessions.aconnect(
-        url,
-        autocommit=True,
-        connect_timeout=connect_timeout,
-        purpose="reader",
-        opening=functools.partial(core.opening, first=first),
-        decode_payloads=True,
-    )
-
-
-class _ReaderBase:
-    _core: ReaderCore
-
-    @property
-    def core(self) -> ReaderCore:
-        return self._core
-
-    @property
-    def streams(self) -> tuple[str, ...]:
-        return self._core.names
-
-    @property
-    def group(self) -> str | None:
-        return self._core.group
-
-    @property
-    def live(self) -> bool:
-        """Is the Redis fast path up and re-established (else the reader polls)?"""
-        return self._core.live
-
-    @property
-    def frontier(self) -> Antichain[tuple[int, ...]]:
-        """The merged frontier: ``{(p1 + 1, p2 + 1, ...)}`` in `streams` order."""
-        return self._core.frontier
-
-    def position(self, stream: str | None = None) -> int:
-        """Everything ``<=`` this has been delivered (on ``stream``, or the only stream)."""
-        return self._core.position(stream)
-
-    def probe(self, stream: str | None = None) -> FrontierProbe[int]:
-        return self._core.probe(stream)
-
-    def vector_probe(self) -> FrontierProbe[tuple[int, ...]]:
-        return self._core.vector_probe()
-
-    @property
-    def closed(self) -> bool:
-        """Is the reader closed (`close`)?"""
-        return self._closed
-
-    def arrow_sessions(self) -> ArrowSessions:
-        """The reader's ADBC sessions (`streams.store.arrow_reads`), made at the first call and
-        closed with the reader: where `batches` reads the rows of what `prove` proved."""
-        sessions = self._arrow
-        if sessions is None:
-            core = self._core
-            what = "group " + repr(core.group) if core.group is not None else "reader"
-            sessions = self._arrow = ArrowSessions(
-                self._url,
-                f"{what} of {', '.join(core.names)} (Arrow)",
-                lambda: (core.incarnation, core.proven.proof_lsn),
-            )
-        return sessions
-
-    _url: str
-
-    def _standby_behind(self) -> bool:
-        """Proven on the primary, not delivered: with a read URL, the standby has not replayed
-        it yet (the reader waits for it, up to its max wait, then reads from the primary)."""
-        return self._core.route is not None and not self._closed and self._core.behind()
-
-    def _poll_interval(self, configured: float | None) -> float:
-        if not self._core.needs_writer_hints:
-            # Following fresh proofs without writers' hints: only this look notices a prober
-            # that stopped (its record goes stale), so it runs whatever the configured poll.
-            return min(configured or LIVE_POLL_INTERVAL, FOLLOWER_CHECK_INTERVAL)
-        if time.monotonic() - self._writer_hints_since < FOLLOWER_CHECK_INTERVAL:
-            # Just subscribed again to writers' hints: one sent before the subscription took
-            # effect is lost, so look often until it surely has.
-            return min(configured or FALLBACK_POLL_INTERVAL, FALLBACK_POLL_INTERVAL)
-        if configured is not None:
-            return configured
-        return LIVE_POLL_INTERVAL if self._core.live else FALLBACK_POLL_INTERVAL
-
-    _link: Link | None
-    _writer_hints = True  # subscribed to the data channels of the streams (writers' hints)
-    _writer_hints_since = 0.0  # when that subscription was last asked for (monotonic)
-
-    def _sync_writer_hints(self) -> None:
-        """Hear writers' hints only while they are of use: a reader that follows fresh
-        proofs needs only its streams' proof channels (one line per proof, not per append);
-        it subscribes again as soon as the proofs go stale or the link reconnects."""
-        wanted = self._core.needs_writer_hints
-        if self._link is None or wanted == self._writer_hints or self._closed:
-            return
-        self._writer_hints = wanted
-        if wanted:
-            self._writer_hints_since = time.monotonic()
-            self._link.watch(self._core.names, writers=True)
-        else:
-            self._link.unwatch(self._core.names, writers=True)
-
-    # LinkListener
-    def on_link_state(self, connected: bool) -> None:
-        self._core.set_link_state(connected)
-        self._wakeup()
-
-    def on_hint(self, hint: Hint) -> None:
-        if self._core.wants(hint):
-            self._hinted = True
-            self._wakeup()
-        elif self._core.following.deadline_moved:
-            self._wakeup()  # not a hint: the wait only recomputes its deadline
-
-    def _wakeup(self) -> None:
-        raise NotImplementedError
-
-    # The waiting logic of `poll` and `wait_for_position`, written once as generators (like
-    # `ReaderCore`'s): they yield `_WaitWake` (wait for a hint, up to some seconds; the driver
-    # sends back whether one came), `_Pause` (sleep), or a `ReaderCore` generator to run on the
-    # connection (the driver sends back its result). `Reader` and `AsyncReader` only drive them.
-    _wake: Flag
-    _hinted = False  # a hint (not a moved deadline) set `_wake`
-    _closed: bool
-    _poll: float | None
-    _last_probe: float
-    #: The ADBC session of `batches` (`streams.store.arrow_reads`), opened at its first read.
-    _arrow: ArrowSessions | None = None
-
-    def _poll_plan(self, timeout: float | None) -> _Plan[Epoch | None]:
-        """`poll`'s plan: steps (`_step_plan`) until one delivers an epoch or the time is up."""
-        return self._waiting_plan(timeout, self._step_plan, lambda: False)
-
-    def _prove_plan(self, timeout: float | None) -> _Plan[Epoch | None]:
-        """`prove`'s plan: steps that prove without reading rows (`ReaderCore.step` without
-        rows), until the reader is behind what a proof proved (None), an epoch of signed ranges
-        arrives from Redis, or the time is up (None)."""
-        core = self._core
-
-        def step(deadline: float | None) -> _Plan[Epoch | None]:
-            return self._retried(lambda: core.step(False), deadline)
-
-        return self._waiting_plan(timeout, step, core.behind)
-
-    def _waiting_plan(
-        self,
-        timeout: float | None,
-        step: Callable[[float | None], _Plan[Epoch | None]],
-        ready: Callable[[], bool],
-    ) -> _Plan[Epoch | None]:
-        """Wait for hints (or the poll interval) and take ``step``s, until one returns an
-        epoch or ``ready()``, or ``timeout`` seconds have passed (None)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            if self._closed:
-                raise UsageError("reader is closed")
-            if timeout != 0 and self._core.caught_up and not self._wake.is_set():
-                due = self._last_probe + self._poll_interval(self._poll)
-                proof_due = self._core.proof_deadline()
-                if proof_due is not None:
-                    due = min(due, proof_due)
-                until = due if deadline is None else min(due, deadline)
-                hinted = yield Wait(self._wake, until - time.monotonic())
-                if hinted and self._core.following.deadline_moved and not self._hinted:
-                    self._core.following.deadline_moved = False
-                    self._wake.clear()
-                    continue  # a writer's hint started the proof grace: wait up to it
-                if not hinted and time.monotonic() < due:
-                    return None  # the deadline came first
-            if self._core.caught_up:  # this step probes: at most one probe per MIN_HINT_GAP
-                gap = self._last_probe + MIN_HINT_GAP - time.monotonic()
-                if gap > 0:
-                    yield Sleep(gap)
-            self._wake.clear()
-            self._hinted = False
-            self._core.following.deadline_moved = False
-            self._last_probe = time.monotonic()
-            # The server restarted or the network failed: a step moves nothing until it has
-            # read everything, so trying again (on a new connection) delivers each fact once.
-            # Within the caller's timeout; for ever when there is none.
-            epoch: Epoch | None = yield from step(deadline)
-            self._sync_writer_hints()
-            if epoch is not None or ready():
-                return epoch
-            if deadline is not None and time.monotonic() >= deadline:
-                return None
-
-    def _step_plan(self, deadline: float | None) -> _Plan[Epoch | None]:
-        """One step of the reader. With a read URL (`streams.core.standby_fence`): prove on the
-        primary (no rows), then read the rows on the standby behind the fence, waiting for it
-        with backoff (never past the caller's ``deadline``: None is returned, nothing moved),
-        or from the primary when the route says so (a fallback, logged and counted)."""
-        core = self._core
-        route = core.route
-        if route is None:
-            return (yield from self._retried(core.step, deadline))
-        epoch: Epoch | None = yield from self._retried(lambda: core.step(False), deadline)
-        if epoch is not None or not core.behind():
-            return epoch
-        if not route.use_standby(time.monotonic()):
-            return (yield from self._retried(core.step, deadline))
-        while True:
-            try:
-                epoch = yield from self._on_standby(core.standby_step())
-            except StoreError as exc:
-                if not _standby_failure(exc):
-                    raise  # a reader's error (`FactsPruned`, `DatabaseChanged`...)
-                pause = route.failed(time.monotonic(), exc)
-                if pause is None:
-                    log.warning(
-                        "%r reads from the primary for %gs: %s", self, route.retry_after, exc
-                    )
-                    return (yield from self._retried(core.step, deadline))
-                if deadline is not None and time.monotonic() + pause >= deadline:
-                    return None
-                yield Sleep(pause)
-                continue
-            route.read_on_standby()
-            return epoch
-
-    def _commit_plan(self, through: Fact | None) -> _Plan[dict[str, int]]:
-        """A group commit, tried again for `COMMIT_RETRY_SECONDS` if the connection breaks
-        (forward-only, so committing twice is harmless, even when the first one's outcome is
-        unknown)."""
-        deadline = time.monotonic() + COMMIT_RETRY_SECONDS
-        return (yield from self._retried(lambda: self._core.commit(through), deadline))
-
-    def _retried(self, operation: Callable[[], Gen[T]], deadline: float | None) -> _Plan[T]:
-        """``operation()`` (a store generator, run by the driver), run again from the start on a
-        new connection, with backoff, while the connection breaks (`ConnectionLost`), until
-        ``deadline`` (None: for ever). Only for operations that are safe to repeat."""
-        while True:
-            try:
-                result: T = yield from self._on_session(operation())
-            except ConnectionLost as lost:
-                delay = self._lost(lost)
-                if deadline is not None and time.monotonic() + delay >= deadline:
-                    raise
-                yield Sleep(delay)
-                continue
-            self._found()
-            return result
-
-    def _connection(self) -> Any:
-        """The reader's session (a `Call` step: a coroutine in `AsyncReader`)."""
-        raise NotImplementedError
-
-    def _standby_connection(self) -> Any:
-        """The read URL's session (a `Call` step: a coroutine in `AsyncReader`)."""
-        raise NotImplementedError
-
-    def _on_session(self, gen: Gen[T]) -> _Plan[T]:
-        """``gen`` on the reader's session, reopened if the server or an interruption closed
-        it (`ConnectionLost` while it cannot be reached); first the pages read ahead, which
-        the session is busy with. The garbage collector is paused meanwhile while behind."""
-        conn = yield Call(self._connection)
-        with _paused_while_behind(self._core):
-            if self._core.reading_ahead:
-                yield Run(conn, self._core.receive_ahead())
-            result: T = yield Run(conn, gen)
-        return result
-
-    def _on_standby(self, gen: Gen[T]) -> _Plan[T]:
-        """``gen`` on the read URL's session (`streams.core.standby_fence`), reopened when
-        needed; what made the standby fail (`StandbyBehind`, `ConnectionLost`, a `StoreError`
-        the standby may mend by itself) is the caller's to handle (`_standby_failure`)."""
-        conn = yield Call(self._standby_connection)
-        result: T = yield Run(conn, gen)
-        return result
-
-    _lost_attempts = 0
-
-    def _lost(self, lost: ConnectionLost) -> float:
-        """Note a broken connection; the seconds to wait before trying again (backoff)."""
-        if self._lost_attempts == 0:
-            log.warning("%r lost PostgreSQL (%s); trying again", self, lost)
-        delay = backoff_delay(self._lost_attempts, jitter=random.random())
-        self._lost_attempts += 1
-        return delay
-
-    def _found(self) -> None:
-        if self._lost_attempts:
-            log.warning("%r reached PostgreSQL again", self)
-            self._lost_attempts = 0
-
-    def _wait_plan(
-        self, stream: str, token: int, instance: str | None, timeout: float
-    ) -> _Plan[None]:
-        deadline = time.monotonic() + timeout
-
-        def check() -> Gen[bool]:
-            return self._core.reached(stream, token, instance)
-
-        while True:
-            self._wake.clear()
-            if (yield from self._retried(check, deadline)):
-                return
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise WaitTimeout(f"stream {stream!r} did not reach {token} within {timeout}s")
-            yield Wait(self._wake, min(remaining, self._poll_interval(self._poll)))
-
-
-class Reader(_ReaderBase):
+class Reader(ReaderBase):
     """A synchronous reader. Iterate it for epochs; see `ReaderCore` for the model."""
 
     _wake: threading.Event
@@ -489,7 +68,7 @@ class Reader(_ReaderBase):
         if read_database_url is not None:
             core.route = standby or StandbyRoute()
         # None: the default wait; a session lost while opening is waited out within it.
-        self._conn = _connect(database_url, core, connect_timeout, first=True)
+        self._conn = connect_reader(database_url, core, connect_timeout, first=True)
         self._wake = threading.Event()
         self._closed = False
         self._poll = poll_interval
@@ -537,7 +116,7 @@ class Reader(_ReaderBase):
             self._standby = None
             if self._closed:
                 raise UsageError("reader is closed")
-            self._standby = conn = _connect_standby(self._read_url, self._core)
+            self._standby = conn = connect_standby(self._read_url, self._core)
         return conn
 
     def _connection(self) -> psycopg.Connection[Any]:
@@ -550,7 +129,7 @@ class Reader(_ReaderBase):
             self._conn.close()
             self._core.forget_ahead()
             try:
-                self._conn = _connect(self._url, self._core)
+                self._conn = connect_reader(self._url, self._core)
             except StoreError as exc:
                 raise ConnectionLost(str(exc)) from None
         return self._conn
@@ -653,7 +232,7 @@ class Reader(_ReaderBase):
         self.close()
 
 
-class AsyncReader(_ReaderBase):
+class AsyncReader(ReaderBase):
     """The asyncio twin of `Reader`: ``async for epoch in reader``."""
 
     _wake: asyncio.Event
@@ -692,7 +271,7 @@ class AsyncReader(_ReaderBase):
     ) -> AsyncReader:
         if read_database_url is not None:
             core.route = standby or StandbyRoute()
-        conn = await _aconnect(database_url, core, connect_timeout, first=True)
+        conn = await aconnect_reader(database_url, core, connect_timeout, first=True)
         self = cls(database_url, core, conn, link, poll_interval, read_database_url)
         if link is not None:
             core.set_link_state(link.connected)
@@ -723,7 +302,7 @@ class AsyncReader(_ReaderBase):
             self._standby = None
             if self._closed:
                 raise UsageError("reader is closed")
-            self._standby = conn = await _aconnect_standby(self._read_url, self._core)
+            self._standby = conn = await aconnect_standby(self._read_url, self._core)
         return conn
 
     async def _connection(self) -> psycopg.AsyncConnection[Any]:
@@ -734,7 +313,7 @@ class AsyncReader(_ReaderBase):
             await self._conn.close()
             self._core.forget_ahead()
             try:
-                self._conn = await _aconnect(self._url, self._core)
+                self._conn = await aconnect_reader(self._url, self._core)
             except StoreError as exc:
                 raise ConnectionLost(str(exc)) from None
         return self._conn

@@ -1,6 +1,7 @@
 """Redis: the fast path that tells processes when to look, never what is true.
 
-* `link`: `RedisLink` and `AsyncRedisLink`, one process's link, written once as plans.
+* `link`: `RedisLink` and `AsyncRedisLink`, one process's link, each driving the plans of
+* `link_plans`: the discipline both share (listen, keep alive, reconnect, publish).
 * `faces`: what writers, readers and the prover need of a link, and a writer's handle.
 * `connections`: the subscriber read in bulk and the fire-and-forget publisher.
 * `discovery`: where a URL leads: a Sentinel set's master, a Cluster's slot map.

@@ -35,7 +35,7 @@ import streams
 from streams import AsyncClient, AsyncWriter
 from streams.core.constants import data_channel
 from streams.core.protocol import PositionCommand as Position
-from streams.transport import link as link_module
+from streams.transport import link_plans
 from streams.transport.link import AsyncRedisLink
 
 #: Each operation here completes within this many suspensions (a safety net against a loop).
@@ -474,7 +474,7 @@ def test_link_tasks_cancelled_at_every_await_point(
         monkeypatch.setattr(AsyncRedisLink, f"_{task}_loop", cancelled_once)
         # An idle listener's await points are mostly waits for a message: short ones reach
         # the 30th in seconds rather than minutes.
-        monkeypatch.setattr(link_module, "RECEIVE_WAIT", 0.02)
+        monkeypatch.setattr(link_plans, "RECEIVE_WAIT", 0.02)
         # Someone listens on the busy stream's data channel: its lines are published.
         outside = redis.asyncio.Redis.from_url(redis_url)
         busy = outside.pubsub()

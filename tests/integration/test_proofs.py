@@ -22,7 +22,8 @@ import streams
 from streams import Client
 from streams.core.constants import STALE_AFTER, proof_channel
 from streams.proofs import MIN_PROOF_GAP, proof_gap
-from streams.reader import FOLLOWER_CHECK_INTERVAL, Reader
+from streams.reader import Reader
+from streams.reader_plans import FOLLOWER_CHECK_INTERVAL
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -229,6 +229,7 @@ LAYERS = (
         "streams.heartbeat",
         "streams.fact_blocks",
         "streams.reader",
+        "streams.reader_plans",
         "streams.arrow",
         "streams.proofs",
         "streams.migrate",
