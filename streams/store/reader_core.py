@@ -1,41 +1,10 @@
 """The reader core: facts in stream-ID order, one whole epoch at a time, with frontiers.
 
-Theory of operation
-===================
-
-A reader follows one or more streams. Its state per stream is a **position** ``p``: it has
-delivered every fact ``<= p``, so its frontier there is ``{p + 1}`` (`streams.core.epochs`). With
-several streams, its frontier is the one-element antichain of the vector ``(p1 + 1, p2 + 1, ...)``
-in the reader's stream order, compared pointwise (`streams.core.frontier`).
-
-Stages, after Materialize's compute protocol:
-
-1. **Creation**: attach to the process's Redis link (subscribe; `streams.transport.link`).
-2. **Initialization**: resolve where to start (a reader group's committed position, else
-   ``start``), and ask PostgreSQL what is complete (`streams.store.probe.probe`). The link publishes
-   ``REPLICATE`` once its subscription is confirmed; writers answer with ``POSITION``.
-3. **Computation**: `ReaderCore.step` delivers the next epoch. While behind the last probe it
-   reads pages of rows from PostgreSQL, sending the read of the next page before it plans the
-   one it has (*reading ahead*: the server reads while this process plans, and the next step
-   takes the page); when caught up it probes again, and reads the first pages in the same
-   round trip (every read is a plan of `streams.store.reads`, which holds the order of probe,
-   rows and retention check and why it is the proof). Between steps the driver
-   sleeps until a *hint* (an ``RDATA``/``POSITION`` naming a token beyond its position, from
-   Redis or from a writer in the same process) or the poll interval.
-
-Nothing from Redis is trusted: a hint only decides *when* to ask PostgreSQL, so forged, lost,
-stale or duplicated commands cannot make a reader skip or invent a fact, and catching up after a
-reconnect is the ordinary path, not a special one. The one thing a reader takes from Redis is a
-*signed range* of a stream's prover (`streams.core.signing`, where the argument is): facts it
-delivers without PostgreSQL when the signature verifies under a live key of the reader's own
-database incarnation and the range fits where the reader is (`_step_on_signed_ranges`); a line
-that does not verify is dropped unread (counted by reason in ``rejected_ranges``). A ``KEYS``
-line (a rotation) stops all verifying until the key table is read again.
-After a (re)connect every stream counts as disconnected (`Reader.live` is False, polling is
-fast) until the next probe re-establishes it.
-
-`ReaderCore` holds all of this as generators (psycopg style); `Reader` and `AsyncReader` only
-drive them on a connection and wait for hints.
+A reader's state per stream is a position (every fact at or below it delivered); `ReaderCore`
+opens a reader (a group's position or a start), probes, reads pages of rows (reading ahead)
+and plans them into whole facts, applies signed ranges from Redis when they verify, and commits
+a group, all as store generators that the shells drive (`streams.reader_plans`). The stages and
+why nothing from Redis can make a reader skip or invent a fact: docs/design/reader.md.
 """
 
 from __future__ import annotations
