@@ -34,6 +34,7 @@ import psycopg
 from psycopg import sql
 
 from ..cli_params import failure_line
+from ..core.fact_columns import KEY_ORDER, ROW_INDEX, ROW_SELECT
 from ..core.payloads import decode_payloads
 from ..errors import StoreError, StreamsError
 from ..store import sessions
@@ -54,6 +55,8 @@ __all__ = [
     "raw_catchup",
     "scratch_streams",
 ]
+
+_PAYLOAD = ROW_INDEX["payload"]
 
 #: The payload every benchmark appends: 197 bytes as JSONB.
 PAYLOAD = {"kind": "bench", "text": "x" * 160}
@@ -103,11 +106,11 @@ def raw_catchup(
         start = time.perf_counter()
         while limit is None or count < limit:
             rows = conn.execute(
-                "SELECT stream_id, row_no, instance, ts, payload::text FROM streams_facts "
+                f"SELECT {ROW_SELECT} FROM streams_facts "
                 f"WHERE stream = {key} AND stream_id > {int(after)} "
-                f"ORDER BY stream_id, row_no LIMIT {size}"
+                f"ORDER BY {KEY_ORDER} LIMIT {size}"
             ).fetchall()
-            decode_payloads([row[4] for row in rows])
+            decode_payloads([row[_PAYLOAD] for row in rows])
             count += len(rows)
             if len(rows) < size:
                 break

@@ -14,11 +14,13 @@ __all__ = [
     "FACT_FIELDS",
     "INSTANCE",
     "KEY",
+    "KEY_ORDER",
     "OWN_NAMES",
     "PAYLOAD",
     "ROW_COLUMNS",
     "ROW_INDEX",
     "ROW_NO",
+    "ROW_SELECT",
     "STORED_NAMES",
     "STREAM",
     "STREAM_ID",
@@ -66,6 +68,9 @@ ROW_COLUMNS: Final = FACT_COLUMNS[1:]
 KEY: Final = (STREAM_ID, ROW_NO)
 
 STORED_NAMES: Final = tuple(c.stored for c in FACT_COLUMNS)
+#: SQL text: the row key's order (``ORDER BY``) and what a read selects (`ROW_COLUMNS`).
+KEY_ORDER: Final = ", ".join(c.stored for c in KEY)
+ROW_SELECT: Final = ", ".join(c.read for c in ROW_COLUMNS)
 EXPOSED_NAMES: Final = tuple(c.exposed for c in FACT_COLUMNS)
 #: The exposed columns besides the payload (which a payload schema replaces by its fields).
 OWN_NAMES: Final = tuple(c.exposed for c in FACT_COLUMNS if c is not PAYLOAD)

@@ -32,6 +32,8 @@ import re
 from dataclasses import dataclass
 from typing import Final
 
+from ..core.fact_columns import FACT_COLUMNS, PAYLOAD
+
 __all__ = [
     "ACTIONS",
     "ADMIN",
@@ -180,10 +182,12 @@ MODEL: Final[dict[str, tuple[Grant, ...]]] = {
 #: Privileges on each stream's own objects: ``(partition, sequence)``. ``pg_sequence_last_value``
 #: needs SELECT on the sequence, ``nextval`` USAGE, ``setval`` UPDATE (the definer's alone:
 #: UPDATE would let any other role set a sequence back, and also allows nextval).
+#: The columns a writer may read back on its partition: all but the payload.
+_ALL_BUT_PAYLOAD: Final = ", ".join(c.stored for c in FACT_COLUMNS if c is not PAYLOAD)
 STREAM_PRIVILEGES: Final[dict[str, tuple[str | None, str]]] = {
     OPERATOR: ("SELECT", "SELECT"),
     PROVER: ("SELECT", "SELECT"),
-    WRITER: ("SELECT (stream, stream_id, row_no, instance, ts), INSERT", "SELECT, USAGE"),
+    WRITER: (f"SELECT ({_ALL_BUT_PAYLOAD}), INSERT", "SELECT, USAGE"),
     READER: ("SELECT", "SELECT"),
     GROUP_READER: ("SELECT", "SELECT"),
     DEFINER: (None, "SELECT, UPDATE"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..core.fact_columns import KEY_ORDER
 from ..errors import (
     UnknownStream,
 )
@@ -87,13 +88,13 @@ def prune_step(info: StreamInfo, target: int, batch: int = PRUNE_BATCH) -> Gen[t
         raise UnknownStream(info.name)
     old = int(rows[0][0])
     rows = yield Query(
-        """
+        f"""
         SELECT LEAST(%(target)s::bigint,
                      (SELECT min(position) FROM streams_reader_groups
                       WHERE stream = %(stream)s AND position >= %(old)s),
                      (SELECT stream_id FROM streams_facts
                       WHERE stream = %(stream)s AND stream_id > %(old)s
-                      ORDER BY stream_id, row_no OFFSET %(batch)s LIMIT 1))
+                      ORDER BY {KEY_ORDER} OFFSET %(batch)s LIMIT 1))
         """,
         {"stream": info.id, "old": old, "target": target, "batch": batch},
     )

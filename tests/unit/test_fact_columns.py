@@ -45,14 +45,9 @@ EXEMPT_POSITIONS = {
     ("spark/streams_spark/sink.py", "index"): _SINK + " (``plan.payload_object``'s fields)",
 }
 #: Files that spell fact columns, with the reason. Not fact columns: the demo's sink table.
-#: Still to derive (issue 39 item 3: these files belong to other work in progress): the rest.
 EXEMPT_SPELLED = {
     "spark/streams_spark/demo_query.py": "the demo's sink table (a user's table), not facts",
     "streams/ops/demo.py": "the demo's sink table (a user's table), not facts",
-    "streams/bench/common.py": "to derive: the raw psycopg baseline's statement",
-    "spark/streams_spark/benchmarks/spark.py": "to derive: the raw baseline's statement",
-    "streams/store/privileges.py": "to derive: the writer's column-level grant",
-    "streams/store/retention.py": "to derive: the key order of a retention step",
 }
 
 

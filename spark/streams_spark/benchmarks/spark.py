@@ -46,6 +46,7 @@ import click
 from streams.bench.common import PAYLOAD, scratch_streams
 from streams.cli_params import common_options
 from streams.config import Settings, redact_url
+from streams.core.fact_columns import ROW_COLUMNS
 
 from ..options import parse_options
 from ..session import register
@@ -59,6 +60,11 @@ JDBC_JAR = "/usr/share/java/postgresql.jar"
 
 #: Seconds between two timed reads of the throughput rounds (see the module doc).
 SETTLE_SECONDS = 1.0
+
+#: What the JDBC baseline selects: a fact's row columns, named as stored.
+_JDBC_COLUMNS = ", ".join(
+    c.stored if c.read == c.stored else f"{c.read} AS {c.stored}" for c in ROW_COLUMNS
+)
 
 
 def find_jdbc_jar(explicit: str | None = None) -> str | None:
@@ -218,8 +224,7 @@ def _throughput(
             .option("driver", "org.postgresql.Driver")
             .option(
                 "dbtable",
-                f"(SELECT stream_id, row_no, instance, ts, payload::text AS payload "
-                f"FROM streams_facts WHERE stream = {int(key)}) AS facts",
+                f"(SELECT {_JDBC_COLUMNS} FROM streams_facts WHERE stream = {int(key)}) AS facts",
             )
             .option("partitionColumn", "stream_id")
             .option("lowerBound", "1")
