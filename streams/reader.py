@@ -19,15 +19,11 @@ import psycopg
 from .arrow import areader_batches, reader_batches, typing_of
 from .core.epochs import Epoch, Fact
 from .core.standby_fence import StandbyRoute
-from .errors import ConnectionLost, StoreError, UsageError
 from .orm import async_target, sync_target
 from .plans import adrive, drive
 from .reader_plans import (
     ReaderBase,
-    aconnect_reader,
-    aconnect_standby,
-    connect_reader,
-    connect_standby,
+    reader_session,
 )
 from .store.driver import arun, run
 from .store.reader_core import ReaderCore, Start
@@ -68,7 +64,7 @@ class Reader(ReaderBase):
         if read_database_url is not None:
             core.route = standby or StandbyRoute()
         # None: the default wait; a session lost while opening is waited out within it.
-        self._conn = connect_reader(database_url, core, connect_timeout, first=True)
+        self._conn = reader_session(database_url, core, connect_timeout, first=True).call()
         self._wake = threading.Event()
         self._closed = False
         self._poll = poll_interval
@@ -105,34 +101,6 @@ class Reader(ReaderBase):
         elsewhere: `batches`) or the time is up, or an epoch of signed ranges from Redis
         (delivered: the positions moved)."""
         return drive(self._prove_plan(timeout))
-
-    def _standby_connection(self) -> psycopg.Connection[Any]:
-        """The session on the read URL's standby, opened (again) when needed."""
-        assert self._read_url is not None
-        conn = self._standby
-        if conn is None or conn.closed or conn.broken:
-            if conn is not None:
-                conn.close()
-            self._standby = None
-            if self._closed:
-                raise UsageError("reader is closed")
-            self._standby = conn = connect_standby(self._read_url, self._core)
-        return conn
-
-    def _connection(self) -> psycopg.Connection[Any]:
-        """The reader's connection, reopened if the server or an interruption closed it (the
-        reader's state lives in its core, so nothing else needs restoring); `ConnectionLost`
-        while the server cannot be reached."""
-        if self._conn.closed or self._conn.broken:
-            if self._closed:
-                raise UsageError("reader is closed")
-            self._conn.close()
-            self._core.forget_ahead()
-            try:
-                self._conn = connect_reader(self._url, self._core)
-            except StoreError as exc:
-                raise ConnectionLost(str(exc)) from None
-        return self._conn
 
     def __iter__(self) -> Iterator[Epoch]:
         """Epochs forever (blocking); stop by breaking out or closing the reader."""
@@ -271,7 +239,7 @@ class AsyncReader(ReaderBase):
     ) -> AsyncReader:
         if read_database_url is not None:
             core.route = standby or StandbyRoute()
-        conn = await aconnect_reader(database_url, core, connect_timeout, first=True)
+        conn = await reader_session(database_url, core, connect_timeout, first=True).acall()
         self = cls(database_url, core, conn, link, poll_interval, read_database_url)
         if link is not None:
             core.set_link_state(link.connected)
@@ -291,32 +259,6 @@ class AsyncReader(ReaderBase):
     async def prove(self, timeout: float | None = 0.0) -> Epoch | None:
         """The asyncio twin of `Reader.prove`."""
         return await adrive(self._prove_plan(timeout))
-
-    async def _standby_connection(self) -> psycopg.AsyncConnection[Any]:
-        """The asyncio twin of `Reader._standby_connection`."""
-        assert self._read_url is not None
-        conn = self._standby
-        if conn is None or conn.closed or conn.broken:
-            if conn is not None:
-                await conn.close()
-            self._standby = None
-            if self._closed:
-                raise UsageError("reader is closed")
-            self._standby = conn = await aconnect_standby(self._read_url, self._core)
-        return conn
-
-    async def _connection(self) -> psycopg.AsyncConnection[Any]:
-        """The asyncio twin of `Reader._connection`."""
-        if self._conn.closed or self._conn.broken:
-            if self._closed:
-                raise UsageError("reader is closed")
-            await self._conn.close()
-            self._core.forget_ahead()
-            try:
-                self._conn = await aconnect_reader(self._url, self._core)
-            except StoreError as exc:
-                raise ConnectionLost(str(exc)) from None
-        return self._conn
 
     def __aiter__(self) -> AsyncIterator[Epoch]:
         return self._forever()

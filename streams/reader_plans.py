@@ -25,13 +25,13 @@ from .errors import ConnectionLost, StandbyBehind, StoreError, UsageError, WaitT
 from .plans import Call, Flag, Plan, Sleep, Wait
 from .store import sessions
 from .store.arrow_reads import ArrowSessions
-from .store.driver import Gen, arun, run, transient_sqlstate
+from .store.driver import Gen, transient_sqlstate
 from .store.probe import (
     READER_SESSION_SETUP,
 )
 from .store.reader_core import ReaderCore
 from .store.standby import check_standby
-from .store.steps import Run
+from .store.steps import Connect, Run
 from .transport.faces import Link
 
 if TYPE_CHECKING:
@@ -76,22 +76,35 @@ def _standby_failure(exc: BaseException) -> bool:
     return isinstance(exc, StoreError) and transient_sqlstate(exc.sqlstate)
 
 
-def connect_reader(
+def reader_session(
     url: str, core: ReaderCore, connect_timeout: float | None = 0, *, first: bool = False
-) -> psycopg.Connection[Any]:
-    """A reader session on the database history the reader started on (else
-    `streams.errors.DatabaseChanged`: `streams.store.identity`); ``first``: the reader's
+) -> Connect:
+    """The step that opens a reader session on the database history the reader started on
+    (else `streams.errors.DatabaseChanged`: `streams.store.identity`); ``first``: the reader's
     first, which opens it (`ReaderCore.opening`). ``connect_timeout``: see
     `streams.store.sessions`; 0 (one attempt) when reopening: the plans try again with
     backoff, within the caller's timeout."""
-    return sessions.connect(
-        url,
-        autocommit=True,
-        connect_timeout=connect_timeout,
-        purpose="reader",
-        opening=functools.partial(core.opening, first=first),
-        decode_payloads=True,
-    )
+    opening = functools.partial(core.opening, first=first)
+    return Connect(url, connect_timeout, "reader", opening, autocommit=True, decode_payloads=True)
+
+
+def _open_standby(url: str, core: ReaderCore) -> _Plan[Any]:
+    """A session on the read URL's standby, checked against the reader's incarnation
+    (`streams.store.standby.check_standby`); one attempt (the plans wait and fall back)."""
+    try:
+        conn = yield Connect(url, 0, "standby reader", autocommit=True)
+        try:
+            for statement in READER_SESSION_SETUP:
+                yield Call(conn.execute, statement)
+            assert core.guard.expected is not None  # the primary's session checked first
+            yield Run(conn, check_standby(core.guard.expected, _standby_where(core)))
+        except BaseException:
+            yield Call(conn.close)
+            raise
+        sessions.use_payload_decoder(conn)
+        return conn
+    except (psycopg.Error, StoreError) as exc:
+        raise _standby_unusable(exc) from None
 
 
 def _standby_where(core: ReaderCore) -> str:
@@ -105,57 +118,6 @@ def _standby_unusable(exc: psycopg.Error | StoreError) -> StoreError:
         return exc
     reason = type(exc).__name__ if isinstance(exc, psycopg.Error) else str(exc)
     return ConnectionLost(f"cannot connect to the standby: {reason}")
-
-
-def connect_standby(url: str, core: ReaderCore) -> psycopg.Connection[Any]:
-    """A session on the read URL's standby, checked against the reader's incarnation
-    (`streams.store.standby.check_standby`); one attempt (the plans wait and fall back)."""
-    try:
-        conn = sessions.connect(url, autocommit=True, connect_timeout=0, purpose="standby reader")
-        try:
-            for statement in READER_SESSION_SETUP:
-                conn.execute(statement)
-            assert core.guard.expected is not None  # the primary's session checked first
-            run(conn, check_standby(core.guard.expected, _standby_where(core)))
-        except BaseException:
-            conn.close()
-            raise
-        sessions.use_payload_decoder(conn)
-        return conn
-    except (psycopg.Error, StoreError) as exc:
-        raise _standby_unusable(exc) from None
-
-
-async def aconnect_standby(url: str, core: ReaderCore) -> psycopg.AsyncConnection[Any]:
-    try:
-        conn = await sessions.aconnect(
-            url, autocommit=True, connect_timeout=0, purpose="standby reader"
-        )
-        try:
-            for statement in READER_SESSION_SETUP:
-                await conn.execute(statement)
-            assert core.guard.expected is not None
-            await arun(conn, check_standby(core.guard.expected, _standby_where(core)))
-        except BaseException:
-            await conn.close()
-            raise
-        sessions.use_payload_decoder(conn)
-        return conn
-    except (psycopg.Error, StoreError) as exc:
-        raise _standby_unusable(exc) from None
-
-
-async def aconnect_reader(
-    url: str, core: ReaderCore, connect_timeout: float | None = 0, *, first: bool = False
-) -> psycopg.AsyncConnection[Any]:
-    return await sessions.aconnect(
-        url,
-        autocommit=True,
-        connect_timeout=connect_timeout,
-        purpose="reader",
-        opening=functools.partial(core.opening, first=first),
-        decode_payloads=True,
-    )
 
 
 class ReaderBase:
@@ -213,6 +175,10 @@ class ReaderBase:
         return sessions
 
     _url: str
+    #: The reader's session and the read URL's (psycopg's sync or asyncio connections).
+    _conn: Any
+    _standby: Any
+    _read_url: str | None
 
     def _standby_behind(self) -> bool:
         """Proven on the primary, not delivered: with a read URL, the standby has not replayed
@@ -391,19 +357,11 @@ class ReaderBase:
             self._found()
             return result
 
-    def _connection(self) -> Any:
-        """The reader's session (a `Call` step: a coroutine in `AsyncReader`)."""
-        raise NotImplementedError
-
-    def _standby_connection(self) -> Any:
-        """The read URL's session (a `Call` step: a coroutine in `AsyncReader`)."""
-        raise NotImplementedError
-
     def _on_session(self, gen: Gen[T]) -> _Plan[T]:
         """``gen`` on the reader's session, reopened if the server or an interruption closed
         it (`ConnectionLost` while it cannot be reached); first the pages read ahead, which
         the session is busy with. The garbage collector is paused meanwhile while behind."""
-        conn = yield Call(self._connection)
+        conn = yield from self._session()
         with _paused_while_behind(self._core):
             if self._core.reading_ahead:
                 yield Run(conn, self._core.receive_ahead())
@@ -414,9 +372,38 @@ class ReaderBase:
         """``gen`` on the read URL's session (`streams.core.standby_fence`), reopened when
         needed; what made the standby fail (`StandbyBehind`, `ConnectionLost`, a `StoreError`
         the standby may mend by itself) is the caller's to handle (`_standby_failure`)."""
-        conn = yield Call(self._standby_connection)
+        conn = yield from self._standby_session()
         result: T = yield Run(conn, gen)
         return result
+
+    def _session(self) -> _Plan[Any]:
+        """The reader's session, reopened if the server or an interruption closed it (the
+        reader's state lives in its core, so nothing else needs restoring); `ConnectionLost`
+        while the server cannot be reached."""
+        conn = self._conn
+        if conn.closed or conn.broken:
+            if self._closed:
+                raise UsageError("reader is closed")
+            yield Call(conn.close)
+            self._core.forget_ahead()
+            try:
+                self._conn = yield reader_session(self._url, self._core)
+            except StoreError as exc:
+                raise ConnectionLost(str(exc)) from None
+        return self._conn
+
+    def _standby_session(self) -> _Plan[Any]:
+        """The session on the read URL's standby, opened (again) when needed."""
+        assert self._read_url is not None
+        conn = self._standby
+        if conn is None or conn.closed or conn.broken:
+            if conn is not None:
+                yield Call(conn.close)
+            self._standby = None
+            if self._closed:
+                raise UsageError("reader is closed")
+            self._standby = conn = yield from _open_standby(self._read_url, self._core)
+        return conn
 
     _lost_attempts = 0
 
