@@ -57,6 +57,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .core.delivery import behind, deliverable
 from .core.epochs import Epoch
 from .core.fact_columns import (
     FACT_COLUMNS,
@@ -278,16 +279,20 @@ class _Settle(Io):
         super().__init__(_settled, _asettled, future)
 
 
-def _target(core: ReaderCore, name: str, until: Mapping[str, int] | None) -> int:
-    target = core.target(name)
-    return target if until is None else min(target, until[name])
+def _ends(
+    core: ReaderCore, until: Mapping[str, int] | None, positions: Mapping[str, int] | None = None
+) -> dict[str, int]:
+    """What may be delivered after ``positions`` (the reader's), as every reader decides it."""
+    return deliverable(
+        core.positions if positions is None else positions, core.proven.targets, until
+    )
 
 
 def _behind(
     core: ReaderCore, until: Mapping[str, int] | None, positions: Mapping[str, int] | None = None
 ) -> bool:
     at = core.positions if positions is None else positions
-    return any(at[n] < _target(core, n, until) for n in core.names)
+    return behind(at, _ends(core, until, at))
 
 
 def _next_batch(state: _Batches) -> Plan[pa.RecordBatch | None]:
@@ -357,9 +362,9 @@ def _read_pages(core: ReaderCore, sessions: ArrowSessions, read: _Read) -> list[
     """The next pages of each stream behind its target (up to ``read.until``) after
     ``read.positions``, cut to whole facts, in order; moves nothing (`_deliver` does)."""
     pages: list[_Page] = []
+    ends = _ends(core, read.until, read.positions)
     for name in core.names:
-        after = read.positions[name]
-        target = _target(core, name, read.until)
+        after, target = read.positions[name], ends[name]
         if after < target:
             pages += _read_stream(core, sessions, name, after, target, read.max_rows)
     return pages

@@ -19,6 +19,7 @@ from typing import NamedTuple, TypeAlias
 from .._gc import collection_paused
 from ..config import DEFAULT_LEASE_SECONDS
 from ..core.constants import STALE_AFTER
+from ..core.delivery import deliverable
 from ..core.epochs import Epoch, Fact, Row, next_position, plan_page
 from ..core.frontier import Antichain, FrontierProbe
 from ..core.incarnation import Guard, Incarnation, written_elsewhere
@@ -422,11 +423,11 @@ class ReaderCore:
                 time.monotonic(),
                 ((name, p.complete, p.max_allocated) for name, p in probes.items()),
             )
+            # The rows were read up to this probe's position, whatever earlier ones said.
+            ends = deliverable(lower, {name: p.complete for name, p in probes.items()})
             for info, raw in zip(infos, pages, strict=True):
-                # The rows were read up to this probe's position, whatever earlier ones said.
-                through = probes[info.name].complete
-                if through > lower[info.name]:
-                    planned.append((yield from self._plan(info.name, list(raw), through)))
+                if ends[info.name] > lower[info.name]:
+                    planned.append((yield from self._plan(info.name, list(raw), ends[info.name])))
         else:
             planned = yield from self._read_pages(lower)
         facts = self._advance(planned)  # nothing may be yielded from here on
@@ -447,8 +448,9 @@ class ReaderCore:
             yield from self.receive_ahead()
         received = self.ahead.take_received()
         pages: list[tuple[str, list[Row], int]] = []
+        ends = deliverable(lower, self.proven.targets)
         for name in self.names:
-            target = self.proven.target(name)
+            target = ends[name]
             if lower[name] < target:
                 found = received.get(name)
                 page = None if found is None else found.rows_for(name, lower[name], target)
