@@ -231,10 +231,10 @@ class ReaderBase:
     def _wakeup(self) -> None:
         raise NotImplementedError
 
-    # The waiting logic of `poll` and `wait_for_position`, written once as generators (like
-    # `ReaderCore`'s): they yield `_WaitWake` (wait for a hint, up to some seconds; the driver
-    # sends back whether one came), `_Pause` (sleep), or a `ReaderCore` generator to run on the
-    # connection (the driver sends back its result). `Reader` and `AsyncReader` only drive them.
+    # The waiting logic of `poll` and `wait_for_position`, written once as plans of the kernel:
+    # they yield `Wait` (for a hint, up to some seconds: whether one came), `Sleep`, and run
+    # `ReaderCore` generators on the reader's sessions (`_on_session`, `_on_standby`).
+    # `Reader` drives them with `streams.plans.drive`, `AsyncReader` with `adrive`.
     _wake: Flag
     _hinted = False  # a hint (not a moved deadline) set `_wake`
     _closed: bool
