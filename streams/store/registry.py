@@ -33,7 +33,7 @@ from .driver import Autocommit, Commit, Gen, Query
 from .roles import grant_stream, owner_to_create_as
 from .stream_objects import StreamObjects
 
-ALEMBIC_HEAD = "0015_enforced_privileges"
+ALEMBIC_HEAD = "0016_repair_sequence_last"
 
 _STREAM_COLUMNS = (
     "id, name, sequence_name, timestamping, uncapped, retention_ms, fact_tables, key_window_ms"

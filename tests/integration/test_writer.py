@@ -448,3 +448,46 @@ def test_lost_connection_is_a_gap_then_the_writer_reconnects(
         assert second.first_id > first.first_id
         assert writer._conn.info.backend_pid != pid
     assert [r[4] for r in fact_rows(streams_url, stream)] == [{"n": 1}, {"n": 2}]
+
+
+def test_a_repair_beside_busy_writers_never_sets_the_sequence_back(
+    client: Client, stream: str, streams_url: str
+) -> None:
+    """Opening a writer repairs the stream's sequence (`streams_repair_sequence`). Beside
+    writers appending, a repair that read the sequence before the facts saw IDs taken and
+    committed meanwhile as "above the sequence" and set it back to them: the next reservation
+    got an ID already handed out (`SequenceRewound`). Here repairs run in a loop while two
+    writers append: no writer is refused, and every acknowledged fact is stored once."""
+    import threading
+
+    stop = threading.Event()
+    acked: list[int] = []
+    errors: list[BaseException] = []
+
+    def append(k: int) -> None:
+        try:
+            with client.writer(stream, instance=f"busy{k}") as writer:
+                while not stop.is_set():
+                    acked.append(writer.append({"k": k}).first_id)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=append, args=(k,)) for k in range(2)]
+    for thread in threads:
+        thread.start()
+    repairs = 0
+    with psycopg.connect(streams_url, autocommit=True) as conn:
+        (stream_id,) = conn.execute(
+            "SELECT id FROM streams_registry WHERE name = %s", (stream,)
+        ).fetchone() or (None,)
+        deadline = time.monotonic() + 4.0
+        while time.monotonic() < deadline and not errors:
+            conn.execute("SELECT streams_repair_sequence(%s)", (stream_id,))
+            repairs += 1
+    stop.set()
+    for thread in threads:
+        thread.join(30)
+    assert not errors, errors
+    assert repairs > 100 and len(acked) > 100
+    stored = [row[0] for row in fact_rows(streams_url, stream)]
+    assert sorted(acked) == sorted(set(acked)) == sorted(stored)
