@@ -26,6 +26,7 @@ from .errors import (
     GroupMoved,
     InvalidFact,
     InvalidFactTables,
+    InvalidPattern,
     InvalidPosition,
     InvalidStreamName,
     InvalidTimestamp,
@@ -46,7 +47,7 @@ from .errors import (
     WriterFenced,
 )
 from .reader import AsyncReader, Reader
-from .types import Ack, FactTable, GroupRow, StreamInfo, StreamPositions
+from .types import Ack, Created, FactTable, GroupRow, StreamInfo, StreamPositions, StreamSpec
 from .writer import AsyncOpenFact, AsyncWriter, OpenFact, Writer
 
 __version__ = "0.1.0"
@@ -62,6 +63,7 @@ __all__ = [
     "CommitUnknown",
     "ConfigurationError",
     "ConnectionLost",
+    "Created",
     "DatabaseChanged",
     "Epoch",
     "Fact",
@@ -74,6 +76,7 @@ __all__ = [
     "GroupRow",
     "InvalidFact",
     "InvalidFactTables",
+    "InvalidPattern",
     "InvalidPosition",
     "InvalidStreamName",
     "InvalidTimestamp",
@@ -94,6 +97,7 @@ __all__ = [
     "StreamExists",
     "StreamInfo",
     "StreamPositions",
+    "StreamSpec",
     "StreamsError",
     "TimestampMode",
     "UnknownStream",

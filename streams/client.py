@@ -52,7 +52,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import psycopg
@@ -62,9 +62,12 @@ from .client_plans import (
     announce_keys,
     checked,
     plan_create_stream,
+    plan_create_streams,
     plan_delete_group,
+    plan_drop_streams,
     plan_group_streams,
     plan_groups,
+    plan_overview,
     plan_positions,
     plan_prune,
     plan_prune_writers,
@@ -81,12 +84,14 @@ from .core.incarnation import Guard
 from .core.staleness import STALE_AFTER_MS
 from .core.standby_fence import StandbyRoute
 from .core.timestamps import TimestampMode
+from .errors import InvalidPattern
 from .plans import Call, Locked, Plan, adrive, drive
 from .proofs import ProofService
 from .reader import AsyncReader, Reader
 from .store import sessions
 from .store.driver import Gen, gone, run
 from .store.identity import verify
+from .store.overview import Overview, Sort
 from .store.reader_core import ReaderCore, Start
 from .store.registry import (
     list_streams,
@@ -95,7 +100,15 @@ from .store.retention import PRUNE_BATCH
 from .store.steps import Connect, Run
 from .store.writer_core import WriterCore
 from .transport.link import AsyncRedisLink, RedisLink
-from .types import FactTableSpec, GroupRow, PruneResult, StreamInfo, StreamPositions
+from .types import (
+    Created,
+    FactTableSpec,
+    GroupRow,
+    PruneResult,
+    StreamInfo,
+    StreamPositions,
+    StreamSpec,
+)
 from .writer import AsyncWriter, Writer
 
 if TYPE_CHECKING:
@@ -206,15 +219,29 @@ class _ClientBase(Generic[C]):
         return core
 
     def _reader_core(
-        self, streams: str | Sequence[str], start: Start, group: str | None, page_size: int | None
+        self,
+        streams: str | Sequence[str] | None,
+        start: Start,
+        group: str | None,
+        page_size: int | None,
+        pattern: str | None = None,
     ) -> ReaderCore:
-        names = [streams] if isinstance(streams, str) else list(streams)
+        if streams is not None and pattern is not None:
+            raise InvalidPattern("a reader follows named streams or a pattern, not both")
+        if streams is None and pattern is None:
+            raise InvalidPattern("a reader follows named streams or a pattern: pass one of them")
+        names = [] if streams is None else [streams] if isinstance(streams, str) else list(streams)
         lease = self.settings.lease_seconds
         if page_size is None:
-            core = ReaderCore(names, start=start, group=group, lease_seconds=lease)
+            core = ReaderCore(names, pattern=pattern, start=start, group=group, lease_seconds=lease)
         else:
             core = ReaderCore(
-                names, start=start, group=group, page_size=page_size, lease_seconds=lease
+                names,
+                pattern=pattern,
+                start=start,
+                group=group,
+                page_size=page_size,
+                lease_seconds=lease,
             )
         core.guard = self.guard
         return core
@@ -296,6 +323,23 @@ class Client(_ClientBase[psycopg.Connection[Any]]):
         )
         return drive(plan)
 
+    def create_streams(
+        self, streams: Sequence[StreamSpec | str | Mapping[str, Any]], *, exist_ok: bool = True
+    ) -> list[Created]:
+        """Create many streams at once: each a name or a `StreamSpec` (``create_stream``'s
+        arguments), in transactions of up to `streams.store.registry.CREATE_CHUNK` streams,
+        each all or nothing (and idempotent, so a call that broke is finished by calling it
+        again). The answer says, per stream in order, whether this call made it;
+        ``exist_ok=False`` makes an existing stream `StreamExists` (nothing of its chunk made).
+        """
+        return drive(plan_create_streams(self, streams, exist_ok))
+
+    def drop_streams(self, names: Sequence[str]) -> list[str]:
+        """Drop these streams, their facts, writers, groups and keys (each in its own
+        transactions: see `streams.store.registry.drop_stream`); the answer names the ones that
+        existed."""
+        return drive(plan_drop_streams(self, names))
+
     def set_fact_tables(self, name: str, fact_tables: Sequence[FactTableSpec]) -> StreamInfo:
         """Declare (replace) the user tables that hold facts of stream ``name``.
 
@@ -327,6 +371,21 @@ class Client(_ClientBase[psycopg.Connection[Any]]):
         or longer while holding retention back is marked stale."""
         return drive(plan_positions(self, stream, stale_after_ms))
 
+    def overview(
+        self,
+        like: str | None = None,
+        *,
+        limit: int | None = None,
+        sort: Sort = "name",
+        stale_after_ms: int = STALE_AFTER_MS,
+        grouped: bool = False,
+    ) -> Overview:
+        """`positions` of every stream whose name matches the SQL ``LIKE`` pattern ``like``
+        (None: all) at once, in a constant number of statements whatever their number: sorted
+        by name, or by ``"lag"`` (the largest group lag first), the first ``limit`` of them
+        (`streams.store.overview`); ``grouped``: only streams a reader group committed on."""
+        return drive(plan_overview(self, like, limit, sort, stale_after_ms, grouped))
+
     def writer(self, stream: str, *, instance: str | None = None) -> Writer:
         writer = Writer(
             self.settings.database_url,
@@ -339,8 +398,9 @@ class Client(_ClientBase[psycopg.Connection[Any]]):
 
     def reader(
         self,
-        streams: str | Sequence[str],
+        streams: str | Sequence[str] | None = None,
         *,
+        pattern: str | None = None,
         start: Start = "earliest",
         group: str | None = None,
         page_size: int | None = None,
@@ -349,6 +409,14 @@ class Client(_ClientBase[psycopg.Connection[Any]]):
     ) -> Reader:
         """A reader of one or several streams (see `streams.reader`).
 
+        ``pattern`` instead of ``streams``: follow every stream whose whole name matches this
+        regular expression (Python's `re` syntax, `re.fullmatch`), streams created later
+        included: found within a poll interval and read from their first fact, whatever
+        ``start`` (which applies to the streams that match when the reader opens); a dropped
+        stream leaves the reader. With ``group``, the group commits a position on each.
+        Matching nothing yet is fine: the reader waits. `InvalidPattern` for a bad pattern,
+        or for both ``streams`` and ``pattern`` (or neither).
+
         ``start``: ``"earliest"`` (default), ``"latest"``, ``"live"`` (only facts that begin
         after joining), a stream ID, a ``datetime`` or a ``timedelta`` ago. With ``group``, a
         committed position of that group wins over ``start``. ``shared_proofs`` (with Redis
@@ -356,7 +424,7 @@ class Client(_ClientBase[psycopg.Connection[Any]]):
         positions one elected process proves for all readers of a stream instead of probing
         PostgreSQL on every hint (`streams.proofs`): for many reader processes per stream.
         """
-        core = self._reader_core(streams, start, group, page_size)
+        core = self._reader_core(streams, start, group, page_size, pattern)
         link = self.link
         if shared_proofs is None:
             shared_proofs = self.settings.shared_proofs
@@ -548,6 +616,16 @@ class AsyncClient(_ClientBase[psycopg.AsyncConnection[Any]]):
         )
         return await adrive(plan)
 
+    async def create_streams(
+        self, streams: Sequence[StreamSpec | str | Mapping[str, Any]], *, exist_ok: bool = True
+    ) -> list[Created]:
+        """The asyncio twin of `Client.create_streams`."""
+        return await adrive(plan_create_streams(self, streams, exist_ok))
+
+    async def drop_streams(self, names: Sequence[str]) -> list[str]:
+        """The asyncio twin of `Client.drop_streams`."""
+        return await adrive(plan_drop_streams(self, names))
+
     async def set_fact_tables(self, name: str, fact_tables: Sequence[FactTableSpec]) -> StreamInfo:
         """The asyncio twin of `Client.set_fact_tables`."""
         return await adrive(plan_set_fact_tables(self, name, fact_tables))
@@ -564,6 +642,18 @@ class AsyncClient(_ClientBase[psycopg.AsyncConnection[Any]]):
         """See `Client.positions`."""
         return await adrive(plan_positions(self, stream, stale_after_ms))
 
+    async def overview(
+        self,
+        like: str | None = None,
+        *,
+        limit: int | None = None,
+        sort: Sort = "name",
+        stale_after_ms: int = STALE_AFTER_MS,
+        grouped: bool = False,
+    ) -> Overview:
+        """The asyncio twin of `Client.overview`."""
+        return await adrive(plan_overview(self, like, limit, sort, stale_after_ms, grouped))
+
     async def writer(self, stream: str, *, instance: str | None = None) -> AsyncWriter:
         writer = await AsyncWriter.open(
             self.settings.database_url,
@@ -576,17 +666,18 @@ class AsyncClient(_ClientBase[psycopg.AsyncConnection[Any]]):
 
     async def reader(
         self,
-        streams: str | Sequence[str],
+        streams: str | Sequence[str] | None = None,
         *,
+        pattern: str | None = None,
         start: Start = "earliest",
         group: str | None = None,
         page_size: int | None = None,
         poll_interval: float | None = None,
     ) -> AsyncReader:
-        """The asyncio twin of `Client.reader`."""
+        """The asyncio twin of `Client.reader` (``pattern`` included)."""
         reader = await AsyncReader.open(
             self.settings.database_url,
-            self._reader_core(streams, start, group, page_size),
+            self._reader_core(streams, start, group, page_size, pattern),
             self.link,
             poll_interval=poll_interval,
             connect_timeout=self.settings.connect_timeout,

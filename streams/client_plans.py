@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Sequence
-from typing import Protocol, TypeAlias, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, TypeAlias, TypeVar
 
 from .core.constants import replication_channel
 from .core.incarnation import Guard
@@ -26,10 +26,14 @@ from .store.driver import Gen, transient_sqlstate
 from .store.identity import verify
 from .store.keys import describe_keys, rotate_keys
 from .store.leases import prune_writers
+from .store.overview import Overview, Sort, overview
 from .store.reader_groups import delete_group, list_groups, stream_positions, streams_of_group
 from .store.registry import (
+    CREATE_CHUNK,
     check_schema,
     create_stream,
+    create_streams,
+    drop_stream,
     list_streams,
     load_stream,
     set_fact_tables,
@@ -38,7 +42,15 @@ from .store.registry import (
 )
 from .store.retention import prune
 from .transport.connections import publish_now
-from .types import FactTableSpec, GroupRow, PruneResult, StreamInfo, StreamPositions
+from .types import (
+    Created,
+    FactTableSpec,
+    GroupRow,
+    PruneResult,
+    StreamInfo,
+    StreamPositions,
+    StreamSpec,
+)
 
 log = logging.getLogger("streams.client")
 
@@ -140,6 +152,31 @@ def plan_create_stream(
     )
 
 
+def plan_create_streams(
+    client: ClientConnection, specs: Sequence[StreamSpec | str | Mapping[str, Any]], exist_ok: bool
+) -> _Plan[list[Created]]:
+    """`CREATE_CHUNK` streams per transaction (all of a chunk or none of it; a chunk is what
+    PostgreSQL's lock table holds beside everybody else's locks). A chunk is idempotent, so a
+    call broken between chunks is finished by calling it again."""
+    parsed = [StreamSpec.parse(spec) for spec in specs]
+    if len({spec.name for spec in parsed}) != len(parsed):
+        raise ValueError("a stream is named twice")
+    created: list[Created] = []
+    for start in range(0, len(parsed), CREATE_CHUNK):
+        chunk = parsed[start : start + CREATE_CHUNK]
+        created += yield from _once(client, create_streams(chunk, exist_ok=exist_ok))
+    return created
+
+
+def plan_drop_streams(client: ClientConnection, names: Sequence[str]) -> _Plan[list[str]]:
+    """Drop each of these streams (`drop_stream`), the ones that existed in the answer."""
+    dropped = []
+    for name in names:
+        if (yield from _once(client, drop_stream(name))):
+            dropped.append(name)
+    return dropped
+
+
 def plan_set_fact_tables(
     client: ClientConnection, name: str, fact_tables: Sequence[FactTableSpec]
 ) -> _Plan[StreamInfo]:
@@ -173,6 +210,24 @@ def plan_groups(
         client,
         "groups",
         lambda: _of_stream(stream, lambda info: list_groups(info, stale_after_ms=stale_after_ms)),
+    )
+
+
+def plan_overview(
+    client: ClientConnection,
+    like: str | None,
+    limit: int | None,
+    sort: Sort,
+    stale_after_ms: int,
+    grouped: bool,
+) -> _Plan[Overview]:
+    """Every stream at once (`streams.store.overview`): a constant number of statements."""
+    return _read_plan(
+        client,
+        "overview",
+        lambda: overview(
+            like, limit=limit, sort=sort, stale_after_ms=stale_after_ms, grouped=grouped
+        ),
     )
 
 

@@ -5,6 +5,8 @@ catch everything with one clause and still tell the cases apart::
 
     StreamsError
     ├── ConfigurationError          bad URL, bad option, missing setting
+    │   └── InvalidPattern          a reader's stream pattern is not a regex, or came with
+    │                               stream names (also a ValueError)
     ├── InvalidStreamName           a stream or writer name that is not allowed
     ├── UnknownStream               the stream was never created (or was dropped)
     ├── StreamExists                create_stream() on a name already taken, with other settings
@@ -58,6 +60,7 @@ __all__ = [
     "GroupMoved",
     "InvalidFact",
     "InvalidFactTables",
+    "InvalidPattern",
     "InvalidPosition",
     "InvalidStreamName",
     "InvalidTimestamp",
@@ -85,6 +88,11 @@ class StreamsError(Exception):
 
 class ConfigurationError(StreamsError):
     """A setting is missing or malformed (database URL, Redis URL, an option)."""
+
+
+class InvalidPattern(ConfigurationError, ValueError):
+    """A reader's stream pattern is not a valid regular expression, or a reader was given both
+    stream names and a pattern (or neither)."""
 
 
 class InvalidStreamName(StreamsError, ValueError):

@@ -12,7 +12,9 @@ Two collectors, both *pull*: nothing is computed until Prometheus scrapes, so th
   refused.
   `enable(client, port=...)` registers it and, with a port, serves ``/metrics``.
 * `DatabaseCollector` reports stream-level figures of one database, read at scrape time with
-  the same queries as `streams positions`: linear position, max allocated, scratchpad, the age
+  the same set-based queries as `streams positions` (`streams.store.overview`), per stream
+  only for the streams that show something (live writers, groups, held; or a filter), and
+  totals (how many streams): linear position, max allocated, scratchpad, the age
   of the oldest pending ID and each session holding the stream back (who holds it), each
   writer's position and pending count, each reader group's (and Spark query's) lag in IDs and
   in time and the retention it holds back, and the database's sessions by role and state.
@@ -39,8 +41,7 @@ from .errors import ConfigurationError, StreamsError
 from .store import sessions
 from .store.driver import run
 from .store.holders import HoldingState, holding_state
-from .store.reader_groups import stream_positions
-from .store.registry import list_streams
+from .store.overview import Overview, overview
 from .store.role_checks import connections_by_role
 from .types import StreamPositions
 
@@ -155,7 +156,10 @@ class ClientCollector:
             group = rcore.group or ""
             for name, value in rcore.positions.items():
                 reader_position.add_metric([name, group], value)
-            key = [",".join(rcore.names), group]
+            # A pattern reader is labelled by its pattern: its streams come and go.
+            sub = rcore.subscription
+            label = ",".join(rcore.names) if sub is None else f"~{sub.pattern.pattern}"
+            key = [label, group]
             probes.add_metric(key, rcore.counters.probes)
             pages.add_metric(key, rcore.counters.pages)
             rows.add_metric(key, rcore.counters.rows)
@@ -222,10 +226,16 @@ def _link_families(link: RedisLink) -> Iterator[Any]:
 
 
 class DatabaseCollector:
-    """Stream-level figures of one database, read at scrape time (see the module doc)."""
+    """Stream-level figures of one database, read at scrape time (see the module doc).
 
-    def __init__(self, settings: Settings) -> None:
+    Per-stream series only for the streams that show something (`streams.store.overview`,
+    ``active``): a writer not retired, a reader group, a session holding it back; and for those
+    whose name matches ``like`` (an SQL ``LIKE`` pattern). Totals over every stream always
+    (``streams_streams``...), so a scrape stays small at ten thousand streams."""
+
+    def __init__(self, settings: Settings, *, like: str | None = None) -> None:
         self._settings = settings
+        self._like = like
         self._lock = threading.Lock()
 
     def describe(self) -> list[Any]:
@@ -240,10 +250,16 @@ class DatabaseCollector:
                     self._settings.database_url, autocommit=False, purpose="metrics"
                 ) as conn,
             ):
+                found = run(conn, overview(retire=False, active=True))
+                shown = {s.info.name: s for s in found.streams}
+                if self._like is not None:
+                    for s in run(conn, overview(self._like, retire=False)).streams:
+                        shown.setdefault(s.info.name, s)
+                # Who holds a stream back: only for the streams some session holds.
                 items = [
-                    (run(conn, stream_positions(info, retire=False)),
-                     run(conn, holding_state(info)))
-                    for info in run(conn, list_streams())
+                    (s.positions, run(conn, holding_state(s.info)) if s.info.id in found.held
+                     else _NOT_HELD)
+                    for _, s in sorted(shown.items())
                 ]  # fmt: skip
                 connections = run(conn, connections_by_role())
         except StreamsError:
@@ -252,6 +268,7 @@ class DatabaseCollector:
             return
         up.add_metric([], 1)
         yield up
+        yield from _total_families(found, len(items))
         yield from _stream_families(items)
         yield from _stall_families(items, self._settings.lease_seconds)
         yield from _writer_families(items)
@@ -260,6 +277,27 @@ class DatabaseCollector:
 
 
 _Item = tuple[StreamPositions, HoldingState]
+
+#: What `holding_state` finds of a stream no session holds (no need to ask).
+_NOT_HELD = HoldingState(None, 0, [])
+
+
+def _total_families(found: Overview, shown: int) -> Iterator[Any]:
+    streams = _family("gauge", "streams", "Streams in the database.", [])
+    streams.add_metric([], found.total)
+    series = _family(
+        "gauge",
+        "streams_with_series",
+        "Streams with per-stream series in this scrape: with a writer not retired, a reader "
+        "group or a session holding them back, or matching the collector's filter.",
+        [],
+    )
+    series.add_metric([], shown)
+    held = _family(
+        "gauge", "streams_held", "Streams some session holds back (a reservation lock).", []
+    )
+    held.add_metric([], len(found.held))
+    yield from (streams, series, held)
 
 
 def _stream_families(items: list[_Item]) -> Iterator[Any]:
@@ -396,11 +434,13 @@ def enable(client: Client, *, port: int | None = None, addr: str = "127.0.0.1") 
     return collector
 
 
-def serve(settings: Settings, port: int, addr: str = "127.0.0.1") -> Any:
-    """Serve `DatabaseCollector` figures on ``http://addr:port/metrics`` (a daemon thread);
-    returns the server (``.shutdown()`` stops it)."""
+def serve(
+    settings: Settings, port: int, addr: str = "127.0.0.1", *, like: str | None = None
+) -> Any:
+    """Serve `DatabaseCollector` figures on ``http://addr:port/metrics`` (a daemon thread;
+    ``like``: streams that always have series); returns the server (``.shutdown()`` stops it)."""
     registry, server = serve_registry(port, addr)
-    registry.register(DatabaseCollector(settings))
+    registry.register(DatabaseCollector(settings, like=like))
     return server
 
 

@@ -80,7 +80,7 @@ class Reader(ReaderBase):
             proofs.follow(core.names)
 
     def __repr__(self) -> str:
-        return f"<Reader streams={list(self.streams)!r} group={self.group!r}>"
+        return f"<Reader {self._described()} group={self.group!r}>"
 
     def _wakeup(self) -> None:
         self._wake.set()
@@ -181,6 +181,7 @@ class Reader(ReaderBase):
     def close(self) -> None:
         if self._closed:
             return
+        self._sync_streams()  # a pattern reader's last changes: the names below are all it hears
         self._closed = True
         if self._link is not None:
             self._link.remove_listener(self, self._core.names, writers=self._writer_hints)
@@ -247,7 +248,7 @@ class AsyncReader(ReaderBase):
         return self
 
     def __repr__(self) -> str:
-        return f"<AsyncReader streams={list(self.streams)!r} group={self.group!r}>"
+        return f"<AsyncReader {self._described()} group={self.group!r}>"
 
     def _wakeup(self) -> None:
         self._wake.set()
@@ -313,6 +314,7 @@ class AsyncReader(ReaderBase):
     async def aclose(self) -> None:
         if self._closed:
             return
+        self._sync_streams()
         self._closed = True
         if self._link is not None:
             self._link.remove_listener(self, self._core.names, writers=self._writer_hints)

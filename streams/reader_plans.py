@@ -35,7 +35,7 @@ from .store.steps import Connect, Run
 from .transport.faces import Link
 
 if TYPE_CHECKING:
-    pass
+    from .proofs import ProofService
 
 log = logging.getLogger("streams.reader")
 
@@ -108,7 +108,7 @@ def _open_standby(url: str, core: ReaderCore) -> _Plan[Any]:
 
 
 def _standby_where(core: ReaderCore) -> str:
-    return f"reader of {', '.join(core.names)}"
+    return f"reader of {core.described}"
 
 
 def _standby_unusable(exc: psycopg.Error | StoreError) -> StoreError:
@@ -134,6 +134,13 @@ class ReaderBase:
     @property
     def group(self) -> str | None:
         return self._core.group
+
+    def _described(self) -> str:
+        """The reader in its repr: its streams, or its pattern and how many streams match."""
+        sub = self._core.subscription
+        if sub is None:
+            return f"streams={list(self.streams)!r}"
+        return f"pattern={sub.pattern.pattern!r} ({len(self.streams)} streams)"
 
     @property
     def live(self) -> bool:
@@ -169,7 +176,7 @@ class ReaderBase:
             what = "group " + repr(core.group) if core.group is not None else "reader"
             sessions = self._arrow = ArrowSessions(
                 self._url,
-                f"{what} of {', '.join(core.names)} (Arrow)",
+                f"{what} of {core.described} (Arrow)",
                 lambda: (core.incarnation, core.proven.proof_lsn),
             )
         return sessions
@@ -199,6 +206,7 @@ class ReaderBase:
         return LIVE_POLL_INTERVAL if self._core.live else FALLBACK_POLL_INTERVAL
 
     _link: Link | None
+    _proofs: ProofService | None = None
     _writer_hints = True  # subscribed to the data channels of the streams (writers' hints)
     _writer_hints_since = 0.0  # when that subscription was last asked for (monotonic)
 
@@ -215,6 +223,27 @@ class ReaderBase:
             self._link.watch(self._core.names, writers=True)
         else:
             self._link.unwatch(self._core.names, writers=True)
+
+    def _sync_streams(self) -> None:
+        """A pattern reader's streams that joined or left (`ReaderCore.take_changes`): hear
+        their channels as the others' (writers' hints too while it hears them), and follow
+        their shared proofs, or stop. Before `_sync_writer_hints`, which acts on them all."""
+        joined, left = self._core.take_changes()
+        if not (joined or left) or self._closed:
+            return
+        link = self._link
+        if link is not None:
+            if left:
+                link.unwatch(left, writers=False)
+                if self._writer_hints:
+                    link.unwatch(left, writers=True)
+            if joined:
+                link.watch(joined, writers=False)
+                if self._writer_hints:
+                    link.watch(joined, writers=True)
+        if self._proofs is not None:
+            self._proofs.unfollow(left)
+            self._proofs.follow(joined)
 
     # LinkListener
     def on_link_state(self, connected: bool) -> None:
@@ -291,10 +320,13 @@ class ReaderBase:
             self._hinted = False
             self._core.following.deadline_moved = False
             self._last_probe = time.monotonic()
+            # A pattern reader looks for new streams in this cycle, at most once per interval.
+            self._core.poll_started(self._last_probe, self._poll_interval(self._poll))
             # The server restarted or the network failed: a step moves nothing until it has
             # read everything, so trying again (on a new connection) delivers each fact once.
             # Within the caller's timeout; for ever when there is none.
             epoch: Epoch | None = yield from step(deadline)
+            self._sync_streams()
             self._sync_writer_hints()
             if epoch is not None or ready():
                 return epoch

@@ -20,7 +20,7 @@ import functools
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import Any, NamedTuple, TypeAlias
 
 from psycopg import sql
 
@@ -30,6 +30,7 @@ from .errors import InvalidFactTables, UsageError
 __all__ = [
     "DEFAULT_KEY_WINDOW_MS",
     "Ack",
+    "Created",
     "FactChunk",
     "FactTable",
     "FactTableSpec",
@@ -37,6 +38,7 @@ __all__ = [
     "PruneResult",
     "StreamInfo",
     "StreamPositions",
+    "StreamSpec",
     "WriterRow",
 ]
 
@@ -72,6 +74,46 @@ class StreamInfo:
             "fact_tables": [str(t) for t in self.fact_tables],
             "key_window_ms": self.key_window_ms,
         }
+
+
+@dataclass(frozen=True, slots=True)
+class StreamSpec:
+    """What `create_streams` makes of one stream: its name and settings (as `create_stream`'s
+    arguments)."""
+
+    name: str
+    timestamping: TimestampMode | str = TimestampMode.CLIENT_PREFER
+    uncapped: bool = False
+    retention_ms: int | None = None
+    fact_tables: Sequence[FactTableSpec] | None = None
+    key_window_ms: int | None = None
+
+    @classmethod
+    def parse(cls, spec: object) -> StreamSpec:
+        """A name, a `StreamSpec`, or a mapping of `create_stream`'s arguments (``name``
+        required), as `streams create --from-file` reads them."""
+        if isinstance(spec, StreamSpec):
+            return spec
+        if isinstance(spec, str):
+            return cls(spec)
+        if isinstance(spec, Mapping):
+            unknown = set(spec) - set(cls.__slots__)
+            if "name" not in spec or unknown:
+                raise ValueError(
+                    f"a stream is a name or an object with 'name' and any of "
+                    f"{sorted(set(cls.__slots__) - {'name'})}"
+                    + (f" (unknown: {sorted(unknown)})" if unknown else "")
+                )
+            return cls(**{str(k): v for k, v in spec.items()})
+        raise ValueError(f"a stream is a name or an object with 'name', not {type(spec).__name__}")
+
+
+class Created(NamedTuple):
+    """A stream `create_streams` was asked for: its registry row, and whether this call made
+    it (False: it existed already, with these settings)."""
+
+    info: StreamInfo
+    new: bool
 
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_$]{0,62}")

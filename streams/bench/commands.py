@@ -16,6 +16,7 @@ from .fleet import bench_fleet_command
 from .history import bench_history_command
 from .latency import bench_latency_command
 from .probe_cost import bench_probe_command
+from .stream_count import bench_streams_command
 from .write import bench_write_command
 
 __all__ = ["bench"]
@@ -32,3 +33,4 @@ bench.add_command(bench_fleet_command, name="fleet")
 bench.add_command(bench_write_command, name="write")
 bench.add_command(bench_history_command, name="history")
 bench.add_command(bench_latency_command, name="latency")
+bench.add_command(bench_streams_command, name="streams")

@@ -365,3 +365,30 @@ def plot_arrow(measure: ArrowMeasure, path: Path) -> None:
     ax.margins(y=0.15)
     ax.legend(fontsize=8, loc="upper right")
     _save(fig, path)
+
+
+def plot_stream_counts(result: dict[str, Any], path: Path) -> None:
+    """`streams.bench.stream_count.run_stream_count_bench`'s result (``as_dict``): each
+    per-stream call's ratio to its cost at the smallest count, and each view's seconds,
+    against the number of streams (log scale)."""
+    require_matplotlib()
+    counts = result["counts"]
+    views = set(result["views"])
+    fig, (calls, whole) = _figure(2, "streams bench streams: cost against the number of streams")
+    for name, seconds in result["seconds"].items():
+        points = [(c, s) for c, s in zip(counts, seconds, strict=True) if s is not None]
+        if not points:
+            continue
+        xs, ys = [c for c, _ in points], [s for _, s in points]
+        if name in views:
+            whole.plot(xs, ys, marker="o", label=name)
+        else:
+            calls.plot(xs, [y / ys[0] for y in ys], marker="o", label=name)
+    calls.axhline(result["per_stream_target"], color="grey", linestyle="--", label="target")
+    whole.axhline(result["view_target_s"], color="grey", linestyle="--", label="target")
+    for axes, label in ((calls, f"x of the cost at {counts[0]} streams"), (whole, "seconds")):
+        axes.set_xscale("log")
+        axes.set_xlabel("streams in the database")
+        axes.set_ylabel(label)
+        axes.legend(fontsize=7)
+    _save(fig, path)

@@ -97,6 +97,11 @@ class Sighting:
                 entry = self._recent[stream] = (key, deque(maxlen=RECENT_IDS))
             entry[1].extend(ids)
 
+    def forget_stream(self, stream: str) -> None:
+        """A reader stopped following ``stream`` (it was dropped): nothing of it to check."""
+        with self._lock:
+            self._recent.pop(stream, None)
+
     def snapshot(self) -> Mapping[str, tuple[int, list[int]]]:
         """``{stream: (key, ids)}`` of what is remembered now."""
         with self._lock:

@@ -132,6 +132,12 @@ class HeldStreams:
             due.append(stream)
         return due
 
+    def forget(self, stream: str) -> None:
+        """A reader stopped following ``stream`` (dropped: a stream of that name created later
+        is another sequence)."""
+        for record in (self._held, self._passed, self._horizon, self._seen):
+            record.pop(stream, None)
+
     def bound(self, writers_lease: float | None) -> float:
         """`holding_bound`, with this observer's own lease."""
         return holding_bound(self.lease, writers_lease)

@@ -8,7 +8,8 @@ them. Errors print one line on stderr and exit 1; URLs are always shown redacted
 
 The commands live in modules by group, each registered here on `ops`:
 
-* `stream_commands`: ``create``, ``key-window``, ``tables``, ``retention``, ``prune``, ``list``;
+* `stream_commands`: ``create``, ``drop``, ``key-window``, ``tables``, ``retention``,
+  ``prune``, ``list``;
 * `key_commands`: ``keys``;
 * `io_commands`: ``append``, ``read``;
 * `position_commands`: ``positions``, ``writers prune``;
@@ -35,7 +36,7 @@ from .key_commands import keys
 from .position_commands import positions, writers
 from .role_commands import roles
 from .schema_commands import schema
-from .stream_commands import create, key_window, list_, prune_, retention, tables
+from .stream_commands import create, drop, key_window, list_, prune_, retention, tables
 
 __all__ = ["ops"]
 
@@ -43,6 +44,7 @@ __all__ = ["ops"]
 ops = click.Group("ops")
 ops.add_command(migrate)
 ops.add_command(create)
+ops.add_command(drop)
 ops.add_command(key_window)
 ops.add_command(tables)
 ops.add_command(keys)

@@ -17,6 +17,7 @@ from ..store import sessions
 from ..store.driver import run
 from ..store.registry import check_schema
 from .shared import STALE_AFTER, resolve_settings
+from .view_options import LIKE_PATTERN
 
 __all__ = ["doctor", "metrics", "migrate"]
 
@@ -50,12 +51,19 @@ def migrate(database_url: str | None, redis_url: str | None, prefix: str | None)
     help="The lease your services use: no session may hold a stream back longer than the "
     "longest of it and the stream's writers' leases (--repair ends those that have).",
 )
+@click.option(
+    "--all-streams",
+    is_flag=True,
+    help="Run the checks that read a stream's facts on every stream (by default on the 100 "
+    "that need them most; the others are checked at once).",
+)
 @click.option("--json", "as_json", is_flag=True)
 @common_options
 def doctor(
     repair: bool,
     stale_after: int,
     lease: int,
+    all_streams: bool,
     as_json: bool,
     database_url: str | None,
     redis_url: str | None,
@@ -64,13 +72,16 @@ def doctor(
     """Check connectivity, schema, sequences, declared tables, sessions holding a stream back
     (writers or not: role, application, address), writer leases, retention (reader groups
     that lost facts, or are stale: no commit for --stale-after while holding retention back)
-    and the replication channel; exit 1 on any problem."""
-    from .doctor import diagnose
+    and the replication channel; exit 1 on any problem. Every stream is checked at once; the
+    checks that read facts run on the 100 streams that need them most (--all-streams: all),
+    and streams that pass show in one summary line."""
+    from .doctor import DEEP_STREAMS, diagnose
     from .doctor import repair as do_repair
 
     settings = Settings.resolve(database_url, redis_url, prefix, lease_seconds=lease / 1000)
-    actions = do_repair(settings) if repair else []
-    checks = diagnose(settings, stale_after_ms=stale_after)
+    deep = None if all_streams else DEEP_STREAMS
+    actions = do_repair(settings, deep=deep) if repair else []
+    checks = diagnose(settings, stale_after_ms=stale_after, deep=deep)
     if as_json:
         data: Any = [c.as_dict() for c in checks]
         if repair:
@@ -93,23 +104,36 @@ def metrics() -> None:
 @metrics.command(name="serve")
 @click.option("--port", type=click.IntRange(min=0, max=65535), default=9464, show_default=True)
 @click.option("--addr", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option(
+    "--like",
+    type=LIKE_PATTERN,
+    metavar="PATTERN",
+    help="Series for the streams whose name matches this SQL LIKE pattern too (by default only "
+    "streams with live writers, reader groups or a session holding them back have series).",
+)
 @common_options
 def metrics_serve(
-    port: int, addr: str, database_url: str | None, redis_url: str | None, prefix: str | None
+    port: int,
+    addr: str,
+    like: str | None,
+    database_url: str | None,
+    redis_url: str | None,
+    prefix: str | None,
 ) -> None:
     """Serve stream-level figures of one database on http://ADDR:PORT/metrics (linear
     position, max allocated, scratchpad, oldest pending ID and who holds it, writers, group
     lag and the retention groups hold back, connections per role), read at each scrape; runs
-    until Ctrl-C. The database is read once at start (exit 1 if it cannot be: a wrong URL
-    must not look like an outage); later, a scrape that cannot read it reports
-    streams_database_up 0."""
+    until Ctrl-C. Per-stream series only for streams with live writers, reader groups or a
+    session holding them back, and those --like matches; totals for all. The database is
+    read once at start (exit 1 if it cannot be: a wrong URL must not look like an outage);
+    later, a scrape that cannot read it reports streams_database_up 0."""
     from ..metrics import serve
 
     settings = resolve_settings(database_url, redis_url, prefix)
     with sessions.connect(settings.database_url, autocommit=True, purpose="metrics") as conn:
         run(conn, check_schema())
     try:
-        server = serve(settings, port, addr)
+        server = serve(settings, port, addr, like=like)
     except OSError as exc:  # a bad address, a port in use or not ours to take
         reason = exc.strerror or type(exc).__name__
         raise click.ClickException(f"cannot listen on {addr!r} port {port}: {reason}") from None

@@ -23,14 +23,14 @@ from ..store.holders import (
 )
 from ..store.keys import key_health
 from ..store.leases import (
-    expired_writer_count,
     repair_sequence_now,
     retire_expired_writers,
     sequence_state,
     unseen_ids,
 )
-from ..store.probe import probe
-from ..store.reader_groups import groups_beyond, list_groups
+from ..store.overview import StreamHealth, stream_health
+from ..store.probe import held_streams, probe
+from ..store.reader_groups import list_groups
 from ..store.registry import check_schema, list_streams
 from ..store.retention import prune_target
 from ..transport.redis_errors import connection_error
@@ -45,6 +45,10 @@ HELD_WARNING_SECONDS = 5.0
 #: next appends fail. No stream gets there by appending (4.6e18 IDs); a sequence moved there
 #: by repair after a forged position does, which bricks the stream.
 SEQUENCE_NEAR_LIMIT = 2**62
+#: Streams whose facts `streams doctor` reads by default (the "deep" checks: facts beyond the
+#: sequence, IDs in no known table, retention): the ones that need it most (`_deep_first`).
+#: The other checks read every stream at once (`streams.store.overview.stream_health`).
+DEEP_STREAMS = 100
 
 __all__ = ["Check", "diagnose", "repair"]
 
@@ -59,7 +63,7 @@ class Check:
         return {"name": self.name, "ok": self.ok, "detail": self.detail}
 
 
-def repair(settings: Settings) -> list[str]:
+def repair(settings: Settings, *, deep: int | None = DEEP_STREAMS) -> list[str]:
     """What is always safe, before the checks: retire writers whose lease expired, ending first
     the sessions they still hold open (`streams.store.leases.retire_expired_writers`), end
     every other session that has held a stream's reservation lock past the bound, by its
@@ -68,7 +72,8 @@ def repair(settings: Settings) -> list[str]:
     bound) and every session holding one exclusively (`end_exclusive_holders`), and move
     every sequence past the IDs known to be used
     (`streams.store.leases.repair_sequence`, under the same registration lock a starting writer
-    takes). Returns what was done."""
+    takes). Each on the streams that need it, found for all at once; sequences past the facts
+    on the ``deep`` streams of the checks (None: all). Returns what was done."""
     done: list[str] = []
     with sessions.connect(settings.database_url, autocommit=False, purpose="doctor") as conn:
         infos = run(conn, list_streams())
@@ -79,25 +84,35 @@ def repair(settings: Settings) -> list[str]:
                     f"stream {info.name}: ended session pid {pid}, which held its reservation "
                     "lock exclusively (every writer waited for it)"
                 )
+        health = run(conn, stream_health(infos))
+        held = run(conn, held_streams())
+        chosen = _deep_first(infos, health, held, deep)
         for info in infos:
-            for name in run(conn, retire_expired_writers(info)):
-                done.append(f"stream {info.name}: retired writer {name} (lease expired)")
-            for ended in run(conn, end_long_holders(info, settings.lease_seconds)):
-                done.append(
-                    f"stream {info.name}: ended session pid {ended.pid} (role {ended.role}, "
-                    f"application {ended.application_name!r}, address "
-                    f"{ended.client or '(not visible)'}), which held it back for "
-                    f"{ended.holding_seconds:.1f} s, past the bound ({ended.bound:.1f} s)"
-                )
-            target = run(conn, repair_sequence_now(info))
-            if target is not None:
-                done.append(f"stream {info.name}: sequence moved to {target}")
+            h = health.get(info.id)
+            if h is not None and h.expired_writers:
+                for name in run(conn, retire_expired_writers(info)):
+                    done.append(f"stream {info.name}: retired writer {name} (lease expired)")
+            if info.id in held:
+                for ended in run(conn, end_long_holders(info, settings.lease_seconds)):
+                    done.append(
+                        f"stream {info.name}: ended session pid {ended.pid} (role {ended.role}, "
+                        f"application {ended.application_name!r}, address "
+                        f"{ended.client or '(not visible)'}), which held it back for "
+                        f"{ended.holding_seconds:.1f} s, past the bound ({ended.bound:.1f} s)"
+                    )
+            if info.id in chosen:
+                target = run(conn, repair_sequence_now(info))
+                if target is not None:
+                    done.append(f"stream {info.name}: sequence moved to {target}")
     return done
 
 
-def diagnose(settings: Settings, *, stale_after_ms: int = STALE_AFTER_MS) -> list[Check]:
+def diagnose(
+    settings: Settings, *, stale_after_ms: int = STALE_AFTER_MS, deep: int | None = DEEP_STREAMS
+) -> list[Check]:
     """Every check, in order; a reader group idle ``stale_after_ms`` or longer while holding a
-    stream's retention back fails its stream's retention check."""
+    stream's retention back fails its stream's retention check. The checks that read a
+    stream's facts run on ``deep`` streams at most (None: all; `DEEP_STREAMS`)."""
     checks: list[Check] = []
     where = redact_url(settings.database_url)
     try:
@@ -129,8 +144,7 @@ def diagnose(settings: Settings, *, stale_after_ms: int = STALE_AFTER_MS) -> lis
         checks.append(_roles_check(conn))
         checks.append(_keys_check(conn))
         infos = run(conn, list_streams())
-        for info in infos:
-            checks.extend(_stream_checks(conn, info, stale_after_ms, settings.lease_seconds))
+        checks.extend(_streams_checks(conn, infos, stale_after_ms, settings.lease_seconds, deep))
     if settings.redis_url:
         import redis
 
@@ -173,33 +187,150 @@ def diagnose(settings: Settings, *, stale_after_ms: int = STALE_AFTER_MS) -> lis
 UNSEEN_WINDOW = 10_000
 
 
+def _streams_checks(
+    conn: psycopg.Connection[Any],
+    infos: list[StreamInfo],
+    stale_after_ms: int,
+    lease_seconds: float,
+    deep: int | None,
+) -> list[Check]:
+    """The checks of every stream: set-based for all (sequence against the positions used,
+    groups beyond max allocated, expired leases, who holds a stream back), and the deep ones
+    on ``deep`` streams; a quiet stream that passes shows in one summary line."""
+    health = run(conn, stream_health(infos))
+    held = run(conn, held_streams())
+    chosen = _deep_first(infos, health, held, deep)
+    checks: list[Check] = []
+    quiet = 0
+    for info in infos:
+        h = health.get(info.id)
+        if h is None:  # dropped since it was listed
+            continue
+        if info.id in chosen:
+            checks.extend(_stream_checks(conn, info, h, info.id in held, stale_after_ms,
+                                         lease_seconds))  # fmt: skip
+            continue
+        failing = [c for c in _quick_checks(info, h) if not c.ok]
+        if info.id in held:
+            failing.append(_held_check(conn, info, lease_seconds))
+        checks.extend(failing)
+        quiet += not failing
+    skipped = len(health) - len(chosen)
+    detail = f"{len(health)} stream(s): {quiet} passed every set-based check"
+    if skipped:
+        detail += (
+            f"; the checks that read facts (facts beyond the sequence, IDs in no known table, "
+            f"retention) ran on {len(chosen)} of them (failing, held back, with writers, groups, "
+            f"retention or declared tables, then the newest), not on {skipped}: "
+            "`streams doctor --all-streams` runs them on every stream"
+        )
+    checks.append(Check("streams", True, detail))
+    return checks
+
+
+def _deep_first(
+    infos: list[StreamInfo],
+    health: dict[int, StreamHealth],
+    held: dict[int, int],
+    deep: int | None,
+) -> set[int]:
+    """The ids of the streams the deep checks run on: every stream with ``deep`` None, else
+    the ones that need them most, at most ``deep``: failing a set-based check, held back,
+    with writers, groups, retention or declared tables, written to; newest first."""
+
+    def rank(info: StreamInfo) -> tuple[int, int]:
+        h = health[info.id]
+        if not all(c.ok for c in _quick_checks(info, h)) or info.id in held:
+            level = 0
+        elif h.live_writers or h.groups or info.retention_ms is not None or info.fact_tables:
+            level = 1
+        elif h.allocated or h.max_position:
+            level = 2
+        else:
+            level = 3
+        return level, -info.id
+
+    known = [info for info in infos if info.id in health]
+    if deep is None:
+        return {info.id for info in known}
+    ranked = sorted((rank(info), info.id) for info in known)
+    return {i for (level, _), i in ranked[:deep] if level < 3}
+
+
+def _quick_checks(info: StreamInfo, h: StreamHealth) -> list[Check]:
+    """The set-based checks of one stream (`streams.store.overview.stream_health`)."""
+    checks = []
+    behind = h.max_position is not None and h.max_position > h.allocated
+    if behind or h.allocated >= SEQUENCE_NEAR_LIMIT:
+        checks.append(
+            _sequence_check(info, h.allocated, h.max_position, "not read", h.max_position, behind)
+        )
+    checks.append(_groups_check(info, h))
+    checks.append(_writers_check(info, h.expired_writers))
+    return checks
+
+
+def _sequence_check(
+    info: StreamInfo,
+    allocated: int,
+    max_used: int | None,
+    stored: int | str | None,
+    max_position: int | None,
+    behind: bool,
+) -> Check:
+    near_limit = allocated >= SEQUENCE_NEAR_LIMIT
+    return Check(
+        f"stream {info.name}: sequence",
+        not behind and not near_limit,
+        f"sequence at {allocated}, highest ID used {max_used} (facts "
+        f"{stored}, writer and group positions {max_position})"
+        + (
+            "; BEHIND: the next writer to start repairs it (or `streams doctor --repair`)"
+            if behind
+            else ""
+        )
+        + (
+            f"; NEAR THE BIGINT LIMIT ({2**63 - 1}): appends will fail; no stream gets "
+            "there by appending: a repair moved it to a forged or restored position "
+            "(see the reader groups check)"
+            if near_limit
+            else ""
+        ),
+    )
+
+
+def _writers_check(info: StreamInfo, expired: int) -> Check:
+    return Check(
+        f"stream {info.name}: writers",
+        expired == 0,
+        "no expired lease"
+        if expired == 0
+        else f"{expired} writer(s) with an expired lease not yet retired "
+        "(retired by the next positions call or writer heartbeat; if it stays, a "
+        "transaction of theirs is still open)",
+    )
+
+
 def _stream_checks(
-    conn: psycopg.Connection[Any], info: StreamInfo, stale_after_ms: int, lease_seconds: float
+    conn: psycopg.Connection[Any],
+    info: StreamInfo,
+    health: StreamHealth,
+    held: bool,
+    stale_after_ms: int,
+    lease_seconds: float,
 ) -> list[Check]:
     state = run(conn, sequence_state(info))
     allocated = state.last_value or 0
-    behind = state.repair_target is not None
-    near_limit = allocated >= SEQUENCE_NEAR_LIMIT
     checks = [
-        Check(
-            f"stream {info.name}: sequence",
-            not behind and not near_limit,
-            f"sequence at {allocated}, highest ID used {state.max_used} (facts "
-            f"{state.max_stored}, writer and group positions {state.max_position})"
-            + (
-                "; BEHIND: the next writer to start repairs it (or `streams doctor --repair`)"
-                if behind
-                else ""
-            )
-            + (
-                f"; NEAR THE BIGINT LIMIT ({2**63 - 1}): appends will fail; no stream gets "
-                "there by appending: a repair moved it to a forged or restored position "
-                "(see the reader groups check)"
-                if near_limit
-                else ""
-            ),
+        _sequence_check(
+            info,
+            allocated,
+            state.max_used,
+            state.max_stored,
+            state.max_position,
+            state.repair_target is not None,
         ),
-        _groups_check(conn, info),
+        _groups_check(info, health),
     ]
     declared = ", ".join(str(t) for t in info.fact_tables) or "none"
     if state.missing_tables:
@@ -223,22 +354,20 @@ def _stream_checks(
             "(COLUMN), or on (KEY, COLUMN) when a WHERE says which rows are this stream's)"
         )
     checks.append(Check(f"stream {info.name}: fact tables", True, detail))
-    checks.append(_held_check(conn, info, lease_seconds))
+    if held:
+        checks.append(_held_check(conn, info, lease_seconds))
+    else:  # no session holds it: complete is max allocated, no need to probe
+        checks.append(
+            Check(
+                f"stream {info.name}: linear position",
+                True,
+                f"{health.allocated} (max allocated {health.allocated})",
+            )
+        )
     retention = _retention_check(conn, info, stale_after_ms)
     if retention is not None:
         checks.append(retention)
-    expired = run(conn, expired_writer_count(info))
-    checks.append(
-        Check(
-            f"stream {info.name}: writers",
-            expired == 0,
-            "no expired lease"
-            if expired == 0
-            else f"{expired} writer(s) with an expired lease not yet retired "
-            "(retired by the next positions call or writer heartbeat; if it stays, a "
-            "transaction of theirs is still open)",
-        )
-    )
+    checks.append(_writers_check(info, health.expired_writers))
     return checks
 
 
@@ -271,13 +400,14 @@ def _roles_check(conn: psycopg.Connection[Any]) -> Check:
     return Check("roles", False, "; ".join(report.lines()) + " (`streams roles check`)")
 
 
-def _groups_check(conn: psycopg.Connection[Any], info: StreamInfo) -> Check:
+def _groups_check(info: StreamInfo, health: StreamHealth) -> Check:
     """Reader groups committed beyond the stream's max allocated ID: no reader reaches such a
     position by itself (commits refuse it: `streams.errors.InvalidPosition`), so the row was
     written by hand or by a role that may write ``streams_reader_groups``, or a restore set
     the sequence back. The group skips every fact up to it, and sequence repair would move the
     sequence there."""
-    allocated, beyond = run(conn, groups_beyond(info))
+    allocated = health.allocated
+    beyond = [(group, position) for group, position in health.groups if position > allocated]
     name = f"stream {info.name}: reader groups"
     if not beyond:
         return Check(name, True, f"none beyond max allocated ({allocated})")

@@ -17,10 +17,11 @@ from typing import Any
 
 import click
 
-from ..cli_params import DURATION, GROUP_NAME, STREAM_NAME, common_options
+from ..cli_params import DURATION, GROUP_NAME, MAX_ID, STREAM_NAME, common_options
 from ..client import connect
 from ..core.staleness import STALE_AFTER_MS
 from .render import Table, age, print_tables
+from .view_options import LIKE_PATTERN
 
 __all__ = ["groups"]
 
@@ -46,12 +47,29 @@ def groups() -> None:
     show_default=True, help=_STALE_AFTER_HELP,
 )  # fmt: skip
 @click.option("--stale", "only_stale", is_flag=True, help="Only the stale groups.")
+@click.option(
+    "--like",
+    type=LIKE_PATTERN,
+    metavar="PATTERN",
+    help="Only streams whose name matches this SQL LIKE pattern ('%' any text).",
+)
+@click.option("--limit", type=click.IntRange(1, MAX_ID), help="Show the first N groups only.")
+@click.option(
+    "--sort",
+    type=click.Choice(["name", "lag"]),
+    default="name",
+    show_default=True,
+    help="By stream and group name, or by lag (the largest first).",
+)
 @click.option("--json", "as_json", is_flag=True)
 @common_options
 def groups_list(
     streams: tuple[str, ...],
     stale_after: int,
     only_stale: bool,
+    like: str | None,
+    limit: int | None,
+    sort: str,
     as_json: bool,
     database_url: str | None,
     redis_url: str | None,
@@ -59,15 +77,20 @@ def groups_list(
 ) -> None:
     """Every reader group of the STREAMS (default: all) with its position, lag, time since its
     last commit, and whether it holds retention back or is stale; its consumer's generation,
-    how long ago that consumer took the group, and who it is."""
+    how long ago that consumer took the group, and who it is (every stream's at once)."""
+    if streams and like is not None:
+        raise click.UsageError("give STREAMS or --like, not both")
     with connect(database_url, redis_url, prefix) as client:
-        names = list(streams) or [s.name for s in client.streams()]
-        rows = [
-            {"stream": name, **g.as_dict()}
-            for name in names
-            for g in client.groups(name, stale_after_ms=stale_after)
-            if g.stale or not only_stale
-        ]
+        if streams:
+            found = [g for name in streams for g in client.groups(name, stale_after_ms=stale_after)]
+        else:
+            view = client.overview(like, stale_after_ms=stale_after, grouped=True)
+            found = [g for s in view.streams for g in s.positions.groups]
+    rows = [{"stream": g.stream, **g.as_dict()} for g in found if g.stale or not only_stale]
+    if sort == "lag":
+        rows.sort(key=lambda r: (-r["lag"], r["stream"], r["group"]))
+    matched = len(rows)
+    rows = rows[:limit]
     if as_json:
         click.echo(json.dumps(rows, sort_keys=True, separators=(",", ":")))
         return
@@ -86,6 +109,8 @@ def groups_list(
              age(row["taken_age_ms"]) if held else "-", row["owner"] or "-", state]
         )  # fmt: skip
     print_tables([table], sys.stdout, terminal=sys.stdout.isatty())
+    if len(rows) < matched:
+        click.echo(f"(first {len(rows)} of {matched} groups shown: --limit)")
 
 
 @groups.command(name="delete")

@@ -14,18 +14,37 @@ import click
 from ..cli_params import DURATION, MAX_ID, STREAM_NAME, FiniteFloat, common_options
 from ..client import Client
 from ..core.staleness import STALE_AFTER_MS
+from ..store.overview import Sort
 from ..types import StreamPositions
 from .render import Table, positions_tables, print_tables, render_plain, rich_renderable
 from .shared import STALE_AFTER, emit, open_client, stdout_is_terminal
+from .view_options import truncation_note, view_options
 
 __all__ = ["positions", "writers", "writers_prune"]
 
 
+#: ``--like``, ``--limit`` and ``--sort`` of a listing.
+_View = tuple[str | None, int | None, Sort]
+
+
 def _read_positions(
-    client: Client, streams: tuple[str, ...], stale_after_ms: int = STALE_AFTER_MS
-) -> list[StreamPositions]:
-    names = list(streams) or [s.name for s in client.streams()]
-    return [client.positions(name, stale_after_ms=stale_after_ms) for name in names]
+    client: Client,
+    streams: tuple[str, ...],
+    stale_after_ms: int = STALE_AFTER_MS,
+    view: _View = (None, None, "name"),
+) -> tuple[list[StreamPositions], str | None]:
+    """The positions of STREAMS (each asked for), or of every stream --like selects at once
+    (`Client.overview`); and the note saying --limit cut the list short, if it did."""
+    like, limit, sort = view
+    if not streams:
+        found = client.overview(like, limit=limit, sort=sort, stale_after_ms=stale_after_ms)
+        return [s.positions for s in found.streams], truncation_note(found)
+    items = [client.positions(name, stale_after_ms=stale_after_ms) for name in streams]
+    if sort == "lag":
+        items.sort(key=lambda p: (-max((g.lag for g in p.groups), default=0), p.stream))
+    if limit is not None and len(items) > limit:
+        return items[:limit], f"(first {limit} of {len(items)} streams shown: --limit)"
+    return items, None
 
 
 @click.command()
@@ -40,6 +59,7 @@ def _read_positions(
     help="No database: ask every deployment on the channel (REPLICATE) for its positions.",
 )
 @STALE_AFTER
+@view_options
 @click.option("--json", "as_json", is_flag=True)
 @common_options
 def positions(
@@ -50,6 +70,9 @@ def positions(
     show_all: bool,
     from_redis: bool,
     stale_after: int,
+    like: str | None,
+    limit: int | None,
+    sort: Sort,
     as_json: bool,
     database_url: str | None,
     redis_url: str | None,
@@ -58,13 +81,17 @@ def positions(
     """Linear position, max allocated, scratchpad and its oldest pending ID; each writer's
     position, pending IDs, state and heartbeat; each reader group's (and Spark query's) position,
     lag and time since its last commit, stale when that passes --stale-after while it holds
-    retention back (all streams by default; retired writers folded unless --all)."""
+    retention back (all streams by default, or those --like selects, read at once; retired
+    writers folded unless --all)."""
+    if streams and like is not None:
+        raise click.UsageError("give STREAMS or --like, not both")
+    view: _View = (like, limit, sort)
     if from_redis:
         _positions_from_redis(streams, redis_url, prefix, as_json)
         return
     with open_client(database_url, redis_url, prefix) as client:
         if not watch:
-            items = _read_positions(client, streams, stale_after)
+            items, note = _read_positions(client, streams, stale_after, view)
             if as_json:
                 data = [p.as_dict(retired=show_all) for p in items]
                 click.echo(json.dumps(data, sort_keys=True, separators=(",", ":")))
@@ -72,8 +99,10 @@ def positions(
                 print_tables(
                     positions_tables(items, show_all), sys.stdout, terminal=stdout_is_terminal()
                 )
+                if note:
+                    click.echo(note)
             return
-        _watch_positions(client, streams, show_all, interval, count, as_json, stale_after)
+        _watch_positions(client, streams, show_all, interval, count, as_json, stale_after, view)
 
 
 def _watch_positions(
@@ -84,6 +113,7 @@ def _watch_positions(
     count: int | None,
     as_json: bool,
     stale_after_ms: int,
+    view: _View,
 ) -> None:
     rates: dict[str, list[float]] = {}
     previous: dict[str, tuple[float, int]] = {}
@@ -97,7 +127,7 @@ def _watch_positions(
     try:
         while True:
             now = time.monotonic()
-            items = _read_positions(client, streams, stale_after_ms)
+            items, _ = _read_positions(client, streams, stale_after_ms, view)
             for p in items:
                 if p.stream in previous:
                     then, linear = previous[p.stream]

@@ -4,23 +4,38 @@ and their settings, and applying their retention.
 
 from __future__ import annotations
 
+import json
+import re
+import sys
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import IO, Any
 
 import click
 
 from ..cli_params import MAX_DURATION_MS, RETENTION, STREAM_NAME, Duration, common_options
+from ..config import validate_stream_name
 from ..core.timestamps import TimestampMode
+from ..store.overview import Sort
 from ..store.retention import PRUNE_BATCH
+from ..types import StreamSpec
 from .render import format_duration_ms
 from .shared import emit, open_client
+from .view_options import LIKE_PATTERN, truncation_note, view_options
 
-__all__ = ["create", "key_window", "list_", "prune_", "retention", "tables"]
+__all__ = ["create", "drop", "key_window", "list_", "prune_", "retention", "tables"]
 
 
 @click.command()
-@click.argument("name", type=STREAM_NAME)
+@click.argument("name", type=STREAM_NAME, required=False)
+@click.option(
+    "--from-file",
+    "from_file",
+    type=click.File("r"),
+    help="Create every stream of FILE ('-': stdin): one name per line, or JSON lines or a JSON "
+    "array of objects with 'name' and any of timestamping, uncapped, retention_ms, "
+    "fact_tables, key_window_ms.",
+)
 @click.option(
     "--timestamping",
     type=click.Choice([m.value for m in TimestampMode]),
@@ -53,7 +68,8 @@ __all__ = ["create", "key_window", "list_", "prune_", "retention", "tables"]
 @click.option("--json", "as_json", is_flag=True)
 @common_options
 def create(
-    name: str,
+    name: str | None,
+    from_file: IO[str] | None,
     timestamping: str,
     uncapped: bool,
     retention_ms: int | None,
@@ -64,17 +80,128 @@ def create(
     redis_url: str | None,
     prefix: str | None,
 ) -> None:
-    """Create a stream (idempotent when the settings match)."""
-    with open_client(database_url, redis_url, prefix) as client:
-        info = client.create_stream(
-            name,
-            timestamping=timestamping,
-            uncapped=uncapped,
-            retention_ms=retention_ms,
-            fact_tables=list(tables) if tables else None,
-            key_window_ms=key_window_ms,
+    """Create stream NAME (idempotent when the settings match), or every stream of
+    --from-file at once."""
+    if (name is None) == (from_file is None):
+        raise click.UsageError("give a stream NAME or --from-file FILE (one of them)")
+    if from_file is not None:
+        specs = read_specs(from_file)
+        with open_client(database_url, redis_url, prefix) as client:
+            made = client.create_streams(specs)
+        result = {
+            "created": [c.info.name for c in made if c.new],
+            "existed": [c.info.name for c in made if not c.new],
+        }
+        emit(
+            result,
+            as_json,
+            lambda d: iter(
+                [f"created {len(d['created'])} stream(s); {len(d['existed'])} existed already"]
+            ),
         )
-    emit(info.as_dict(), as_json, _stream_text)
+        return
+    assert name is not None
+    spec = StreamSpec(
+        name,
+        timestamping=timestamping,
+        uncapped=uncapped,
+        retention_ms=retention_ms,
+        fact_tables=list(tables) if tables else None,
+        key_window_ms=key_window_ms,
+    )
+    with open_client(database_url, redis_url, prefix) as client:
+        (one,) = client.create_streams([spec])
+    emit({**one.info.as_dict(), "created": one.new}, as_json, _stream_text)
+
+
+def read_specs(source: IO[str]) -> list[StreamSpec]:
+    """The streams of a `streams create --from-file` FILE: a JSON array, or lines each a name
+    or a JSON object (blank lines and ``#`` comments skipped)."""
+    text = source.read()
+    try:
+        if text.lstrip().startswith("["):
+            items: list[object] = json.loads(text)
+            if not isinstance(items, list):
+                raise ValueError("not a JSON array")
+        else:
+            items = [
+                json.loads(line) if line.startswith("{") else line
+                for line in (raw.strip() for raw in text.splitlines())
+                if line and not line.startswith("#")
+            ]
+        specs = [StreamSpec.parse(item) for item in items]
+    except ValueError as exc:  # json.JSONDecodeError is one
+        raise click.BadParameter(str(exc), param_hint="--from-file") from None
+    for spec in specs:
+        validate_stream_name(spec.name)
+    return specs
+
+
+@click.command()
+@click.argument("names", nargs=-1, type=STREAM_NAME)
+@click.option(
+    "--like",
+    type=LIKE_PATTERN,
+    metavar="PATTERN",
+    help="Also every stream whose name matches this SQL LIKE pattern.",
+)
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation (for scripts).")
+@click.option("--json", "as_json", is_flag=True)
+@common_options
+def drop(
+    names: tuple[str, ...],
+    like: str | None,
+    yes: bool,
+    as_json: bool,
+    database_url: str | None,
+    redis_url: str | None,
+    prefix: str | None,
+) -> None:
+    """Drop streams NAMES (and those --like matches): their facts, writers, reader groups and
+    idempotency keys, for good. Asks first on a terminal; scripts pass --yes."""
+    if not names and like is None:
+        raise click.UsageError("give stream NAMES or --like PATTERN")
+    with open_client(database_url, redis_url, prefix) as client:
+        known = [s.name for s in client.streams()]  # one statement, whatever their number
+        targets = list(dict.fromkeys(names))
+        if like is not None:
+            matches = like_matcher(like)
+            targets = list(dict.fromkeys([*targets, *(n for n in known if matches(n))]))
+        if not yes and set(targets) & set(known):
+            if not sys.stdin.isatty():
+                raise click.UsageError(
+                    f"dropping {len(targets)} stream(s) needs confirming: pass --yes "
+                    "(no terminal to ask on)"
+                )
+            shown = ", ".join(targets[:10]) + (" ..." if len(targets) > 10 else "")
+            click.confirm(f"Drop {len(targets)} stream(s): {shown}?", abort=True, err=True)
+        dropped = client.drop_streams(targets)
+    missing = [n for n in targets if n not in set(dropped)]
+    emit(
+        {"dropped": dropped, "missing": missing},
+        as_json,
+        lambda d: iter(
+            [f"dropped {len(d['dropped'])} stream(s)"]
+            + ([f"no such stream: {', '.join(d['missing'])}"] if d["missing"] else [])
+        ),
+    )
+
+
+def like_matcher(pattern: str) -> Callable[[str], bool]:
+    """SQL ``LIKE`` of ``pattern`` (``%``, ``_``, ``\\`` escaping either) on a name."""
+    parts = []
+    chars = iter(pattern)
+    for c in chars:
+        if c == "\\":
+            parts.append(re.escape(next(chars, "\\")))
+        elif c == "%":
+            parts.append(".*")
+        elif c == "_":
+            parts.append(".")
+        else:
+            parts.append(re.escape(c))
+    regex = re.compile("".join(parts), re.DOTALL)
+    return lambda name: regex.fullmatch(name) is not None
 
 
 def _stream_text(d: dict[str, Any]) -> Iterator[str]:
@@ -85,6 +212,7 @@ def _stream_text(d: dict[str, Any]) -> Iterator[str]:
         f"{' uncapped' if d['uncapped'] else ''}, retention {retention}, "
         f"key window {format_duration_ms(d['key_window_ms'])}, "
         f"fact tables besides streams_facts: {tables}"
+        + ("" if d.get("created", True) else " (exists already)")
     )
 
 
@@ -223,30 +351,47 @@ def _prune_text(d: dict[str, Any]) -> Iterator[str]:
 
 
 @click.command(name="list")
+@view_options
 @click.option("--json", "as_json", is_flag=True)
 @common_options
 def list_(
-    as_json: bool, database_url: str | None, redis_url: str | None, prefix: str | None
+    like: str | None,
+    limit: int | None,
+    sort: Sort,
+    as_json: bool,
+    database_url: str | None,
+    redis_url: str | None,
+    prefix: str | None,
 ) -> None:
-    """List streams with their linear position and max allocated ID."""
+    """List streams with their linear position, max allocated ID, live writers, reader groups
+    and their largest lag (all streams at once, whatever their number)."""
     with open_client(database_url, redis_url, prefix) as client:
-        data = []
-        for info in client.streams():
-            positions = client.positions(info.name)
-            data.append(
-                {
-                    **info.as_dict(),
-                    "linear": positions.linear,
-                    "max_allocated": positions.max_allocated,
-                }
-            )
+        found = client.overview(like, limit=limit, sort=sort)
+    data = [
+        {
+            **s.info.as_dict(),
+            "linear": s.positions.linear,
+            "max_allocated": s.positions.max_allocated,
+            "writers": s.live_writers,
+            "groups": len(s.positions.groups),
+            "lag": s.lag,
+        }
+        for s in found.streams
+    ]
 
     def text(rows: list[dict[str, Any]]) -> Iterator[str]:
-        yield f"{'STREAM':<24} {'LINEAR':>12} {'MAX ALLOC':>12}  TIMESTAMPING"
+        yield (
+            f"{'STREAM':<24} {'LINEAR':>12} {'MAX ALLOC':>12} {'WRITERS':>7} {'GROUPS':>6} "
+            f"{'LAG':>10}  TIMESTAMPING"
+        )
         for r in rows:
             yield (
-                f"{r['name']:<24} {r['linear']:>12} {r['max_allocated']:>12}  "
+                f"{r['name']:<24} {r['linear']:>12} {r['max_allocated']:>12} {r['writers']:>7} "
+                f"{r['groups']:>6} {r['lag']:>10}  "
                 f"{r['timestamping']}{' uncapped' if r['uncapped'] else ''}"
             )
+        note = truncation_note(found)
+        if note:
+            yield note
 
     emit(data, as_json, text)

@@ -123,25 +123,49 @@ class FailoverStream:
     groups_beyond: tuple[tuple[str, int], ...]
 
 
+#: Streams per transaction of `failover_report`: each locks its streams' partitions, primary
+#: keys and sequences until it ends, and the lock table is shared by the whole server (about
+#: 6,400 locks at PostgreSQL's defaults; one statement over 10^4 partitions overflows it).
+REPORT_CHUNK = 500
+
+
 def failover_report() -> Gen[list[FailoverStream]]:
-    """Every stream's sequence, highest fact and the group rows beyond its sequence."""
-    rows = yield Query(
-        """
-        SELECT r.name, s.value,
-               COALESCE((SELECT max(f.stream_id) FROM streams_facts f WHERE f.stream = r.id), 0),
-               ARRAY(SELECT g.group_name || '=' || g.position FROM streams_reader_groups g
-                     WHERE g.stream = r.id AND g.position > s.value ORDER BY g.group_name)
-        FROM streams_registry r
-        CROSS JOIN LATERAL (SELECT COALESCE(pg_sequence_last_value(r.sequence_name::regclass),
-                                            0) AS value) s
-        ORDER BY r.name
-        """
+    """Every stream's sequence, highest fact and the group rows beyond its sequence, in
+    transactions of `REPORT_CHUNK` streams (each reads its streams' partitions by name)."""
+    registry = yield Query(
+        "SELECT id, name, sequence_name FROM streams_registry "
+        "WHERE to_regclass('streams_facts_' || id) IS NOT NULL ORDER BY name"
     )
     yield Commit()
     found = []
-    for name, sequence, max_fact, groups in rows:
-        beyond = tuple((g.rsplit("=", 1)[0], int(g.rsplit("=", 1)[1])) for g in groups or ())
-        found.append(FailoverStream(str(name), int(sequence), int(max_fact), beyond))
+    for start in range(0, len(registry), REPORT_CHUNK):
+        chunk = registry[start : start + REPORT_CHUNK]
+        maxima = sql.SQL(" UNION ALL ").join(
+            sql.SQL("SELECT {key}::int, (SELECT max(stream_id) FROM {facts})").format(
+                key=sql.Literal(int(key)), facts=sql.Identifier(facts_partition(int(key)))
+            )
+            for key, _, _ in chunk
+        )
+        rows = yield Query(
+            sql.SQL(
+                """
+                SELECT r.name, s.value, COALESCE(m.top, 0),
+                       ARRAY(SELECT g.group_name || '=' || g.position
+                             FROM streams_reader_groups g
+                             WHERE g.stream = r.id AND g.position > s.value
+                             ORDER BY g.group_name)
+                FROM ({maxima}) AS m(id, top)
+                JOIN streams_registry r ON r.id = m.id
+                CROSS JOIN LATERAL (SELECT COALESCE(
+                    pg_sequence_last_value(r.sequence_name::regclass), 0) AS value) s
+                ORDER BY r.name
+                """
+            ).format(maxima=maxima)
+        )
+        yield Commit()
+        for name, sequence, max_fact, groups in rows:
+            beyond = tuple((g.rsplit("=", 1)[0], int(g.rsplit("=", 1)[1])) for g in groups or ())
+            found.append(FailoverStream(str(name), int(sequence), int(max_fact), beyond))
     return found
 
 

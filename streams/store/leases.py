@@ -25,6 +25,7 @@ from ..errors import StoreError
 from ..types import FactTable, StreamInfo
 from ._common import MAY_END_SESSION
 from .driver import Commit, Gen, Query
+from .rows import partition_sql
 
 
 def max_allocated_sql(info: StreamInfo) -> sql.Composed:
@@ -97,7 +98,9 @@ def sequence_state(info: StreamInfo, *, commit: bool = True) -> Gen[SequenceStat
     present, missing = yield from _existing_fact_tables(info)
     params = _filter_params(present, {"stream": info.id})
     maxima = [
-        sql.SQL("(SELECT max(stream_id) FROM streams_facts WHERE stream = %(stream)s)"),
+        sql.SQL("(SELECT max(stream_id) FROM {} WHERE stream = %(stream)s)").format(
+            sql.SQL(partition_sql(info.id))
+        ),
         *(t.max_sql(f"where_{i}") for i, t in enumerate(present)),
     ]
     rows = yield Query(
@@ -134,7 +137,9 @@ def unseen_ids(info: StreamInfo, window: int) -> Gen[UnseenIds]:
     """Count the most recent ``window`` allocated IDs that no known table holds (`doctor`)."""
     present, _ = yield from _existing_fact_tables(info)
     tables: list[sql.Composable] = [
-        sql.SQL("SELECT stream_id FROM streams_facts WHERE stream = %(stream)s"),
+        sql.SQL("SELECT stream_id FROM {} WHERE stream = %(stream)s").format(
+            sql.SQL(partition_sql(info.id))
+        ),
         *(t.ids_sql(f"where_{i}") for i, t in enumerate(present)),
     ]
     rows = yield Query(

@@ -190,7 +190,7 @@ STREAM_PRIVILEGES: Final[dict[str, tuple[str | None, str]]] = {
     WRITER: (f"SELECT ({_ALL_BUT_PAYLOAD}), INSERT", "SELECT, USAGE"),
     READER: ("SELECT", "SELECT"),
     GROUP_READER: ("SELECT", "SELECT"),
-    DEFINER: (None, "SELECT, UPDATE"),
+    DEFINER: ("SELECT (stream, stream_id)", "SELECT, UPDATE"),
 }
 
 #: The functions of revision 0015 that run with their owner's (``streams_definer``) rights,

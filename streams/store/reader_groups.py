@@ -35,7 +35,7 @@ from .leases import (
     retire_if_allowed,
 )
 from .probe import probe
-from .rows import position_before_time
+from .rows import partition_sql, position_before_time
 
 # --- reader groups ----------------------------------------------------------------------------
 
@@ -289,12 +289,12 @@ def list_groups(
         probes = yield from probe([info])
         linear = probes[info.name].complete
     # The oldest unconsumed fact: the first one above the group's position (a primary-key
-    # lookup), if it is complete.
+    # lookup), if it is complete. In the stream's own partition (`streams.store.rows`).
     rows = yield Query(
         f"""
         SELECT g.group_name, g.position, g.ts_floor, g.updated_at,
-               {NOW_MS_SQL} - (SELECT f.ts FROM streams_facts f
-                                 WHERE f.stream = g.stream AND f.stream_id > g.position
+               {NOW_MS_SQL} - (SELECT f.ts FROM {partition_sql(info.id)} f
+                                 WHERE f.stream = {int(info.id)} AND f.stream_id > g.position
                                    AND f.stream_id <= %(linear)s
                                  ORDER BY f.stream_id LIMIT 1),
                (extract(epoch FROM clock_timestamp() - g.updated_at) * 1000)::bigint,

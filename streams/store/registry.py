@@ -28,12 +28,19 @@ from ..errors import (
     StreamExists,
     UnknownStream,
 )
-from ..types import DEFAULT_KEY_WINDOW_MS, FactTable, StreamInfo
+from ..types import (
+    DEFAULT_KEY_WINDOW_MS,
+    Created,
+    FactTable,
+    FactTableSpec,
+    StreamInfo,
+    StreamSpec,
+)
 from .driver import Autocommit, Commit, Gen, Query
-from .roles import grant_stream, owner_to_create_as
+from .roles import grant_streams, owner_to_create_as
 from .stream_objects import StreamObjects
 
-ALEMBIC_HEAD = "0016_repair_sequence_last"
+ALEMBIC_HEAD = "0017_repair_own_partition"
 
 _STREAM_COLUMNS = (
     "id, name, sequence_name, timestamping, uncapped, retention_ms, fact_tables, key_window_ms"
@@ -87,99 +94,150 @@ def list_streams() -> Gen[list[StreamInfo]]:
     return [_stream_from_row(row) for row in rows]
 
 
+#: Streams one transaction of `create_streams` creates. Every new relation (partition, its
+#: indexes, the sequence) holds a lock until commit, and PostgreSQL's lock table holds
+#: ``max_locks_per_transaction * max_connections`` (6,400 at the defaults) for the whole server:
+#: about 400 streams take 3,200 of them, leaving room for everybody else.
+CREATE_CHUNK = 400
+
+
 def create_stream(
     name: str,
     *,
     timestamping: TimestampMode | str = TimestampMode.CLIENT_PREFER,
     uncapped: bool = False,
     retention_ms: int | None = None,
-    fact_tables: Sequence[object] | None = None,
+    fact_tables: Sequence[FactTableSpec] | None = None,
     exist_ok: bool = True,
     key_window_ms: int | None = None,
 ) -> Gen[StreamInfo]:
     """Create a stream and its sequence (idempotent when the settings match; ``fact_tables``
     None means "whatever is declared", ``key_window_ms`` None "whatever is set", or the
     default of 24 hours for a new stream)."""
-    validate_stream_name(name)
-    mode = TimestampMode(timestamping)
-    if retention_ms is not None and (isinstance(retention_ms, bool) or retention_ms <= 0):
-        raise ValueError("retention_ms must be a positive number of milliseconds or None")
-    if key_window_ms is not None:
-        check_key_window(key_window_ms)
-    tables = None if fact_tables is None else parse_fact_tables(fact_tables)
-    if tables:
-        yield from check_fact_tables(tables)
+    spec = StreamSpec(name, timestamping, uncapped, retention_ms, fact_tables, key_window_ms)
+    created = yield from create_streams([spec], exist_ok=exist_ok)
+    return created[0].info
+
+
+def create_streams(specs: Sequence[StreamSpec], *, exist_ok: bool = True) -> Gen[list[Created]]:
+    """Create these streams in one transaction (all or none), each as `create_stream` would;
+    each with whether it is new (False: it existed with these settings). At most
+    `CREATE_CHUNK` streams: the client splits longer lists."""
+    if len(specs) > CREATE_CHUNK:
+        raise ValueError(f"at most {CREATE_CHUNK} streams per transaction, not {len(specs)}")
+    checked = [_checked(spec) for spec in specs]
+    seen: set[str] = set()
+    for spec, _, _ in checked:
+        if spec.name in seen:
+            raise ValueError(f"stream {spec.name!r} is named twice")
+        seen.add(spec.name)
+    for _, _, tables in checked:
+        if tables:
+            yield from check_fact_tables(tables)
     yield Query("SELECT pg_advisory_xact_lock(hashtext('streams_registry'))")
     rows = yield Query(
-        f"SELECT {_STREAM_COLUMNS} FROM streams_registry WHERE name = %s",
-        (name,),
+        f"SELECT {_STREAM_COLUMNS} FROM streams_registry WHERE name = ANY(%s)",
+        ([spec.name for spec in specs],),
     )
-    if rows:
-        existing = _stream_from_row(rows[0])
-        wanted = (mode, uncapped, retention_ms)
-        if (
+    existing = {str(row[1]): _stream_from_row(row) for row in rows}
+    for spec, mode, tables in checked:
+        found = existing.get(spec.name)
+        if found is not None and (
             not exist_ok
-            or (existing.timestamping, existing.uncapped, existing.retention_ms) != wanted
-            or (tables is not None and existing.fact_tables != tables)
-            or (key_window_ms is not None and existing.key_window_ms != key_window_ms)
+            or (found.timestamping, found.uncapped, found.retention_ms)
+            != (mode, spec.uncapped, spec.retention_ms)
+            or (tables is not None and found.fact_tables != tables)
+            or (spec.key_window_ms is not None and found.key_window_ms != spec.key_window_ms)
         ):
-            raise StreamExists(f"stream {name!r} exists already with settings {existing.as_dict()}")
-        yield Commit()
-        return existing
-    # The stream's objects belong to the owner of streams_facts (under the role model,
-    # streams_admin: any admin may drop what another created), and its partition and sequence
-    # are granted to the model's roles (`streams.store.roles`, "new streams").
-    owner = yield from owner_to_create_as()
-    if owner is not None:
-        yield Query(sql.SQL("SET LOCAL ROLE {}").format(sql.Identifier(owner)))
-    rows = yield Query("SELECT nextval(pg_get_serial_sequence('streams_registry', 'id'))")
-    stream_key = int(rows[0][0])
-    rows = yield Query(
-        f"""
-        INSERT INTO streams_registry
-            (id, name, sequence_name, timestamping, uncapped, retention_ms, fact_tables,
-             key_window_ms)
-        OVERRIDING SYSTEM VALUE
-        VALUES (%s, %s, %s, %s, %s, %s, %s, %s)
-        RETURNING {_STREAM_COLUMNS}
-        """,
-        (
-            stream_key,
-            name,
-            f"streams_seq_{stream_key}",
-            str(mode),
-            uncapped,
-            retention_ms,
-            Jsonb([t.as_json() for t in tables or ()]),
-            DEFAULT_KEY_WINDOW_MS if key_window_ms is None else key_window_ms,
-        ),
-    )
-    info = _stream_from_row(rows[0])
-    # Synapse's pitfall: a fresh sequence's START value is not "allocated" until nextval is
-    # called (pg_sequence_last_value() is NULL until then), so nothing may assume ID 1 exists.
-    yield Query(
-        sql.SQL("CREATE SEQUENCE {} AS bigint MINVALUE 1 START WITH 1 NO CYCLE").format(
-            info.sequence
+            raise StreamExists(
+                f"stream {spec.name!r} exists already with settings {found.as_dict()}"
+            )
+    fresh = [c for c in checked if c[0].name not in existing]
+    made: dict[str, StreamInfo] = {}
+    if fresh:
+        # The stream's objects belong to the owner of streams_facts (under the role model,
+        # streams_admin: any admin may drop what another created), and its partition and
+        # sequence are granted to the model's roles (`streams.store.roles`, "new streams").
+        owner = yield from owner_to_create_as()
+        if owner is not None:
+            yield Query(sql.SQL("SET LOCAL ROLE {}").format(sql.Identifier(owner)))
+        rows = yield Query(
+            "SELECT nextval(pg_get_serial_sequence('streams_registry', 'id')) "
+            "FROM generate_series(1, %s)",
+            (len(fresh),),
         )
-    )
-    # The stream's own partition of streams_facts (revision 0006: appends at the right edge of
-    # its own indexes). Created apart and attached: ATTACH takes SHARE UPDATE EXCLUSIVE on
-    # streams_facts, so other streams' appends and reads go on; CREATE ... PARTITION OF would
-    # take ACCESS EXCLUSIVE and queue every one of them behind any open transaction.
-    partition = sql.Identifier(facts_partition(stream_key))
-    yield Query(
-        sql.SQL(
-            "CREATE TABLE {} (LIKE streams_facts INCLUDING DEFAULTS INCLUDING CONSTRAINTS)"
-        ).format(partition)
-    )
-    yield Query(
-        sql.SQL("ALTER TABLE streams_facts ATTACH PARTITION {} FOR VALUES IN ({})").format(
-            partition, sql.Literal(stream_key)
+        keys = sorted(int(row[0]) for row in rows)
+        rows = yield Query(
+            f"""
+            INSERT INTO streams_registry
+                (id, name, sequence_name, timestamping, uncapped, retention_ms, fact_tables,
+                 key_window_ms)
+            OVERRIDING SYSTEM VALUE
+            SELECT * FROM unnest(%s::bigint[], %s::text[], %s::text[], %s::text[], %s::bool[],
+                                 %s::bigint[], %s::jsonb[], %s::bigint[])
+            RETURNING {_STREAM_COLUMNS}
+            """,
+            (
+                keys,
+                [spec.name for spec, _, _ in fresh],
+                [f"streams_seq_{key}" for key in keys],
+                [str(mode) for _, mode, _ in fresh],
+                [spec.uncapped for spec, _, _ in fresh],
+                [spec.retention_ms for spec, _, _ in fresh],
+                [Jsonb([t.as_json() for t in tables or ()]) for _, _, tables in fresh],
+                [
+                    DEFAULT_KEY_WINDOW_MS if spec.key_window_ms is None else spec.key_window_ms
+                    for spec, _, _ in fresh
+                ],
+            ),
         )
-    )
-    yield from grant_stream(StreamObjects.of(stream_key, name, info.sequence_name))
+        infos = sorted((_stream_from_row(row) for row in rows), key=lambda i: i.id)
+        # Synapse's pitfall: a fresh sequence's START value is not "allocated" until nextval is
+        # called (pg_sequence_last_value() is NULL until then), so nothing may assume ID 1
+        # exists. The stream's own partition of streams_facts (revision 0006: appends at the
+        # right edge of its own indexes) is created apart and attached: ATTACH takes SHARE
+        # UPDATE EXCLUSIVE on streams_facts, so other streams' appends and reads go on;
+        # CREATE ... PARTITION OF would take ACCESS EXCLUSIVE and queue every one of them
+        # behind any open transaction. One round trip for all of a chunk's DDL.
+        statements = []
+        for info in infos:
+            partition = sql.Identifier(facts_partition(info.id))
+            statements += [
+                sql.SQL("CREATE SEQUENCE {} AS bigint MINVALUE 1 START WITH 1 NO CYCLE").format(
+                    info.sequence
+                ),
+                sql.SQL(
+                    "CREATE TABLE {} (LIKE streams_facts INCLUDING DEFAULTS INCLUDING CONSTRAINTS)"
+                ).format(partition),
+                sql.SQL("ALTER TABLE streams_facts ATTACH PARTITION {} FOR VALUES IN ({})").format(
+                    partition, sql.Literal(info.id)
+                ),
+            ]
+        yield Query(sql.SQL("; ").join(statements))
+        yield from grant_streams(
+            [StreamObjects.of(info.id, info.name, info.sequence_name) for info in infos]
+        )
+        made = {info.name: info for info in infos}
     yield Commit()
-    return info
+    return [
+        Created(made[spec.name], True) if spec.name in made else Created(existing[spec.name], False)
+        for spec in specs
+    ]
+
+
+def _checked(
+    spec: StreamSpec,
+) -> tuple[StreamSpec, TimestampMode, tuple[FactTable, ...] | None]:
+    validate_stream_name(spec.name)
+    mode = TimestampMode(spec.timestamping)
+    if spec.retention_ms is not None and (
+        isinstance(spec.retention_ms, bool) or spec.retention_ms <= 0
+    ):
+        raise ValueError("retention_ms must be a positive number of milliseconds or None")
+    if spec.key_window_ms is not None:
+        check_key_window(spec.key_window_ms)
+    tables = None if spec.fact_tables is None else parse_fact_tables(spec.fact_tables)
+    return spec, mode, tables
 
 
 def drop_stream(name: str) -> Gen[bool]:

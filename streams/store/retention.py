@@ -93,7 +93,7 @@ def prune_step(info: StreamInfo, target: int, batch: int = PRUNE_BATCH) -> Gen[t
                      (SELECT min(position) FROM streams_reader_groups
                       WHERE stream = %(stream)s AND position >= %(old)s),
                      (SELECT stream_id FROM streams_facts
-                      WHERE stream = %(stream)s AND stream_id > %(old)s
+                      WHERE stream = {int(info.id)} AND stream_id > %(old)s
                       ORDER BY {KEY_ORDER} OFFSET %(batch)s LIMIT 1))
         """,
         {"stream": info.id, "old": old, "target": target, "batch": batch},
@@ -102,11 +102,13 @@ def prune_step(info: StreamInfo, target: int, batch: int = PRUNE_BATCH) -> Gen[t
     deleted = 0
     if new > old:
         yield Query("UPDATE streams_registry SET pruned_through = %s WHERE id = %s", (new, info.id))
+        # Through the parent (an operator may delete there, not in a partition by name), the
+        # stream a literal: the plan locks its partition only.
         rows = yield Query(
-            "WITH d AS (DELETE FROM streams_facts "
-            "WHERE stream = %s AND stream_id > %s AND stream_id <= %s RETURNING 1) "
+            f"WITH d AS (DELETE FROM streams_facts WHERE stream = {int(info.id)} "
+            "AND stream_id > %s AND stream_id <= %s RETURNING 1) "
             "SELECT count(*) FROM d",
-            (info.id, old, new),
+            (old, new),
         )
         deleted = int(rows[0][0])
     yield Commit()

@@ -10,7 +10,7 @@ again (a revision may add a table).
 
 New streams (how their objects are covered): `streams.store.registry.create_stream` creates a
 stream's sequence and partition as the owner of ``streams_facts`` (``SET LOCAL ROLE`` when the
-session is a member of it, as every admin is) and then runs `grant_stream`, which grants them
+session is a member of it, as every admin is) and then runs `grant_streams`, which grants them
 to the roles of the model that exist (and the sequence to the definer). Explicit grants
 rather than ``ALTER DEFAULT PRIVILEGES``: default privileges belong to the role that creates an
 object, and would silently not apply to a stream created by anyone else. A role granted some
@@ -60,7 +60,7 @@ from .stream_objects import StreamObjects, stream_objects
 __all__ = [
     "create_roles",
     "grant_scoped",
-    "grant_stream",
+    "grant_streams",
     "oid_sql",
     "owner_to_create_as",
     "revoke_scoped",
@@ -515,10 +515,10 @@ def model_in_use() -> Gen[bool]:
     return bool(rows and rows[0][0])
 
 
-def grant_stream(objects: StreamObjects) -> Gen[None]:
-    """Grant a new stream's partition and sequence to the roles of the model that exist, in
-    the caller's transaction, which created them (`streams.store.registry.create_stream`: their
-    owner may grant on them). The model's roles only where the model is in use
+def grant_streams(objects: Sequence[StreamObjects]) -> Gen[None]:
+    """Grant new streams' partitions and sequences to the roles of the model that exist, in
+    the caller's transaction, which created them (`streams.store.registry.create_streams`:
+    their owner may grant on them). The model's roles only where the model is in use
     (`model_in_use`: the roles are the cluster's, and another database's roles say nothing
     about this one); the definer wherever it exists (it moves sequences forward)."""
     in_use = yield from model_in_use()
@@ -528,7 +528,7 @@ def grant_stream(objects: StreamObjects) -> Gen[None]:
     )
     for (role,) in rows:
         if in_use or role == DEFINER:
-            yield from _grant_streams(str(role), [objects], str(role))
+            yield from _grant_streams(str(role), objects, str(role))
 
 
 def scoped_grantees() -> Gen[dict[str, list[str]]]:

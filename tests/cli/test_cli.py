@@ -131,9 +131,7 @@ def read(url: str, name: str, *options: str) -> list[dict[str, Any]]:
 def test_migrate_is_idempotent_and_redacts_the_url(fresh_url: str) -> None:
     outputs = [ok(cli(fresh_url, "migrate")) for _ in range(2)]
     for out in outputs:
-        assert (
-            out.strip() == f"{redact_url(fresh_url)}: schema at 0016_repair_sequence_last"
-        )
+        assert out.strip() == f"{redact_url(fresh_url)}: schema at 0017_repair_own_partition"
     password = urlsplit(fresh_url).password
     if password:
         assert password not in "".join(outputs)
@@ -163,9 +161,11 @@ def test_create_json_prints_the_settings(streams_url: str, unique_name: str) -> 
         "retention_ms": None,
         "fact_tables": [],
         "key_window_ms": 86_400_000,
+        "created": True,
     }
-    # Idempotent when the settings match.
-    assert create(streams_url, unique_name)["name"] == unique_name
+    # Idempotent when the settings match; it says the stream existed.
+    again = create(streams_url, unique_name)
+    assert again["name"] == unique_name and again["created"] is False
 
 
 def test_create_bad_name_is_one_line_error(streams_url: str) -> None:
@@ -199,9 +199,9 @@ def test_create_options_are_honoured(streams_url: str, unique_name: str) -> None
         "fact_tables": [],
         "key_window_ms": 90 * 60_000,
     }
-    assert info == expected
+    assert info == {**expected, "created": True}
     row = listed(streams_url)[unique_name]
-    assert row == {**expected, "linear": 0, "max_allocated": 0}
+    assert row == {**expected, "linear": 0, "max_allocated": 0, "writers": 0, "groups": 0, "lag": 0}
 
 
 def test_create_rejects_unknown_timestamping(streams_url: str, unique_name: str) -> None:
@@ -224,7 +224,7 @@ def test_list_json_is_one_document(streams_url: str, unique_name: str) -> None:
     } | {
         "linear",
         "max_allocated",
-    }
+    } | {"writers", "groups", "lag"}  # issue 40: new keys only
     text = ok(cli(streams_url, "list"))
     assert unique_name in text
 

@@ -80,6 +80,8 @@ def _valid_args(path: tuple[str, ...]) -> list[str]:
             args.append("billing")  # `incarnation accept`: groups, or --all
         elif isinstance(p, click.Argument) and p.required:
             args.append(STREAM)
+        elif isinstance(p, click.Argument) and path in (("create",), ("drop",)):
+            args.append(STREAM)  # NAME or --from-file; NAMES or --like (no --yes: kept)
     if path in (("roles", "grant"), ("roles", "revoke")):
         args += ["--stream", STREAM]  # one of --stream and --group is needed
     return args
@@ -110,6 +112,11 @@ _BY_NAME: dict[str, list[str]] = {
     "name": [*_NAMES, "nosuch_stream_zz"],
     "stream": [*_NAMES, "nosuch_stream_zz"],
     "streams": [*_NAMES, "nosuch_stream_zz"],
+    "names": [*_NAMES, "nosuch_stream_zz"],
+    # An SQL LIKE pattern: NUL, or ending in its escape character.
+    "like": ["a\x00b", "abc\\", "%\\", ""],
+    "counts": ["", "x", "0", "10,abc", "1000000", "-5"],
+    "from_file": ["/nonexistent_zz/streams.txt", ".", ""],
     "instance": ["", "bad name", "x" * 200, "-x", "a\x00"],
     "group": ["", "x" * 201, "a\x00b", "tab\there"],
     "role": ["", "x" * 64, "a\x00b", "pg_signal_backend", "streams_writer", "no_such_role_zz"],

@@ -142,6 +142,14 @@ def _type(value: Any, names: Names) -> str:
     return type(value).__name__
 
 
+def _overview_positions(found: Any, names: Names) -> Any:
+    return [s.positions for s in found.streams], found.matched  # not total: the shared database
+
+
+def _created(created: Any, names: Names) -> Any:
+    return [(c.info.name, c.new) for c in created]
+
+
 def _arrow_rows(table: Any, names: Names) -> Any:
     return (
         table.schema.names,
@@ -155,6 +163,10 @@ SCENARIO: tuple[Call | Act, ...] = (
     Call("create_stream", ("{stream}",)),  # the same settings: idempotent
     Call("create_stream", ("{stream}",), {"uncapped": True}, raises="StreamExists"),
     Call("create_stream", ("not a name!",), raises="InvalidStreamName"),
+    Call("create_streams", (["{stream}", "{unknown}"],), view=_created),
+    Call("create_streams", (["{unknown}"],), {"exist_ok": False}, raises="StreamExists"),
+    Call("drop_streams", (["{unknown}"],)),
+    Call("drop_streams", (["{unknown}"],)),  # gone already: named by nobody
     Call("set_fact_tables", ("{stream}", ["{table}.stream_id"])),
     Call("set_fact_tables", ("{stream}", ["{table}.no_such_column"]), raises="InvalidFactTables"),
     Call("set_fact_tables", ("{stream}", [])),
@@ -170,6 +182,7 @@ SCENARIO: tuple[Call | Act, ...] = (
     # The group holds retention back: stale at once with ``stale_after_ms=0``.
     Call("positions", ("{stream}",)),
     Call("positions", ("{stream}",), {"stale_after_ms": 0}),
+    Call("overview", ("{stream}",), {"stale_after_ms": 0}, view=_overview_positions),
     Call("groups", ("{stream}",)),
     Call("groups", ("{stream}",), {"stale_after_ms": 0}),
     Call("group_streams", ("{group}",)),

@@ -1,0 +1,64 @@
+"""``--like``, ``--limit`` and ``--sort``: the options of the listings a person reads (``streams
+list``, ``positions``, ``groups list``), over `streams.store.overview` (issue 40).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+from ..cli_params import MAX_ID
+from ..store.overview import Overview
+
+__all__ = ["LIKE_PATTERN", "truncation_note", "view_options"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class LikePattern(click.ParamType[str]):
+    """An SQL ``LIKE`` pattern (``%``, ``_``, ``\\`` escaping either): refused here when
+    PostgreSQL would refuse it (a NUL, a trailing escape), so the error names the option."""
+
+    name = "pattern"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        text = str(value)
+        if "\x00" in text:
+            self.fail("a pattern cannot hold a NUL character", param, ctx)
+        if (len(text) - len(text.rstrip("\\"))) % 2:
+            self.fail(f"{text!r} ends in an escape character (\\)", param, ctx)
+        return text
+
+
+LIKE_PATTERN = LikePattern()
+
+
+def view_options(func: F) -> F:
+    """Add ``--like PATTERN``, ``--limit N`` and ``--sort name|lag`` to a listing."""
+    func = click.option(
+        "--sort",
+        type=click.Choice(["name", "lag"]),
+        default="name",
+        show_default=True,
+        help="By stream name, or by lag (the largest reader-group lag first).",
+    )(func)
+    func = click.option(
+        "--limit", type=click.IntRange(1, MAX_ID), help="Show the first N streams only."
+    )(func)
+    func = click.option(
+        "--like",
+        type=LIKE_PATTERN,
+        metavar="PATTERN",
+        help="Only streams whose name matches this SQL LIKE pattern ('%' any text, '_' any "
+        "one character; e.g. 'orders-%').",
+    )(func)
+    return func
+
+
+def truncation_note(found: Overview, what: str = "streams") -> str | None:
+    """The line a human table ends with when ``--limit`` cut it short (None: it did not)."""
+    if not found.truncated:
+        return None
+    return f"(first {len(found.streams)} of {found.matched} {what} shown: --limit)"
