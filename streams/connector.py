@@ -63,6 +63,7 @@ from .core.payloads import encode_payload
 from .core.replication import Hint, backoff_delay
 from .core.stalls import HeldStreams
 from .core.standby_fence import StandbyRoute
+from .core.stream_patterns import RegistryCursor, Subscription, compile_pattern
 from .store.driver import Commit, Gen, Query, run, transient_sqlstate
 from .store.failover import replicated
 from .store.holders import retire_where_held
@@ -87,6 +88,13 @@ from .store.sessions import connect as open_session
 from .store.sessions import with_client_tcp_settings
 from .store.sinks import DEFAULT_RETENTION_SECONDS as SINK_COMMIT_RETENTION_SECONDS
 from .store.sinks import BatchCommit, TaskKey, claim_task, commit_batch
+from .store.subscriptions import (
+    DROPPED_SQLSTATES,
+    load_listed,
+    registry_after,
+    registry_has,
+    registry_ids,
+)
 from .store.writer_core import WriterCore
 from .transport.link import RedisLink
 from .types import FactChunk
@@ -127,6 +135,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "DEFAULT_CORRUPT_COLUMN",
+    "DROPPED_SQLSTATES",
     "READER_SESSION_SETUP",
     "SINK_COMMIT_RETENTION_SECONDS",
     "BatchCommit",
@@ -144,9 +153,11 @@ __all__ = [
     "RangeGen",
     "ReaderCore",
     "RedisLink",
+    "RegistryCursor",
     "SchemaError",
     "StandbyRoute",
     "StreamRows",
+    "Subscription",
     "TaskKey",
     "Writer",
     "WriterCore",
@@ -154,6 +165,7 @@ __all__ = [
     "claim_task",
     "commit_batch",
     "commit_group",
+    "compile_pattern",
     "count_facts",
     "default_instance_name",
     "deliverable",
@@ -163,6 +175,7 @@ __all__ = [
     "first_fact_since",
     "group_position",
     "holds_across_failover",
+    "load_listed",
     "load_stream",
     "load_streams",
     "open_session",
@@ -174,6 +187,9 @@ __all__ = [
     "read_incarnation",
     "read_incarnation_at",
     "read_range",
+    "registry_after",
+    "registry_has",
+    "registry_ids",
     "replicated",
     "retire_where_held",
     "rewound",

@@ -60,6 +60,7 @@ from streams.connector import (
     backoff_delay,
     failfast_message,
     read_range,
+    registry_has,
     statement_timeout_setup,
     typed_columns,
     with_client_tcp_settings,
@@ -188,6 +189,9 @@ class RangePartition(InputPartition):
     standby_max_wait: float = 5.0
     #: Typed columns from the payload instead of ``payload`` (option ``schema``): `_typed`.
     payload_schema: PayloadSchema | None = None
+    #: A stream of a ``streamPattern`` query: dropped before or while the task reads it, its
+    #: facts are gone with it, and the task ends with what it read (`_dropped`).
+    by_pattern: bool = False
 
     def __repr__(self) -> str:
         return (
@@ -446,6 +450,30 @@ def _plan(
     )
 
 
+def _dropped(part: RangePartition) -> bool:
+    """Was the partition's stream dropped (its registry id gone)? False if that cannot be
+    told (the task's error stands then)."""
+    cur = None
+    try:
+        cur = _adbc_connection(part.database_url, False, part.statement_timeout_ms).cursor()
+        plan = run_on_adbc(cur, registry_has(part.stream_key), _no_rows, batch_bytes=BATCH_BYTES)
+        while True:
+            next(plan)
+    except StopIteration as stop:
+        return not stop.value
+    except Exception:
+        log.debug("cannot tell whether stream %s was dropped", part.stream, exc_info=True)
+        return False
+    finally:
+        if cur is not None:
+            with contextlib.suppress(Exception):
+                cur.close()
+
+
+def _no_rows(cur: Any) -> Iterator[Any]:
+    return iter(())
+
+
 def with_hint(lost: FactsPruned) -> FactsPruned:
     lost.args = (f"{lost}; or set failOnDataLoss=false to continue without them",)
     return lost
@@ -540,6 +568,9 @@ def read_partition(part: RangePartition) -> Iterator[pa.RecordBatch]:
                 route.read_on_standby()
             return
         except Exception as exc:  # not FactsPruned, StreamWentBackwards: no outage
+            if part.by_pattern and not transient(exc) and _dropped(part):
+                log.info("stream %s was dropped: its partition ends here", part.stream)
+                return
             if standby and route is not None and (isinstance(exc, StandbyBehind) or transient(exc)):
                 stale_standby = not isinstance(exc, StandbyBehind)
                 _wait_for_standby(route, exc, part)

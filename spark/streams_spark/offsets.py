@@ -36,6 +36,11 @@ Two more keys, both optional, so that offsets logged before they existed still r
   timeline left the old one (`streams.store.identity.holds_across_failover`). Kept from the
   start offset while the positions do not move, so that an offset with nothing new stays
   equal to its start (Spark compares them to decide whether there is a batch).
+* ``"ids": {"orders_1": 17}``: with ``streamPattern``, each stream's registry id. The streams
+  of a pattern query change as they are created and dropped: an offset names the ones it held
+  (a new one enters at the position retention kept, usually 0, and is read from the next
+  batch on), and a position belongs to the stream of that id only (one dropped and created
+  again under its name is another stream, read from its first fact).
 """
 
 from __future__ import annotations
@@ -51,8 +56,10 @@ __all__ = [
     "floors_of",
     "frontier_from_json",
     "frontier_offset",
+    "ids_of",
     "incarnation_of",
     "lsn_of",
+    "offset_streams",
     "positions_of",
     "since_of",
     "waiting_of",
@@ -69,6 +76,7 @@ def frontier_offset(
     waiting: Collection[str] = (),
     incarnation: str | None = None,
     lsn: int | None = None,
+    ids: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """The canonical offset of ``positions`` (keys sorted), with the start times ``since``
     still in force, the timestamp ``floors`` and the streams ``waiting`` for their start
@@ -87,7 +95,25 @@ def frontier_offset(
         offset["incarnation"] = incarnation
     if lsn:
         offset["lsn"] = int(lsn)
+    if ids:
+        offset["ids"] = {name: int(ids[name]) for name in sorted(ids)}
     return offset
+
+
+def ids_of(offset: Mapping[str, Any]) -> dict[str, int]:
+    """The registry ids of a pattern query's offset (empty: a query that names its streams)."""
+    ids = offset.get("ids", {})
+    if not isinstance(ids, Mapping) or any(
+        isinstance(v, bool) or not isinstance(v, int) for v in ids.values()
+    ):
+        raise ConfigurationError(f"offset {json.dumps(offset)}: 'ids' must map streams to ids")
+    return {str(n): int(v) for n, v in ids.items()}
+
+
+def offset_streams(offset: Mapping[str, Any]) -> tuple[str, ...]:
+    """The streams an offset names (a pattern query's, which change from batch to batch)."""
+    _check_version(offset)
+    return tuple(sorted(offset["streams"]))
 
 
 def lsn_of(offset: Mapping[str, Any]) -> int | None:
@@ -143,14 +169,7 @@ def since_of(offset: Mapping[str, Any], names: tuple[str, ...]) -> dict[str, int
 
 def positions_of(offset: Mapping[str, Any], names: tuple[str, ...]) -> dict[str, int]:
     """The positions of ``names`` in an offset Spark hands back (from this source's own log)."""
-    if not isinstance(offset, Mapping) or offset.get("v") != OFFSET_VERSION:
-        raise ConfigurationError(
-            f"offset {json.dumps(offset)!s} is not a version-{OFFSET_VERSION} streams frontier: "
-            "was the checkpoint written by another source or a newer streams_spark?"
-        )
-    streams = offset.get("streams")
-    if not isinstance(streams, Mapping):
-        raise ConfigurationError(f"offset {json.dumps(offset)} has no 'streams' object")
+    streams = _check_version(offset)
     missing = [n for n in names if n not in streams]
     extra = sorted(set(streams) - set(names))
     if missing or extra:
@@ -160,6 +179,19 @@ def positions_of(offset: Mapping[str, Any], names: tuple[str, ...]) -> dict[str,
             "(start a new checkpoint)"
         )
     return {n: _position(streams[n], n) for n in names}
+
+
+def _check_version(offset: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The ``streams`` object of a version-1 offset."""
+    if not isinstance(offset, Mapping) or offset.get("v") != OFFSET_VERSION:
+        raise ConfigurationError(
+            f"offset {json.dumps(offset)!s} is not a version-{OFFSET_VERSION} streams frontier: "
+            "was the checkpoint written by another source or a newer streams_spark?"
+        )
+    streams = offset.get("streams")
+    if not isinstance(streams, Mapping):
+        raise ConfigurationError(f"offset {json.dumps(offset)} has no 'streams' object")
+    return streams
 
 
 def _position(value: object, name: str) -> int:

@@ -22,11 +22,12 @@ from streams.connector import (
     DEFAULT_CORRUPT_COLUMN,
     PayloadSchema,
     SchemaError,
+    compile_pattern,
     parse_schema_text,
     payload_schema,
 )
 from streams.core.fact_columns import OWN_NAMES
-from streams.errors import ConfigurationError, InvalidStreamName
+from streams.errors import ConfigurationError, InvalidPattern, InvalidStreamName
 
 from .offsets import frontier_from_json
 
@@ -38,6 +39,7 @@ _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 KNOWN_OPTIONS = (
     "stream",
     "streams",
+    "streamPattern",
     "databaseUrl",
     "readDatabaseUrl",
     "standbyMaxWait",
@@ -175,7 +177,10 @@ class Position:
 
 @dataclass(frozen=True, slots=True)
 class SourceOptions:
-    """Every option, resolved and checked (picklable; its repr hides the URLs)."""
+    """Every option, resolved and checked (picklable; its repr hides the URLs).
+
+    ``streams``: the streams named (``stream``/``streams``), empty with ``pattern``
+    (``streamPattern``: every stream whose name matches it in full, as it is created)."""
 
     streams: tuple[str, ...]
     database_url: str = field(repr=False)
@@ -204,14 +209,17 @@ class SourceOptions:
     #: ``schema`` (with ``mode``, ``columnNameOfCorruptRecord``): typed columns from the
     #: payload instead of ``payload`` (`streams.core.typed_payloads`); None: ``payload``.
     payload_schema: PayloadSchema | None = None
+    #: ``streamPattern``: a Python regular expression (`re.fullmatch`); None: ``streams``.
+    pattern: str | None = None
 
     @property
     def statement_timeout_ms(self) -> int:
         return max(1, round(self.statement_timeout * 1000))
 
     def __repr__(self) -> str:
+        which = f"pattern={self.pattern!r}" if self.pattern else f"streams={list(self.streams)}"
         return (
-            f"SourceOptions(streams={list(self.streams)}, "
+            f"SourceOptions({which}, "
             f"database_url={redact_url(self.database_url)!r}, group={self.group!r})"
         )
 
@@ -231,7 +239,7 @@ def parse_options(
             )
         given[name] = str(value)
 
-    names = _stream_names(given)
+    names, pattern = _stream_names(given), _pattern(given)
     settings = _settings(given, env)
     for exclusive in (_STARTS, _ENDS):
         chosen = [k for k in exclusive if k in given]
@@ -266,7 +274,7 @@ def parse_options(
     if group_explicit and not 0 < len(group) <= 200:
         raise ConfigurationError("option group: a non-empty name of at most 200 characters")
     if not group_explicit:
-        group = default_group(names, given)
+        group = default_group(names, given, pattern)
 
     fail = (
         _boolean(given["failOnDataLoss"], "failOnDataLoss") if "failOnDataLoss" in given else True
@@ -306,6 +314,7 @@ def parse_options(
         prefetch=prefetch,
         end_option=end_option,
         payload_schema=_payload_schema(given),
+        pattern=pattern,
         **_standby(given, env, settings),
     )
 
@@ -379,13 +388,21 @@ def _trigger_limits(given: Mapping[str, str]) -> tuple[int | None, int | None, f
 def _stream_names(given: Mapping[str, str]) -> list[str]:
     if "stream" in given and "streams" in given:
         raise ConfigurationError("options stream and streams: give one of them, not both")
+    if "streamPattern" in given:
+        named = [o for o in ("stream", "streams") if o in given]
+        if named:
+            raise ConfigurationError(
+                f"options streamPattern and {named[0]}: give one of them, not both"
+            )
+        return []
     option = "streams" if "streams" in given else "stream"
     text = given.get(option, "")
     names = [part.strip() for part in text.split(",") if part.strip()]
     if not names:
         raise ConfigurationError(
-            "option stream (or streams): name the stream(s) to read, e.g. "
-            '.option("stream", "orders") or .option("streams", "orders,payments")'
+            "option stream (or streams, or streamPattern): name the stream(s) to read, e.g. "
+            '.option("stream", "orders"), .option("streams", "orders,payments") or '
+            '.option("streamPattern", "orders_.*")'
         )
     if len(set(names)) != len(names):
         raise ConfigurationError(f"option {option}: a stream is named twice in {text!r}")
@@ -396,6 +413,28 @@ def _stream_names(given: Mapping[str, str]) -> list[str]:
             raise ConfigurationError(f"option {option}: {exc}") from None
 
     return names
+
+
+#: Options that name streams, which a pattern query cannot (its streams are not known yet).
+_BY_NAME = ("startingPositionByTimestamp", "endingPositionByTimestamp")
+
+
+def _pattern(given: Mapping[str, str]) -> str | None:
+    """``streamPattern``: a valid Python regex, matched in full against stream names."""
+    if "streamPattern" not in given:
+        return None
+    text = given["streamPattern"]
+    try:
+        compile_pattern(text)
+    except InvalidPattern as exc:
+        raise ConfigurationError(f"option streamPattern: {exc}") from None
+    for option in (*_BY_NAME, "startingPosition", "endingPosition"):
+        if option in given and (option in _BY_NAME or given[option].strip().startswith("{")):
+            raise ConfigurationError(
+                f"option {option}: a pattern query (streamPattern) cannot name its streams "
+                "(use earliest, latest, a stream ID or a time)"
+            )
+    return text
 
 
 def _standby(
@@ -436,16 +475,16 @@ def _settings(given: Mapping[str, str], env: Mapping[str, str]) -> Settings:
         ) from None
 
 
-def default_group(names: list[str], given: Mapping[str, str]) -> str:
-    """``spark-<12 hex>``: a digest of the streams and the starting options.
+def default_group(names: list[str], given: Mapping[str, str], pattern: str | None = None) -> str:
+    """``spark-<12 hex>``: a digest of the streams (or the pattern) and the starting options.
 
     A Python data source never learns its query's checkpoint location or name, so the group is
     derived from what identifies the query to the source: the same query restarted from its
     checkpoint keeps its group. Two queries with identical options share one (commits are
     forward-only, so the group then shows the furthest): set ``group`` to tell them apart.
     """
-    ident = {
-        "streams": sorted(names),
+    ident: dict[str, Any] = {
+        **({"pattern": pattern} if pattern is not None else {"streams": sorted(names)}),
         **{k: given[k] for k in _STARTS if k in given},
     }
     digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:12]

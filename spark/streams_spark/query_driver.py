@@ -18,14 +18,19 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 
 from streams.connector import (
+    DROPPED_SQLSTATES,
     Gen,
     Guard,
     HeldStreams,
     Incarnation,
     ReaderCore,
+    RegistryCursor,
+    Subscription,
     backoff_delay,
+    compile_pattern,
     group_position,
     holds_across_failover,
+    load_listed,
     load_streams,
     open_session,
     probe,
@@ -33,6 +38,8 @@ from streams.connector import (
     range_ts_maxima,
     read_incarnation,
     read_incarnation_at,
+    registry_after,
+    registry_ids,
     retire_where_held,
     rewound,
     run,
@@ -68,7 +75,7 @@ from .planning import running_floors
 if TYPE_CHECKING:
     from streams import StreamInfo
 
-__all__ = ["QueryDriver", "Resolved"]
+__all__ = ["DROPPED_SQLSTATES", "QueryDriver", "Resolved"]
 
 log = logging.getLogger("streams.spark")
 
@@ -105,6 +112,13 @@ class QueryDriver:
         #: an executor with a read URL waits for the standby to replay.
         self.proof_lsn = 0
         self._proof_timeline = 0  # the timeline of proof_lsn
+        #: The streams read now: the ones named, or (``streamPattern``) the ones the pattern
+        #: matched so far and not dropped (sorted), which `follow_pattern` changes.
+        self.names: tuple[str, ...] = tuple(config.streams)
+        self.subscription = (
+            Subscription(compile_pattern(config.pattern)) if config.pattern is not None else None
+        )
+        self._listed = False  # the registry listed once (a pattern query)
 
     def __getstate__(self) -> dict[str, Any]:
         # Spark pickles a fresh reader to ship read() to executors: never a connection.
@@ -176,6 +190,8 @@ class QueryDriver:
 
     def _where(self) -> str:
         group = f" (group {self.config.group!r})" if self.config.group else ""
+        if self.config.pattern is not None:
+            return f"Spark source of pattern {self.config.pattern!r}{group}"
         return f"Spark source of {', '.join(self.config.streams)}{group}"
 
     def _current(self) -> Incarnation:
@@ -256,18 +272,99 @@ class QueryDriver:
         )
 
     def infos(self) -> dict[str, StreamInfo]:
-        if not self._infos:
+        if self.subscription is not None:
+            if not self._listed:
+                self.follow_pattern()  # the first listing of a pattern query
+        elif not self._infos:
             loaded = self.run(load_streams, list(self.config.streams))
             self._infos = {info.name: info for info in loaded}
         return self._infos
+
+    # ------------------------------------------------------------------ a pattern's streams
+
+    def follow_pattern(self) -> tuple[list[str], list[str]]:
+        """``streamPattern``: list the registry above the ids seen (when the subscription is
+        due: `Subscription.poll_started`) and follow the streams created since whose names
+        match; a followed name under a new id (dropped and created again) is another stream,
+        the old one leaves. Returns the streams that ``(joined, left)``. The joins are decided
+        by `streams.core.stream_patterns`, as for Python pattern readers."""
+        sub = self.subscription
+        if sub is None or (not sub.due and self._listed):
+            return [], []
+        cursor = RegistryCursor(sub.cursor.top, dict(sub.cursor.holes))
+        try:
+            rows = self.run(registry_after, sub.cursor.low())
+            followed = {n: self._infos[n].id for n in self.names}
+            changes = sub.listed(rows, followed, time.monotonic())
+            joined = self.run(load_listed, changes.joins) if changes.joins else []
+        except BaseException:
+            sub.cursor, sub.due = cursor, True  # listed again next time
+            raise
+        self._listed = True
+        self.leave(changes.leaves)
+        for info in joined:
+            self._infos[info.name] = info
+        names = [info.name for info in joined]
+        self.names = tuple(sorted({*self.names, *names}))
+        if names:
+            log.info("%s: %d stream(s) joined: %s", self._where(), len(names), names[:10])
+            self.joined(names)
+        return names, list(changes.leaves)
+
+    def joined(self, names: list[str]) -> None:
+        """Streams that just joined a pattern query (the stream reader takes the group's
+        generation on them and watches their Redis channels)."""
+
+    def leave(self, names: Sequence[str]) -> None:
+        """Stop reading ``names`` (dropped): they leave the offsets from the next one on."""
+        if not names:
+            return
+        gone = set(names)
+        self.names = tuple(n for n in self.names if n not in gone)
+        for name in gone:
+            self._infos.pop(name, None)
+            self._held.forget(name)
+        log.info("%s: %d stream(s) left (dropped): %s", self._where(), len(gone), sorted(gone)[:10])
+
+    def leave_dropped(self, failure: BaseException) -> None:
+        """A statement of a pattern query failed as one does on a stream dropped under it: the
+        streams whose registry rows are gone leave; ``failure`` is raised if none is (or if the
+        query names its streams)."""
+        if not (
+            self.subscription is not None
+            and isinstance(failure, StoreError)
+            and failure.sqlstate in DROPPED_SQLSTATES
+        ):
+            raise failure
+        if not self.drop_gone():
+            raise failure
+
+    def drop_gone(self) -> list[str]:
+        """A pattern query's streams whose registry rows are gone (dropped) leave."""
+        infos = [self._infos[n] for n in self.names]
+        present = self.run(registry_ids, [info.id for info in infos]) if infos else set()
+        gone = [info.name for info in infos if info.id not in present]
+        self.leave(gone)
+        return gone
 
     def probe(self) -> dict[str, int]:
         """What PostgreSQL proves complete, per stream; a stream held back for a while by an
         expired writer gets that writer's sessions ended, and so does any session that has held
         it back past the lease (the liveness and holding arguments: `streams.store.leases`,
-        `streams.store.holders`)."""
+        `streams.store.holders`). A pattern query's stream the probe does not find was
+        dropped: it leaves."""
         infos = self.infos()
-        found = self.run(probe, [infos[n] for n in self.config.streams])
+        if not self.names:  # a pattern that matches nothing yet
+            return {}
+        try:
+            found = self.run(probe, [infos[n] for n in self.names])
+        except StoreError as exc:
+            self.leave_dropped(exc)
+            return self.probe()
+        if self.subscription is not None and len(found) < len(self.names):
+            self.leave(Subscription.gone(self.names, found))
+            if not self.names:
+                return {}
         # The proofs' LSN, for executors that read on a standby (the highest: replay passes
         # the lower ones first).
         timeline = self._current().timeline
@@ -277,9 +374,9 @@ class QueryDriver:
         flushed = max(p.flushed_lsn for p in found.values())
         if flushed:  # on disk: what a rewind would take back ("A rewind" of the guard)
             self.guard.observed(timeline, flushed)
-        observed = [(n, found[n].complete, found[n].max_allocated) for n in self.config.streams]
+        observed = [(n, found[n].complete, found[n].max_allocated) for n in self.names]
         self.run(retire_where_held, infos, self._held, time.monotonic(), observed)
-        return {n: found[n].complete for n in self.config.streams}
+        return {n: found[n].complete for n in self.names}
 
     def floors_at(self, positions: dict[str, int]) -> dict[str, int]:
         """Timestamp floors at ``positions`` from the facts before them (`ts_floor_at`): for a
@@ -305,7 +402,7 @@ class QueryDriver:
         `streams_spark.offsets`). For a start, an explicit ``group``'s committed position (and
         floor) wins over the option, stream by stream, as for Python readers."""
 
-        names = self.config.streams
+        names = self.names
         committed: dict[str, int] = {}
         floors: dict[str, int] = {}
         if start and self.config.group_explicit:
@@ -418,9 +515,11 @@ class QueryDriver:
 
         infos = self.infos()
         parts: list[RangePartition] = []
-        for name in self.config.streams:
-            after, through = lower[name], upper[name]
-            if through <= after:
+        # A pattern query's streams in offset order; one dropped since is not read (its
+        # facts are gone with it).
+        for name in self.config.streams or sorted(upper):
+            after, through = lower.get(name, upper[name]), upper[name]
+            if through <= after or name not in infos:
                 continue
             info = infos[name]
             cuts = self.run(split_range, info, after, through, self.config.partitions)
@@ -449,6 +548,7 @@ class QueryDriver:
                         proof_lsn=planned_lsn or self.proof_lsn,
                         standby_max_wait=self.config.standby_max_wait,
                         payload_schema=self.config.payload_schema,
+                        by_pattern=self.subscription is not None,
                     )
                 )
         return parts

@@ -36,6 +36,17 @@ Spark starts for the query):
   same options) it logs a warning and commits no more: its checkpoint, not the group, is where
   it resumes.
 
+With ``streamPattern`` the query's streams change while it runs (`QueryDriver.follow_pattern`,
+deciding with the Python pattern reader's `streams.core.stream_patterns`): the driver lists the
+registry at most once per poll interval, when it probes; a stream created since enters the next
+offset at the position retention kept (0 for a new stream), with nothing of it in that batch, and
+is read from there by the next (its group generation taken, its Redis channels watched); a
+stream dropped leaves the next offset (the probe misses it, or a statement on it fails as on a
+dropped stream: `leave_dropped`; an executor's task on it ends with what it read). Offsets carry
+each stream's registry id (``ids``), so a stream dropped and created again under its name is
+read from its first fact, across restarts too; a checkpoint's offset is taken for the streams it
+names that still exist under those ids.
+
 Every driver statement has a timeout (``statementTimeout``) and is run again, with back-off,
 after a transient error (a broken connection, a cancelled statement, a restart:
 `streams.store.driver.transient_sqlstate`) for up to `RETRY_SECONDS`. Executors run
@@ -84,12 +95,14 @@ from streams.connector import (
     default_instance_name,
     deliverable,
     first_fact_since,
+    pruned_positions,
     replicated,
     take_generations,
 )
 from streams.errors import (
     ConfigurationError,
     GroupFenced,
+    StoreError,
 )
 
 from .executor import (
@@ -102,14 +115,16 @@ from .executor import (
 from .offsets import (
     floors_of,
     frontier_offset,
+    ids_of,
     lsn_of,
+    offset_streams,
     positions_of,
     since_of,
     waiting_of,
 )
 from .options import Position, SourceOptions, parse_options
 from .planning import lost_streams, share_budget
-from .query_driver import QueryDriver
+from .query_driver import DROPPED_SQLSTATES, QueryDriver
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -184,10 +199,10 @@ class StreamsBatchReader(QueryDriver, DataSourceReader):
             lower = start.positions
             end = self.config.end or Position("latest")
             if end.kind == "id":
-                upper = {n: end.id for n in self.config.streams}
+                upper = {n: end.id for n in self.names}
             else:
                 upper = self.resolve(end, complete, start=False).positions
-            for name in self.config.streams:
+            for name in self.names:
                 if upper[name] > complete[name]:
                     if end.kind in ("id", "frontier"):
                         log.warning(
@@ -252,7 +267,7 @@ class StreamsStreamReader(QueryDriver, DataSourceStreamReader, SupportsTriggerAv
             self._link = RedisLink(
                 self.config.redis_url, self.config.prefix, f"spark-{default_instance_name()}"
             )
-            self._link.add_listener(self, self.config.streams)
+            self._link.add_listener(self, self.names)
             # It may have connected before we listened: take its state now (as readers do).
             self._link_up = bool(self._link.connected)
         except Exception:
@@ -284,6 +299,9 @@ class StreamsStreamReader(QueryDriver, DataSourceStreamReader, SupportsTriggerAv
         if force or not self._probed or due or self._hinted.is_set():
             self._hinted.clear()
             self._last_probe = now
+            if self.subscription is not None:  # streams created since join (`follow_pattern`)
+                self.subscription.poll_started(now, 0.0 if force else self._interval())
+                self.follow_pattern()
             self._complete = self.probe()
             self.probes += 1
             self._probed = True
@@ -301,16 +319,97 @@ class StreamsStreamReader(QueryDriver, DataSourceStreamReader, SupportsTriggerAv
 
     def own_group(self) -> dict[str, Generation]:
         """Take the group's next generation on every stream, once per run of the query (as a
-        Python reader does when it opens its group: before its position is read)."""
+        Python reader does when it opens its group: before its position is read); a pattern
+        query's streams created later get theirs as they join (`joined`)."""
         if self._generations is None:
             infos = self.infos()
-            self._generations = self.run(
-                take_generations,
-                self.config.group,
-                [infos[n] for n in self.config.streams],
-                f"spark {socket.gethostname()}:{os.getpid()}",
-            )
+            self._generations = self._take_generations([infos[n] for n in self.names])
         return self._generations
+
+    def _take_generations(self, infos: list[Any]) -> dict[str, Generation]:
+        if not infos:
+            return {}
+        owner = f"spark {socket.gethostname()}:{os.getpid()}"
+        return dict(self.run(take_generations, self.config.group, infos, owner))
+
+    def joined(self, names: list[str]) -> None:
+        """Streams that joined a pattern query: the group's generation on them (this run is
+        their consumer too), and their Redis hints."""
+        if self._generations is not None:
+            infos = self.infos()
+            self._generations.update(self._take_generations([infos[n] for n in names]))
+        if self._link is not None:  # as Python pattern readers do (`streams.reader_plans`)
+            self._link.watch(names, writers=False)
+            self._link.watch(names, writers=True)
+
+    def leave(self, names: Sequence[str]) -> None:
+        super().leave(names)
+        for name in names:
+            self._complete.pop(name, None)
+            if self._generations is not None:
+                self._generations.pop(name, None)
+        if self._link is not None and names:
+            try:
+                self._link.unwatch(names, writers=False)
+                self._link.unwatch(names, writers=True)
+            except Exception:
+                log.debug("unlistening to dropped streams failed", exc_info=True)
+
+    # ------------------------------------------------------------------ offsets of a pattern
+
+    def _carried(self, offset: dict[str, Any]) -> tuple[str, ...]:
+        """The streams of ``offset`` this query reads now: all of them, checked to be exactly
+        the streams named; with ``streamPattern``, the ones it names that are still followed
+        under the same registry id (a stream dropped since leaves the offsets). A stream it
+        names that the pattern does not match means the checkpoint is another query's."""
+        if self.subscription is None:
+            positions_of(offset, self.names)  # exactly the streams read
+            return self.names
+        keys = offset_streams(offset)
+        foreign = [n for n in keys if not self.subscription.matches(n)]
+        if foreign:
+            raise ConfigurationError(
+                f"the checkpoint's offset covers streams {foreign[:10]} that option "
+                f"streamPattern {self.config.pattern!r} does not match: the streams of a query "
+                "cannot change across restarts (start a new checkpoint)"
+            )
+        infos, ids = self.infos(), ids_of(offset)
+        return tuple(n for n in keys if n in infos and ids.get(n, infos[n].id) == infos[n].id)
+
+    def _state(
+        self, offset: dict[str, Any], names: tuple[str, ...]
+    ) -> tuple[dict[str, int], dict[str, int], dict[str, int] | None, frozenset[str]]:
+        """Positions, start times, floors (None: an offset without) and waiting streams of
+        ``offset``, for ``names`` (`_carried`) only."""
+        keys = names if self.subscription is None else offset_streams(offset)
+        lower, since = positions_of(offset, keys), since_of(offset, keys)
+        floors, waiting = floors_of(offset, keys), waiting_of(offset, keys)
+        if self.subscription is None:
+            return lower, since, floors, waiting
+        kept = set(names)
+        return (
+            {n: p for n, p in lower.items() if n in kept},
+            {n: t for n, t in since.items() if n in kept},
+            None if floors is None else {n: f for n, f in floors.items() if n in kept},
+            frozenset(n for n in waiting if n in kept),
+        )
+
+    def _ids(self, names: Any) -> dict[str, int] | None:
+        """The registry ids a pattern query's offset carries (None otherwise)."""
+        if self.subscription is None:
+            return None
+        infos = self.infos()
+        return {n: infos[n].id for n in names}
+
+    def _entries(self, names: list[str]) -> tuple[dict[str, int], dict[str, int]]:
+        """Where streams that joined a pattern query enter its offsets: the position retention
+        kept (0 if it never pruned), so the next batch reads from their first fact; and their
+        timestamp floors there."""
+        if not names:
+            return {}, {}
+        infos = self.infos()
+        entry = dict(self.run(pruned_positions, [infos[n] for n in names]))
+        return entry, self.floors_at(entry)
 
     def initialOffset(self) -> dict[str, Any]:
         self.own_group()
@@ -333,6 +432,7 @@ class StreamsStreamReader(QueryDriver, DataSourceStreamReader, SupportsTriggerAv
             waiting=start.waiting,
             incarnation=self.incarnation(),
             lsn=self.proof_lsn,
+            ids=self._ids(start.positions),
         )
 
     def getDefaultReadLimit(self) -> ReadLimit:
@@ -346,18 +446,28 @@ class StreamsStreamReader(QueryDriver, DataSourceStreamReader, SupportsTriggerAv
         self._target = self._refresh(force=True)
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
+        try:
+            return self._latest_offset(start, limit)
+        except StoreError as exc:  # a pattern query's stream dropped under a statement
+            self.leave_dropped(exc)
+            return self.latestOffset(start, limit)
+
+    def _latest_offset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         self.own_group()  # a run restarted from its checkpoint calls this first
-        names = self.config.streams
-        lower, since = positions_of(start, names), since_of(start, names)
-        floors, waiting = floors_of(start, names), waiting_of(start, names)
         self.check_offset(start, "start")
         token = self.incarnation()
         had_probes = self.probes
         complete = self._refresh()
+        names = self._carried(start)
+        lower, since, floors, waiting = self._state(start, names)
+        entry, entry_floors = self._entries([n for n in self.names if n not in lower])
         if self.probes != had_probes:
             self.backwards(lost_streams(lower, complete, waiting), lower, complete)
             self.retained(lower)  # retention passed this query (its group was deleted)
-        upper = deliverable(lower, complete, self._target)  # as every reader decides it
+        target = self._target
+        if target is not None:  # streams that joined since have none: not read this run
+            target = {n: target.get(n, lower[n]) for n in lower}
+        upper = deliverable(lower, complete, target)  # as every reader decides it
         use_options = not (
             isinstance(limit, ReadAllAvailable)
             and not isinstance(self.getDefaultReadLimit(), ReadAllAvailable)
@@ -375,10 +485,12 @@ class StreamsStreamReader(QueryDriver, DataSourceStreamReader, SupportsTriggerAv
                 upper = lower
         if max_facts is not None and upper != lower:
             upper = self._admit(lower, upper, max_facts)
-        if upper == lower:  # the start's proof still stands for it (see `lsn_of`)
+        same_streams = self.subscription is None or sorted(lower) == list(offset_streams(start))
+        if upper == lower and not entry and same_streams:
+            # The start's proof still stands for it (see `lsn_of`).
             return frontier_offset(
                 lower, since, floors=floors, waiting=waiting, incarnation=token,
-                lsn=lsn_of(start),
+                lsn=lsn_of(start), ids=self._ids(lower),
             )  # fmt: skip
         self._last_batch = time.monotonic()
         # The offset's proof on every synchronous standby before Spark logs it, so that it
@@ -387,15 +499,19 @@ class StreamsStreamReader(QueryDriver, DataSourceStreamReader, SupportsTriggerAv
         if self.incarnation() != token:  # it ran on a new primary: prove again there
             return self.latestOffset(start, limit)
         self._proof_flushed(token)
-        moved = {n for n in names if upper[n] > lower[n]}
+        moved = {n for n in lower if upper[n] > lower[n]}
         end_floors = self.floors_after(lower, upper, floors or self.floors_at(lower))
+        end_since = self._since_after(since, lower, upper)
+        upper.update(entry)  # joined: nothing of them in this batch, from their start next
+        end_floors.update(entry_floors)
         return frontier_offset(
             upper,
-            self._since_after(since, lower, upper),
+            end_since,
             floors=end_floors,
             waiting=waiting - moved,
             incarnation=token,
             lsn=self.proof_lsn,
+            ids=self._ids(upper),
         )
 
     def _since_after(
@@ -422,7 +538,7 @@ class StreamsStreamReader(QueryDriver, DataSourceStreamReader, SupportsTriggerAv
             n: self.run(count_facts, infos[n], lower[n], upper[n], limit)
             if upper[n] > lower[n]
             else (0, lower[n])
-            for n in self.config.streams
+            for n in lower
         }
 
     def _count_once_per_probe(
@@ -472,24 +588,27 @@ class StreamsStreamReader(QueryDriver, DataSourceStreamReader, SupportsTriggerAv
         return frontier_offset(self._complete)
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
-        names = self.config.streams
-        lower, upper = positions_of(start, names), positions_of(end, names)
         self.check_offset(end, "end")
-        if lower == upper:
-            return []
         # A batch replayed after a restart is planned without a latestOffset call first: the
         # database may have been restored meanwhile. The executors check again as they read.
         complete = self._refresh() if self._probed else self._refresh(force=True)
-        moving = {n: upper[n] for n in names if upper[n] > lower[n]}
+        lower, upper, since, floors = self._batch(start, end)
+        if lower == upper:
+            return []
+        moving = {n: upper[n] for n in lower if upper[n] > lower[n]}
         lost = lost_streams(moving, complete, ())
         self.backwards(lost, upper, complete)
         for name in lost:  # failOnDataLoss=false: read what is still proven
             upper[name] = max(lower[name], complete[name])
-        floors = floors_of(start, names) or self.floors_at(lower)
-        parts = self.plan(lower, upper, since_of(start, names), floors, lsn_of(end))
+        try:
+            floors = floors or self.floors_at(lower)
+            parts = self.plan(lower, upper, since, floors, lsn_of(end))
+        except StoreError as exc:  # a pattern query's stream dropped under a statement
+            self.leave_dropped(exc)
+            return self.partitions(start, end)
         return parts or [
             RangePartition(
-                stream=names[0],
+                stream=next(iter(upper), ""),
                 stream_key=0,
                 after=0,
                 through=0,
@@ -499,6 +618,31 @@ class StreamsStreamReader(QueryDriver, DataSourceStreamReader, SupportsTriggerAv
             )
         ]
 
+    def _batch(
+        self, start: dict[str, Any], end: dict[str, Any]
+    ) -> tuple[dict[str, int], dict[str, int], dict[str, int], dict[str, int] | None]:
+        """The batch ``(start, end]``: ``(lower, upper, since, floors at lower)`` of the
+        streams read now. A pattern query's stream that entered with ``end`` (or under another
+        registry id) has nothing in it: its lower is its upper."""
+        if self.subscription is None:
+            names = self.names
+            lower, since, floors, _ = self._state(start, names)
+            return lower, positions_of(end, names), since, floors
+        names = self._carried(end)
+        upper = self._state(end, names)[0]
+        ids_end = ids_of(end)
+        ids_start = ids_of(start)
+        before = self._carried(start)
+        lower_all, since, floors, _ = self._state(start, before)
+        same = [n for n in names if n in lower_all and ids_start.get(n) == ids_end.get(n)]
+        lower = {n: lower_all[n] if n in same else upper[n] for n in names}
+        floors_kept = None if floors is None else {n: f for n, f in floors.items() if n in same}
+        if floors_kept is not None and len(floors_kept) < len(same):
+            floors_kept = None
+        if floors_kept is not None:  # nothing is read of the entering ones: any floor does
+            floors_kept.update({n: 0 for n in names if n not in same})
+        return lower, upper, {n: t for n, t in since.items() if n in same}, floors_kept
+
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, RangePartition)
         return read_partition(partition)
@@ -506,10 +650,12 @@ class StreamsStreamReader(QueryDriver, DataSourceStreamReader, SupportsTriggerAv
     def commit(self, end: dict[str, Any]) -> None:
         if self._fenced:
             return
-        names = self.config.streams
-        positions = positions_of(end, names)
         self.check_offset(end, "committed")
-        floors = floors_of(end, names) or self.floors_at(positions)
+        names = self._carried(end)
+        positions, _, floors, _ = self._state(end, names)
+        floors = floors or self.floors_at(positions)
+        if not names:
+            return
         infos = self.infos()
         commits = [(infos[n], positions[n], floors[n]) for n in names]
         try:
@@ -519,16 +665,32 @@ class StreamsStreamReader(QueryDriver, DataSourceStreamReader, SupportsTriggerAv
                 commits,
                 self.own_group(),
             )
-        except GroupFenced as fenced:
+        except (GroupFenced, StoreError) as exc:
+            if self._dropped_under(exc):  # they leave; the others are committed
+                return self.commit(end)
+            if not isinstance(exc, GroupFenced):
+                raise
+            fenced = exc
             if self.config.group_explicit:
                 raise
             self._fenced = True
             log.warning("%s; this query no longer commits its progress to the group", fenced)
 
+    def _dropped_under(self, failure: BaseException) -> bool:
+        """A pattern query's group commit failed as one does on a stream dropped under it (its
+        group row deleted with it, or its tables gone): did streams leave for it?"""
+        if self.subscription is None:
+            return False
+        if isinstance(failure, GroupFenced):
+            dropped = failure.current is None
+        else:
+            dropped = isinstance(failure, StoreError) and failure.sqlstate in DROPPED_SQLSTATES
+        return dropped and bool(self.drop_gone())
+
     def stop(self) -> None:
         if self._link is not None:
             try:
-                self._link.remove_listener(self, self.config.streams)
+                self._link.remove_listener(self, self.names)
                 self._link.close()
             except Exception:
                 log.debug("closing the Redis link failed", exc_info=True)

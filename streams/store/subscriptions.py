@@ -10,7 +10,7 @@ from ..types import StreamInfo
 from .driver import Commit, Gen, Query
 from .registry import load_streams
 
-__all__ = ["DROPPED_SQLSTATES", "load_listed", "registry_after", "registry_ids"]
+__all__ = ["DROPPED_SQLSTATES", "load_listed", "registry_after", "registry_has", "registry_ids"]
 
 #: What a read of a stream dropped under it fails with: its partition or sequence gone
 #: (undefined_table; a prepared statement names the partition), or the probe's session
@@ -47,3 +47,11 @@ def registry_ids(ids: Sequence[int]) -> Gen[set[int]]:
     rows = yield Query("SELECT id FROM streams_registry WHERE id = ANY(%s)", (list(ids),))
     yield Commit()
     return {int(key) for (key,) in rows}
+
+
+def registry_has(key: int) -> Gen[bool]:
+    """Whether registry id ``key`` still exists (a stream dropped has none), as a plain
+    statement (the int inlined) that any driver runs: a Spark executor over ADBC."""
+    rows = yield Query(f"SELECT 1 FROM streams_registry WHERE id = {int(key)}")
+    yield Commit()
+    return bool(rows)

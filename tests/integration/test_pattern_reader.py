@@ -294,3 +294,32 @@ def test_pattern_reader_arrow_batches(client: Client, unique_name: str) -> None:
         got_new = [(r["stream"], json.loads(r["payload"])) for r in rows]
         assert got_new == [(f"{unique_name}_3", {"s": "new"})]
         assert "pattern=" in repr(reader) and "(3 streams)" in repr(reader)
+
+
+def test_a_thousand_streams_and_ten_created_while_reading(client: Client, unique_name: str) -> None:
+    """Issue 40's case: a pattern reader of 1,000 matching streams (and others that do not
+    match), with 10 more created while it reads: each matching fact exactly once, in order."""
+    old = [f"{unique_name}_m{i:04d}" for i in range(1000)]
+    new = [f"{unique_name}_m{1000 + i:04d}" for i in range(10)]
+    other = [f"{unique_name}_x{i}" for i in range(20)]
+    client.create_streams(old + other)
+    try:
+        for name in old[::50] + other:  # facts on some before it opens
+            _write(client, name, [{"s": name, "n": 0}])
+        seen = Seen()
+        with client.reader(pattern=rf"{unique_name}_m\d+") as reader:
+            assert len(reader.streams) == 1000
+            for epoch in reader.epochs():
+                seen.take(epoch)
+            for name in new:
+                client.create_stream(name)
+                _write(client, name, [{"s": name, "n": 0}, {"s": name, "n": 1}])
+            for name in old[1::100]:
+                _write(client, name, [{"s": name, "n": 0}])
+            expected = {name: [{"s": name, "n": 0}] for name in old[::50] + old[1::100]}
+            expected |= {name: [{"s": name, "n": 0}, {"s": name, "n": 1}] for name in new}
+            asyncio.run(_drain(reader, seen, lambda: seen.payloads == expected, timeout=20.0))
+            assert len(reader.streams) == 1010
+        assert seen.payloads == expected
+    finally:
+        client.drop_streams(old + new + other)
