@@ -12,7 +12,6 @@ partition): facts are read in the streams' own partitions only.
 
 from __future__ import annotations
 
-import datetime as dt
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -22,16 +21,14 @@ from psycopg import sql
 from ..core.constants import facts_partition
 from ..core.staleness import (
     STALE_AFTER_MS,
-    holds_retention,
-    is_stale,
     retention_goal,
-    retention_held,
 )
 from ..types import GroupRow, StreamInfo, StreamPositions, WriterRow
 from ._common import NOW_MS_SQL
 from .driver import Commit, Gen, Query
 from .leases import linear_from, retire_if_allowed
 from .probe import PROBE_CHUNK, held_streams, probe_many
+from .reader_groups import group_row, writer_row
 from .registry import _STREAM_COLUMNS, _stream_from_row
 from .rows import position_before_time
 
@@ -163,15 +160,7 @@ def overview(
     group_rows: dict[int, list[Any]] = {i: [] for i in ids}
     if ids:
         for row in (yield Query(_WRITERS_SQL, {"ids": ids})):
-            writers[int(row[0])][row[1]] = WriterRow(
-                instance=row[1],
-                generation=row[2],
-                position=row[3],
-                retired=row[4],
-                lease_expires_in_ms=row[5],
-                pending=row[6],
-                heartbeat_age_ms=row[7],
-            )
+            writers[int(row[0])][row[1]] = writer_row(row[1:8])
         for row in (yield Query(_GROUPS_SQL, {"ids": ids})):
             group_rows[int(row[0])].append(row)
         yield Commit()
@@ -255,35 +244,16 @@ def _groups(
     found = []
     for row in rows:
         _, name, position, ts_floor, updated_at, idle_ms = row[:6]
-        generation, owner, taken_at, taken_age_ms = row[6:10]
-        position = int(position)
-        ts = oldest.get((info.id, position))
-        holds = holds_retention(position, pruned, goal)
-        idle = max(0, int(idle_ms))
+        ts = oldest.get((info.id, int(position)))
         found.append(
-            GroupRow(
-                stream=info.name,
-                group=name,
-                position=position,
-                ts_floor=int(ts_floor),
-                lag=max(0, linear - position),
-                updated_at=_iso(updated_at),
-                lag_ms=None if ts is None else max(0, now_ms - ts),
-                idle_ms=idle,
-                holds_retention=holds,
-                retention_held_ids=retention_held(position, pruned, goal),
-                stale=is_stale(idle, holds, stale_after_ms),
-                generation=None if generation is None else int(generation),
-                owner=owner,
-                taken_at=None if taken_at is None else _iso(taken_at),
-                taken_age_ms=None if taken_age_ms is None else max(0, int(taken_age_ms)),
+            group_row(
+                info.name, name, int(position), ts_floor, updated_at,
+                None if ts is None else now_ms - ts, idle_ms,
+                linear=linear, pruned=pruned, goal=goal, stale_after_ms=stale_after_ms,
+                taken=row[6:10],
             )
-        )
+        )  # fmt: skip
     return found
-
-
-def _iso(value: dt.datetime) -> str:
-    return value.isoformat()
 
 
 @dataclass(frozen=True, slots=True)

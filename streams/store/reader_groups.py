@@ -316,29 +316,68 @@ def list_groups(
     found = []
     for row in rows:
         name, position, ts_floor, updated_at, lag_ms, idle_ms, _, pruned = row[:8]
-        generation, owner, taken_at, taken_age_ms = row[8:]
-        holds = holds_retention(int(position), int(pruned), goal)
-        idle = max(0, int(idle_ms))
         found.append(
-            GroupRow(
-                stream=info.name,
-                group=name,
-                position=int(position),
-                ts_floor=int(ts_floor),
-                lag=max(0, linear - int(position)),
-                updated_at=updated_at.isoformat(),
-                lag_ms=None if lag_ms is None else max(0, int(lag_ms)),
-                idle_ms=idle,
-                holds_retention=holds,
-                retention_held_ids=retention_held(int(position), int(pruned), goal),
-                stale=is_stale(idle, holds, stale_after_ms),
-                generation=None if generation is None else int(generation),
-                owner=owner,
-                taken_at=None if taken_at is None else taken_at.isoformat(),
-                taken_age_ms=None if taken_age_ms is None else max(0, int(taken_age_ms)),
+            group_row(
+                info.name, name, int(position), ts_floor, updated_at, lag_ms, idle_ms,
+                linear=linear, pruned=int(pruned), goal=goal, stale_after_ms=stale_after_ms,
+                taken=row[8:],
             )
-        )
+        )  # fmt: skip
     return found
+
+
+def group_row(
+    stream: str,
+    group: str,
+    position: int,
+    ts_floor: Any,
+    updated_at: Any,
+    lag_ms: Any,
+    idle_ms: Any,
+    *,
+    linear: int,
+    pruned: int,
+    goal: int | None,
+    stale_after_ms: int,
+    taken: Sequence[Any],
+) -> GroupRow:
+    """A `GroupRow` from what was read of one group (``taken``: its consumer's generation,
+    owner, taken_at and age in ms), with the retention and staleness judgements
+    (`streams.core.staleness`); for `list_groups` and `streams.store.overview`."""
+    generation, owner, taken_at, taken_age_ms = taken
+    holds = holds_retention(position, pruned, goal)
+    idle = max(0, int(idle_ms))
+    return GroupRow(
+        stream=stream,
+        group=group,
+        position=position,
+        ts_floor=int(ts_floor),
+        lag=max(0, linear - position),
+        updated_at=updated_at.isoformat(),
+        lag_ms=None if lag_ms is None else max(0, int(lag_ms)),
+        idle_ms=idle,
+        holds_retention=holds,
+        retention_held_ids=retention_held(position, pruned, goal),
+        stale=is_stale(idle, holds, stale_after_ms),
+        generation=None if generation is None else int(generation),
+        owner=owner,
+        taken_at=None if taken_at is None else taken_at.isoformat(),
+        taken_age_ms=None if taken_age_ms is None else max(0, int(taken_age_ms)),
+    )
+
+
+def writer_row(row: Sequence[Any]) -> WriterRow:
+    """A `WriterRow` from ``(instance, generation, position, retired, lease_expires_in_ms,
+    pending, heartbeat_age_ms)``."""
+    return WriterRow(
+        instance=row[0],
+        generation=row[1],
+        position=row[2],
+        retired=row[3],
+        lease_expires_in_ms=row[4],
+        pending=row[5],
+        heartbeat_age_ms=row[6],
+    )
 
 
 def stream_positions(
@@ -368,19 +407,7 @@ def stream_positions(
     )
     yield Commit()
     max_allocated = int(rows[0][0])
-    writers = {
-        row[1]: WriterRow(
-            instance=row[1],
-            generation=row[2],
-            position=row[3],
-            retired=row[4],
-            lease_expires_in_ms=row[5],
-            pending=row[6],
-            heartbeat_age_ms=row[7],
-        )
-        for row in rows
-        if row[1] is not None
-    }
+    writers = {row[1]: writer_row(row[1:8]) for row in rows if row[1] is not None}
     probes = yield from probe([info])
     groups = yield from list_groups(info, probes[info.name].complete, stale_after_ms=stale_after_ms)
     holders = yield from reservation_lock_holders(info)
