@@ -117,3 +117,23 @@ def assert_image(path: Path) -> None:
         root = ET.fromstring(data)
         assert root.tag == "{http://www.w3.org/2000/svg}svg", root.tag
         assert len(list(root.iter())) > 50  # drawn, not an empty document
+
+
+def partition_parents(url: str) -> dict[str, str]:
+    """Each stream partition's parent (a bucket, or the root)."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT c.relname, p.relname FROM pg_inherits i "
+            "JOIN pg_class c ON c.oid = i.inhrelid JOIN pg_class p ON p.oid = i.inhparent "
+            "WHERE c.relname ~ '^streams_facts_[0-9]+$'"
+        ).fetchall()
+    return {str(child): str(parent) for child, parent in rows}
+
+
+def partition_bound(url: str, relation: str) -> str:
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT pg_get_expr(relpartbound, oid) FROM pg_class WHERE relname = %s", (relation,)
+        ).fetchone()
+    assert row is not None
+    return str(row[0])

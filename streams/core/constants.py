@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Final
 
 __all__ = [
+    "BUCKET_WIDTH",
     "KEYS_INSTANCE",
     "KEY_ROTATION_LOCK",
     "PROOF_GRACE",
@@ -21,6 +22,7 @@ __all__ = [
     "STALE_AFTER",
     "WRITER_LOCK",
     "data_channel",
+    "facts_bucket",
     "facts_partition",
     "instance_channel",
     "proof_channel",
@@ -83,6 +85,18 @@ def instance_channel(prefix: str, instance: str) -> str:
 def facts_partition(stream_key: int) -> str:
     """The name of a stream's partition of ``streams_facts`` (revision ``0006_partitions``)."""
     return f"streams_facts_{int(stream_key)}"
+
+
+#: Consecutive stream IDs whose partitions hang under one partition of ``streams_facts``, a
+#: "bucket" (see `streams.store.registry`, "Layout"): attaching a partition costs in proportion
+#: to its parent's partitions, so a bucket keeps that cost flat at 10^4 streams and more.
+BUCKET_WIDTH = 256
+
+
+def facts_bucket(stream_key: int) -> str:
+    """The name of the bucket (a partition of ``streams_facts``, itself partitioned) that a
+    stream created since revision ``0018_bucketed_partitions`` hangs its partition under."""
+    return f"streams_facts_b{int(stream_key) // BUCKET_WIDTH}"
 
 
 def reservation_lock_class(stream_key: int) -> int:

@@ -258,6 +258,7 @@ ACTIONS: Final = (
     Action("append to stream A", (ADMIN, WRITER, SOME_STREAMS)),
     Action("append to stream B", (ADMIN, WRITER)),
     Action("insert through streams_facts (any stream)", (ADMIN,)),
+    Action("insert through stream B's bucket", (ADMIN,)),
     Action("reserve IDs of stream B (nextval)", (ADMIN, WRITER)),
     Action("set a sequence (setval, back too)", (ADMIN,)),
     Action("repair stream A's sequence forward", (ADMIN, OPERATOR, WRITER, SOME_STREAMS)),

@@ -49,6 +49,7 @@ from .privileges import (
     model_privileges,
 )
 from .roles import SCHEMA, has_prover_schema, model_in_use, oid_sql, scoped_grantees
+from .stream_objects import FACTS_TREE
 
 __all__ = [
     "Finding",
@@ -63,13 +64,26 @@ __all__ = [
 #: Every stream's partition and sequence, as ``(oid, relname, kind)`` rows, from the catalog
 #: (joins, not arrays of names: there may be 10^4 streams). ``kind``: ``partition``, ``sequence``.
 _STREAM_OBJECTS = """
-    SELECT i.inhrelid AS oid, c.relname::text AS relname, 'partition' AS kind
-    FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
-    WHERE i.inhparent = 'streams_facts'::regclass
+    SELECT t.relid AS oid, c.relname::text AS relname, 'partition' AS kind
+    FROM ({FACTS_TREE}) t JOIN pg_class c ON c.oid = t.relid WHERE t.isleaf
     UNION ALL
     SELECT s.oid, s.relname::text, 'sequence' FROM streams_registry r
     JOIN pg_class s ON s.oid = to_regclass(quote_ident(r.sequence_name))
-"""
+""".replace("{FACTS_TREE}", FACTS_TREE)
+
+#: Privileges on a bucket of streams' partitions (`streams.store.registry`, "Layout") held by
+#: PUBLIC, or by anyone but its owner (and its owner's members) beyond reading (a role that
+#: reads every table, as a BI login does, reads the parent anyway): nobody is granted one.
+_BUCKET_GRANTS_SQL = """
+SELECT COALESCE(a.grantee::regrole::text, 'public'), c.relname::text,
+       array_agg(DISTINCT a.privilege_type ORDER BY a.privilege_type)
+FROM ({FACTS_TREE}) t JOIN pg_class c ON c.oid = t.relid
+CROSS JOIN aclexplode(c.relacl) a
+WHERE NOT t.isleaf AND a.grantee <> c.relowner
+  AND (a.grantee = 0 OR (a.privilege_type <> 'SELECT'
+                         AND NOT pg_has_role(a.grantee, c.relowner, 'USAGE')))
+GROUP BY 1, 2 ORDER BY 1, 2
+""".replace("{FACTS_TREE}", FACTS_TREE)
 
 #: The ``search_path`` a function that runs with another role's rights must have.
 PINNED_PATH = "search_path=pg_catalog, pg_temp"
@@ -205,6 +219,16 @@ def overbroad_grants() -> Gen[list[Finding]]:
                 "it can move a reader group without its consumer's token or past max "
                 "allocated, and the group's consumer then skips facts it never consumed "
                 "(group commits go through streams_commit_group)",
+            )
+        )
+    for role, relation, privileges in (yield Query(_BUCKET_GRANTS_SQL)):
+        findings.append(
+            Finding(
+                "PUBLIC" if role == "public" else str(role),
+                str(relation),
+                tuple(privileges),
+                "a bucket reaches the facts of every stream whose partition hangs under it: "
+                "a writer is granted its streams' partitions instead",
             )
         )
     rows = yield Query(_SEQUENCE_SETTERS_SQL, {"definer": DEFINER})

@@ -55,7 +55,7 @@ from .privileges import (
     TABLES,
     WRITER,
 )
-from .stream_objects import StreamObjects, stream_objects
+from .stream_objects import FACTS_TREE, StreamObjects, stream_objects
 
 __all__ = [
     "create_roles",
@@ -124,10 +124,13 @@ def _grant_role(member: str, role: str) -> Query:
     )
 
 
-def _partitions() -> Gen[list[str]]:
+def _partitions(leaves: bool) -> Gen[list[str]]:
+    """The streams' partitions of ``streams_facts`` (``leaves``), or its buckets (see
+    `streams.store.registry`, "Layout")."""
     rows = yield Query(
-        "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
-        "WHERE i.inhparent = 'streams_facts'::regclass ORDER BY c.relname"
+        f"SELECT c.relname FROM ({FACTS_TREE}) t "
+        "JOIN pg_class c ON c.oid = t.relid WHERE t.isleaf = %s ORDER BY c.relname",
+        (leaves,),
     )
     return [str(r[0]) for r in rows]
 
@@ -247,6 +250,7 @@ class _LibraryObjects:
     tables: list[str]
     streams: list[StreamObjects]
     partitions: list[str]
+    buckets: list[str]
     prover: bool
     prover_tables: list[str]
     functions: list[str]
@@ -256,11 +260,14 @@ class _LibraryObjects:
         superuser = yield from _is_superuser()
         tables = yield from _existing(TABLES)
         streams = yield from stream_objects()
-        partitions = yield from _partitions()
+        partitions = yield from _partitions(leaves=True)
+        buckets = yield from _partitions(leaves=False)
         prover = yield from has_prover_schema()
         prover_tables = (yield from _prover_tables()) if prover else []
         functions = yield from _existing_functions()
-        return cls(superuser, tables, streams, partitions, prover, prover_tables, functions)
+        return cls(
+            superuser, tables, streams, partitions, buckets, prover, prover_tables, functions
+        )
 
     @property
     def orphan_partitions(self) -> list[str]:
@@ -269,8 +276,8 @@ class _LibraryObjects:
         return [p for p in self.partitions if p not in known]
 
     def hand_over(self) -> Gen[list[str]]:
-        """Tables, orphan partitions and the prover's schema to the admin (the streams' own
-        objects: `streams_in_batches`)."""
+        """Tables, buckets, orphan partitions and the prover's schema to the admin (the
+        streams' own objects: `streams_in_batches`)."""
         admin = sql.Identifier(ADMIN)
         # A new owner must have CREATE on the schema of what it gets (unless a superuser runs
         # this).
@@ -286,7 +293,7 @@ class _LibraryObjects:
             yield Query(
                 sql.SQL("ALTER SCHEMA {} OWNER TO {}").format(_relation(PROVER_SCHEMA), admin)
             )
-        yield from _own([*self.tables, *self.orphan_partitions, *self.prover_tables])
+        yield from _own([*self.tables, *self.buckets, *self.orphan_partitions, *self.prover_tables])
         return [
             f"{ADMIN} owns {len(self.tables)} tables"
             + (f" and schema {PROVER_SCHEMA}" if self.prover else "")
@@ -321,7 +328,7 @@ class _LibraryObjects:
         """Everything PUBLIC and the granted roles hold on the objects (the definer keeps
         its own EXECUTE on the functions it owns)."""
         everyone = _everyone()
-        objects = [*self.tables, *self.orphan_partitions, *self.prover_tables]
+        objects = [*self.tables, *self.buckets, *self.orphan_partitions, *self.prover_tables]
         yield Query(sql.SQL("REVOKE ALL ON {} FROM {}").format(_relations(objects), everyone))
         relations = yield from _existing(["streams_keys_id_seq", "streams_registry_id_seq"])
         if relations:
@@ -538,16 +545,16 @@ def scoped_grantees() -> Gen[dict[str, list[str]]]:
     rows = yield Query(
         """
         SELECT DISTINCT a.grantee::regrole::text, %(writer)s
-        FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+        FROM ({FACTS_TREE}) t JOIN pg_class c ON c.oid = t.relid
         CROSS JOIN aclexplode(c.relacl) a
-        WHERE i.inhparent = 'streams_facts'::regclass AND a.privilege_type = 'INSERT'
+        WHERE t.isleaf AND a.privilege_type = 'INSERT'
           AND a.grantee <> 0 AND a.grantee <> c.relowner
           AND NOT (a.grantee::regrole::text = ANY(%(model)s))
         UNION
         SELECT g.grantee, %(group_reader)s FROM streams_group_grants g
         WHERE to_regrole(g.grantee) IS NOT NULL
         ORDER BY 1, 2
-        """,
+        """.replace("{FACTS_TREE}", FACTS_TREE),
         {"writer": WRITER, "group_reader": GROUP_READER, "model": [*ROLES, "streams_definer"]},
     )
     found: dict[str, list[str]] = {}

@@ -10,7 +10,22 @@ from dataclasses import dataclass
 from ..core.constants import facts_partition
 from .driver import Gen, Query
 
-__all__ = ["StreamObjects", "stream_objects"]
+__all__ = ["FACTS_TREE", "StreamObjects", "stream_objects"]
+
+#: ``streams_facts``'s partitions as ``(relid, isleaf)`` rows: every stream's partition
+#: (``isleaf``), under the root or under a bucket (`streams.store.registry`, "Layout"), and the
+#: buckets. From the catalog alone: ``pg_partition_tree`` locks every partition it lists, more
+#: locks than PostgreSQL's lock table holds at 10^4 streams.
+FACTS_TREE = """
+    SELECT i.inhrelid AS relid, c.relkind <> 'p' AS isleaf
+    FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+    WHERE i.inhparent = 'streams_facts'::regclass
+    UNION ALL
+    SELECT i.inhrelid, true FROM pg_inherits b
+    JOIN pg_class c ON c.oid = b.inhrelid AND c.relkind = 'p'
+    JOIN pg_inherits i ON i.inhparent = b.inhrelid
+    WHERE b.inhparent = 'streams_facts'::regclass
+"""
 
 
 @dataclass(frozen=True, slots=True)

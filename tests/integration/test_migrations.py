@@ -13,11 +13,12 @@ from urllib.parse import urlsplit, urlunsplit
 import psycopg
 import pytest
 from click.testing import CliRunner
-from helpers import REPO_ROOT
+from helpers import REPO_ROOT, partition_bound, partition_parents
 from servers import create_database, drop_database
 
 import streams
 from streams.command import main
+from streams.core.constants import facts_partition
 from streams.migrate import current_revision, upgrade
 
 TABLES = (
@@ -36,7 +37,7 @@ TABLES = (
     "streams_writers",
 )
 VERSION_TABLE = "streams_alembic_version"
-HEAD = "0017_repair_own_partition"
+HEAD = "0018_bucketed_partitions"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,3 +277,34 @@ def test_a_role_model_database_keeps_working_across_revision_0015(
         with psycopg.connect(postgres_admin_url, autocommit=True) as conn:
             for role in (writer, reader):
                 conn.execute(f"DROP ROLE IF EXISTS {role}")
+
+
+def test_a_database_from_before_buckets_keeps_its_streams_at_the_root_beside_new_ones(
+    empty_database: str,
+) -> None:
+    """Streams attached to the root (revision 0017: the downgrade puts every partition back)
+    stay there after the upgrade; new streams of the same ID range go to a bucket that starts
+    after them; both kinds write, read and drop."""
+    url = empty_database
+    _alembic(url, "upgrade", "head")
+    with streams.connect(url) as client:
+        client.create_streams(["old1", "old2"])
+        with client.writer("old1") as writer:
+            writer.append({"old": 1})
+    _alembic(url, "downgrade", "0017_repair_own_partition")  # puts them under the root
+    flat = partition_parents(url)
+    assert set(flat.values()) == {"streams_facts"}, flat
+    with psycopg.connect(url, autocommit=True) as conn:
+        assert conn.execute("SELECT to_regclass('streams_facts_b0')").fetchone() == (None,)
+    upgrade(url)
+    with streams.connect(url) as client:
+        new = client.create_stream("new")
+        assert partition_parents(url) == {**flat, facts_partition(new.id): "streams_facts_b0"}
+        assert partition_bound(url, "streams_facts_b0").startswith(f"FOR VALUES IN ({new.id},")
+        for name in ("old1", "old2", "new"):
+            with client.writer(name) as writer:
+                writer.append({"name": name})
+        with client.reader("old1") as reader:
+            assert [f.payload for f in reader.facts()] == [{"old": 1}, {"name": "old1"}]
+        assert client.drop_streams(["old2", "new"]) == ["old2", "new"]
+        assert set(partition_parents(url)) == {facts_partition(client.stream("old1").id)}

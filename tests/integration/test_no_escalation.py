@@ -35,6 +35,7 @@ from servers import create_database, database_name, drop_database
 
 import streams
 from streams.command import main
+from streams.core.constants import facts_bucket
 from streams.migrate import upgrade
 from streams.store.privileges import ACTIONS, LOGINS, NOBODY, SOME_GROUPS, SOME_STREAMS
 
@@ -527,8 +528,10 @@ def test_nobody_calls_a_definer_function(setup: Setup) -> None:
 
 def test_roles_check_finds_what_an_attacker_would_use(setup: Setup) -> None:
     """A definer function left unpinned, executable by PUBLIC and owned by a superuser;
-    UPDATE on a stream's sequence; a raw write on the groups' table; INSERT on the parent."""
+    UPDATE on a stream's sequence; a raw write on the groups' table; INSERT on the parent;
+    INSERT on a bucket (the partition of the parent that the victim's partition hangs under)."""
     helper = setup.names["nobody"]
+    bucket = facts_bucket(setup.victim)
     with psycopg.connect(setup.url, autocommit=True) as conn:
         conn.execute(
             "CREATE FUNCTION public.app_helper() RETURNS int LANGUAGE sql SECURITY DEFINER "
@@ -537,6 +540,7 @@ def test_roles_check_finds_what_an_attacker_would_use(setup: Setup) -> None:
         conn.execute(f"GRANT UPDATE ON SEQUENCE streams_seq_{setup.victim} TO {helper}")
         conn.execute(f"GRANT UPDATE (position) ON streams_reader_groups TO {helper}")
         conn.execute(f"GRANT INSERT ON streams_facts TO {helper}")
+        conn.execute(f"GRANT INSERT, SELECT, TRIGGER ON {bucket} TO {helper}")
         try:
             code, out = _cli("roles", "check", "--database-url", setup.url)
             assert code == 1, out
@@ -545,6 +549,7 @@ def test_roles_check_finds_what_an_attacker_would_use(setup: Setup) -> None:
             assert f"{helper} may UPDATE 1 stream sequence(s)" in out, out
             assert f"{helper} may UPDATE streams_reader_groups" in out, out
             assert f"{helper} may INSERT streams_facts" in out, out
+            assert f"{helper} may INSERT, TRIGGER {bucket}: a bucket reaches" in out, out
             code, doctor = _cli("doctor", "--database-url", setup.url)
             assert "app_helper" in doctor, doctor
         finally:
@@ -552,6 +557,7 @@ def test_roles_check_finds_what_an_attacker_would_use(setup: Setup) -> None:
             conn.execute(f"REVOKE ALL ON SEQUENCE streams_seq_{setup.victim} FROM {helper}")
             conn.execute(f"REVOKE ALL ON streams_reader_groups FROM {helper}")
             conn.execute(f"REVOKE ALL ON streams_facts FROM {helper}")
+            conn.execute(f"REVOKE ALL ON {bucket} FROM {helper}")
     code, out = _cli("roles", "check", "--database-url", setup.url)
     assert code == 0, out
 
@@ -614,6 +620,9 @@ def _statements(action: str, a: int, b: int, last_b: int) -> list[str]:
         ],
         "insert through streams_facts (any stream)": [
             f"INSERT INTO streams_facts {row} VALUES ({b}, 1000000000, 0, 'matrix', 0, '{{}}')"
+        ],
+        "insert through stream B's bucket": [
+            f"INSERT INTO {facts_bucket(b)} {row} VALUES ({b}, 1000000001, 0, 'matrix', 0, '{{}}')"
         ],
         "reserve IDs of stream B (nextval)": [f"SELECT nextval('streams_seq_{b}')"],
         "set a sequence (setval, back too)": [f"SELECT setval('streams_seq_{b}', {last_b})"],

@@ -13,22 +13,24 @@ from urllib.parse import urlsplit
 
 import psycopg
 import pytest
+from helpers import partition_bound, partition_parents
 from servers import create_database, drop_database
 
 import streams
 from streams import Client
-from streams.core.constants import facts_partition
+from streams.core.constants import facts_bucket, facts_partition
 from streams.migrate import upgrade
 from streams.store.driver import run
 from streams.store.registry import drop_stream
+from streams.store.stream_objects import FACTS_TREE
 
 
 def _partition_of(url: str, stream: str) -> str | None:
     with psycopg.connect(url, autocommit=True) as conn:
         row = conn.execute(
-            "SELECT i.inhrelid::regclass::text FROM pg_inherits i "
-            "JOIN streams_registry r ON i.inhrelid = to_regclass('streams_facts_' || r.id) "
-            "WHERE i.inhparent = 'streams_facts'::regclass AND r.name = %s",
+            f"SELECT t.relid::regclass::text FROM ({FACTS_TREE}) t "
+            "JOIN streams_registry r ON t.relid = to_regclass('streams_facts_' || r.id) "
+            "WHERE t.isleaf AND r.name = %s",
             (stream,),
         ).fetchone()
     return None if row is None else str(row[0])
@@ -163,7 +165,90 @@ def test_a_sequence_repair_opens_only_its_streams_partition(
             conn.execute("SELECT streams_repair_sequence(%s, NULL)", (info.id,))
         rows = conn.execute(
             "SELECT c.relname FROM pg_locks l JOIN pg_class c ON c.oid = l.relation "
-            "JOIN pg_inherits i ON i.inhrelid = c.oid "
-            "WHERE l.pid = pg_backend_pid() AND i.inhparent = 'streams_facts'::regclass"
+            f"JOIN ({FACTS_TREE}) t ON t.relid = c.oid "
+            "WHERE l.pid = pg_backend_pid()"
         ).fetchall()
     assert {r[0] for r in rows} <= {facts_partition(info.id)}, rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Buckets (revision 0018): a stream's partition hangs under the bucket of its ID
+
+
+@pytest.fixture
+def bucket_url(postgres_admin_url: str) -> Iterator[str]:
+    url = create_database(postgres_admin_url, prefix="streams_bucket")
+    upgrade(url)
+    yield url
+    drop_database(postgres_admin_url, urlsplit(url).path.lstrip("/"))
+
+
+def test_partitions_hang_under_the_bucket_of_their_id_across_a_bucket_boundary(
+    bucket_url: str,
+) -> None:
+    """IDs 253-258 in one transaction: the end of bucket 0 (which lists its IDs from its first
+    stream on) and the start of bucket 1; a later stream reuses its bucket; every stream is
+    written and read, through its partition and through the root; a drop detaches from the
+    bucket and leaves the others alone."""
+    with psycopg.connect(bucket_url, autocommit=True) as conn:
+        conn.execute("SELECT setval(pg_get_serial_sequence('streams_registry', 'id'), 252)")
+    names = [f"s{n}" for n in range(6)]
+    with streams.connect(bucket_url) as client:
+        ids = [created.info.id for created in client.create_streams(names)]
+        assert ids == list(range(253, 259))
+        assert facts_bucket(255) == "streams_facts_b0" and facts_bucket(256) == "streams_facts_b1"
+        assert partition_parents(bucket_url) == {facts_partition(i): facts_bucket(i) for i in ids}
+        first, second = (partition_bound(bucket_url, f"streams_facts_b{b}") for b in (0, 1))
+        assert first == "FOR VALUES IN (253, 254, 255)"
+        assert second.startswith("FOR VALUES IN (256, 257,") and second.endswith(", 511)")
+        later = client.create_stream("later")
+        assert partition_parents(bucket_url)[facts_partition(later.id)] == "streams_facts_b1"
+        for name in [*names, "later"]:
+            with client.writer(name) as writer:
+                writer.append_batch([{"stream": name, "n": n} for n in range(3)])
+        for name in [*names, "later"]:
+            with client.reader(name) as reader:
+                assert [f.payload for f in reader.facts()] == [
+                    {"stream": name, "n": n} for n in range(3)
+                ]
+        with psycopg.connect(bucket_url, autocommit=True) as conn:
+            rows = conn.execute(
+                "SELECT tableoid::regclass::text, count(*) FROM streams_facts "
+                "WHERE stream = ANY(%s) GROUP BY 1",
+                ([*ids, later.id],),
+            ).fetchall()
+        assert dict(rows) == {facts_partition(i): 3 for i in [*ids, later.id]}
+        assert client.drop_streams(["s2", "s3"]) == ["s2", "s3"]
+        parents = partition_parents(bucket_url)
+        assert facts_partition(255) not in parents and facts_partition(256) not in parents
+        assert len(parents) == 5
+        with client.reader("s4") as reader:
+            assert len(list(reader.facts())) == 3
+        # The last stream of a bucket takes the bucket with it; a bucket left detached by an
+        # interrupted drop is made anew by the next stream of its range.
+        client.drop_streams(["s0", "s1"])
+        assert _relation_exists(bucket_url, "streams_facts_b0") is False
+        client.drop_streams(["s4", "s5", "later"])
+        assert _relation_exists(bucket_url, "streams_facts_b1") is False
+        with psycopg.connect(bucket_url, autocommit=True) as conn:
+            conn.execute(
+                "CREATE TABLE streams_facts_b1 (LIKE streams_facts INCLUDING DEFAULTS "
+                "INCLUDING CONSTRAINTS) PARTITION BY LIST (stream)"
+            )
+        again = client.create_stream("again")
+        assert partition_parents(bucket_url) == {facts_partition(again.id): "streams_facts_b1"}
+        assert partition_bound(bucket_url, "streams_facts_b1").startswith(
+            f"FOR VALUES IN ({again.id},"
+        )
+        with client.writer("again") as writer:
+            writer.append({"again": True})
+        with psycopg.connect(bucket_url, autocommit=True) as conn:
+            assert conn.execute("SELECT count(*) FROM streams_facts").fetchone() == (1,)
+        client.drop_streams(["again"])
+        assert _relation_exists(bucket_url, "streams_facts_b1") is False
+
+
+def _relation_exists(url: str, name: str) -> bool:
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (name,)).fetchone()
+    return bool(row and row[0])

@@ -19,8 +19,9 @@ import pytest
 
 import streams
 from streams import Client
-from streams.core.constants import facts_partition
+from streams.core.constants import facts_bucket, facts_partition
 from streams.store import driver
+from streams.store.stream_objects import FACTS_TREE
 
 #: Statements that cannot be replayed outside the call that sent them (they name a
 #: transaction's own state, a cursor, or are pipelined text of the simple protocol).
@@ -57,15 +58,16 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[Any, Any]]]
 
 
 def _partitions_locked(conn: psycopg.Connection[Any]) -> set[str]:
+    """The streams' partitions and buckets this session holds a lock on."""
     rows = conn.execute(
         "SELECT c.relname FROM pg_locks l JOIN pg_class c ON c.oid = l.relation "
-        "JOIN pg_inherits i ON i.inhrelid = c.oid "
-        "WHERE l.pid = pg_backend_pid() AND i.inhparent = 'streams_facts'::regclass"
+        f"JOIN ({FACTS_TREE}) t ON t.relid = c.oid "
+        "WHERE l.pid = pg_backend_pid()"
     ).fetchall()
     return {str(r[0]) for r in rows}
 
 
-def _replay(url: str, statements: list[tuple[Any, Any]], own: str) -> dict[str, set[str]]:
+def _replay(url: str, statements: list[tuple[Any, Any]], own: set[str]) -> dict[str, set[str]]:
     """Each statement that reads ``streams_facts`` (or a function that does), replayed under
     both plan modes: the foreign partitions it locked, by statement."""
     found: dict[str, set[str]] = {}
@@ -81,7 +83,7 @@ def _replay(url: str, statements: list[tuple[Any, Any]], own: str) -> dict[str, 
                     conn.execute(f"SET LOCAL plan_cache_mode = {mode}")
                     for _ in range(2):  # the second execution runs the prepared plan
                         conn.execute(text, params, prepare=True)
-                    foreign = _partitions_locked(conn) - {own}
+                    foreign = _partitions_locked(conn) - own
                 except psycopg.Error:
                     foreign = set()
                 conn.rollback()
@@ -103,7 +105,8 @@ def test_calls_about_one_stream_lock_only_its_partition(
     try:
         stream = unique_name
         client.create_stream(stream)
-        own = facts_partition(client.stream(stream).id)
+        key = client.stream(stream).id
+        own = {facts_partition(key), facts_bucket(key)}  # a delete through the root: both
         recorded.clear()
         with client.writer(stream) as writer:
             writer.append({"n": 1})

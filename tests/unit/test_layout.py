@@ -81,7 +81,7 @@ TABLES = (
     "streams_writers",
 )
 VERSION_TABLE = "streams_alembic_version"
-HEAD = "0017_repair_own_partition"
+HEAD = "0018_bucketed_partitions"
 
 
 # ---------------------------------------------------------------------------------------------
