@@ -21,7 +21,7 @@ from ..cli_params import DURATION, GROUP_NAME, MAX_ID, STREAM_NAME, common_optio
 from ..client import connect
 from ..core.staleness import STALE_AFTER_MS
 from .render import Table, age, print_tables
-from .view_options import LIKE_PATTERN
+from .view_options import LIKE_PATTERN, TABLE_PAGE, limited_note, page
 
 __all__ = ["groups"]
 
@@ -53,7 +53,12 @@ def groups() -> None:
     metavar="PATTERN",
     help="Only streams whose name matches this SQL LIKE pattern ('%' any text).",
 )
-@click.option("--limit", type=click.IntRange(1, MAX_ID), help="Show the first N groups only.")
+@click.option(
+    "--limit",
+    type=click.IntRange(0, MAX_ID),
+    help=f"Show the first N groups only (0: all). A table shows the first {TABLE_PAGE} unless "
+    "given; --json lists all unless given.",
+)
 @click.option(
     "--sort",
     type=click.Choice(["name", "lag"]),
@@ -90,7 +95,7 @@ def groups_list(
     if sort == "lag":
         rows.sort(key=lambda r: (-r["lag"], r["stream"], r["group"]))
     matched = len(rows)
-    rows = rows[:limit]
+    rows = rows[: page(limit, as_json)]
     if as_json:
         click.echo(json.dumps(rows, sort_keys=True, separators=(",", ":")))
         return
@@ -110,7 +115,7 @@ def groups_list(
         )  # fmt: skip
     print_tables([table], sys.stdout, terminal=sys.stdout.isatty())
     if len(rows) < matched:
-        click.echo(f"(first {len(rows)} of {matched} groups shown: --limit)")
+        click.echo(limited_note(len(rows), matched, "groups"))
 
 
 @groups.command(name="delete")

@@ -18,7 +18,7 @@ from ..store.overview import Sort
 from ..types import StreamPositions
 from .render import Table, positions_tables, print_tables, render_plain, rich_renderable
 from .shared import STALE_AFTER, emit, open_client, stdout_is_terminal
-from .view_options import truncation_note, view_options
+from .view_options import limited_note, page, truncation_note, view_options
 
 __all__ = ["positions", "writers", "writers_prune"]
 
@@ -43,7 +43,7 @@ def _read_positions(
     if sort == "lag":
         items.sort(key=lambda p: (-max((g.lag for g in p.groups), default=0), p.stream))
     if limit is not None and len(items) > limit:
-        return items[:limit], f"(first {limit} of {len(items)} streams shown: --limit)"
+        return items[:limit], limited_note(limit, len(items))
     return items, None
 
 
@@ -85,7 +85,8 @@ def positions(
     writers folded unless --all)."""
     if streams and like is not None:
         raise click.UsageError("give STREAMS or --like, not both")
-    view: _View = (like, limit, sort)
+    # Streams named on the command line are all shown, whatever their number.
+    view: _View = (like, limit if streams else page(limit, as_json), sort)
     if from_redis:
         _positions_from_redis(streams, redis_url, prefix, as_json)
         return

@@ -21,7 +21,7 @@ from ..store.retention import PRUNE_BATCH
 from ..types import StreamSpec
 from .render import format_duration_ms
 from .shared import emit, open_client
-from .view_options import LIKE_PATTERN, truncation_note, view_options
+from .view_options import LIKE_PATTERN, page, truncation_note, view_options
 
 __all__ = ["create", "drop", "key_window", "list_", "prune_", "retention", "tables"]
 
@@ -366,7 +366,7 @@ def list_(
     """List streams with their linear position, max allocated ID, live writers, reader groups
     and their largest lag (all streams at once, whatever their number)."""
     with open_client(database_url, redis_url, prefix) as client:
-        found = client.overview(like, limit=limit, sort=sort)
+        found = client.overview(like, limit=page(limit, as_json), sort=sort)
     data = [
         {
             **s.info.as_dict(),

@@ -12,7 +12,11 @@ import click
 from ..cli_params import MAX_ID
 from ..store.overview import Overview
 
-__all__ = ["LIKE_PATTERN", "truncation_note", "view_options"]
+__all__ = ["LIKE_PATTERN", "TABLE_PAGE", "limited_note", "page", "truncation_note", "view_options"]
+
+#: Rows a table shows when ``--limit`` is not given: a person reads a page (and at 10^4
+#: streams a name-sorted page reads only its streams' sequences); ``--json`` lists all.
+TABLE_PAGE = 100
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -45,7 +49,10 @@ def view_options(func: F) -> F:
         help="By stream name, or by lag (the largest reader-group lag first).",
     )(func)
     func = click.option(
-        "--limit", type=click.IntRange(1, MAX_ID), help="Show the first N streams only."
+        "--limit",
+        type=click.IntRange(0, MAX_ID),
+        help=f"Show the first N streams only (0: all). A table shows the first {TABLE_PAGE} "
+        "unless given; --json lists all unless given.",
     )(func)
     func = click.option(
         "--like",
@@ -57,8 +64,24 @@ def view_options(func: F) -> F:
     return func
 
 
+def page(limit: int | None, as_json: bool) -> int | None:
+    """The limit a listing applies (None: all): ``--limit`` as given (0: all), else a page of
+    `TABLE_PAGE` for a table and everything for JSON."""
+    if limit is None:
+        return None if as_json else TABLE_PAGE
+    return limit or None
+
+
 def truncation_note(found: Overview, what: str = "streams") -> str | None:
-    """The line a human table ends with when ``--limit`` cut it short (None: it did not)."""
+    """The line a human table ends with when a limit cut it short (None: it did not)."""
     if not found.truncated:
         return None
-    return f"(first {len(found.streams)} of {found.matched} {what} shown: --limit)"
+    return limited_note(len(found.streams), found.matched, what)
+
+
+def limited_note(shown: int, matched: int, what: str = "streams") -> str:
+    """What a table cut short ends with, and how to see the rest."""
+    return (
+        f"(first {shown:,} of {matched:,} {what} shown: --limit N or --limit 0 for more, "
+        "--like PATTERN to choose)"
+    )

@@ -6,6 +6,13 @@ from collections.abc import Iterable
 
 NOW_MS_SQL = "(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
 
+#: The server's timeline: the one WAL is written on (a primary), the last checkpoint's (a
+#: standby, which writes no WAL).
+TIMELINE_SQL = """CASE WHEN pg_is_in_recovery()
+            THEN (SELECT c.timeline_id FROM pg_control_checkpoint() c)::bigint
+            ELSE ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint
+       END"""
+
 #: Session setting (plus the stream's registry id) where `probe` leaves the complete position.
 COMPLETE_SETTING = "streams.complete_"
 

@@ -1,9 +1,9 @@
 """After a failover: does the new primary hold what a role saw (`streams.core.sightings`)?
 
 `check_sighting` runs on a role's first session on a new timeline, before anything else, and
-reads which of the fact IDs the role remembers are still there; `fence_timeline` moves every
-sequence forward once per timeline; `failover_report` and `repair_sequences` are the operator's
-``streams failover check|repair``.
+reads which of the fact IDs the role remembers are still there; `fence_stream` moves a
+stream's sequence forward once per timeline; `failover_report` and `repair_sequences` are the
+operator's ``streams failover check|repair``.
 
 The argument: docs/design/fencing.md ("After a failover: the timeline fence").
 """
@@ -28,7 +28,7 @@ __all__ = [
     "FailoverStream",
     "check_sighting",
     "failover_report",
-    "fence_timeline",
+    "fence_stream",
     "repair_sequences",
     "replicated",
     "switchpoint",
@@ -227,17 +227,19 @@ def replicated() -> Gen[None]:
     yield Commit()
 
 
-#: IDs every stream's sequence moves forward on a new timeline (`fence_timeline`): more than an
+#: IDs a stream's sequence moves forward on a new timeline (`fence_stream`): more than an
 #: old primary hands out in any replication lag seen in practice (10 minutes at 1,600 IDs/s).
 FAILOVER_SKIP = 1_000_000
 
 
-def fence_timeline(skip: int = FAILOVER_SKIP, *, commit: bool = True) -> Gen[int]:
-    """On a writer's new session on a timeline not yet fenced (a failover): move every
-    stream's sequence ``skip`` IDs forward, once per timeline. Returns how many moved (0: none
-    to do). ``commit=False``: inside the caller's transaction (`WriterCore.reserve_fact`).
-    Why: docs/design/fencing.md ("The timeline fence")."""
-    rows = yield Query(f"SELECT streams_fence_timeline({int(skip)})")
+def fence_stream(stream_key: int, skip: int = FAILOVER_SKIP, *, commit: bool = True) -> Gen[int]:
+    """On a writer's new session: if the stream was last fenced on an older timeline (a
+    failover since), move its sequence ``skip`` IDs forward, once per timeline (revision
+    0019: the stream's own row and sequence, whatever the number of streams). Returns the
+    sequence's new value (0: nothing to do). ``commit=False``: inside the caller's
+    transaction (`streams.store.joined_facts`). Why: docs/design/fencing.md ("The timeline
+    fence")."""
+    rows = yield Query("SELECT streams_fence_stream(%s, %s)", (int(stream_key), int(skip)))
     if commit:
         yield Commit()
     return int(rows[0][0]) if rows and rows[0][0] is not None else 0

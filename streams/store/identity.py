@@ -24,6 +24,7 @@ from ..core.incarnation import Guard, Incarnation, same_history, written_elsewhe
 from ..core.sightings import Sighting
 from ..core.standby_fence import format_lsn
 from ..errors import DatabaseChanged, FailoverLoss, SchemaNotReady, StoreError, UsageError
+from ._common import TIMELINE_SQL
 from .driver import Commit, Gen, Query, Row
 from .failover import check_sighting, switchpoint
 
@@ -42,12 +43,6 @@ __all__ = [
     "verify",
 ]
 
-#: The server's timeline: the one WAL is written on (a primary), the last checkpoint's (a
-#: standby, which writes no WAL).
-TIMELINE_SQL = """CASE WHEN pg_is_in_recovery()
-            THEN (SELECT c.timeline_id FROM pg_control_checkpoint() c)::bigint
-            ELSE ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint
-       END"""
 
 #: The primary's durable WAL position (flushed: a crash recovers at least that far, so only a
 #: rewind of the data directory puts it lower on the same timeline: `Guard`); NULL on a standby.

@@ -19,7 +19,7 @@ from ..core.timestamps import validate_client_timestamp
 from ..errors import FailoverLoss
 from ..types import Ack
 from .driver import Commit, CopyIn, Gen, Query
-from .failover import FAILOVER_SKIP, check_sighting, fence_timeline
+from .failover import FAILOVER_SKIP, check_sighting, fence_stream
 from .idempotency import check_keys, held, read_originals
 from .identity import TIMELINE_SQL
 from .writer_state import WriterState
@@ -84,7 +84,7 @@ def reserve_fact(
 
     ``fence``: the caller's session is new to this writer, and may be the first on a new
     timeline (a failover), before any session of the writer's own: fence the timeline
-    first (`streams.store.failover.fence_timeline`), in the caller's transaction, so no ID
+    first (`streams.store.failover.fence_stream`), in the caller's transaction, so no ID
     the old timeline may have handed out is handed out again here. Its ``setval`` took
     effect before the reservation's statement began, which therefore draws past it.
     """
@@ -118,11 +118,11 @@ def _fence_callers_session(core: WriterState) -> Gen[None]:
     named (`FailoverLoss`, failing the caller's transaction) before anything is
     acknowledged there. The writer's own next session checks again: its timeline is left
     as it was."""
-    moved = yield from fence_timeline(commit=False)
+    moved = yield from fence_stream(core.info.id, commit=False)
     if moved:
         log.warning(
-            "a new timeline (a failover), first seen on a caller's session: moved %d "
-            "stream sequences %d IDs forward", moved, FAILOVER_SKIP,
+            "a new timeline (a failover), first seen on a caller's session: moved stream %r's "
+            "sequence %d IDs forward (to %d)", core.info.name, FAILOVER_SKIP, moved,
         )  # fmt: skip
     rows = yield Query(f"SELECT {TIMELINE_SQL}")
     seen = core.sighting.timeline

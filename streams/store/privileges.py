@@ -174,7 +174,7 @@ MODEL: Final[dict[str, tuple[Grant, ...]]] = {
             ),
         ),
         ("SELECT (stream, stream_id)", ("streams_facts",)),
-        ("UPDATE (fenced_timeline)", ("streams_incarnation",)),
+        ("UPDATE (fenced_timeline)", ("streams_incarnation", "streams_registry")),
         ("INSERT, UPDATE", _GROUPS),
     ),
 }
@@ -193,11 +193,12 @@ STREAM_PRIVILEGES: Final[dict[str, tuple[str | None, str]]] = {
     DEFINER: ("SELECT (stream, stream_id)", "SELECT, UPDATE"),
 }
 
-#: The functions of revision 0015 that run with their owner's (``streams_definer``) rights,
-#: by signature, and who executes each (nobody else: not PUBLIC).
+#: The functions of revisions 0015 and 0019 that run with their owner's (``streams_definer``)
+#: rights, by signature, and who executes each (nobody else: not PUBLIC).
 DEFINER_FUNCTIONS: Final[dict[str, tuple[str, ...]]] = {
     "streams_timeline_switchpoint(bigint)": ROLES,
     "streams_fence_timeline(bigint)": (ADMIN, OPERATOR, WRITER),
+    "streams_fence_stream(integer, bigint)": (ADMIN, OPERATOR, WRITER),
     "streams_repair_sequence(integer, bigint)": (ADMIN, OPERATOR, WRITER),
     "streams_open_group(text, integer[], text)": (ADMIN, GROUP_READER),
     "streams_commit_group(text, integer[], bigint[], bigint[], bigint[], bigint[], uuid[], "
@@ -264,6 +265,8 @@ ACTIONS: Final = (
     Action("repair stream A's sequence forward", (ADMIN, OPERATOR, WRITER, SOME_STREAMS)),
     Action("fence a new timeline (bounded skip)", (ADMIN, OPERATOR, WRITER, SOME_STREAMS)),
     Action("fence with a negative skip", ()),
+    Action("fence stream A (bounded skip)", (ADMIN, OPERATOR, WRITER, SOME_STREAMS)),
+    Action("fence stream B (bounded skip)", (ADMIN, OPERATOR, WRITER)),
     Action("register a writer of stream B", (ADMIN, WRITER)),
     Action("retire stream B's writers", (ADMIN, OPERATOR, PROVER, WRITER)),
     Action("commit group g (token, bound)", (ADMIN, GROUP_READER, SOME_GROUPS)),

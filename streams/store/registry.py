@@ -34,11 +34,12 @@ from ..types import (
     StreamInfo,
     StreamSpec,
 )
+from ._common import TIMELINE_SQL
 from .driver import Autocommit, Commit, Gen, Query
 from .roles import grant_streams, owner_to_create_as
 from .stream_objects import StreamObjects
 
-ALEMBIC_HEAD = "0018_bucketed_partitions"
+ALEMBIC_HEAD = "0019_stream_fences"
 
 _STREAM_COLUMNS = (
     "id, name, sequence_name, timestamping, uncapped, retention_ms, fact_tables, key_window_ms"
@@ -169,10 +170,10 @@ def create_streams(specs: Sequence[StreamSpec], *, exist_ok: bool = True) -> Gen
             f"""
             INSERT INTO streams_registry
                 (id, name, sequence_name, timestamping, uncapped, retention_ms, fact_tables,
-                 key_window_ms)
+                 key_window_ms, fenced_timeline)
             OVERRIDING SYSTEM VALUE
-            SELECT * FROM unnest(%s::bigint[], %s::text[], %s::text[], %s::text[], %s::bool[],
-                                 %s::bigint[], %s::jsonb[], %s::bigint[])
+            SELECT *, ({TIMELINE_SQL}) FROM unnest(%s::bigint[], %s::text[], %s::text[],
+                %s::text[], %s::bool[], %s::bigint[], %s::jsonb[], %s::bigint[])
             RETURNING {_STREAM_COLUMNS}
             """,
             (
@@ -189,6 +190,8 @@ def create_streams(specs: Sequence[StreamSpec], *, exist_ok: bool = True) -> Gen
                 ],
             ),
         )
+        # fenced_timeline: a new stream's sequence handed out nothing on an older timeline
+        # (revision 0019, docs/design/fencing.md).
         infos = sorted((_stream_from_row(row) for row in rows), key=lambda i: i.id)
         # Synapse's pitfall: a fresh sequence's START value is not "allocated" until nextval is
         # called (pg_sequence_last_value() is NULL until then), so nothing may assume ID 1

@@ -23,9 +23,9 @@ from ..core.constants import facts_partition
 from ..core.payloads import encode_payload
 from ..core.positions import PositionTracker, ReservationToken
 from ..errors import UsageError
-from ..types import Ack, FactChunk
+from ..types import Ack, FactChunk, StreamInfo
 from .driver import Autocommit, Commit, CopyIn, Gen, Pipeline, Query, Row
-from .failover import FAILOVER_SKIP, fence_timeline
+from .failover import FAILOVER_SKIP, fence_stream
 from .idempotency import check_keys
 from .identity import verify
 from .joined_facts import (
@@ -78,6 +78,7 @@ class WriterCore(WriterState):
            often it restarts within its lease. A new name is seeded at the linear position.
         """
         info = yield from load_stream(self.stream_name)
+        yield from self._fence(info, commit=False)
         # A previous process of this name that froze in a transaction would make step 2 wait
         # for ever: once its lease has expired, its sessions are ended first.
         yield from end_expired_sessions(info, self.instance)
@@ -156,6 +157,18 @@ class WriterCore(WriterState):
         self.fenced = False
         self._statements = prepare_statements(info, self._tcp_settings())
 
+    def _fence(self, info: StreamInfo, *, commit: bool) -> Gen[None]:
+        """Before anything is reserved on a session: on a new timeline (a failover), move the
+        stream's sequence past the IDs the old primary may have handed out (once per stream
+        and timeline: `streams.store.failover.fence_stream`)."""
+        moved = yield from fence_stream(info.id, commit=commit)
+        if moved:
+            log.warning(
+                "a new timeline (a failover): moved stream %r's sequence %d IDs forward (to "
+                "%d), past IDs the old primary may have handed out",
+                info.name, FAILOVER_SKIP, moved,
+            )  # fmt: skip
+
     def opening(self, *, first: bool = False) -> Gen[None]:
         """What a new session of the writer runs first: `configure_session`; on the writer's
         first, `register` too. Run afresh when the session is lost under it
@@ -177,13 +190,8 @@ class WriterCore(WriterState):
             self.sighting,
             "facts acknowledged to this writer",
         )
-        moved = yield from fence_timeline()
-        if moved:
-            log.warning(
-                "a new timeline (a failover): moved %d stream sequences %d IDs forward, past IDs "
-                "the old primary may have handed out",
-                moved, FAILOVER_SKIP,
-            )  # fmt: skip
+        if self._info is not None:  # the first session fences in `register`
+            yield from self._fence(self._info, commit=True)
         settings = self._tcp_settings()
         yield Query(
             sql.SQL(

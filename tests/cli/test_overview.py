@@ -19,6 +19,7 @@ from streams import Client
 from streams.command import main
 from streams.config import Settings
 from streams.metrics import DatabaseCollector
+from streams.ops.view_options import TABLE_PAGE
 
 # Figures that move between two reads (clocks, ages): left out of the comparison.
 _MOVING = {
@@ -104,14 +105,14 @@ def test_list_positions_and_groups_take_like_limit_and_sort(
     assert {"linear", "max_allocated", "timestamping", "writers", "groups"} <= set(listed[0])
     text = ok(cli(streams_url, "list", "--like", like, "--limit", "2"))
     assert a in text and b in text and c not in text
-    assert "(first 2 of 4 streams shown: --limit)" in text
+    assert "(first 2 of 4 streams shown: --limit N or --limit 0 for more" in text
     shown = json.loads(
         ok(cli(streams_url, "positions", "--json", "--like", like, "--sort", "lag", "--limit", "1"))
     )
     assert [p["stream"] for p in shown] == [b]
     assert shown[0]["groups"]["g"]["lag"] == 3
     text = ok(cli(streams_url, "positions", "--like", like, "--limit", "3"))
-    assert "(first 3 of 4 streams shown: --limit)" in text
+    assert "(first 3 of 4 streams shown: --limit N or --limit 0 for more" in text
     assert cli(streams_url, "positions", a, "--like", like).exit_code == 2
     groups = json.loads(ok(cli(streams_url, "groups", "list", "--json", "--like", like)))
     assert [(g["stream"], g["lag"]) for g in groups] == [(b, 3), (c, 1)]
@@ -121,7 +122,32 @@ def test_list_positions_and_groups_take_like_limit_and_sort(
     )  # fmt: skip
     assert [g["stream"] for g in groups] == [b]
     text = ok(cli(streams_url, "groups", "list", "--like", like, "--limit", "1"))
-    assert "(first 1 of 2 groups shown: --limit)" in text
+    assert "(first 1 of 2 groups shown: --limit N or --limit 0 for more" in text
+
+
+def test_a_table_shows_a_page_unless_told_and_json_shows_all(
+    client: Client, streams_url: str, unique_name: str
+) -> None:
+    names = [f"{unique_name}_{n:03d}" for n in range(TABLE_PAGE + 2)]
+    client.create_streams(names)
+    try:
+        like = f"{unique_name}%"
+        text = ok(cli(streams_url, "list", "--like", like))
+        assert names[TABLE_PAGE - 1] in text and names[TABLE_PAGE] not in text
+        assert (
+            f"(first {TABLE_PAGE} of {TABLE_PAGE + 2} streams shown: --limit N or --limit 0" in text
+        )
+        every = ok(cli(streams_url, "list", "--like", like, "--limit", "0"))
+        assert names[-1] in every and "shown" not in every
+        listed = json.loads(ok(cli(streams_url, "list", "--json", "--like", like)))
+        assert [r["name"] for r in listed] == names
+        text = ok(cli(streams_url, "positions", "--like", like))
+        assert names[TABLE_PAGE] not in text and f"of {TABLE_PAGE + 2} streams shown" in text
+        shown = json.loads(ok(cli(streams_url, "positions", "--json", "--like", like)))
+        assert len(shown) == TABLE_PAGE + 2
+        assert names[-1] in ok(cli(streams_url, "positions", *names))  # named: all shown
+    finally:
+        client.drop_streams(names)
 
 
 def _series(collector: DatabaseCollector) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -200,8 +200,7 @@ def test_asynchronous_failover_is_detected_and_named(
         assert _stored(pair.standby_url, unique_name) == kept
         with psycopg.connect(pair.standby_url) as conn:
             row = conn.execute(
-                "SELECT pg_sequence_last_value(sequence_name::regclass), "
-                "(SELECT fenced_timeline FROM streams_incarnation), "
+                "SELECT pg_sequence_last_value(sequence_name::regclass), fenced_timeline, "
                 f"({TIMELINE_SQL}) FROM streams_registry"
             ).fetchone()
         assert row is not None
@@ -215,7 +214,7 @@ def test_asynchronous_failover_is_detected_and_named(
             assert last_value < lost[-1], "the standby's sequence is not behind"
 
         # A writer that never saw the old timeline gets no ID the old primary handed out: its
-        # session moved every sequence past them first (`streams_fence_timeline`).
+        # session moved its stream's sequence past them first (`streams_fence_stream`).
         with streams.connect(url, redis_url, redis_prefix) as other:
             fresh_id = other.writer(unique_name, instance="fresh").append({"n": "fresh"}).ids[0]
         assert fresh_id > lost[-1], "an ID of the old timeline handed out again"

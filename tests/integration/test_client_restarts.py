@@ -215,9 +215,10 @@ def test_an_open_client_goes_on_across_the_new_timeline_of_a_promotion(
     """A promoted standby is a failover (a later timeline of the same database): a client
     that knew the old timeline goes on (its roles saw nothing the new one lacks:
     `streams.core.sightings`); the first writer session there moves the sequences past any
-    ID the old timeline may have handed out (`streams_fence_timeline`)."""
+    ID the old timeline may have handed out (`streams_fence_stream`)."""
+    other = f"{unique_name}_other"
     with streams.connect(pg.url) as client:
-        client.create_stream(unique_name)
+        client.create_streams([unique_name, other])
         pg.stop()
         pg.start(standby=True)
         wait_until(lambda: "not accepting connections" in (pg.refusal() or ""), timeout=30)
@@ -227,6 +228,11 @@ def test_an_open_client_goes_on_across_the_new_timeline_of_a_promotion(
             ack = writer.append({"after": "promotion"})
             assert ack.ids[0] > 1_000_000  # fenced: IDs of the old timeline are never reused
             assert [f.stream_id for f in reader.facts()] == list(ack.ids)
+        # Each stream is fenced by its own writers (revision 0019): the other stream's
+        # sequence has not moved yet, and moves when its first writer opens.
+        assert client.positions(other).max_allocated == 0
+        with client.writer(other) as writer:
+            assert writer.append({"after": "promotion"}).ids[0] > 1_000_000
 
 
 def test_a_server_that_never_starts_fails_after_connect_timeout(pg: StartingPostgres) -> None:

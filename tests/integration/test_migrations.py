@@ -37,7 +37,7 @@ TABLES = (
     "streams_writers",
 )
 VERSION_TABLE = "streams_alembic_version"
-HEAD = "0018_bucketed_partitions"
+HEAD = "0019_stream_fences"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,3 +308,30 @@ def test_a_database_from_before_buckets_keeps_its_streams_at_the_root_beside_new
             assert [f.payload for f in reader.facts()] == [{"old": 1}, {"name": "old1"}]
         assert client.drop_streams(["old2", "new"]) == ["old2", "new"]
         assert set(partition_parents(url)) == {facts_partition(client.stream("old1").id)}
+
+
+def test_streams_upgraded_to_per_stream_fences_keep_the_databases_fence(
+    empty_database: str,
+) -> None:
+    """Revision 0019 gives each stream the timeline the database was fenced on: streams that
+    existed before hand out their next IDs where they were (no skip without a failover), and
+    so do streams created after; the downgrade and a second upgrade change nothing either."""
+    url = empty_database
+    _alembic(url, "upgrade", "head")
+    with streams.connect(url) as client:
+        client.create_stream("before")
+        with client.writer("before") as writer:
+            assert writer.append({"n": 1}).ids == (1,)
+    _alembic(url, "downgrade", "0018_bucketed_partitions")
+    _alembic(url, "upgrade", "head")
+    with psycopg.connect(url, autocommit=True) as conn:
+        fenced = conn.execute(
+            "SELECT r.fenced_timeline, i.fenced_timeline FROM streams_registry r, "
+            "streams_incarnation i"
+        ).fetchall()
+    assert len(fenced) == 1 and fenced[0][0] == fenced[0][1] is not None
+    with streams.connect(url) as client:
+        client.create_stream("after")
+        for name, first in (("before", 2), ("after", 1)):
+            with client.writer(name) as writer:
+                assert writer.append({"n": 2}).ids == (first,)

@@ -54,6 +54,7 @@ MODEL = (
 CALLS = {
     "streams_timeline_switchpoint": "SELECT streams_timeline_switchpoint(1)",
     "streams_fence_timeline": "SELECT streams_fence_timeline(1000000)",
+    "streams_fence_stream": "SELECT streams_fence_stream({victim}, 1000000)",
     "streams_repair_sequence": "SELECT streams_repair_sequence({victim}, NULL)",
     "streams_open_group": "SELECT * FROM streams_open_group('g', ARRAY[{victim}], 'x')",
     "streams_commit_group": (
@@ -432,8 +433,9 @@ def test_a_writer_granted_one_stream_writes_no_other(setup: Setup) -> None:
         (setup.other,),
     )
     assert state == "42501"
-    # Nor repair (move) the other stream's sequence.
+    # Nor repair (move) the other stream's sequence, nor fence it.
     assert _refused(url, "SELECT streams_repair_sequence(%s, 10)", (setup.other,)) == "42501"
+    assert _refused(url, "SELECT streams_fence_stream(%s, 1000000)", (setup.other,)) == "42501"
 
 
 def test_the_fence_takes_no_negative_and_no_unbounded_skip(setup: Setup) -> None:
@@ -443,8 +445,18 @@ def test_the_fence_takes_no_negative_and_no_unbounded_skip(setup: Setup) -> None
             setup.users["streams_writer"], "SELECT streams_fence_timeline(%s)", (skip,)
         )
         assert state == "22023", skip
+        state = _refused(
+            setup.users["streams_writer"],
+            "SELECT streams_fence_stream(%s, %s)",
+            (setup.victim, skip),
+        )
+        assert state == "22023", skip
     assert _last(setup, setup.victim) == before
     assert _refused(setup.users["nobody"], "SELECT streams_fence_timeline(1000000)") == "42501"
+    assert (
+        _refused(setup.users["nobody"], "SELECT streams_fence_stream(%s, 1000000)", (setup.victim,))
+        == "42501"
+    )
 
 
 def test_a_repair_only_moves_forward(setup: Setup) -> None:
@@ -629,6 +641,8 @@ def _statements(action: str, a: int, b: int, last_b: int) -> list[str]:
         "repair stream A's sequence forward": [f"SELECT streams_repair_sequence({a}, NULL)"],
         "fence a new timeline (bounded skip)": ["SELECT streams_fence_timeline(1000000)"],
         "fence with a negative skip": ["SELECT streams_fence_timeline(-5)"],
+        "fence stream A (bounded skip)": [f"SELECT streams_fence_stream({a}, 1000000)"],
+        "fence stream B (bounded skip)": [f"SELECT streams_fence_stream({b}, 1000000)"],
         "register a writer of stream B": [
             "INSERT INTO streams_writers (stream, instance, position, lease_expires_at) "
             f"VALUES ({b}, 'matrix', 0, now()) RETURNING 1"

@@ -502,6 +502,7 @@ def test_show_lists_each_roles_privileges(setup: Setup) -> None:
     assert {f.split("(")[0] for f in writer["functions"]} == {
         "streams_timeline_switchpoint",
         "streams_fence_timeline",
+        "streams_fence_stream",
         "streams_repair_sequence",
     }
     definer = by_role["streams_definer"]

@@ -81,7 +81,7 @@ TABLES = (
     "streams_writers",
 )
 VERSION_TABLE = "streams_alembic_version"
-HEAD = "0018_bucketed_partitions"
+HEAD = "0019_stream_fences"
 
 
 # ---------------------------------------------------------------------------------------------
