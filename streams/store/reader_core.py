@@ -14,11 +14,10 @@ import logging
 import operator
 import time
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple, TypeAlias
+from typing import TypeAlias
 
 from .._gc import collection_paused
 from ..config import DEFAULT_LEASE_SECONDS
-from ..core.constants import STALE_AFTER
 from ..core.delivery import deliverable
 from ..core.epochs import Epoch, Fact, Row, next_position, plan_page
 from ..core.frontier import Antichain, FrontierProbe
@@ -50,12 +49,12 @@ from ..types import StreamInfo
 from .driver import Gen
 from .holders import retire_where_held
 from .identity import verify
-from .keys import live_keys
 from .leases import persisted_writer_position
 from .membership import GroupMembership
 from .pattern_following import PatternFollowing
 from .probe import set_up_reader_session
 from .read_ahead import ReadAhead
+from .reader_fast_paths import FastPaths, Planned
 from .reader_groups import (
     GROUP_MOVED,
     commit_group,
@@ -68,7 +67,6 @@ from .reads import (
     probe,
     probe_and_read,
     pruned_positions,
-    read_proofs,
     read_proven,
     receive_proven,
     send_proven,
@@ -96,16 +94,6 @@ DEFAULT_PAGE_SIZE = 5000
 #: streams the probe found news on: one round trip more when there is news, but 3 statements
 #: instead of 1,004 per idle poll for 1,000 streams (188 -> 50 ms: docs/performance.md).
 ROWS_WITH_PROBE_MAX = 16
-
-
-class _Planned(NamedTuple):
-    """What one step read of one stream: its facts (before the ``live`` and time-start
-    filters) and where the stream's position and timestamp floor go once they are delivered."""
-
-    name: str
-    facts: Sequence[Fact]
-    position: int
-    ts_floor: int
 
 
 def _check_start(start: object) -> Start:
@@ -137,7 +125,7 @@ def _check_start(start: object) -> Start:
 _STREAM_ID = operator.itemgetter(1)
 
 
-class ReaderCore(PatternFollowing):
+class ReaderCore(FastPaths, PatternFollowing):
     """The logic of one reader, shared by `Reader` and `AsyncReader` (see the module doc)."""
 
     #: The timeline of the reader's session (0: none yet; `verify_incarnation`).
@@ -518,7 +506,7 @@ class ReaderCore(PatternFollowing):
 
     def _pages_behind_probe(
         self, lower: Mapping[str, int], ends: Mapping[str, int]
-    ) -> Gen[list[_Planned]]:
+    ) -> Gen[list[Planned]]:
         """A page of each stream the probe just run found news on (up to ``ends``), all in one
         round trip (steps 3-4 behind that probe: `send_proven` then `receive_proven`)."""
         news = [(self.infos[n], lower[n], ends[n]) for n in self.names if ends[n] > lower[n]]
@@ -528,14 +516,14 @@ class ReaderCore(PatternFollowing):
         if received is None:  # nothing in flight: the session was reopened under the read
             raise ConnectionLost("the session closed under a read")
         pages, pruned = received
-        planned: list[_Planned] = []
+        planned: list[Planned] = []
         for (info, after, end), page in zip(news, pages, strict=True):
             if pruned.get(info.name, 0) > after:
                 raise FactsPruned(info.name, after, pruned[info.name])
             planned.append((yield from self._plan(info.name, page, end)))
         return planned
 
-    def _read_pages(self, lower: Mapping[str, int], *, ahead: bool = True) -> Gen[list[_Planned]]:
+    def _read_pages(self, lower: Mapping[str, int], *, ahead: bool = True) -> Gen[list[Planned]]:
         """A page of each stream behind its target, up to what the last proof proved.
 
         With ``ahead``, the pages that follow are *sent* before these are planned ("reading
@@ -571,7 +559,7 @@ class ReaderCore(PatternFollowing):
                     following.append((self.infos[name], position, target))
             if following:
                 self.ahead.sent = yield from send_proven(following, self.page_size)
-        planned: list[_Planned] = []
+        planned: list[Planned] = []
         for name, page, target in pages:
             planned.append((yield from self._plan(name, page, target)))
         return planned
@@ -624,101 +612,7 @@ class ReaderCore(PatternFollowing):
             return None
         return Epoch(lower, dict(self.positions), tuple(facts))
 
-    def _step_on_proofs(
-        self, lower: Mapping[str, int], with_rows: bool = True
-    ) -> Gen[list[_Planned] | None]:
-        """`step` as a follower: every stream's shared proof and its first page, one statement
-        each, one round trip; None (nothing delivered) when a proof is missing or stale, and
-        the caller probes itself. ``with_rows`` False: the proofs only (nothing planned)."""
-        infos = [self.infos[n] for n in self.names]
-        results, lsn = yield from read_proofs(
-            infos, lower, self.page_size if with_rows else 0, self.incarnation
-        )
-        refused = {
-            i.name: int(rows[0][0])
-            for i, rows in zip(infos, results, strict=True)
-            if rows and not rows[0][2]
-        }
-        if refused:
-            self._refuse_proofs(refused)
-        fresh = not refused and all(rows and int(rows[0][1]) <= STALE_AFTER for rows in results)
-        if not self.following.read(fresh):
-            return None
-        self.counters.proof_reads += 1
-        proven = {i.name: int(rows[0][0]) for i, rows in zip(infos, results, strict=True)}
-        if self.following.late(proven, time.monotonic()):
-            return None  # the prober is late: probe for ourselves this once
-        self._note_probe({n: Probe(n, c, c, lsn) for n, c in proven.items()}, shared=True)
-        planned: list[_Planned] = []
-        if not with_rows:
-            return planned
-        for info, found in zip(infos, results, strict=True):
-            if proven[info.name] > lower[info.name]:
-                page = [tuple(r[3:]) for r in found if r[3] is not None]
-                planned.append((yield from self._plan(info.name, page, proven[info.name])))
-        return planned
-
-    def _refuse_proofs(self, refused: Mapping[str, int]) -> None:
-        """Shared proofs above their stream's max allocated ID (``stream -> complete``, as
-        `read_after_proof` finds them): no prober wrote them, so this reader probes for
-        itself. Counted, and logged the first time."""
-        first = not self.counters.refused_proofs
-        self.counters.refused_proofs += len(refused)
-        if first:
-            log.warning(
-                "refused the shared proof of %s: beyond the stream's max allocated ID, so no "
-                "prober wrote it (a role that may write streams_proofs did); probing PostgreSQL "
-                "instead (further refusals are counted, not logged)",
-                ", ".join(f"{name!r} (complete {c})" for name, c in refused.items()),
-            )
-
-    def _step_on_signed_ranges(self) -> Gen[list[_Planned]]:
-        """`step` from the signed ranges Redis brought (`streams.core.signing`): every stream
-        a verified range fits (``after <= position < through``) moves, without PostgreSQL
-        (except to read the key table now and then). Nothing moves here (`_advance` does)."""
-        inbox = self.inbox
-        if inbox.keys_retry_due(time.monotonic()):
-            yield from self.read_keys()
-        if inbox.keys_stale:  # told the keys changed, not read since: apply nothing
-            return []
-        inbox.accept(self.incarnation)
-        planned: list[_Planned] = []
-        for name in self.names:
-            start = self.positions[name]
-            position, floor = start, self.ts_floors[name]
-            facts: list[Fact] = []
-            while (signed := inbox.take(name, position)) is not None:
-                rows = [row for row in signed.rows if row[0] > position]
-                plan = plan_page(
-                    name, rows, after=position, through=signed.through, limit=len(rows) + 1,
-                    ts_floor=floor, decode=decode_payloads,
-                )  # fmt: skip
-                facts += plan.facts
-                position, floor = plan.position, plan.ts_floor
-                self.counters.signed_ranges += 1
-            if position > start:
-                self.proven.raise_target(name, position)
-                planned.append(_Planned(name, tuple(facts), position, floor))
-        if planned:
-            self.following.covered({**self.positions, **{p.name: p.position for p in planned}})
-        return planned
-
-    def keys_due(self) -> bool:
-        """Time to read the keys again (`KEY_REFRESH`: retired keys are dropped then)."""
-        return self.inbox.keys_due(time.monotonic())
-
-    def read_keys(self) -> Gen[None]:
-        """Read the live keys; a reader that may not read them takes nothing from Redis."""
-        self.inbox.reading_keys(time.monotonic())
-        try:
-            self.inbox.keys_read((yield from live_keys()))
-        except ConnectionLost:
-            raise
-        except StoreError as exc:
-            if self.inbox.keys_unreadable() == 1:
-                log.warning("cannot read the replication keys (%s): reading PostgreSQL only", exc)
-
-    def _plan(self, name: str, rows: list[Row], target: int) -> Gen[_Planned]:
+    def _plan(self, name: str, rows: list[Row], target: int) -> Gen[Planned]:
         """What a page of rows allows to deliver on ``name`` (reads more only for a fact with
         more rows than a page); changes no position (`_advance` does)."""
         info = self.infos[name]
@@ -736,9 +630,9 @@ class ReaderCore(PatternFollowing):
                 name, rows, after=after, through=plan.refetch, limit=len(rows) + 1,
                 ts_floor=self.ts_floors[name], decode=decode_payloads,
             )  # fmt: skip
-        return _Planned(name, plan.facts, plan.position, plan.ts_floor)
+        return Planned(name, plan.facts, plan.position, plan.ts_floor)
 
-    def _advance(self, planned: Sequence[_Planned]) -> list[Fact]:
+    def _advance(self, planned: Sequence[Planned]) -> list[Fact]:
         """Move the positions to what `step` read, and filter what a ``live`` or time start
         drops: the only place a step changes them, after its last read."""
         delivered: list[Fact] = []

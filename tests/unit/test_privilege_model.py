@@ -1,5 +1,5 @@
 """The privilege model is one description (`streams.store.privileges`): the docs' table is
-rendered from it, and revision 0015 creates exactly the functions it grants."""
+rendered from it, and revisions 0015 and 0019 create exactly the functions it grants."""
 
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ from streams.store.privileges import (
 )
 
 
-def _revision_0015() -> object:
-    path = REPO_ROOT / "migrations" / "versions" / "0015_enforced_privileges.py"
-    spec = importlib.util.spec_from_file_location("revision_0015", path)
+def _revision(name: str) -> object:
+    path = REPO_ROOT / "migrations" / "versions" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"revision_{name}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -45,16 +45,17 @@ def test_the_docs_table_is_the_models() -> None:
     assert privilege_table() in operations
 
 
-def test_revision_0015_creates_the_functions_the_model_grants() -> None:
-    revision = _revision_0015()
-    made = {_normal(s) for s in revision.FUNCTIONS} | {  # type: ignore[attr-defined]
-        _normal(s)
-        for s in revision.INVOKER_FUNCTIONS  # type: ignore[attr-defined]
+def test_revisions_0015_and_0019_create_the_functions_the_model_grants() -> None:
+    revision = _revision("0015_enforced_privileges")
+    fences = _revision("0019_stream_fences")
+    definer = {_normal(s) for s in revision.FUNCTIONS} | {  # type: ignore[attr-defined]
+        _normal(fences.SIGNATURE)  # type: ignore[attr-defined]
     }
+    made = definer | {_normal(s) for s in revision.INVOKER_FUNCTIONS}  # type: ignore[attr-defined]
     assert made == set(FUNCTIONS)
-    definer = {_normal(s) for s in revision.FUNCTIONS}  # type: ignore[attr-defined]
     assert definer == set(DEFINER_FUNCTIONS)
     assert revision.DEFINER == privileges.DEFINER  # type: ignore[attr-defined]
+    assert fences.DEFINER == privileges.DEFINER  # type: ignore[attr-defined]
 
 
 def test_every_role_named_is_a_role_of_the_model() -> None:
