@@ -515,9 +515,9 @@ def test_doctor_healthy(fresh_url: str) -> None:
 def test_doctor_names_a_transaction_holding_the_stream_back(
     streams_url: str, client: Client, stream: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import streams.ops.doctor
+    import streams.ops.stream_checks
 
-    monkeypatch.setattr(streams.ops.doctor, "HELD_WARNING_SECONDS", 0.0)
+    monkeypatch.setattr(streams.ops.stream_checks, "HELD_WARNING_SECONDS", 0.0)
     name = f"stream {stream}: linear position"
     with client.writer(stream, instance="holder") as writer:
         writer.append({"before": 1})
