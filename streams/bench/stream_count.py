@@ -16,7 +16,10 @@ configured, as deployed):
 
 Beside each figure: its ratio to the same call at the smallest count, the target (issue 40:
 a per-stream call within `PER_STREAM_TARGET`x; a view under `VIEW_TARGET_S` s), and a raw
-``SELECT 1`` round trip measured in the same round, since the machine is noisy. Everything
+``SELECT 1`` round trip measured in the same round, since the machine is noisy. The counts are
+minutes apart, and a machine drifts as much in minutes as the target's margin: so the
+per-stream calls are measured at the smallest count again at the end (the run's other streams
+dropped), and the verdict compares the largest count with the mean of both baselines. Everything
 the run made is dropped at the end, also on Ctrl-C or an error.
 """
 
@@ -55,6 +58,18 @@ class StreamCountResult:
     seconds: dict[str, list[float | None]] = field(default_factory=dict)
     raw_round_trip: list[float] = field(default_factory=list)
     scrape_bytes: list[int] = field(default_factory=list)
+    #: Per-stream figures at the smallest count measured again at the end, after the run's
+    #: other streams were dropped: the baseline brackets the run, so a drift of the machine
+    #: over its minutes shows (and the ratios use the mean of both).
+    base_again: dict[str, float] = field(default_factory=dict)
+
+    def base(self, name: str) -> float | None:
+        """The smallest count's figure of ``name``: the mean of both measurements."""
+        first = next((s for s in self.seconds.get(name, []) if s is not None), None)
+        again = self.base_again.get(name)
+        if first is None or again is None:
+            return first
+        return (first + again) / 2
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -62,6 +77,7 @@ class StreamCountResult:
             "seconds": self.seconds,
             "raw_round_trip_s": self.raw_round_trip,
             "scrape_bytes": self.scrape_bytes,
+            "base_again_s": self.base_again,
             "views": sorted(_VIEWS),
             "per_stream_target": PER_STREAM_TARGET,
             "view_target_s": VIEW_TARGET_S,
@@ -109,6 +125,14 @@ class _Run:
         for name in self.fillers[first:WIDE]:
             with self.client.writer(name) as writer:
                 writer.append({"w": name})
+
+    def shrink_to(self, count: int) -> None:
+        """Drop the run's streams but the subject and its first ``count - 1`` fillers: the
+        database holds what it held at the smallest count again."""
+        keep = {self.subject, *self.fillers[: max(0, count - 1)]}
+        self.client.drop_streams([name for name in self.made if name not in keep])
+        self.fillers = [name for name in self.fillers if name in keep]
+        self.made = [name for name in self.made if name in keep]
 
     def remove(self) -> None:
         self.client.drop_streams(self.made)
@@ -182,11 +206,9 @@ def run_stream_count_bench(
                 client.writer(run.subject, instance="bench-steady") as writer,
                 psycopg.connect(settings.database_url, autocommit=True) as raw,
             ):
-                for count in result.counts:
-                    started = time.perf_counter()
-                    run.grow_to(count)
-                    report(f"{count} streams (made in {time.perf_counter() - started:.1f} s)")
-                    figures: dict[str, float | None] = {
+
+                def per_stream() -> dict[str, float | None]:
+                    return {
                         "positions(one)": _median(rounds * 2, run.positions),
                         "writer open + append": _median(rounds, run.writer_open),
                         "append": _median(rounds * 4, lambda: writer.append({"x": 1})),
@@ -199,13 +221,25 @@ def run_stream_count_bench(
                         else None,
                         "create_stream": _median(rounds, run.create_one),
                         "prune(one)": _median(rounds, lambda: client.prune(run.subject)),
-                        "list (overview)": _median(3, client.overview),
-                        "positions --json (overview)": _median(
-                            3, lambda: client.overview(sort="lag")
-                        ),
-                        "groups list (overview)": _median(3, lambda: client.overview(grouped=True)),
-                        "doctor's checks": _median(3, run.doctor_checks),
                     }
+
+                for count in result.counts:
+                    started = time.perf_counter()
+                    run.grow_to(count)
+                    report(f"{count} streams (made in {time.perf_counter() - started:.1f} s)")
+                    figures = per_stream()
+                    figures.update(
+                        {
+                            "list (overview)": _median(3, client.overview),
+                            "positions --json (overview)": _median(
+                                3, lambda: client.overview(sort="lag")
+                            ),
+                            "groups list (overview)": _median(
+                                3, lambda: client.overview(grouped=True)
+                            ),
+                            "doctor's checks": _median(3, run.doctor_checks),
+                        }
+                    )
                     size = 0
 
                     def scrape() -> None:
@@ -220,6 +254,16 @@ def run_stream_count_bench(
                     for name, seconds in figures.items():
                         result.seconds.setdefault(name, []).append(seconds)
                     report(_lines(result, len(result.raw_round_trip) - 1))
+                if len(result.counts) > 1:
+                    started = time.perf_counter()
+                    run.shrink_to(result.counts[0])
+                    report(
+                        f"{result.counts[0]} streams again, the baseline after the run (dropped "
+                        f"the others in {time.perf_counter() - started:.1f} s)"
+                    )
+                    again = per_stream()
+                    result.base_again = {k: v for k, v in again.items() if v is not None}
+                    report(_bracketed(result))
         finally:
             report(f"removing the run's {len(run.made)} streams")
             run.remove()
@@ -258,6 +302,25 @@ def _lines(result: StreamCountResult, i: int) -> str:
             )
     if result.scrape_bytes:
         lines.append(f"  metrics text {result.scrape_bytes[i] / 1024:.0f} KiB at {count} streams")
+    return "\n".join(lines)
+
+
+def _bracketed(result: StreamCountResult) -> str:
+    """Each per-stream figure at the largest count against the baseline measured before and
+    after the run, and the verdict against their mean."""
+    last = len(result.counts) - 1
+    lines = [f"  at {result.counts[last]} streams, against the baseline before / after / mean:"]
+    for name, again in result.base_again.items():
+        first, here = result.seconds[name][0], result.seconds[name][last]
+        base = result.base(name)
+        if first is None or here is None or base is None:
+            continue
+        verdict = "ok" if here / base <= PER_STREAM_TARGET else "over"
+        lines.append(
+            f"  {name:<32} {here * 1e3:9.2f} ms  x{here / first:.2f} / x{here / again:.2f} / "
+            f"x{here / base:.2f} (baseline {first * 1e3:.2f} then {again * 1e3:.2f} ms; "
+            f"target <= {PER_STREAM_TARGET:g}x: {verdict})"
+        )
     return "\n".join(lines)
 
 

@@ -116,11 +116,13 @@ BENCHES = {
     "fanout": (["--readers", "1", "--modes", "own", "--seconds", "0.5", "--writers", "1"], 2),
     "fleet": (["--points", "1x1", "--seconds", "0.5"], 1),
     "probe": (["--iterations", "3", "--idle-sessions", "1", "--locks", "10"], 3),
+    # The subject, 2 + 2 fillers, and a stream created per round at each count and again.
+    "streams": (["--counts", "3,6", "--rounds", "1"], 8),
 }
 
 
 #: The benchmarks that draw their figures (``--plot``), in the format each run here uses.
-PLOTS = {"write": ".png", "latency": ".svg", "fleet": ".svg"}
+PLOTS = {"write": ".png", "latency": ".svg", "fleet": ".svg", "streams": ".png"}
 
 
 @pytest.mark.parametrize("bench", sorted(BENCHES))
@@ -143,6 +145,10 @@ def test_a_benchmark_leaves_nothing_behind(
     if bench in PLOTS:
         assert f"plot written to {plot}" in result.output
         assert_image(plot)
+    if bench == "streams":  # the baseline measured again at the end, and the verdicts on it
+        assert "3 streams again, the baseline after the run" in result.output, result.output
+        assert "at 6 streams, against the baseline before / after / mean:" in result.output
+        assert result.output.count("(baseline ") == 7, result.output
 
 
 def test_a_failed_benchmark_leaves_nothing_behind(bench_url: str, redis_url: str) -> None:
