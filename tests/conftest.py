@@ -223,6 +223,9 @@ def spark() -> Iterator[Any]:
         SparkSession.builder.master("local[2]")
         .appName("streams-spark-tests")
         .config("spark.ui.enabled", "false")
+        # A Python worker that takes longer than Spark's 15 s to connect back (on a loaded
+        # machine) fails the query with "Python worker failed to connect back".
+        .config("spark.python.authenticate.socketTimeout", "120s")
         .config("spark.sql.shuffle.partitions", "2")
         .config("spark.sql.session.timeZone", "UTC")
         .getOrCreate()

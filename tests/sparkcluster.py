@@ -223,6 +223,8 @@ def submit(
     settings = {
         "spark.pyspark.python": "./environment/bin/python",
         "spark.sql.shuffle.partitions": "2",  # the examples' per-batch summaries are small
+        # Python workers slow to connect back on two loaded cores fail a query after 15 s.
+        "spark.python.authenticate.socketTimeout": "120s",
         **(conf or {}),
     }
     for key, value in settings.items():

@@ -35,6 +35,9 @@ class SparkQuery:
             SparkSession.builder.master("local[2]")
             .appName("streams-demo")
             .config("spark.ui.enabled", "false")
+            # A Python worker that takes longer than Spark's 15 s to connect back (on a loaded
+            # machine) fails the query with "Python worker failed to connect back".
+            .config("spark.python.authenticate.socketTimeout", "120s")
             .config("spark.sql.shuffle.partitions", "2")
             .getOrCreate()
         )

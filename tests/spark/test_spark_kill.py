@@ -35,6 +35,7 @@ import streams_spark
 url, stream, checkpoint, sink, trigger = sys.argv[1:6]
 spark = (SparkSession.builder.master("local[2]").appName("kill-test")
          .config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "2")
+         .config("spark.python.authenticate.socketTimeout", "120s")
          .getOrCreate())
 spark.sparkContext.setLogLevel("ERROR")
 streams_spark.register(spark)

@@ -121,6 +121,9 @@ def _session(jar: str | None) -> Any:
         SparkSession.builder.master("local[2]")
         .appName("streams-bench-spark")
         .config("spark.ui.enabled", "false")
+        # A Python worker that takes longer than Spark's 15 s to connect back (on a loaded
+        # machine) fails the query with "Python worker failed to connect back".
+        .config("spark.python.authenticate.socketTimeout", "120s")
         .config("spark.sql.shuffle.partitions", "2")
         # Every micro-batch of the overhead queries, not only the last 100.
         .config("spark.sql.streaming.numRecentProgressUpdates", "100000")
