@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import heapq
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import psycopg
@@ -62,7 +64,7 @@ def repair(settings: Settings, *, deep: int | None = DEEP_STREAMS) -> list[str]:
                 )
         health = run(conn, stream_health(infos))
         held = run(conn, held_streams())
-        chosen = _deep_first(infos, health, held, deep)
+        chosen = _deep_first(infos, health, _suspect(_quick(infos, health), held), deep)
         for info in infos:
             h = health.get(info.id)
             if h is not None and h.expired_writers:
@@ -120,43 +122,54 @@ def diagnose(
         checks.append(_roles_check(conn))
         checks.append(_keys_check(conn))
         infos = run(conn, list_streams())
-        checks.extend(_streams_checks(conn, infos, stale_after_ms, settings.lease_seconds, deep))
-    if settings.redis_url:
-        import redis
-
-        from ..transport.discovery import open_client
-
-        # A connection failure says why (`streams.transport.redis_errors`, password scrubbed);
-        # anything else, even redis-py's URL parser raising ValueError, shows only the class name:
-        # such messages may quote part of the URL, and so of its password.
-        failure: str | None = None
-        try:
-            client = open_client(settings.redis_url, socket_timeout=3, socket_connect_timeout=3)
-            try:
-                client.ping()
-                channel = replication_channel(settings.prefix)
-                listeners = dict(client.pubsub_numsub(channel)).get(channel.encode(), 0)
-            finally:
-                client.close()
-        except (redis.RedisError, OSError) as exc:
-            failure = str(connection_error(settings.redis_url, exc, purpose="doctor"))
-        except Exception as exc:
-            failure = f"cannot reach {redact_url(settings.redis_url)}: {type(exc).__name__}"
-        if failure is None:
-            checks.append(
-                Check(
-                    "redis",
-                    True,
-                    f"{redact_url(settings.redis_url)}: {listeners} process(es) listening on "
-                    f"{channel!r}",
-                )
+        # The channel is observed until it has been quiet for a while (a fixed wait, 0.25 s at
+        # least): meanwhile, this session checks every stream.
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="doctor-channel") as pool:
+            channel = (
+                pool.submit(_channel_check, settings, [i.name for i in infos])
+                if settings.redis_url
+                else None
             )
-        else:
-            checks.append(Check("redis", False, failure))
+            checks.extend(
+                _streams_checks(conn, infos, stale_after_ms, settings.lease_seconds, deep)
+            )
+            observed = None if channel is None else channel.result()
     if settings.redis_url:
-        checks.append(_channel_check(settings, [i.name for i in infos]))
+        checks.append(_redis_check(settings.redis_url, settings.prefix))
+    if observed is not None:
+        checks.append(observed)
+    if settings.redis_url:
         checks.append(Check("redis topology", *redis_topology(settings.redis_url)))
     return checks
+
+
+def _redis_check(redis_url: str, prefix: str) -> Check:
+    """Redis answers, and how many processes listen on the replication channel."""
+    import redis
+
+    from ..transport.discovery import open_client
+
+    # A connection failure says why (`streams.transport.redis_errors`, password scrubbed);
+    # anything else, even redis-py's URL parser raising ValueError, shows only the class name:
+    # such messages may quote part of the URL, and so of its password.
+    failure: str | None = None
+    try:
+        client = open_client(redis_url, socket_timeout=3, socket_connect_timeout=3)
+        try:
+            client.ping()
+            channel = replication_channel(prefix)
+            listeners = dict(client.pubsub_numsub(channel)).get(channel.encode(), 0)
+        finally:
+            client.close()
+    except (redis.RedisError, OSError) as exc:
+        failure = str(connection_error(redis_url, exc, purpose="doctor"))
+    except Exception as exc:
+        failure = f"cannot reach {redact_url(redis_url)}: {type(exc).__name__}"
+    if failure is not None:
+        return Check("redis", False, failure)
+    return Check(
+        "redis", True, f"{redact_url(redis_url)}: {listeners} process(es) listening on {channel!r}"
+    )
 
 
 def _streams_checks(
@@ -171,7 +184,8 @@ def _streams_checks(
     on ``deep`` streams; a quiet stream that passes shows in one summary line."""
     health = run(conn, stream_health(infos))
     held = run(conn, held_streams())
-    chosen = _deep_first(infos, health, held, deep)
+    quick = _quick(infos, health)
+    chosen = _deep_first(infos, health, _suspect(quick, held), deep)
     checks: list[Check] = []
     quiet = 0
     for info in infos:
@@ -182,7 +196,7 @@ def _streams_checks(
             checks.extend(stream_checks(conn, info, h, info.id in held, stale_after_ms,
                                          lease_seconds))  # fmt: skip
             continue
-        failing = [c for c in quick_checks(info, h) if not c.ok]
+        failing = [c for c in quick[info.id] if not c.ok]
         if info.id in held:
             failing.append(held_check(conn, info, lease_seconds))
         checks.extend(failing)
@@ -200,19 +214,30 @@ def _streams_checks(
     return checks
 
 
+def _quick(infos: list[StreamInfo], health: dict[int, StreamHealth]) -> dict[int, list[Check]]:
+    """Each stream's set-based checks, by id (a stream dropped since it was listed: none)."""
+    return {info.id: quick_checks(info, health[info.id]) for info in infos if info.id in health}
+
+
+def _suspect(quick: dict[int, list[Check]], held: dict[int, int]) -> set[int]:
+    """The streams that fail a set-based check or that some session holds back."""
+    return {i for i, found in quick.items() if not all(c.ok for c in found)} | set(held)
+
+
 def _deep_first(
     infos: list[StreamInfo],
     health: dict[int, StreamHealth],
-    held: dict[int, int],
+    suspect: set[int],
     deep: int | None,
 ) -> set[int]:
     """The ids of the streams the deep checks run on: every stream with ``deep`` None, else
-    the ones that need them most, at most ``deep``: failing a set-based check, held back,
-    with writers, groups, retention or declared tables, written to; newest first."""
+    the ones that need them most, at most ``deep``: ``suspect`` (failing a set-based check,
+    held back), with writers, groups, retention or declared tables, written to; newest
+    first."""
 
     def rank(info: StreamInfo) -> tuple[int, int]:
         h = health[info.id]
-        if not all(c.ok for c in quick_checks(info, h)) or info.id in held:
+        if info.id in suspect:
             level = 0
         elif h.live_writers or h.groups or info.retention_ms is not None or info.fact_tables:
             level = 1
@@ -225,8 +250,8 @@ def _deep_first(
     known = [info for info in infos if info.id in health]
     if deep is None:
         return {info.id for info in known}
-    ranked = sorted((rank(info), info.id) for info in known)
-    return {i for (level, _), i in ranked[:deep] if level < 3}
+    ranked = heapq.nsmallest(deep, ((rank(info), info.id) for info in known))
+    return {i for (level, _), i in ranked if level < 3}
 
 
 def _keys_check(conn: psycopg.Connection[Any]) -> Check:

@@ -29,6 +29,8 @@ class LikePattern(click.ParamType[str]):
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
         text = str(value)
+        if not text:
+            self.fail("an empty pattern matches no stream (every stream: '%')", param, ctx)
         if "\x00" in text:
             self.fail("a pattern cannot hold a NUL character", param, ctx)
         if (len(text) - len(text.rstrip("\\"))) % 2:

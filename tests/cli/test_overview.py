@@ -125,6 +125,13 @@ def test_list_positions_and_groups_take_like_limit_and_sort(
     assert "(first 1 of 2 groups shown: --limit N or --limit 0 for more" in text
 
 
+def test_an_empty_like_pattern_is_refused(streams_url: str) -> None:
+    for argv in (["list"], ["positions"], ["groups", "list"], ["metrics", "serve"]):
+        result = cli(streams_url, *argv, "--like", "")
+        assert result.exit_code == 2, result.output
+        assert "an empty pattern matches no stream" in result.output
+
+
 def test_a_table_shows_a_page_unless_told_and_json_shows_all(
     client: Client, streams_url: str, unique_name: str
 ) -> None:
