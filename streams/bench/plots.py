@@ -383,7 +383,10 @@ def plot_stream_counts(result: dict[str, Any], path: Path) -> None:
         if name in views:
             whole.plot(xs, ys, marker="o", label=name)
         else:
-            calls.plot(xs, [y / ys[0] for y in ys], marker="o", label=name)
+            # Against the mean of the baselines measured before and after the run, if both.
+            again = result.get("base_again_s", {}).get(name)
+            base = ys[0] if again is None or xs[0] != counts[0] else (ys[0] + again) / 2
+            calls.plot(xs, [y / base for y in ys], marker="o", label=name)
     calls.axhline(result["per_stream_target"], color="grey", linestyle="--", label="target")
     whole.axhline(result["view_target_s"], color="grey", linestyle="--", label="target")
     for axes, label in ((calls, f"x of the cost at {counts[0]} streams"), (whole, "seconds")):
