@@ -32,7 +32,10 @@ from ..store.reader_core import Start
 from .render import timestamp
 from .shared import emit, open_client
 
-__all__ = ["append", "read"]
+__all__ = ["READ_PAGE", "append", "read"]
+
+#: Rows `read` prints without --follow when --limit is not given.
+READ_PAGE = 100
 
 
 @click.command()
@@ -108,7 +111,12 @@ def append(
 @click.option("--group", type=GROUP_NAME, help="Reader group: resume after its committed position.")
 @click.option("--commit", "commit_group", is_flag=True, help="Commit the group's position.")
 @click.option("--follow", "-f", is_flag=True, help="Keep reading new facts (Ctrl-C stops).")
-@click.option("--limit", type=click.IntRange(1, MAX_ID), default=None, help="Stop after N rows.")
+@click.option(
+    "--limit",
+    type=click.IntRange(0, MAX_ID),
+    default=None,
+    help=f"Stop after N rows (0: no limit). Without --follow: {READ_PAGE} unless given.",
+)
 @click.option(
     "--format",
     "output_format",
@@ -139,8 +147,9 @@ def read(
     """Read completed facts in stream-ID order, one line per row (``--follow`` to tail).
 
     Only facts PostgreSQL proves complete are shown: nothing at or above a pending ID. Timestamps
-    are shown as readers see them: raised to the running maximum in ID order. Without --follow
-    and --limit, reads until caught up; --limit defaults to 100 rows without --follow.
+    are shown as readers see them: raised to the running maximum in ID order. Without --follow,
+    reads until caught up or --limit rows (100 unless given; 0: no limit), and says on stderr
+    when it stopped before the end and how to read on. Ctrl-C stops (exit 130).
     """
     if sum(x is not None for x in (from_id, from_time, ago)) + latest > 1:
         raise click.UsageError("give at most one of --from-id, --from-time, --ago, --latest")
@@ -157,7 +166,8 @@ def read(
     elif ago is not None:
         start = dt.timedelta(milliseconds=ago)
     if limit is None and not follow:
-        limit = 100
+        limit = READ_PAGE
+    limit = limit or None  # 0: no limit
     shown = 0
     with (
         connect(database_url, redis_url, prefix, read_database_url=read_database_url) as client,
@@ -172,26 +182,42 @@ def read(
         printed: Fact | None = None
         try:
             for epoch in epochs:
-                for fact in epoch.facts:
+                for k, fact in enumerate(epoch.facts):
                     if limit is not None and shown + len(fact.payloads) > limit:
                         for row_no, payload in enumerate(fact.payloads[: limit - shown]):
                             _print_row(fact, row_no, payload, as_json)
                         _commit_through(reader, printed, commit_group)
+                        _stopped_early(limit, fact.stream_id)  # its other rows are not shown
                         return
                     for row_no, payload in enumerate(fact.payloads):
                         _print_row(fact, row_no, payload, as_json)
                     shown += len(fact.payloads)
                     printed = fact
+                    if limit is not None and shown >= limit and k + 1 < len(epoch.facts):
+                        _commit_through(reader, printed, commit_group)
+                        _stopped_early(limit, fact.stream_id + 1)
+                        return
                 if commit_group:
                     reader.commit()  # the whole epoch, gaps after its last fact included
                 printed = None
                 if limit is not None and shown >= limit:
+                    if reader.core.behind():
+                        _stopped_early(limit, reader.position(stream) + 1)
                     return
         except KeyboardInterrupt:
             _commit_through(reader, printed, commit_group)
-            return
+            raise SystemExit(130) from None
         finally:
             progress.close()
+
+
+def _stopped_early(limit: int, next_id: int) -> None:
+    """Say (on stderr: the rows on stdout stay data) that rows remain, and how to read them."""
+    click.echo(
+        f"(stopped after {limit:,} rows, --limit; more follow: --from-id {next_id} reads on, "
+        "--limit 0 reads to the end)",
+        err=True,
+    )
 
 
 def _with_progress(

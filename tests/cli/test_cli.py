@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -21,11 +22,13 @@ from urllib.parse import urlsplit, urlunsplit
 import psycopg
 import pytest
 from click.testing import CliRunner, Result
+from helpers import default_sigint
 from servers import create_database, drop_database
 
 from streams import Client, redact_url
 from streams.command import main
 from streams.migrate import upgrade
+from streams.types import FactChunk
 
 ENV_VARS = ("STREAMS_DATABASE_URL", "STREAMS_REDIS_URL", "STREAMS_PREFIX")
 DEAD_URL = "postgresql://u:topsecret@127.0.0.1:1/x"
@@ -327,6 +330,34 @@ def test_read_from_id_and_limit(streams_url: str, timed_stream: str) -> None:
     assert [r["stream_id"] for r in got] == [2, 3]
     assert [r["stream_id"] for r in read(streams_url, timed_stream, "--limit", "1")] == [1]
     assert read(streams_url, timed_stream, "--from-id", "5") == []
+    result = cli(streams_url, "read", timed_stream, "--limit", "4")
+    assert len(ok(result).splitlines()) == 4 and result.stderr == ""  # all of it: no note
+
+
+def test_read_says_when_its_limit_stopped_it_and_how_to_read_on(
+    streams_url: str, client: Client, stream: str
+) -> None:
+    """150 facts, and one of three rows: the default page of 100 rows, then a note on stderr
+    (stdout stays data) naming where to go on; --from-id there reads the rest; --limit 0 reads
+    everything; a limit inside a fact of several rows sends its rows again from --from-id."""
+    with client.writer(stream) as writer:
+        writer.append_batch([{"n": n} for n in range(150)])
+        ack = writer.append_facts([FactChunk(['{"rows": 3}'] * 3, [None], sizes=[3])])
+        assert ack is not None
+        multi = ack.first_id
+    result = cli(streams_url, "read", stream, "--json")
+    rows = [json.loads(line) for line in ok(result).splitlines()]
+    assert [r["stream_id"] for r in rows] == list(range(1, 101))
+    assert result.stderr.strip() == (
+        "(stopped after 100 rows, --limit; more follow: --from-id 101 reads on, --limit 0 reads "
+        "to the end)"
+    )
+    rest = cli(streams_url, "read", stream, "--json", "--from-id", "101")
+    assert len(ok(rest).splitlines()) == 50 + 3 and rest.stderr == ""
+    assert len(ok(cli(streams_url, "read", stream, "--limit", "0")).splitlines()) == 153
+    cut = cli(streams_url, "read", stream, "--json", "--from-id", str(multi), "--limit", "2")
+    assert [json.loads(line)["row"] for line in ok(cut).splitlines()] == [0, 1]
+    assert f"--from-id {multi} reads on" in cut.stderr
 
 
 def test_read_from_time(streams_url: str, timed_stream: str) -> None:
@@ -755,6 +786,34 @@ def test_tables_with_the_column_that_says_whose_a_row_is(
             conn.execute(f"DROP TABLE {table}")
 
 
+def test_ctrl_c_stops_read_follow_quietly_with_exit_130(
+    streams_url: str, client: Client, stream: str
+) -> None:
+    """As a user runs it: `streams read --follow` prints what there is, waits, and Ctrl-C
+    (SIGINT) ends it with 130, as shells expect of an interrupted command, and no traceback."""
+    with client.writer(stream) as writer:
+        writer.append({"n": 1})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMS_")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "streams", "read", stream, "--follow", "--json",
+         "--database-url", streams_url],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        preexec_fn=default_sigint,  # noqa: PLW1509 (one signal call: no lock taken)
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        assert json.loads(proc.stdout.readline())["payload"] == {"n": 1}
+        time.sleep(0.3)  # following: waiting for more
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+
+
 def test_read_commit_commits_exactly_what_was_printed(
     streams_url: str, client: Client, stream: str
 ) -> None:
@@ -769,7 +828,7 @@ def test_read_commit_commits_exactly_what_was_printed(
     def read(*options: str) -> list[dict[str, Any]]:
         result = cli(streams_url, "read", stream, "--group", "g", "--json", *options)
         assert result.exit_code == 0, result.output
-        return [json.loads(line) for line in result.output.splitlines()]
+        return [json.loads(line) for line in result.stdout.splitlines()]
 
     # 3 rows: the first fact and two of the second's three rows; commit through the first.
     assert [r["stream_id"] for r in read("--commit", "--limit", "3")] == [first] + [
