@@ -146,3 +146,4 @@ def metrics_serve(
             time.sleep(3600)
     except KeyboardInterrupt:
         server.shutdown()
+        raise SystemExit(130) from None  # interrupted, as shells expect of Ctrl-C

@@ -150,7 +150,7 @@ def _watch_positions(
                 return
             time.sleep(max(0.0, interval - (time.monotonic() - now)))
     except KeyboardInterrupt:
-        return
+        raise SystemExit(130) from None  # interrupted, as shells expect of Ctrl-C
     finally:
         if live is not None:
             live.stop()

@@ -334,7 +334,7 @@ def prune_(
             try:
                 time.sleep(interval)
             except KeyboardInterrupt:
-                return
+                raise SystemExit(130) from None  # interrupted, as shells expect of Ctrl-C
 
 
 def _prune_text(d: dict[str, Any]) -> Iterator[str]:
