@@ -51,4 +51,5 @@ def _iso(value: object) -> str | None:
 def _keys_text(keys: list[dict[str, Any]]) -> Iterator[str]:
     for k in keys:
         state = "live" if k["live"] else f"retired {k['retired_at']}"
-        yield f"key {k['id']}: created {k['created_at']}, {state}, incarnation {k['incarnation']}"
+        made = k["incarnation"] or "not recorded (a key from before revision 0012)"
+        yield f"key {k['id']}: created {k['created_at']}, {state}, incarnation {made}"

@@ -83,8 +83,14 @@ def _sequence_check(
     return Check(
         f"stream {info.name}: sequence",
         not behind and not near_limit,
-        f"sequence at {allocated}, highest ID used {max_used} (facts "
-        f"{stored}, writer and group positions {max_position})"
+        f"sequence at {allocated}, "
+        + ("no ID used yet" if max_used is None else f"highest ID used {max_used}")
+        + (" (no facts, " if stored is None else f" (facts {stored}, ")
+        + (
+            "no writer or group positions)"
+            if max_position is None
+            else f"writer and group positions {max_position})"
+        )
         + (
             "; BEHIND: the next writer to start repairs it (or `streams doctor --repair`)"
             if behind

@@ -11,9 +11,12 @@ import psycopg
 import redis
 from click.testing import CliRunner
 from helpers import write_user_fact
+from servers import create_database, database_name, drop_database
 
+import streams
 from streams import Client
 from streams.command import main
+from streams.migrate import upgrade
 
 
 def doctor(url: str, *extra: str) -> tuple[int, dict[str, dict[str, Any]]]:
@@ -160,3 +163,29 @@ def test_doctor_warns_when_another_deployment_shares_the_channel(
     assert code == 1
     assert checks[name]["ok"] is False
     assert "prefix" in checks[name]["detail"].lower()
+
+
+def test_doctor_and_keys_say_what_nothing_means_on_an_empty_stream(
+    postgres_admin_url: str,
+) -> None:
+    """No `None` in what a person reads: an empty stream has no facts yet, an old key no
+    recorded incarnation."""
+    url = create_database(postgres_admin_url, prefix="streams_doctor_empty")
+    try:
+        upgrade(url)
+        with streams.connect(url) as client:
+            client.create_stream("empty")
+        result = CliRunner().invoke(main, ["doctor", "--all-streams", "--database-url", url])
+        assert "None" not in result.stdout, result.stdout
+        assert (
+            "stream empty: sequence: sequence at 0, no ID used yet (no facts, no writer or "
+            "group positions)" in result.stdout
+        ), result.stdout
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("UPDATE streams_keys SET incarnation = NULL")
+        listed = CliRunner().invoke(main, ["keys", "list", "--database-url", url])
+        assert listed.exit_code == 0, listed.output
+        assert "None" not in listed.stdout, listed.stdout
+        assert "incarnation not recorded (a key from before revision 0012)" in listed.stdout
+    finally:
+        drop_database(postgres_admin_url, database_name(url))
