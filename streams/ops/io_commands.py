@@ -67,17 +67,27 @@ def append(
             "no payloads: give JSON documents as arguments, or pipe JSON lines into stdin "
             "(e.g. `echo '{\"n\": 1}' | streams append NAME`)"
         )
-    texts = list(payloads) or [line for line in sys.stdin.read().splitlines() if line.strip()]
+    # Each text with where it came from, for errors: "argument 2", "stdin line 3".
+    if payloads:
+        texts = [(f"argument {n}", text) for n, text in enumerate(payloads, start=1)]
+    else:
+        lines = sys.stdin.read().splitlines()
+        texts = [(f"stdin line {n}", t) for n, t in enumerate(lines, start=1) if t.strip()]
     if not texts:
         raise click.UsageError("no payloads given (arguments or JSON lines on stdin)")
-    try:
-        values = [json.loads(t) for t in texts]
-    except json.JSONDecodeError as exc:
-        raise click.UsageError(f"payload is not JSON: {exc}") from None
-    except RecursionError:
-        raise click.UsageError(
-            "payload is not JSON this library can take: nested too deeply"
-        ) from None
+    values = []
+    for where, text in texts:
+        try:
+            values.append(json.loads(text))
+        except json.JSONDecodeError as exc:
+            raise click.UsageError(
+                f"{where} is not JSON: {exc.msg} (column {exc.colno}); nothing was appended"
+            ) from None
+        except RecursionError:
+            raise click.UsageError(
+                f"{where} is not JSON this library can take: nested too deeply; nothing was "
+                "appended"
+            ) from None
     with (
         open_client(database_url, redis_url, prefix) as client,
         client.writer(stream, instance=instance) as writer,

@@ -258,8 +258,17 @@ def test_append_text_output(streams_url: str, stream: str) -> None:
 
 
 def test_append_invalid_json_is_usage_error(streams_url: str, stream: str) -> None:
-    assert "not JSON" in usage_error(cli(streams_url, "append", stream, '{"a":1}', "{bad"))
+    error = usage_error(cli(streams_url, "append", stream, '{"a":1}', "{bad"))
+    assert "argument 2 is not JSON" in error and "nothing was appended" in error, error
     assert read(streams_url, stream) == []  # nothing was written
+
+
+def test_a_bad_stdin_line_is_named_by_its_line(streams_url: str, stream: str) -> None:
+    """Line 3 of the input, counted with the blank line before it: not "line 1 column 7", the
+    position inside that one payload."""
+    error = usage_error(cli(streams_url, "append", stream, stdin='{"a":1}\n\n{"b": x}\n{"c":3}\n'))
+    assert "stdin line 3 is not JSON: Expecting value (column 7)" in error, error
+    assert read(streams_url, stream) == []
 
 
 def test_append_nothing_is_usage_error(streams_url: str, stream: str) -> None:
