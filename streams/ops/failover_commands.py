@@ -78,7 +78,8 @@ def check(
         return
     click.echo(f"{redact_url(settings.database_url)}: timeline {current.timeline}")
     for s in report:
-        line = f"  {s.name}: sequence {s.sequence}, highest fact {s.max_fact}"
+        highest = "none (no facts)" if s.max_fact is None else s.max_fact
+        line = f"  {s.name}: sequence {s.sequence}, highest fact {highest}"
         if s.groups_beyond:
             line += ", groups beyond the sequence: " + ", ".join(
                 f"{g} at {p}" for g, p in s.groups_beyond
