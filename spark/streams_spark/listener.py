@@ -56,16 +56,29 @@ class LagListener(StreamingQueryListener):
 
     ``spark.streams.addListener(LagListener())``; then ``listener.lag(query.id)`` (or
     ``listener.latest`` for the last batch of any query) is ``{stream: IDs behind}``.
+
+    Spark delivers listener events on its own thread, after the fact: a query may have
+    finished (``awaitTermination`` returned) before its last batch's event arrived. So for a
+    query that is no longer active, `lag` first waits (``timeout`` seconds at most) for the
+    event that says it terminated, which Spark sends after every event of its batches.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._by_query: dict[str, dict[str, int]] = {}
+        self._terminated: dict[str, threading.Event] = {}
         self.latest: dict[str, int] = {}
 
-    def lag(self, query_id: Any) -> dict[str, int]:
+    def lag(self, query_id: Any, timeout: float = 10.0) -> dict[str, int]:
+        """The lag after the query's last batch reported so far (``{}``: none yet)."""
+        if not _active(query_id):
+            self._terminated_event(str(query_id)).wait(timeout)
         with self._lock:
             return dict(self._by_query.get(str(query_id), {}))
+
+    def _terminated_event(self, query_id: str) -> threading.Event:
+        with self._lock:
+            return self._terminated.setdefault(query_id, threading.Event())
 
     def onQueryStarted(self, event: QueryStartedEvent) -> None:
         pass
@@ -87,4 +100,18 @@ class LagListener(StreamingQueryListener):
         pass
 
     def onQueryTerminated(self, event: QueryTerminatedEvent) -> None:
-        pass
+        self._terminated_event(str(event.id)).set()
+
+
+def _active(query_id: Any) -> bool:
+    """Whether a query of this id runs in the active Spark session (True when that cannot be
+    told: then `LagListener.lag` answers at once, as before)."""
+    try:
+        from pyspark.sql import SparkSession
+
+        session = SparkSession.getActiveSession()
+        if session is None:
+            return True
+        return any(str(q.id) == str(query_id) for q in session.streams.active)
+    except Exception:
+        return True

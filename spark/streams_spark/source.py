@@ -63,6 +63,7 @@ for its range (`streams.store.reads.read_range`).
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import socket
@@ -254,6 +255,9 @@ class StreamsStreamReader(QueryDriver, DataSourceStreamReader, SupportsTriggerAv
         #: The group's generations this run took (`own_group`); fenced: another run took it.
         self._generations: dict[str, Generation] | None = None
         self._fenced = False
+        #: The end offset (canonical JSON) of the batch this run planned last, until the group
+        #: holds it (`_commit_completed`).
+        self._planned_end: str | None = None
 
     # ------------------------------------------------------------------ Redis (lazy)
 
@@ -447,10 +451,13 @@ class StreamsStreamReader(QueryDriver, DataSourceStreamReader, SupportsTriggerAv
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         try:
-            return self._latest_offset(start, limit)
+            offset = self._latest_offset(start, limit)
         except StoreError as exc:  # a pattern query's stream dropped under a statement
             self.leave_dropped(exc)
             return self.latestOffset(start, limit)
+        # Only now: every check of ``start`` passed (a failover that lost facts raised).
+        self._commit_completed(start)
+        return offset
 
     def _latest_offset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         self.own_group()  # a run restarted from its checkpoint calls this first
@@ -587,8 +594,23 @@ class StreamsStreamReader(QueryDriver, DataSourceStreamReader, SupportsTriggerAv
             return None
         return frontier_offset(self._complete)
 
+    def _commit_completed(self, start: dict[str, Any]) -> None:
+        """Move the group to the end of the batch this run planned last, once Spark asks for
+        the offset after it. Spark runs one batch at a time and asks for the next offset only
+        after the last batch completed (its sink wrote it and the commit log holds it; a batch
+        replayed after a restart is planned again, without this call first). Spark's own
+        ``commit`` of that end comes only when it plans the next batch: never after the last
+        batch of an ``availableNow`` run or of a run stopped while idle, so the group would
+        trail the query by that batch (docs/spark.md, "Groups and lag")."""
+        key = json.dumps(start, sort_keys=True)
+        if self._planned_end != key:
+            return
+        self._planned_end = None
+        self.commit(start)
+
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
         self.check_offset(end, "end")
+        self._planned_end = json.dumps(end, sort_keys=True)
         # A batch replayed after a restart is planned without a latestOffset call first: the
         # database may have been restored meanwhile. The executors check again as they read.
         complete = self._refresh() if self._probed else self._refresh(force=True)

@@ -395,9 +395,11 @@ def test_group_commit_and_lag_listener(
                 rows = {g.group: g for g in client.groups(stream)}
                 return rows["spark-test"].position if "spark-test" in rows else None
 
-            # Spark commits a batch's end to the source when it plans the next one.
+            # The group holds a batch's end once Spark asks for the offset after it: a running
+            # query with nothing new is not left a batch behind.
+            wait_until(lambda: committed() == 10, 30, "the group commit")
             writer.append({"i": 10})
-            wait_until(lambda: (committed() or 0) >= 10, 30, "the group commit")
+            wait_until(lambda: committed() == 11, 30, "the group commit of the next batch")
             wait_until(lambda: listener.lag(query.id) != {}, 30, "a lag report")
             assert set(listener.lag(query.id)) == {stream}
             assert listener.lag(query.id)[stream] >= 0
@@ -407,8 +409,7 @@ def test_group_commit_and_lag_listener(
         spark.streams.removeListener(listener)
         writer.close()
     group = {g.group: g for g in client.groups(stream)}["spark-test"]
-    assert group.position in (10, 11)
-    assert group.lag == 11 - group.position
+    assert (group.position, group.lag) == (11, 0)
 
 
 def test_lag_from_progress() -> None:
@@ -857,16 +858,15 @@ def test_readme_spark_example_runs_as_written(
         for number, block in enumerate(blocks):
             exec(compile(block, f"README.md block {number}", "exec"), namespace)
         assert len(namespace["seen"]) == 1002
-        from helpers import wait_until
-
         listener, query = namespace["lag"], namespace["query"]
-        wait_until(lambda: listener.lag(query.id) == {"orders": 0}, 15, "the lag event")
-        # Spark hands a batch's offsets to the source (the group commit) only when it plans
-        # the next batch: one availableNow batch leaves no group row (README, Groups and lag).
+        assert listener.lag(query.id) == {"orders": 0}  # as the README's comment says
+        # The group holds the last batch's end as soon as the run is over (README: "shows in
+        # `streams positions` with its lag"), not one batch behind it.
         import streams
 
         with streams.connect(url) as client:
-            assert "orders-analytics" not in {g.group for g in client.groups("orders")}
+            group = {g.group: g for g in client.groups("orders")}["orders-analytics"]
+            assert (group.position, group.lag) == (client.positions("orders").linear, 0)
     finally:
         drop_database(postgres_admin_url, database_name(url))
 
@@ -911,7 +911,7 @@ def test_timestamps_equal_the_python_reader_across_a_long_out_of_order_window_an
     assert len(expected) == 1700
     assert {ts for (_, i), (_, ts, _) in expected.items() if i > 201} == {now - 3_600_000}
     client.set_retention(stream, 30 * 60_000)
-    assert client.prune(stream).after == 1400  # held at the group Spark committed
+    assert client.prune(stream).after == 1500  # held at the group: the run's last batch end
     second = stream_batches(spark, options, tmp_path / "c")  # the same query, restarted
     got = facts_of([r for _, rows in first + second for r in rows])
     assert got == expected
