@@ -252,14 +252,15 @@ def _buckets_for(infos: Sequence[StreamInfo]) -> Gen[list[sql.Composable]]:
     # Each bucket: attached to the root (to use), absent, detached (an empty bucket whose drop
     # was interrupted after its detach: dropped and made anew) or half-detached.
     rows = yield Query(
-        "SELECT b, c.oid IS NOT NULL, i.inhrelid IS NOT NULL, COALESCE(i.inhdetachpending, false) "
+        "SELECT b, c.oid IS NOT NULL, i.inhrelid IS NOT NULL, COALESCE(i.inhdetachpending, false), "
+        "EXISTS (SELECT 1 FROM pg_inherits k WHERE k.inhparent = c.oid) "
         "FROM unnest(%s::bigint[]) AS b "
         "LEFT JOIN pg_class c ON c.oid = to_regclass(quote_ident('streams_facts_b' || b)) "
         "LEFT JOIN pg_inherits i ON i.inhrelid = c.oid",
         (list(firsts),),
     )
     statements: list[sql.Composable] = []
-    for bucket, exists, attached, pending in rows:
+    for bucket, exists, attached, pending, holds in rows:
         first = firsts[int(bucket)]
         name = sql.Identifier(facts_bucket(first))
         if pending:
@@ -270,6 +271,12 @@ def _buckets_for(infos: Sequence[StreamInfo]) -> Gen[list[sql.Composable]]:
             )
         if attached:
             continue
+        if exists and holds:  # detached by hand: dropping it would drop its streams' facts
+            raise StoreError(
+                f"{facts_bucket(first)} is not attached to streams_facts but holds streams' "
+                "partitions: attach it again (ALTER TABLE streams_facts ATTACH PARTITION ...) "
+                "before creating streams in its range"
+            )
         if exists:
             statements.append(sql.SQL("DROP TABLE {}").format(name))
         ids = range(first, (int(bucket) + 1) * BUCKET_WIDTH)

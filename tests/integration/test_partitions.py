@@ -235,6 +235,15 @@ def test_partitions_hang_under_the_bucket_of_their_id_across_a_bucket_boundary(
                 "CREATE TABLE streams_facts_b1 (LIKE streams_facts INCLUDING DEFAULTS "
                 "INCLUDING CONSTRAINTS) PARTITION BY LIST (stream)"
             )
+            # Not while it holds a partition (detached by hand): dropping it would drop that.
+            conn.execute(
+                "CREATE TABLE kept PARTITION OF streams_facts_b1 FOR VALUES IN (400); "
+                "INSERT INTO kept (stream, stream_id, instance, ts) VALUES (400, 1, 'w', 0)"
+            )
+            with pytest.raises(streams.StoreError, match="holds streams' partitions"):
+                client.create_stream("refused")
+            assert conn.execute("SELECT count(*) FROM kept").fetchone() == (1,)
+            conn.execute("DROP TABLE kept")
         again = client.create_stream("again")
         assert partition_parents(bucket_url) == {facts_partition(again.id): "streams_facts_b1"}
         assert partition_bound(bucket_url, "streams_facts_b1").startswith(
