@@ -215,6 +215,30 @@ Op: TypeAlias = Query | Autocommit | CopyIn | Commit | Pipeline | Send | Receive
 Gen: TypeAlias = Generator[Op, list[Row], T]
 
 
+def _interruption(error: BaseException) -> BaseException | None:
+    """The ``KeyboardInterrupt``, ``SystemExit`` or ``CancelledError`` (anything not an
+    ``Exception``) that ``error`` was raised while handling, if any (see "Interruptions")."""
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        if not isinstance(cause, Exception):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__context__
+    return None
+
+
+def _raised(
+    error: BaseException, conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], op: Op
+) -> BaseException:
+    """What the driver throws into the generator for ``error`` raised by ``op``: the
+    interruption behind it, else the `StoreError` for a driver error, else ``error``."""
+    interruption = _interruption(error)
+    if interruption is not None:
+        return interruption
+    return _wrap(error, conn, op) if isinstance(error, psycopg.Error) else error
+
+
 def _wrap(
     error: psycopg.Error,
     conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any] | None = None,
@@ -610,28 +634,39 @@ def run(conn: psycopg.Connection[Any], gen: Gen[T], *, joined: bool = False) -> 
         else:
             _settle(conn, autocommit)
 
-    result: list[Row] | None = None
-    error: BaseException | None = None
-    while True:
-        try:
-            op = _advance(gen, result, error)
-        except StopIteration as stop:
-            return stop.value  # type: ignore[no-any-return]
-        except psycopg.Error as exc:
-            settle(conn, autocommit)
-            raise _wrap(exc) from None
-        except BaseException:
-            settle(conn, autocommit)
-            raise
-        error = None
-        try:
-            result = _execute(conn, op)
-        except BaseException as exc:  # includes KeyboardInterrupt: IDs must not leak
-            error = _wrap(exc, conn, op) if isinstance(exc, psycopg.Error) else exc
+    # A signal's exception (Ctrl-C) is raised where the interpreter checks for signals, which
+    # includes the loop's back edge, between two steps and outside both handlers below: the
+    # outer handler settles then too (settling twice changes nothing) and closes `gen`, whose
+    # ``finally`` completes what it reserved. asyncio cancels only at an ``await``: no twin.
+    try:
+        result: list[Row] | None = None
+        error: BaseException | None = None
+        while True:
             try:
+                op = _advance(gen, result, error)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
+            except psycopg.Error as exc:
                 settle(conn, autocommit)
-            except BaseException as again:  # interrupted again: the connection is closed
-                error = again
+                raise _interruption(exc) or _wrap(exc) from None
+            except BaseException:
+                settle(conn, autocommit)
+                raise
+            error = None
+            try:
+                result = _execute(conn, op)
+            except BaseException as exc:  # includes KeyboardInterrupt: IDs must not leak
+                error = _raised(exc, conn, op)
+                try:
+                    settle(conn, autocommit)
+                except BaseException as again:  # interrupted again: the connection is closed
+                    error = again
+    except BaseException as exc:
+        if not isinstance(exc, Exception):
+            settle(conn, autocommit)
+            with contextlib.suppress(Exception):
+                gen.close()
+        raise
 
 
 async def arun(conn: psycopg.AsyncConnection[Any], gen: Gen[T], *, joined: bool = False) -> T:
@@ -654,7 +689,7 @@ async def arun(conn: psycopg.AsyncConnection[Any], gen: Gen[T], *, joined: bool 
             return stop.value  # type: ignore[no-any-return]
         except psycopg.Error as exc:
             await asettle(conn, autocommit)
-            raise _wrap(exc) from None
+            raise _interruption(exc) or _wrap(exc) from None
         except BaseException:
             await asettle(conn, autocommit)
             raise
@@ -662,7 +697,7 @@ async def arun(conn: psycopg.AsyncConnection[Any], gen: Gen[T], *, joined: bool 
         try:
             result = await _aexecute(conn, op)
         except BaseException as exc:
-            error = _wrap(exc, conn, op) if isinstance(exc, psycopg.Error) else exc
+            error = _raised(exc, conn, op)
             try:
                 await asettle(conn, autocommit)
             except asyncio.CancelledError as again:  # cancelled while settling: that wins

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import signal
 import types
 from collections.abc import Awaitable, Callable, Generator
 from typing import Any
@@ -590,3 +591,59 @@ def test_hundreds_of_cancellations_at_random_delays(
         counts[stream_id] = counts.get(stream_id, 0) + 1
     assert seen == sorted(counts)  # each fact exactly once, in order
     assert cancelled >= 100 and completed >= 100, (cancelled, completed)
+
+
+# ---------------------------------------------------------------------------- Ctrl-C
+
+
+def test_ctrl_c_inside_a_pipeline_stays_an_interruption(streams_url: str) -> None:
+    """Ctrl-C (a ``KeyboardInterrupt`` from a signal handler) at random moments of a pipeline
+    comes out of the sync driver as ``KeyboardInterrupt``, never as a `StoreError`.
+
+    psycopg's ``Pipeline.__exit__`` interrupted while it syncs raises "cannot exit pipeline
+    mode while busy" from its ``finally``; wrapped as `ConnectionLost`, that made a reader try
+    again, and ``streams read --follow`` ignored Ctrl-C (CI; 40 of 3,000 interruptions here
+    before the fix)."""
+    from streams.store.driver import Commit, Pipeline, Query, run
+
+    armed = False
+
+    def interrupt(_signum: int, _frame: Any) -> None:
+        nonlocal armed
+        if armed:  # once per arming: a late timer never fires outside the try below
+            armed = False
+            raise KeyboardInterrupt
+
+    def probe() -> Generator[Any, Any, Any]:
+        rows = yield Pipeline(tuple(Query(f"SELECT {n}", ()) for n in range(3)))
+        yield Commit()
+        return rows
+
+    rng = random.Random(41)
+    interrupted = completed = 0
+    conn = psycopg.connect(streams_url)
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        for _ in range(3000):
+            if conn.closed:
+                conn = psycopg.connect(streams_url)
+            try:
+                armed = True
+                signal.setitimer(signal.ITIMER_REAL, rng.uniform(0, 0.0015))
+                run(conn, probe())
+                armed = False
+                completed += 1
+            except KeyboardInterrupt:
+                interrupted += 1
+                armed = False
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                if not conn.closed:  # settled: clean, as `run` promises
+                    assert conn.pgconn.pipeline_status == PipelineStatus.OFF
+                    assert conn.info.transaction_status == TransactionStatus.IDLE
+            finally:
+                armed = False
+                signal.setitimer(signal.ITIMER_REAL, 0)
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+        conn.close()
+    assert interrupted >= 100 and completed >= 100, (interrupted, completed)
