@@ -340,6 +340,8 @@ def common_options(func: F) -> F:
         # text may quote the URL) is chained to what click prints.
         try:
             with contextlib.ExitStack() as stack:
+                if not embedded and not kwargs["database_url"]:
+                    _use_background(kwargs)  # `streams up`'s servers, if they run
                 if embedded or (
                     func.__name__ in EMBEDDED_BY_DEFAULT and not kwargs["database_url"]
                 ):
@@ -352,6 +354,17 @@ def common_options(func: F) -> F:
         raise click.ClickException(line)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _use_background(kwargs: dict[str, Any]) -> None:
+    """Point a command with no database URL at the servers `streams up` keeps running for this
+    directory (or a parent), Redis included unless one is given."""
+    from .devservers.background import find_running
+
+    found = find_running()
+    if found is not None:
+        kwargs["database_url"] = found.database_url
+        kwargs["redis_url"] = kwargs.get("redis_url") or found.redis_url
 
 
 def _use_embedded(stack: contextlib.ExitStack, kwargs: dict[str, Any], *, explicit: bool) -> None:

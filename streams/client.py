@@ -775,13 +775,23 @@ class AsyncClient(_ClientBase[psycopg.AsyncConnection[Any]]):
         await self.aclose()
 
 
+def _configured(database_url: str | None, redis_url: str | None) -> tuple[str | None, str | None]:
+    """The URLs given, else the environment's, else those of `streams up`'s servers."""
+    if database_url:
+        return database_url, redis_url
+    from .devservers.background import with_running_servers
+
+    return with_running_servers(database_url, redis_url)
+
+
 def connect(
     database_url: str | None = None,
     redis_url: str | None = None,
     prefix: str | None = None,
     **options: Any,
 ) -> Client:
-    """Open a `Client`; URLs default to ``STREAMS_DATABASE_URL`` / ``STREAMS_REDIS_URL``.
+    """Open a `Client`; URLs default to ``STREAMS_DATABASE_URL`` / ``STREAMS_REDIS_URL``, else
+    to the servers ``streams up`` keeps running for the working directory or a parent of it.
 
     Options: ``max_payload_bytes`` (default 1 MiB), ``lease_seconds`` (default 10),
     ``shared_proofs`` (default ``STREAMS_SHARED_PROOFS`` or off; see `Client.reader`),
@@ -793,6 +803,7 @@ def connect(
     on the primary); ``standby_max_wait`` (default ``STREAMS_STANDBY_MAX_WAIT`` or 5): seconds
     a reader waits for that standby, behind or down, before it reads from the primary.
     """
+    database_url, redis_url = _configured(database_url, redis_url)
     return Client(Settings.resolve(database_url, redis_url, prefix, **options))
 
 
@@ -803,4 +814,5 @@ async def aconnect(
     **options: Any,
 ) -> AsyncClient:
     """Open an `AsyncClient` (see `connect`)."""
+    database_url, redis_url = _configured(database_url, redis_url)
     return await AsyncClient.open(Settings.resolve(database_url, redis_url, prefix, **options))

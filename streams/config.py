@@ -1,6 +1,8 @@
 """Settings, names and limits: validation only, no I/O.
 
-Configuration comes from arguments first, then the environment:
+Configuration comes from arguments first, then the environment (the shells that open clients,
+`streams.connect`, the CLI and the Spark source, then look for the servers ``streams up`` keeps
+running: `streams.devservers.background.with_running_servers`):
 
 * ``STREAMS_DATABASE_URL``: a ``postgresql://`` URL (the truth);
 * ``STREAMS_REDIS_URL``: ``redis://`` or ``rediss://`` (the fast path), or
@@ -50,6 +52,11 @@ __all__ = [
 ]
 
 DEFAULT_PREFIX = "streams"
+#: The error when no database is configured and no `streams up` servers run here.
+NO_DATABASE = (
+    "no database URL: pass database_url= (--database-url), set STREAMS_DATABASE_URL, or run "
+    "`streams up` in this directory to start private PostgreSQL and Redis servers"
+)
 DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024
 #: How long a writer that stopped heartbeating may hold the linear position back.
 DEFAULT_LEASE_SECONDS = 10.0
@@ -375,9 +382,7 @@ class Settings:
     ) -> Settings:
         db = database_url or os.environ.get("STREAMS_DATABASE_URL")
         if not db:
-            raise ConfigurationError(
-                "no database URL: pass database_url= or set STREAMS_DATABASE_URL"
-            )
+            raise ConfigurationError(NO_DATABASE)
         scheme = _scheme_of(db)
         if scheme not in ("postgresql", "postgres") and not scheme.startswith("postgresql+"):
             raise ConfigurationError(

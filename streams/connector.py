@@ -47,6 +47,9 @@ Sinks (`streams.store.sinks`, "the exactly-once argument"): `TaskKey`, `BatchCom
 
 Redis (`streams.transport`): `RedisLink`, `Hint`, `default_instance_name`.
 
+Defaults (`streams.devservers.background`): `with_running_servers`, the URLs of the servers
+``streams up`` keeps running when none is configured (as `streams.connect` finds them).
+
 Typed columns from payloads (`streams.core.typed_payloads`, imported on first use: it needs
 pyarrow): `PayloadSchema`, `SchemaError`, `DEFAULT_CORRUPT_COLUMN`, `parse_schema_text`,
 `payload_schema`, `typed_columns`, `failfast_message`.
@@ -64,6 +67,7 @@ from .core.replication import Hint, backoff_delay
 from .core.stalls import HeldStreams
 from .core.standby_fence import StandbyRoute
 from .core.stream_patterns import RegistryCursor, Subscription, compile_pattern
+from .devservers.background import with_running_servers
 from .store.driver import Commit, Gen, Query, run, transient_sqlstate
 from .store.failover import replicated
 from .store.holders import retire_where_held
@@ -203,5 +207,6 @@ __all__ = [
     "typed_columns",
     "verify",
     "with_client_tcp_settings",
+    "with_running_servers",
     "written_elsewhere",
 ]

@@ -25,6 +25,7 @@ from streams.connector import (
     compile_pattern,
     parse_schema_text,
     payload_schema,
+    with_running_servers,
 )
 from streams.core.fact_columns import OWN_NAMES
 from streams.errors import ConfigurationError, InvalidPattern, InvalidStreamName
@@ -459,11 +460,11 @@ def _standby(
 
 def _settings(given: Mapping[str, str], env: Mapping[str, str]) -> Settings:
     try:
-        return Settings.resolve(
+        database_url, redis_url = with_running_servers(
             given.get("databaseUrl") or env.get("STREAMS_DATABASE_URL"),
             given.get("redisUrl") or None,
-            given.get("prefix") or None,
         )
+        return Settings.resolve(database_url, redis_url, given.get("prefix") or None)
     except ConfigurationError as exc:
         message = str(exc)
         if "Redis" in message:

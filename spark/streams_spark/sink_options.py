@@ -35,7 +35,7 @@ from streams.config import (
     validate_instance_name,
     validate_stream_name,
 )
-from streams.connector import SINK_COMMIT_RETENTION_SECONDS, FactChunk
+from streams.connector import SINK_COMMIT_RETENTION_SECONDS, FactChunk, with_running_servers
 from streams.errors import ConfigurationError, InvalidStreamName
 
 from .options import KNOWN_OPTIONS, parse_duration
@@ -136,9 +136,7 @@ def parse_sink_options(
         raise ConfigurationError(f"option stream: {exc} (a write goes to one stream)") from None
     url = given.get("databaseUrl") or env.get("STREAMS_DATABASE_URL")
     try:
-        if not url:
-            raise ConfigurationError("no database URL given")
-        database_url = Settings.resolve(url).database_url
+        database_url = Settings.resolve(with_running_servers(url or None, None)[0]).database_url
     except ConfigurationError as exc:
         raise ConfigurationError(
             f"option databaseUrl (or env STREAMS_DATABASE_URL): {exc}"

@@ -29,6 +29,7 @@ from ..errors import ConfigurationError
 __all__ = [
     "CONNECT_TIMEOUT",
     "HOST",
+    "PINNED",
     "POLL_INTERVAL",
     "PORT_ATTEMPTS",
     "STARTUP_TIMEOUT",
@@ -52,6 +53,8 @@ STARTUP_TIMEOUT = 30.0  # seconds for a server to accept connections
 STOP_TIMEOUT = 10.0  # seconds for a server to shut down before it is killed
 POLL_INTERVAL = 0.02  # seconds between readiness polls
 PORT_ATTEMPTS = 3  # a free port may be taken before the server binds it: retry on another
+#: In a server's directory: its last user leaves it running (`streams.devservers.background`).
+PINNED = ".pinned"
 
 Kind = Literal["postgres", "redis"]
 
@@ -198,7 +201,7 @@ def _detach_is_last(directory: Path, fd: int) -> bool:
 class EmbeddedServer:
     """A running embedded server. ``url`` is PostgreSQL's superuser URL (database
     ``postgres``) or Redis's URL. `stop` (idempotent; also at interpreter exit) releases it:
-    the server is stopped unless another process still uses it."""
+    the server is stopped unless another process still uses it or it is pinned (`PINNED`)."""
 
     kind: Kind
     url: str
@@ -234,6 +237,9 @@ class EmbeddedServer:
                     log.info(
                         "%s in %s stays up: another process uses it", self.kind, self.directory
                     )
+                    return
+                if (self.directory / PINNED).exists():
+                    log.info("%s in %s stays up: `streams up` keeps it", self.kind, self.directory)
                     return
                 _terminate(self.pid, self._proc, self._stop_signal)
                 if self._on_stopped is not None:

@@ -16,7 +16,8 @@ The commands live in modules by group, each registered here on `ops`:
 * `database_commands`: ``migrate``, ``doctor``, ``metrics serve``;
 * `group_commands`, `incarnation_commands`, `failover_commands`, `role_commands`,
   `schema_commands`: ``groups``, ``incarnation``, ``failover``, ``roles``, ``schema``;
-* `demo_commands`: ``demo``.
+* `demo_commands`: ``demo``;
+* `server_commands`: ``up``, ``down``, ``status`` (embedded servers kept running).
 
 What several of them share is `shared` (settings, the client, ``--json`` output) and `render`
 (tables).
@@ -36,6 +37,7 @@ from .key_commands import keys
 from .position_commands import positions, writers
 from .role_commands import roles
 from .schema_commands import schema
+from .server_commands import down, status, up
 from .stream_commands import create, drop, key_window, list_, prune_, retention, tables
 
 __all__ = ["ops"]
@@ -63,3 +65,6 @@ ops.add_command(failover)
 ops.add_command(roles)
 ops.add_command(schema)
 ops.add_command(demo)
+ops.add_command(up)
+ops.add_command(down)
+ops.add_command(status)

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -55,6 +57,9 @@ class DemoResult:
     spark_batches: int = 0
     epochs: int = 0
     problems: list[str] = field(default_factory=list)
+    interrupted: bool = False  # Ctrl-C: what was committed until then was checked
+    seconds: float = 0.0
+    spark_log: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -71,6 +76,9 @@ class DemoResult:
             "epochs": self.epochs,
             "ok": self.ok,
             "problems": self.problems,
+            "interrupted": self.interrupted,
+            "seconds": round(self.seconds, 1),
+            "spark_log": self.spark_log,
         }
 
 
@@ -157,10 +165,27 @@ class _SparkStep(Protocol):
     def drain(self) -> None: ...
 
 
-def _spark_query(settings: Settings, stream: str, checkpoint: str) -> _SparkStep:
-    """Start the Spark step (the library never imports the connector: `streams.plugins`)."""
-    query: _SparkStep = load_plugin(DEMO, "spark")(settings, stream, checkpoint, SINK_TABLE)
+def _spark_query(settings: Settings, stream: str, checkpoint: str, log: str) -> _SparkStep:
+    """Start the Spark step (the library never imports the connector: `streams.plugins`); the
+    JVM's own output goes to ``log``, not to the terminal."""
+    step = load_plugin(DEMO, "spark")
+    query: _SparkStep = step(settings, stream, checkpoint, SINK_TABLE, log=log)
     return query
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """Processes started in this block ignore Ctrl-C (Python keeps SIGINT ignored when it
+    starts so): the terminal sends it to the whole process group, and the writers must stop
+    by the demo's event, not by a traceback each."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 # ------------------------------------------------------------------------------- the run
@@ -230,6 +255,14 @@ def _live(terminal: bool, out: Callable[[str], None]) -> Iterator[Callable[[list
         yield show
 
 
+#: Said once before the live view: what its figures are.
+LEGEND = (
+    "every 2 s: linear = every ID at or below it has completed (what readers may read); "
+    "max allocated = the highest ID handed out to a writer; epochs = what the Python reader "
+    "took; spark batches = micro-batches Spark completed. Ctrl-C stops early."
+)
+
+
 def run_demo(
     settings: Settings,
     *,
@@ -259,7 +292,11 @@ def run_demo(
         result = DemoResult(stream)
         reader = _PythonReader(client, stream)
         reader.thread.start()
-        query = _spark_query(settings, stream, checkpoint) if spark else None
+        query = None
+        if spark:
+            result.spark_log = os.path.join(tempfile.gettempdir(), f"streams-{stream}-spark.log")
+            out(f"starting Spark (its own log: {result.spark_log})...")
+            query = _spark_query(settings, stream, checkpoint, result.spark_log)
         ctx = mp.get_context("spawn")
         stop = ctx.Event()
         procs = [
@@ -278,17 +315,22 @@ def run_demo(
             )
             for k in range(writers)
         ]
-        for proc in procs:
-            proc.start()
+        with _sigint_ignored():
+            for proc in procs:
+                proc.start()
+        started = time.monotonic()
+        out(LEGEND if not terminal else LEGEND.replace("every 2 s: ", ""))
         try:
             with _live(terminal, out) as show:
-                deadline = time.monotonic() + duration
+                deadline = started + duration
                 while time.monotonic() < deadline:
                     show(_view(client, stream, reader, query))
                     time.sleep(0.5 if terminal else 2.0)
         except KeyboardInterrupt:
-            out("stopping (Ctrl-C)...")
+            result.interrupted = True
+            out("stopping (Ctrl-C): the writers finish, the readers read what committed...")
         finally:
+            result.seconds = time.monotonic() - started
             stop.set()
             for proc in procs:
                 proc.join(timeout=30)
@@ -350,6 +392,12 @@ def _check(
             f"Python reader: {len(got)} facts delivered, {len(expected)} committed "
             f"(duplicates {dupes}, missing e.g. {missing}, in order {ids == sorted(ids)})"
         )
+    # Nothing may show as lagging after the run: each group holds the end it delivered.
+    linear = client.positions(stream).linear
+    held = {g.group: g.position for g in client.groups(stream)}
+    for group in ("demo-python", "demo-spark") if query is not None else ("demo-python",):
+        if held.get(group) != linear and not reader.error:
+            result.problems.append(f"group {group} holds {held.get(group)}, not {linear}")
     multi_row = [i for i, n in expected if n > 1]
     if multi_row and not user_ids.issuperset(multi_row):
         result.problems.append("a fact() committed its rows but not its user-table row")
@@ -388,8 +436,21 @@ def print_summary(result: DemoResult, out: Callable[[str], None], terminal: bool
             if result.spark_batches or result.spark_facts
             else "not run",
         ],
-        ["verdict", "every fact exactly once, whole, in order" if result.ok else "FAILED"],
+        ["verdict", _verdict(result)],
     ]
+    if result.spark_log is not None:
+        table.rows.append(["Spark's log", result.spark_log])
     print_tables([table], sys.stdout, terminal=terminal)
     for problem in result.problems:
         out(f"problem: {problem}")
+
+
+def _verdict(result: DemoResult) -> str:
+    if not result.ok:
+        return "FAILED"
+    if result.interrupted:
+        return (
+            f"interrupted (Ctrl-C) after {result.seconds:.0f} s: every fact committed until "
+            "then exactly once, whole, in order"
+        )
+    return "every fact exactly once, whole, in order"

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import shutil
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -40,6 +42,16 @@ def _demo_metrics(addr: str, port: int) -> Iterator[Any]:
         server.server_close()
 
 
+def _java_unless_no_spark(ctx: click.Context, param: click.Parameter, no_spark: bool) -> bool:
+    """Checked while the options are parsed: before any server starts."""
+    if not no_spark and shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+        raise click.ClickException(
+            "Spark needs Java 17, and there is no `java` on PATH and no JAVA_HOME: install it "
+            "(e.g. apt install openjdk-17-jre-headless), or run `streams demo --no-spark`"
+        )
+    return no_spark
+
+
 @click.command()
 @click.option(
     "--duration", type=FiniteFloat(0.5, 86_400), default=30.0, show_default=True,
@@ -51,7 +63,10 @@ def _demo_metrics(addr: str, port: int) -> Iterator[Any]:
     help="Facts/s per writer process.",
 )  # fmt: skip
 @click.option(
-    "--no-spark", is_flag=True, help="Only the Python reader (for a machine without Java)."
+    "--no-spark",
+    is_flag=True,
+    callback=_java_unless_no_spark,
+    help="Only the Python reader (for a machine without Java).",
 )
 @click.option(
     "--metrics", "metrics_at", type=ListenAddress(), default=None,
@@ -75,6 +90,25 @@ def demo(
     in a user table) while a Python reader group and a Spark query consume epochs; a live view;
     then a summary that checks every fact was delivered exactly once, whole, in order, to both
     (exit 1 if not). With no database URL configured, runs on embedded servers (./.streams/)."""
+    try:
+        _demo(duration, writer_count, rate, no_spark, metrics_at, as_json, database_url,
+              redis_url, prefix)  # fmt: skip
+    except KeyboardInterrupt:  # before the run (Spark starting) or while checking it
+        click.echo("interrupted (Ctrl-C): nothing was checked", err=True)
+        sys.exit(130)
+
+
+def _demo(
+    duration: float,
+    writer_count: int,
+    rate: float,
+    no_spark: bool,
+    metrics_at: tuple[str, int] | None,
+    as_json: bool,
+    database_url: str | None,
+    redis_url: str | None,
+    prefix: str | None,
+) -> None:
     from ..migrate import upgrade
     from .demo import print_summary, run_demo
 
@@ -99,14 +133,16 @@ def demo(
         print_summary(result, lambda line: click.echo(line, err=True), stdout_is_terminal())
         name = result.stream
         ctx = click.get_current_context()
-        # The servers stopped with the demo: later commands must ask for them again.
-        again = (
-            " --embedded"
-            if ctx.get_parameter_source("database_url") is ParameterSource.DEFAULT
-            else ""
-        )
-        click.echo(
-            f"now try: streams positions {name}{again}   or   streams read {name} --limit 5{again}"
-        )
+        if ctx.get_parameter_source("database_url") is ParameterSource.DEFAULT:
+            from ..devservers.background import find_running
+
+            if find_running() is None:  # the demo's own servers, stopped with it
+                click.echo(
+                    "the embedded servers stopped with the demo (their data is kept): "
+                    "`streams up` starts them again and keeps them running; then"
+                )
+        click.echo(f"now try: streams positions {name}   or   streams read {name} --limit 5")
     if not result.ok:
         sys.exit(1)
+    if result.interrupted:
+        sys.exit(130)

@@ -104,8 +104,9 @@ CLIENT_TCP_SETTINGS = {
 Opening: TypeAlias = Callable[[], Gen[Any]]
 
 _START_SERVER = (
-    "is PostgreSQL running there? Start it, or use the repository's docker-compose.yml "
-    "(`docker compose up -d`, then postgresql://postgres:postgres@127.0.0.1:55432/streams)"
+    "is PostgreSQL running there? Start it; or, for development, run `streams up` (private "
+    "servers in ./.streams/, found with no URL set) or the repository's `docker compose up -d` "
+    "(then postgresql://postgres:postgres@127.0.0.1:55432/streams)"
 )
 #: (pattern searched in libpq's reason, lower case) -> next step; the first match wins.
 _NEXT_STEPS = (

@@ -18,8 +18,9 @@ from ..errors import RedisUnavailable
 __all__ = ["connection_error"]
 
 _START_SERVER = (
-    "is Redis running there? Start it, or use the repository's docker-compose.yml "
-    "(`docker compose up -d`, then redis://127.0.0.1:56379/0)"
+    "is Redis running there? Start it; or, for development, run `streams up` (private "
+    "servers in ./.streams/, found with no URL set) or the repository's `docker compose up -d` "
+    "(then redis://127.0.0.1:56379/0)"
 )
 #: (pattern searched in redis-py's reason, lower case) -> next step; the first match wins.
 _NEXT_STEPS = (

@@ -536,7 +536,7 @@ def test_connection_refused_says_so_and_what_to_do(closed_port: int) -> None:
     message = str(caught.value)
     assert f"postgresql://u:***@127.0.0.1:{closed_port}/x" in message
     assert "Connection refused" in message
-    assert "docker compose up -d" in message
+    assert "docker compose up -d" in message and "`streams up`" in message
     assert "topsecret" not in message and "\n" not in message
     assert caught.value.__context__ is None
 

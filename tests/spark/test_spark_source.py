@@ -849,11 +849,18 @@ def test_readme_spark_example_runs_as_written(
         monkeypatch.setenv("STREAMS_PREFIX", redis_prefix)
         monkeypatch.chdir(tmp_path)
         namespace: dict[str, Any] = {"__name__": "readme"}
-        # Spark resolves a relative checkpoint against the JVM's start directory (the session
-        # began before chdir): give the example's checkpoint an absolute place in tmp_path.
+        # Spark resolves a relative checkpoint against the JVM's start directory, and its
+        # Python workers (where the source reads its options) have the JVM's environment: the
+        # session began before this test's chdir and setenv. So the checkpoint gets an absolute
+        # place in tmp_path, and the database its option. (tests/docs/test_quickstart.py runs
+        # the block unchanged, in a Spark of its own.)
         checkpoint = repr(str(tmp_path / "checkpoints" / "orders"))
         blocks = readme_blocks("python") + [
-            b.replace('"checkpoints/orders"', checkpoint) for b in readme_blocks("python spark")
+            b.replace('"checkpoints/orders"', checkpoint).replace(
+                '.option("stream", "orders")',
+                f'.option("stream", "orders").option("databaseUrl", {url!r})',
+            )
+            for b in readme_blocks("python spark")
         ]
         for number, block in enumerate(blocks):
             exec(compile(block, f"README.md block {number}", "exec"), namespace)

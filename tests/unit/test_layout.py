@@ -15,8 +15,9 @@ counted; and no two modules share a file name):
 4. `streams.writer` (with `streams.heartbeat`, `streams.fact_blocks`),
    `streams.reader`, `streams.proofs`, `streams.migrate`: the shells that drive them;
 5. `streams.client` (with `streams.client_plans`), `streams.metrics`, `streams.connector`,
-   `streams` itself: the entry points;
-6. `streams.cli_params`, `streams.devservers`, `streams.plugins`: what every command shares;
+   `streams` itself: the entry points; and `streams.devservers`, the embedded servers that
+   the entry points find when no URL is configured (`streams up`);
+6. `streams.cli_params`, `streams.plugins`: what every command shares;
 7. `streams.ops`, `streams.bench`: the operator's commands and the benchmarks, kept apart;
 8. `streams.command`, `streams.__main__`: the `streams` command, composed of both.
 
@@ -235,8 +236,15 @@ LAYERS = (
         "streams.migrate",
         "streams.orm",
     ),
-    ("streams.client", "streams.client_plans", "streams.metrics", "streams.connector", "streams"),
-    ("streams.cli_params", "streams.devservers", "streams.plugins"),
+    (
+        "streams.client",
+        "streams.client_plans",
+        "streams.metrics",
+        "streams.connector",
+        "streams",
+        "streams.devservers",
+    ),
+    ("streams.cli_params", "streams.plugins"),
     ("streams.ops", "streams.bench"),
     ("streams.command", "streams.__main__"),
 )
