@@ -23,7 +23,7 @@ import math
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import click
 import psycopg
@@ -279,7 +279,7 @@ def _connecting(exc: psycopg.Error) -> bool:
 
 def _check_database_url(url: str) -> None:
     if url:  # empty: not configured (the environment, or embedded servers for `demo`)
-        Settings.resolve(url)  # the scheme, and what libpq would misread
+        Settings.resolve(url, "", "")  # the scheme, what libpq would misread (no Redis)
         sessions.parse_database_url(url)  # what libpq cannot parse at all
 
 
@@ -312,22 +312,38 @@ def read_url_option(func: F) -> F:
     return option(func)
 
 
-def common_options(func: F) -> F:
+@overload
+def common_options(func: F) -> F: ...
+
+
+@overload
+def common_options(*, redis: bool = ...) -> Callable[[F], F]: ...
+
+
+def common_options(func: F | None = None, *, redis: bool = True) -> Any:
     """``--database-url``, ``--redis-url``, ``--prefix``, ``--embedded``, and the error
-    discipline of the module docstring, for one command."""
+    discipline of the module docstring, for one command. ``redis=False``: the command never
+    uses Redis, so it neither checks ``--redis-url`` and ``--prefix`` (nor their variables:
+    a bad ``STREAMS_REDIS_URL`` must not break ``streams list``) nor passes them on."""
+    if func is None:
+        return functools.partial(common_options, redis=redis)
+    unused = " (not used by this command)" if not redis else ""
 
     @click.option(
         "--database-url", envvar="STREAMS_DATABASE_URL", type=DATABASE_URL, help="postgresql:// URL"
     )
     @click.option(
-        "--redis-url", envvar="STREAMS_REDIS_URL", type=REDIS_URL, help="redis:// or rediss:// URL"
+        "--redis-url",
+        envvar="STREAMS_REDIS_URL",
+        type=REDIS_URL if redis else click.STRING,
+        help=f"redis:// or rediss:// URL{unused}",
     )
     @click.option(
         "--prefix",
         envvar="STREAMS_PREFIX",
         default=None,
-        type=PREFIX,
-        help="Redis channel prefix",
+        type=PREFIX if redis else click.STRING,
+        help=f"Redis channel prefix{unused}",
     )
     @click.option(
         "--embedded",
@@ -336,16 +352,18 @@ def common_options(func: F) -> F:
     )
     @functools.wraps(func)
     def wrapper(*args: Any, embedded: bool, **kwargs: Any) -> Any:
+        if not redis:  # "": none, and not the environment's either (`Settings.resolve`)
+            kwargs["redis_url"] = kwargs["prefix"] = ""
         # The line is built outside the except block, so that no driver exception (whose
         # text may quote the URL) is chained to what click prints.
         try:
             with contextlib.ExitStack() as stack:
                 if not embedded and not kwargs["database_url"]:
-                    _use_background(kwargs)  # `streams up`'s servers, if they run
+                    _use_background(kwargs, redis)  # `streams up`'s servers, if they run
                 if embedded or (
                     func.__name__ in EMBEDDED_BY_DEFAULT and not kwargs["database_url"]
                 ):
-                    _use_embedded(stack, kwargs, explicit=embedded)
+                    _use_embedded(stack, kwargs, explicit=embedded, redis=redis)
                 return func(*args, **kwargs)
         except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
@@ -353,21 +371,24 @@ def common_options(func: F) -> F:
             line = failure_line(exc, kwargs.get("database_url"), kwargs.get("redis_url"))
         raise click.ClickException(line)
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper
 
 
-def _use_background(kwargs: dict[str, Any]) -> None:
+def _use_background(kwargs: dict[str, Any], redis: bool) -> None:
     """Point a command with no database URL at the servers `streams up` keeps running for this
-    directory (or a parent), Redis included unless one is given."""
+    directory (or a parent), Redis included unless one is given or the command uses none."""
     from .devservers.background import find_running
 
     found = find_running()
     if found is not None:
         kwargs["database_url"] = found.database_url
-        kwargs["redis_url"] = kwargs.get("redis_url") or found.redis_url
+        if redis:
+            kwargs["redis_url"] = kwargs.get("redis_url") or found.redis_url
 
 
-def _use_embedded(stack: contextlib.ExitStack, kwargs: dict[str, Any], *, explicit: bool) -> None:
+def _use_embedded(
+    stack: contextlib.ExitStack, kwargs: dict[str, Any], *, explicit: bool, redis: bool
+) -> None:
     """Start (or join) the project's private servers and point the command at them."""
     ctx = click.get_current_context()
     if explicit and ctx.get_parameter_source("database_url") == ParameterSource.COMMANDLINE:
@@ -377,4 +398,6 @@ def _use_embedded(stack: contextlib.ExitStack, kwargs: dict[str, Any], *, explic
     urls = stack.enter_context(
         embedded_servers(EMBEDDED_DIR, announce=lambda line: click.echo(line, err=True))
     )
-    kwargs["database_url"], kwargs["redis_url"] = urls.database_url, urls.redis_url
+    kwargs["database_url"] = urls.database_url
+    if redis:
+        kwargs["redis_url"] = urls.redis_url

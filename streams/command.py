@@ -16,7 +16,19 @@ from .ops.cli import ops
 __all__ = ["main"]
 
 
-@click.group(commands={**ops.commands, "bench": bench})
+class _Streams(click.Group):
+    """Ctrl-C ends any command with 130, as shells expect of an interrupted command, and no
+    traceback (click's own answer is "Aborted!" and 1). Commands that stop cleanly on Ctrl-C
+    (``read --follow``, ``demo``, ``metrics serve``) say more themselves."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            raise click.exceptions.Exit(130) from None
+
+
+@click.group(cls=_Streams, commands={**ops.commands, "bench": bench})
 @click.version_option(__version__, prog_name="streams")
 def main() -> None:
     """Ordered multi-writer fact streams on PostgreSQL (Redis for the fast path)."""

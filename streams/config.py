@@ -389,13 +389,17 @@ class Settings:
                 f"database URL must be postgresql://..., got {redact_url(db)!r}"
             )
         validate_database_url(db)
-        redis = redis_url or os.environ.get("STREAMS_REDIS_URL") or None
+        # "" (not None): no Redis, whatever the environment says (commands that use none).
+        env_redis = os.environ.get("STREAMS_REDIS_URL") if redis_url is None else None
+        redis = redis_url or env_redis or None
         if redis is not None:
             validate_redis_url(redis)
         if require_redis and redis is None:
             raise ConfigurationError("no Redis URL: pass redis_url= or set STREAMS_REDIS_URL")
         chosen_prefix = validate_prefix(
-            prefix or os.environ.get("STREAMS_PREFIX") or DEFAULT_PREFIX
+            prefix
+            or (os.environ.get("STREAMS_PREFIX") if prefix is None else None)
+            or DEFAULT_PREFIX
         )
         if max_payload_bytes <= 0:
             raise ConfigurationError("max_payload_bytes must be positive")

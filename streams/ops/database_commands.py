@@ -23,7 +23,7 @@ __all__ = ["doctor", "metrics", "migrate"]
 
 
 @click.command()
-@common_options
+@common_options(redis=False)
 def migrate(database_url: str | None, redis_url: str | None, prefix: str | None) -> None:
     """Upgrade the database schema to this version's head (idempotent)."""
     from ..migrate import current_revision, upgrade

@@ -67,7 +67,7 @@ def groups() -> None:
     help="By stream and group name, or by lag (the largest first).",
 )
 @click.option("--json", "as_json", is_flag=True)
-@common_options
+@common_options(redis=False)
 def groups_list(
     streams: tuple[str, ...],
     stale_after: int,
@@ -126,7 +126,7 @@ def groups_list(
 )  # fmt: skip
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation (for scripts).")
 @click.option("--json", "as_json", is_flag=True)
-@common_options
+@common_options(redis=False)
 def groups_delete(
     group: str,
     streams: tuple[str, ...],

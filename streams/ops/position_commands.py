@@ -205,7 +205,7 @@ def writers() -> None:
     help="Remove retired writers whose last heartbeat is older than this (e.g. 1h, 7d).",
 )
 @click.option("--json", "as_json", is_flag=True)
-@common_options
+@common_options(redis=False)
 def writers_prune(
     streams: tuple[str, ...],
     older_than: int,

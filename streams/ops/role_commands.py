@@ -89,7 +89,7 @@ def roles() -> None:
     "(every role of the database loses them: only if nothing else here needs them).",
 )
 @click.option("--json", "as_json", is_flag=True)
-@common_options
+@common_options(redis=False)
 def roles_create(
     restrict_public: bool,
     as_json: bool,
@@ -117,7 +117,7 @@ def roles_create(
 
 @roles.command(name="show")
 @click.option("--json", "as_json", is_flag=True)
-@common_options
+@common_options(redis=False)
 def roles_show(
     as_json: bool, database_url: str | None, redis_url: str | None, prefix: str | None
 ) -> None:
@@ -169,7 +169,7 @@ def _show_lines(grants: RoleGrants) -> list[str]:
 
 @roles.command(name="check")
 @click.option("--json", "as_json", is_flag=True)
-@common_options
+@common_options(redis=False)
 def roles_check(
     as_json: bool, database_url: str | None, redis_url: str | None, prefix: str | None
 ) -> None:
@@ -234,7 +234,7 @@ def _role_name(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
 @click.argument("role", callback=_role_name)
 @click.option("--stream", "stream", multiple=True, help="A stream ROLE may write.")
 @click.option("--group", "group", multiple=True, help="A reader group ROLE may open and commit.")
-@common_options
+@common_options(redis=False)
 def roles_grant(
     role: str,
     stream: tuple[str, ...],
@@ -255,7 +255,7 @@ def roles_grant(
 @click.option("--stream", "stream", multiple=True, help="A stream ROLE may no longer write.")
 @click.option("--group", "group", multiple=True, help="A group ROLE may no longer use.")
 @click.option("--all", "everything", is_flag=True, help="Every stream and group, and the rest.")
-@common_options
+@common_options(redis=False)
 def roles_revoke(
     role: str,
     stream: tuple[str, ...],

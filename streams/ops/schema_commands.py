@@ -41,7 +41,7 @@ def schema() -> None:
     show_default=True,
     help="Spark DDL (the Spark source's schema option), StructType JSON, or pyarrow Python.",
 )  # fmt: skip
-@common_options
+@common_options(redis=False)
 def schema_infer(
     name: str,
     sample: int,

@@ -66,7 +66,7 @@ __all__ = ["create", "drop", "key_window", "list_", "prune_", "retention", "tabl
     ),
 )
 @click.option("--json", "as_json", is_flag=True)
-@common_options
+@common_options(redis=False)
 def create(
     name: str | None,
     from_file: IO[str] | None,
@@ -147,7 +147,7 @@ def read_specs(source: IO[str]) -> list[StreamSpec]:
 )
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation (for scripts).")
 @click.option("--json", "as_json", is_flag=True)
-@common_options
+@common_options(redis=False)
 def drop(
     names: tuple[str, ...],
     like: str | None,
@@ -220,7 +220,7 @@ def _stream_text(d: dict[str, Any]) -> Iterator[str]:
 @click.argument("name", type=STREAM_NAME)
 @click.argument("window", required=False, metavar="[DURATION]", type=Duration(min_ms=1))
 @click.option("--json", "as_json", is_flag=True)
-@common_options
+@common_options(redis=False)
 def key_window(
     name: str,
     window: int | None,
@@ -244,7 +244,7 @@ def key_window(
 @click.argument("tables", nargs=-1, metavar="[\"TABLE.COLUMN [WHERE KEY = 'VALUE']\"]...")
 @click.option("--clear", is_flag=True, help="Declare no user tables.")
 @click.option("--json", "as_json", is_flag=True)
-@common_options
+@common_options(redis=False)
 def tables(
     name: str,
     tables: tuple[str, ...],
@@ -273,7 +273,7 @@ def tables(
 @click.argument("name", type=STREAM_NAME)
 @click.argument("keep", required=False, metavar="[DURATION|forever]", type=RETENTION)
 @click.option("--json", "as_json", is_flag=True)
-@common_options
+@common_options(redis=False)
 def retention(
     name: str,
     keep: str | int | None,
@@ -309,7 +309,7 @@ def retention(
     help="Keep pruning at this interval (e.g. 1m) until interrupted.",
 )
 @click.option("--json", "as_json", is_flag=True, help="JSON lines, one per stream and round.")
-@common_options
+@common_options(redis=False)
 def prune_(
     streams: tuple[str, ...],
     batch: int,
@@ -353,7 +353,7 @@ def _prune_text(d: dict[str, Any]) -> Iterator[str]:
 @click.command(name="list")
 @view_options
 @click.option("--json", "as_json", is_flag=True)
-@common_options
+@common_options(redis=False)
 def list_(
     like: str | None,
     limit: int | None,

@@ -854,3 +854,37 @@ def test_read_commit_commits_exactly_what_was_printed(
     assert [r["stream_id"] for r in read("--commit")] == [third]
     assert [g.position for g in client.groups(stream)] == [third]
     assert read("--commit") == []
+
+
+def test_a_command_that_uses_no_redis_ignores_a_bad_redis_url(
+    streams_url: str, stream: str
+) -> None:
+    """A bad ``STREAMS_REDIS_URL`` (or ``--redis-url``, ``--prefix``) breaks only the commands
+    that use Redis: `list` runs, `append` says what is wrong with the URL."""
+    env = {"STREAMS_REDIS_URL": "bogus", "STREAMS_PREFIX": "a b"}
+    listed = CliRunner().invoke(
+        main, ["list", "--like", stream, "--database-url", streams_url], env=env
+    )
+    assert ok(listed).splitlines()[1].split()[0] == stream
+    flagged = cli(streams_url, "list", "--like", stream, "--redis-url", "x y", "--prefix", "a b")
+    assert stream in ok(flagged)
+    appended = CliRunner().invoke(
+        main, ["append", stream, '{"n": 1}', "--database-url", streams_url], env=env
+    )
+    assert appended.exit_code == 1 and "Redis URL must be" in appended.output, appended.output
+
+
+def test_ctrl_c_in_any_command_exits_130_without_a_traceback(
+    streams_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Commands without a Ctrl-C path of their own end as the others do (click's default was
+    "Aborted!" and exit 1)."""
+    from streams.ops import stream_commands
+
+    def interrupted(*_args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(stream_commands, "open_client", interrupted)
+    result = cli(streams_url, "list")
+    assert result.exit_code == 130, result.output
+    assert "Aborted" not in result.output and "Traceback" not in result.output

@@ -108,8 +108,9 @@ def test_no_library_transaction_within_the_bound_is_ever_overdue(
     open_: dict[Hold, float] = {}  # hold -> when its transaction read the sequence
     for step, what, n in steps:
         now += step
-        # A library transaction ends within the bound.
-        open_ = {h: began for h, began in open_.items() if now - began < bound}
+        # A library transaction ends within the bound (less a nanosecond: at exactly the bound,
+        # `now - began < bound` and the observer's `probe <= now - bound` may round apart).
+        open_ = {h: began for h, began in open_.items() if now - began < bound - 1e-9}
         if what == "probe":
             watch.observe(now, [("s", 0, allocated)])
         elif what == "begin":
