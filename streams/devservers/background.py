@@ -102,17 +102,33 @@ def _read_up_file(path: Path) -> BackgroundServers | None:
 
 def find_running(start: Path | None = None) -> BackgroundServers | None:
     """The servers ``streams up`` keeps running for the working directory (or ``start``) or a
-    parent of it, if they still run; ``None`` else."""
+    parent of it, if they still run; ``None`` else.
+
+    Only a ``.streams`` directory and ``up.json`` of this user's, that nobody else may write,
+    are trusted (as git's ``safe.directory``): under a shared directory such as ``/tmp``,
+    another account could otherwise point this user's programs at a server of its own."""
     here = (start or Path.cwd()).absolute()
     for directory in (here, *here.parents):
         up_file = directory / DEFAULT_BASE_DIR / UP_FILE
         if up_file.is_file():
+            if not (_ours(up_file.parent) and _ours(up_file)):
+                log.warning("ignoring %s: not this user's, or writable by others", up_file)
+                return None
             found = _read_up_file(up_file)
             if found is not None and found.alive():
                 return found
             log.info("%s names servers that no longer run (streams up starts them)", up_file)
             return None
     return None
+
+
+def _ours(path: Path) -> bool:
+    """Owned by this user, writable by nobody else."""
+    try:
+        status = path.stat()
+    except OSError:
+        return False
+    return status.st_uid == os.geteuid() and not status.st_mode & 0o022
 
 
 def with_running_servers(
@@ -147,6 +163,9 @@ def bring_up(
             str(base_dir), urls.database_url, urls.redis_url,
             running[0][0], str(postgres_dir), running[1][0], str(redis_dir),
         )  # fmt: skip
+        # Programs trust up.json only if nobody else may write it or its directory
+        # (`find_running`), whatever the umask (002 on many desktops).
+        base_dir.chmod(base_dir.stat().st_mode & 0o755)
         _write(base_dir / UP_FILE, json.dumps(asdict(servers), indent=2) + "\n")
         # The pins last: nothing after them can fail, so a failed `up` leaves nothing running.
         for directory in (postgres_dir, redis_dir):
@@ -161,6 +180,7 @@ def _write(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` whole (a reader never sees half of it)."""
     partial = path.with_name(path.name + ".partial")
     partial.write_text(text)
+    partial.chmod(0o644)
     partial.replace(path)
 
 

@@ -66,6 +66,23 @@ def test_up_keeps_servers_that_connect_the_commands_and_the_demo_find(project: P
     pids = _recorded_pids(project)
     assert all(pid_alive(pid) for pid in pids), "up returned but its servers are gone"
 
+    # Trusted only if this user's and writable by nobody else (a shared /tmp): another account
+    # could leave an up.json naming servers of its own.
+    from streams.devservers.background import find_running
+
+    up_file = project / ".streams" / "up.json"
+    assert find_running(project / "deeper") is not None  # from below, too
+    for path, mode in ((up_file, 0o666), (up_file.parent, 0o777)):
+        before = path.stat().st_mode & 0o777
+        path.chmod(mode)
+        assert find_running(project) is None, f"trusted {path} with mode {mode:o}"
+        path.chmod(before)
+    if os.geteuid() == 0:
+        os.chown(up_file, 65534, 65534)  # nobody's
+        assert find_running(project) is None
+        os.chown(up_file, 0, 0)
+    assert find_running(project) is not None
+
     again = streams_cli(project, "up")  # idempotent: the same servers
     assert again.returncode == 0 and again.stdout == first.stdout, again.stderr
     assert _recorded_pids(project) == pids
