@@ -39,7 +39,7 @@ from .driver import Autocommit, Commit, Gen, Query
 from .roles import grant_streams, owner_to_create_as
 from .stream_objects import StreamObjects
 
-ALEMBIC_HEAD = "0019_stream_fences"
+ALEMBIC_HEAD = "0020_domain_checks"
 
 _STREAM_COLUMNS = (
     "id, name, sequence_name, timestamping, uncapped, retention_ms, fact_tables, key_window_ms"

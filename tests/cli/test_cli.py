@@ -134,7 +134,7 @@ def read(url: str, name: str, *options: str) -> list[dict[str, Any]]:
 def test_migrate_is_idempotent_and_redacts_the_url(fresh_url: str) -> None:
     outputs = [ok(cli(fresh_url, "migrate")) for _ in range(2)]
     for out in outputs:
-        assert out.strip() == f"{redact_url(fresh_url)}: schema at 0019_stream_fences"
+        assert out.strip() == f"{redact_url(fresh_url)}: schema at 0020_domain_checks"
     password = urlsplit(fresh_url).password
     if password:
         assert password not in "".join(outputs)

@@ -3,6 +3,7 @@ and `streams.migrate.upgrade` (what ``streams migrate`` and the wheel use)."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import secrets
 import subprocess
@@ -37,7 +38,7 @@ TABLES = (
     "streams_writers",
 )
 VERSION_TABLE = "streams_alembic_version"
-HEAD = "0019_stream_fences"
+HEAD = "0020_domain_checks"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,3 +336,57 @@ def test_streams_upgraded_to_per_stream_fences_keep_the_databases_fence(
         for name, first in (("before", 2), ("after", 1)):
             with client.writer(name) as writer:
                 assert writer.append({"n": 2}).ids == (first,)
+
+
+def test_the_checks_move_to_domains_without_rewriting_the_facts(empty_database: str) -> None:
+    """Revision 0020: a fact's ID and timestamp are checked by domains (one catalog row each)
+    instead of a CHECK copied to every partition; the upgrade keeps every partition's heap
+    (no rewrite), the database refuses a bad ID or timestamp as before, on streams from before
+    and after, and the downgrade puts the table's CHECKs back."""
+    url = empty_database
+    _alembic(url, "upgrade", "head")
+    with streams.connect(url) as client:
+        client.create_streams(["old"])
+        with client.writer("old") as writer:
+            writer.append_batch([{"n": n} for n in range(20)])
+    _alembic(url, "downgrade", "0019_stream_fences")
+
+    def heaps() -> list[tuple[str, int]]:
+        with psycopg.connect(url) as conn:
+            return conn.execute(
+                "SELECT relname, relfilenode FROM pg_class "
+                "WHERE relname LIKE 'streams_facts%' AND relkind = 'r' ORDER BY 1"
+            ).fetchall()
+
+    def per_stream_checks() -> int:
+        with psycopg.connect(url) as conn:
+            row = conn.execute(
+                "SELECT count(*) FROM pg_constraint k JOIN pg_class c ON c.oid = k.conrelid "
+                "WHERE c.relname LIKE 'streams_facts%' AND k.contype = 'c'"
+            ).fetchone()
+        return int(row[0]) if row else 0
+
+    before = heaps()
+    assert per_stream_checks() >= 4  # the root's two, the old stream's two (and its bucket's)
+    _alembic(url, "upgrade", "head")
+    assert heaps() == before, "the upgrade rewrote a partition"
+    assert per_stream_checks() == 0
+    with streams.connect(url) as client:
+        new = client.create_stream("new")
+        with client.writer("new") as writer:
+            writer.append({"n": 1})
+        with client.reader("old") as reader:
+            assert [f.payload["n"] for f in reader.facts()] == list(range(20))
+        old = client.stream("old")
+    assert per_stream_checks() == 0
+    with psycopg.connect(url) as conn:
+        for stream, (stream_id, ts) in itertools.product((old.id, new.id), ((0, 1), (9, -1))):
+            with pytest.raises(psycopg.errors.CheckViolation), conn.transaction():
+                conn.execute(
+                    "INSERT INTO streams_facts (stream, stream_id, row_no, instance, ts, payload)"
+                    " VALUES (%s, %s, 0, 'forged', %s, '{}')",
+                    (stream, stream_id, ts),
+                )
+    _alembic(url, "downgrade", "0019_stream_fences")
+    assert per_stream_checks() >= 4
+    _alembic(url, "upgrade", "head")

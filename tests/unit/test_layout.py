@@ -82,7 +82,7 @@ TABLES = (
     "streams_writers",
 )
 VERSION_TABLE = "streams_alembic_version"
-HEAD = "0019_stream_fences"
+HEAD = "0020_domain_checks"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+from typing import Any
 
 from helpers import REPO_ROOT
 
@@ -81,3 +82,16 @@ def test_the_matrix_renders_every_action_and_login() -> None:
     lines = privilege_matrix().splitlines()
     assert len(lines) == len(ACTIONS) + 2
     assert all(line.count("|") == len(LOGINS) + 2 for line in lines)
+
+
+def test_revision_0020_refuses_what_the_lock_table_cannot_hold() -> None:
+    """The upgrade locks every table of streams_facts's tree at once: at PostgreSQL's defaults
+    (64 locks per transaction, 100 connections) a few hundred streams pass, 10,000 do not, and
+    the setting it asks for then is enough."""
+    revision: Any = _revision("0020_domain_checks")
+    needed = revision.needed_locks_setting
+    assert needed(1 + 500, 64, 100) is None
+    asked = needed(1 + 10_000 + 40, 64, 100)
+    assert asked is not None and asked > 64
+    assert needed(1 + 10_000 + 40, asked, 100) is None
+    assert needed(1 + 10_000 + 40, asked - 1, 100) is not None
