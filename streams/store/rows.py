@@ -307,7 +307,10 @@ def split_range(info: StreamInfo, after: int, through: int, parts: int) -> Gen[l
         return sorted({after + round(width * i) for i in range(1, parts)} - {after, through})
     fractions = [i / parts for i in range(1, parts)]
     query = sql.SQL(
-        "SELECT percentile_disc({fractions}::float8[]) WITHIN GROUP (ORDER BY stream_id) "
+        # As bigint: percentile_disc returns an array of its sort key's type, and an array of
+        # the column's domain (revision 0020) is a type the driver does not know (text).
+        "SELECT percentile_disc({fractions}::float8[]) WITHIN GROUP "
+        "(ORDER BY stream_id::pg_catalog.int8) "
         "FROM {facts} "
         "WHERE stream = {stream} AND stream_id > {after} AND stream_id <= {through}"
     ).format(

@@ -91,3 +91,17 @@ def test_another_history_and_pruned_facts_fail_the_read(
         # From what retention kept: nothing lost.
         rows = run(conn, fetch_all(read_range(stream, key, pruned, ids[-1])))
         assert [r[0] for r in rows] == [i for i in ids if i > pruned]
+
+
+def test_split_range_cuts_at_stream_ids(client: Client, stream: str, streams_url: str) -> None:
+    """Row percentiles of a range, as stream IDs (revision 0020 made the column a domain: an
+    array of it came back as text, and every Spark query failed to plan its partitions)."""
+    from streams.store.rows import split_range
+
+    with client.writer(stream) as writer:
+        writer.append_batch([{"n": n} for n in range(100)])
+    info = client.stream(stream)
+    with psycopg.connect(streams_url) as conn:
+        cuts = run(conn, split_range(info, 0, 100, 4))
+    assert cuts == sorted(cuts) and len(cuts) == 3, cuts
+    assert all(isinstance(c, int) and 0 < c < 100 for c in cuts), cuts
